@@ -1,0 +1,47 @@
+"""Command-line interface: ``moetrain <command>``; each command lives in ``moetrain.commands.<name>``.
+
+User errors (:class:`~moetrain.errors.MoetrainError`) print one line ``moetrain: error: ...`` and exit with status 2;
+``--debug`` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from moetrain.errors import MoetrainError
+
+# Subcommand modules, in help order; each defines add_parser(subparsers).
+COMMANDS = ["train", "generate", "eval"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moetrain", description="Train and run Mixture-of-Experts language models.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    sub = parser.add_subparsers(dest="command")
+    for name in COMMANDS:
+        importlib.import_module(f"moetrain.commands.{name}").add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:  # `moetrain` alone runs the default job
+        args = parser.parse_args([*argv, "train"])
+    try:
+        return args.func(args)
+    except MoetrainError as e:
+        if args.debug:
+            raise
+        print(f"moetrain: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("moetrain: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""One module per ``moetrain`` subcommand; each defines ``add_parser(subparsers)`` that sets ``func``."""

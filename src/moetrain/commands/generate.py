@@ -1,0 +1,37 @@
+"""``moetrain generate RUN_DIR --prompt TEXT``: sample text from a trained run."""
+
+from __future__ import annotations
+
+from moetrain.commands.run_dir import load_run
+from moetrain.errors import MoetrainError
+
+
+def add_parser(sub) -> None:
+    g = sub.add_parser("generate", help="sample text from a trained run")
+    g.add_argument("run_dir")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-new-tokens", type=int, default=200)
+    g.add_argument("--temperature", type=float, default=0.8)
+    g.add_argument("--top-p", type=float, default=0.95)
+    g.add_argument("--seed", type=int, default=0)
+    g.set_defaults(func=run)
+
+
+def run(args) -> int:
+    import torch
+
+    from moetrain.data.tokenizer import EOS_TOKEN
+    from moetrain.model.generate import generate
+
+    config, tokenizer, model = load_run(args.run_dir)
+    ids = tokenizer.encode(args.prompt).ids
+    if not ids:
+        raise MoetrainError("--prompt: empty prompt")
+    gen = torch.Generator().manual_seed(args.seed)
+    try:
+        out = generate(model, torch.tensor([ids]), args.max_new_tokens, args.temperature, args.top_p,
+                       eos_id=tokenizer.token_to_id(EOS_TOKEN), generator=gen)
+    except ValueError as e:
+        raise MoetrainError(str(e)) from None
+    print(tokenizer.decode(out[0].tolist()))
+    return 0

@@ -1,0 +1,65 @@
+"""``moetrain train``: train a model (default: the cpu-small preset on the Python standard-library corpus)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+from moetrain.configlib import load_file, merge, parse_overrides
+from moetrain.errors import MoetrainError
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("train", help="train a model (default: the cpu-small preset on the Python stdlib corpus)")
+    p.add_argument("--preset", help="tiny | cpu-small (default) | mixtral-8x7b | qwen3-30b-a3b | olmoe-1b-7b")
+    p.add_argument("--config", help="a .toml or .json file of config fields (applied over the preset)")
+    p.add_argument("--data", help="text file, directory, glob or .jsonl; default: the Python standard library")
+    p.add_argument("--out", help="run directory (default: runs/PRESET-TIMESTAMP)")
+    p.add_argument("--steps", type=int, help="optimizer steps (train.steps)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its newest checkpoint")
+    p.add_argument("--overwrite", action="store_true", help="delete an existing --out directory first")
+    p.add_argument("--stop-at-step", type=int, help="stop (with a checkpoint) after this step; --resume continues")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("overrides", nargs="*", metavar="FIELD=VALUE", help="e.g. model.moe.top_k=1 train.lr=1e-3")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from moetrain.config import Config, build_config
+    from moetrain.train.trainer import CONFIG_FILE, Trainer
+
+    overrides = parse_overrides(args.overrides)
+    if args.data is not None:
+        overrides = merge(overrides, {"data": {"path": args.data}})
+    if args.steps is not None:
+        overrides = merge(overrides, {"train": {"steps": args.steps}})
+    file_data = load_file(args.config) if args.config else None
+
+    if args.resume:
+        if not args.out:
+            raise MoetrainError("--resume needs --out RUN_DIR (the run to continue)")
+        run_dir = Path(args.out)
+        saved = run_dir / CONFIG_FILE
+        if not saved.is_file():
+            raise MoetrainError(f"--resume: {saved} not found; is '{run_dir}' a moetrain run directory?")
+        if args.preset:
+            raise MoetrainError("--preset cannot be combined with --resume (the run keeps its own config)")
+        data = json.loads(saved.read_text())
+        data = merge(data, file_data or {})
+        config = Config.from_dict(merge(data, overrides))
+    else:
+        config = build_config(args.preset, file_data, overrides)
+        run_dir = Path(args.out) if args.out else Path("runs") / f"{config.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
+        if run_dir.exists() and any(run_dir.iterdir()):
+            if not args.overwrite:
+                raise MoetrainError(
+                    f"run directory '{run_dir}' already exists; pass --resume to continue it, --overwrite to "
+                    "replace it, or choose another --out"
+                )
+            shutil.rmtree(run_dir)
+    print(f"run directory: {run_dir}")
+    result = Trainer(config, run_dir, resume=args.resume, progress=not args.no_progress).run(args.stop_at_step)
+    print(f"done: {result.steps} steps; try: moetrain generate {run_dir} --prompt 'def '")
+    return 0

@@ -1,0 +1,190 @@
+"""Typed, validated construction of the frozen config dataclasses from dicts, files and ``a.b=value`` overrides.
+
+Every component config is a frozen, keyword-only dataclass that validates itself in ``__post_init__`` with
+:func:`require`. :func:`from_dict` builds one from plain data, rejecting unknown keys (with a close-match
+suggestion) and wrong types, and prefixes every error with the field path (``model.moe.top_k: ...``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import tomllib
+import types
+import typing
+from pathlib import Path
+from typing import Any, TypeVar
+
+from moetrain.errors import ConfigError
+
+T = TypeVar("T")
+
+
+class FieldError(ConfigError):
+    """Raised by a config's own validation; :func:`from_dict` prefixes ``field`` with the parent's path."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+def require(condition: bool, field: str, message: str) -> None:
+    """Raise :class:`FieldError` for ``field`` unless ``condition`` holds."""
+    if not condition:
+        raise FieldError(field, message)
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, path: str) -> Any:
+    """Check (and minimally convert: int -> float) ``value`` against the annotation ``tp``."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, path)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{path}: unexpected value {value!r}")
+    if origin is typing.Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ConfigError(f"{path}: must be one of {list(choices)}, got {value!r}")
+        return value
+    if origin in (tuple, list):
+        (item_tp, *_rest) = typing.get_args(tp) or (Any,)
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path}: expected a list, got {type(value).__name__} {value!r}")
+        return tuple(_coerce(v, item_tp, f"{path}[{i}]") for i, v in enumerate(value))
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a table of fields, got {value!r}")
+        return from_dict(tp, value, path)
+    if tp is Any:
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{path}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: expected a string, got {value!r}")
+        return value
+    raise ConfigError(f"{path}: unsupported field type {_type_name(tp)}")
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init}
+
+
+def from_dict(cls: type[T], data: dict[str, Any], path: str = "") -> T:
+    """Build the config dataclass ``cls`` from ``data``.
+
+    Raises:
+        ConfigError: an unknown key (with a close-match suggestion), a value of the wrong type, or a value the
+            config's own validation rejects; the message starts with the full field path.
+    """
+    types_ = _field_types(cls)
+    for key in data:
+        if key not in types_:
+            close = difflib.get_close_matches(key, list(types_), n=1)
+            hint = f"; did you mean '{_join(path, close[0])}'?" if close else f"; known fields: {sorted(types_)}"
+            raise ConfigError(f"{_join(path, key)}: unknown config key{hint}")
+    kwargs = {k: _coerce(v, types_[k], _join(path, k)) for k, v in data.items()}
+    try:
+        return cls(**kwargs)
+    except FieldError as e:
+        raise ConfigError(f"{_join(path, e.field)}: {e.message}") from None
+
+
+def to_dict(config: Any) -> dict[str, Any]:
+    """The config as plain JSON-able data (tuples become lists)."""
+    return json.loads(json.dumps(dataclasses.asdict(config)))
+
+
+def merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    """Recursive dict merge: values in ``update`` win; nested tables merge."""
+    out = dict(base)
+    for k, v in update.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def _parse_scalar(text: str) -> Any:
+    lowered = text.strip().lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered in ("none", "null"):
+        return None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """``["model.moe.top_k=1", "train.lr=3e-3"]`` -> nested dict.
+
+    Raises:
+        ConfigError: an item without ``=``.
+    """
+    out: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}': expected FIELD=VALUE, e.g. model.moe.top_k=1")
+        key, _, raw = item.partition("=")
+        parts = key.strip().split(".")
+        node = out
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override '{item}': '{part}' is set both as a value and as a table")
+        node[parts[-1]] = _parse_scalar(raw)
+    return out
+
+
+def load_file(path: str | Path) -> dict[str, Any]:
+    """Read a ``.toml`` or ``.json`` config file into a dict.
+
+    Raises:
+        ConfigError: missing file, unknown suffix, or a syntax error (with the file name).
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--config {p}: no such file")
+    try:
+        if p.suffix == ".toml":
+            return tomllib.loads(p.read_text())
+        if p.suffix == ".json":
+            return json.loads(p.read_text())
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--config {p}: cannot parse: {e}") from None
+    raise ConfigError(f"--config {p}: expected a .toml or .json file")

@@ -1,0 +1,92 @@
+"""Causal grouped-query self-attention with rotary embeddings, optional q/k RMSNorm, and a KV cache.
+
+Legend: B = batch, S = new positions, P = cached positions, H = query heads, Hkv = key/value heads, Hd = head size,
+D = hidden.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moetrain.model.config import ModelConfig
+from moetrain.model.rope import apply_rope, rope_cos_sin
+
+
+class KVCache:
+    """Keys and values of past positions, per layer, grown by concatenation (generation is not the hot path).
+
+    ``layers[i]`` is ``None`` or ``(k, v)`` with shapes [B, Hkv, P, Hd].
+    """
+
+    def __init__(self, n_layers: int):
+        self.layers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * n_layers
+
+    def length(self, index: int = 0) -> int:
+        """P, the number of positions cached for layer ``index``."""
+        past = self.layers[index]
+        return 0 if past is None else past[0].shape[2]
+
+    def update(self, index: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append k, v [B, Hkv, S, Hd] for layer ``index``; return all keys and values [B, Hkv, P + S, Hd]."""
+        past = self.layers[index]
+        if past is not None:
+            k = torch.cat([past[0], k], dim=2)
+            v = torch.cat([past[1], v], dim=2)
+        self.layers[index] = (k, v)
+        return k, v
+
+
+class Attention(nn.Module):
+    """Multi-head causal attention computed by ``F.scaled_dot_product_attention`` with GQA.
+
+    ``qk_norm="head"`` applies RMSNorm to each head's q and k before RoPE (Qwen3); ``"full"`` to the whole q and
+    k projections (OLMoE). Projection names follow transformers (``q_proj`` ...) for checkpoint interop.
+    """
+
+    def __init__(self, config: ModelConfig, layer_index: int):
+        super().__init__()
+        self.layer_index = layer_index
+        self.n_heads, self.n_kv_heads, self.head_size = config.n_heads, config.n_kv_heads, config.head_size
+        self.rope_theta = config.rope_theta
+        d, hd = config.hidden, config.head_size
+        self.q_proj = nn.Linear(d, self.n_heads * hd, bias=False)
+        self.k_proj = nn.Linear(d, self.n_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(d, self.n_kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * hd, d, bias=False)
+        self.qk_norm = config.qk_norm
+        if config.qk_norm == "head":
+            self.q_norm = nn.RMSNorm(hd, eps=config.norm_eps)
+            self.k_norm = nn.RMSNorm(hd, eps=config.norm_eps)
+        elif config.qk_norm == "full":
+            self.q_norm = nn.RMSNorm(self.n_heads * hd, eps=config.norm_eps)
+            self.k_norm = nn.RMSNorm(self.n_kv_heads * hd, eps=config.norm_eps)
+
+    def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
+        """x: [B, S, D] -> [B, S, D]. With ``kv_cache``, the S new positions follow the P cached ones."""
+        b, s, _ = x.shape
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(b, s, self.n_heads, self.head_size)
+        k = k.view(b, s, self.n_kv_heads, self.head_size)
+        v = v.view(b, s, self.n_kv_heads, self.head_size).transpose(1, 2)  # [B, Hkv, S, Hd]
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, S, Hd], [B, Hkv, S, Hd]
+
+        past = 0 if kv_cache is None else kv_cache.length(self.layer_index)
+        positions = torch.arange(past, past + s, device=x.device)
+        cos, sin = rope_cos_sin(positions, self.head_size, self.rope_theta)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if kv_cache is not None:
+            k, v = kv_cache.update(self.layer_index, k, v)  # [B, Hkv, P + S, Hd]
+
+        if past == 0:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            # New query i (absolute position past + i) sees keys 0 .. past + i.
+            mask = torch.ones(s, past + s, dtype=torch.bool, device=x.device).tril(diagonal=past)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, self.n_heads * self.head_size))

@@ -1,0 +1,62 @@
+"""Autoregressive sampling with a KV cache: temperature and nucleus (top-p) sampling, or greedy."""
+
+from __future__ import annotations
+
+import torch
+
+from moetrain.model.attention import KVCache
+from moetrain.model.transformer import MoETransformer
+
+
+@torch.no_grad()
+def generate(
+    model: MoETransformer,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 0.8,
+    top_p: float = 0.95,
+    eos_id: int | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Extend ``input_ids`` [B, S] by up to ``max_new_tokens`` tokens; returns [B, S + n] int64.
+
+    ``temperature == 0`` is greedy (argmax). Otherwise logits are divided by ``temperature`` and sampling keeps the
+    smallest set of tokens whose probability mass reaches ``top_p`` (Holtzman et al., 2020). Stops early when every
+    sequence has produced ``eos_id``.
+
+    Raises:
+        ValueError: the prompt plus new tokens exceed ``model.config.max_seq_len``, or temperature < 0, or top_p not
+            in (0, 1].
+    """
+    if temperature < 0:
+        raise ValueError(f"--temperature must be >= 0, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"--top-p must be in (0, 1], got {top_p}")
+    if input_ids.shape[1] + max_new_tokens > model.config.max_seq_len:
+        raise ValueError(
+            f"prompt ({input_ids.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
+            f"model.max_seq_len={model.config.max_seq_len}"
+        )
+    model.eval()
+    cache = KVCache(model.config.n_layers)
+    out = input_ids
+    logits = model(input_ids, kv_cache=cache).logits[:, -1].float()  # [B, V]
+    done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+    for _ in range(max_new_tokens):
+        if temperature == 0:
+            next_ids = logits.argmax(dim=-1)
+        else:
+            probs = torch.softmax(logits / temperature, dim=-1)
+            sorted_probs, sorted_ids = torch.sort(probs, dim=-1, descending=True)
+            # Keep a token while the mass before it is < top_p (the top token is always kept).
+            keep = (sorted_probs.cumsum(dim=-1) - sorted_probs) < top_p
+            sorted_probs = sorted_probs * keep
+            choice = torch.multinomial(sorted_probs, 1, generator=generator)  # [B, 1]
+            next_ids = sorted_ids.gather(-1, choice).squeeze(-1)
+        out = torch.cat([out, next_ids[:, None]], dim=1)
+        if eos_id is not None:
+            done |= next_ids == eos_id
+            if bool(done.all()):
+                break
+        logits = model(next_ids[:, None], kv_cache=cache).logits[:, -1].float()
+    return out

@@ -1,0 +1,62 @@
+"""Configuration of the optimisation loop."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from moetrain.configlib import require
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Optimizer, schedule, batching, precision, logging and checkpoint cadence.
+
+    Fields:
+        steps: optimizer steps of the whole run (the LR schedule spans these).
+        batch_size: sequences per micro-batch.
+        grad_accum: micro-batches per optimizer step (global batch = batch_size * grad_accum sequences).
+        lr / min_lr_ratio / warmup_steps: linear warm-up to ``lr``, then cosine decay to ``lr * min_lr_ratio``.
+        weight_decay / beta1 / beta2 / eps: AdamW (decay applies to matrices only, not norms or biases).
+        grad_clip: clip the global gradient norm to this value (0 disables).
+        dtype: ``fp32``, or ``bf16`` autocast (the router stays in fp32).
+        seed: seeds the weights, the data order and all RNGs.
+        deterministic: ``torch.use_deterministic_algorithms`` (exact resume on CPU).
+        device: ``auto`` (CUDA when present), ``cpu`` or ``cuda``.
+        eval_every / eval_batches: validation cadence (steps) and size (micro-batches); 0 disables periodic eval.
+        log_every: steps between metrics lines.
+        ckpt_every: steps between checkpoints (0: only at the end); ``keep_checkpoints`` newest are kept.
+    """
+
+    steps: int = 300
+    batch_size: int = 16
+    grad_accum: int = 1
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 30
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    dtype: Literal["fp32", "bf16"] = "fp32"
+    seed: int = 0
+    deterministic: bool = True
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    eval_every: int = 100
+    eval_batches: int = 8
+    log_every: int = 10
+    ckpt_every: int = 100
+    keep_checkpoints: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "grad_accum", "log_every", "keep_checkpoints", "eval_batches"):
+            value = getattr(self, name)
+            require(value >= 1, name, f"must be >= 1, got {value}")
+        for name in ("warmup_steps", "eval_every", "ckpt_every", "weight_decay", "grad_clip"):
+            value = getattr(self, name)
+            require(value >= 0, name, f"must be >= 0, got {value}")
+        require(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
+        require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
+        require(0 <= self.beta1 < 1, "beta1", f"must be in [0, 1), got {self.beta1}")
+        require(0 <= self.beta2 < 1, "beta2", f"must be in [0, 1), got {self.beta2}")
