@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import random
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -32,6 +31,7 @@ from moetrain.train.checkpoint import (
 )
 from moetrain.train.metrics import MetricsLogger
 from moetrain.train.schedule import build_scheduler
+from moetrain.train.step import autocast_context, train_step
 
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.json"
@@ -48,13 +48,6 @@ def resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise MoetrainError("train.device: 'cuda' requested but CUDA is not available on this machine")
     return torch.device(name)
-
-
-def autocast_context(device: torch.device, dtype: str):
-    """bf16 autocast for ``dtype == "bf16"``, else a no-op. The router opts out of it (see moe/router.py)."""
-    if dtype == "bf16":
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-    return nullcontext()
 
 
 def build_optimizer(model: torch.nn.Module, config: Config) -> torch.optim.AdamW:
@@ -191,24 +184,11 @@ class Trainer:
         model.train()
         t_last, steps_since = time.perf_counter(), 0
         while step < end:
-            step_loss = torch.zeros((), device=self.device)
-            step_aux = torch.zeros((), device=self.device)
-            for _ in range(t.grad_accum):
-                inputs, targets = sampler.next_batch()
-                inputs, targets = inputs.to(self.device), targets.to(self.device)
-                with autocast_context(self.device, t.dtype):
-                    out = model(inputs, targets)
-                (out.loss / t.grad_accum).backward()
-                step_loss += out.lm_loss.detach() / t.grad_accum
-                step_aux += out.aux_loss.detach() / t.grad_accum
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip if t.grad_clip > 0 else float("inf"))
-            lr = scheduler.get_last_lr()[0]
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+            result = train_step(model, sampler.next_batch, optimizer, scheduler, t, self.device)
+            lr = result.lr
             step += 1
             steps_since += 1
-            loss_value = float(step_loss)  # one host sync per step (the progress bar shows it)
+            loss_value = float(result.lm_loss)  # one host sync per step (the progress bar shows it)
             losses.append(loss_value)
             bar.update(1)
             bar.set_postfix(loss=f"{loss_value:.3f}", lr=f"{lr:.2e}", refresh=False)
@@ -218,7 +198,8 @@ class Trainer:
                 tps = tokens_per_step * steps_since / (now - t_last)
                 t_last, steps_since = now, 0
                 record = {"step": step, "train_loss": loss_value, "lr": lr, "tokens_per_s": tps,
-                          "aux_loss": float(step_aux), "grad_norm": float(grad_norm)}
+                          "aux_loss": float(result.aux_loss), "z_loss": float(result.z_loss),
+                          "grad_norm": float(result.grad_norm)}
                 if (t.eval_every and step % t.eval_every == 0) or step == t.steps:
                     val_loss = evaluate(model, val_set, self.device, t.dtype)
                     record["val_loss"] = val_loss
