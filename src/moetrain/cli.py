@@ -28,9 +28,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
     if args.command is None:  # `moetrain` alone runs the default job
-        args = parser.parse_args([*argv, "train"])
+        args, extra = parser.parse_known_args([*argv, "train"])
+    # FIELD=VALUE overrides may appear anywhere after the command (argparse only takes a trailing positional list).
+    if extra:
+        if not hasattr(args, "overrides") or any(e.startswith("-") or "=" not in e for e in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = [*args.overrides, *extra]
     try:
         return args.func(args)
     except MoetrainError as e:

@@ -11,7 +11,6 @@ from moetrain.errors import MoetrainError
 
 def load_run(run_dir: str):
     """(config, tokenizer, model with the newest valid checkpoint's weights) of a run directory."""
-    import torch
     from tokenizers import Tokenizer
 
     from moetrain.config import Config
@@ -30,5 +29,4 @@ def load_run(run_dir: str):
     model = MoETransformer(config.model)
     load_model_weights(model, path)
     model.eval()
-    torch.set_grad_enabled(False)
     return config, Tokenizer.from_file(str(root / TOKENIZER_FILE)), model

@@ -1,0 +1,28 @@
+"""Shared test fixtures: a small local corpus (never the network) and CPU thread settings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+@pytest.fixture
+def code_corpus(tmp_path: Path) -> Path:
+    """A small directory of Python-like text (about 200 KB), generated locally."""
+    root = tmp_path / "corpus"
+    root.mkdir()
+    for i in range(12):
+        lines = []
+        for j in range(150):
+            lines.append(f"def function_{i}_{j}(value, count={j}):")
+            lines.append(f"    \"\"\"Return value scaled by {j} and shifted by count.\"\"\"")
+            lines.append(f"    result = value * {j} + count - {i}")
+            lines.append("    return result\n")
+        (root / f"module_{i:02d}.py").write_text("\n".join(lines))
+    return root

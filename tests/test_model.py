@@ -1,0 +1,101 @@
+"""The transformer: parameter counts of the published shapes, layer plan, KV cache, fp32 router under bf16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moetrain.config import build_config
+from moetrain.configlib import parse_overrides
+from moetrain.model.attention import KVCache
+from moetrain.model.generate import generate
+from moetrain.model.transformer import MoETransformer, count_parameters
+
+
+def _meta_counts(preset: str) -> tuple[int, int]:
+    with torch.device("meta"):
+        model = MoETransformer(build_config(preset).model)
+    return count_parameters(model)
+
+
+@pytest.mark.parametrize(
+    "preset, total, active, active_tol",
+    [
+        # Mistral AI: 46.7B total, 12.9B active.
+        ("mixtral-8x7b", 46.7e9, 12.9e9, 0.005),
+        # Qwen3 model card: 30.5B total, 3.3B activated. The card rounds down to two significant digits
+        # (our exact count is 3.353B), so the active check allows the rounding interval [3.3, 3.4) plus 0.5%.
+        ("qwen3-30b-a3b", 30.5e9, 3.35e9, 0.02),
+    ],
+)
+def test_published_parameter_counts(preset, total, active, active_tol):
+    got_total, got_active = _meta_counts(preset)
+    assert abs(got_total - total) / total <= 0.005
+    assert abs(got_active - active) / active <= active_tol
+
+
+def test_counts_match_hand_formula():
+    cfg = build_config("tiny").model
+    with torch.device("meta"):
+        model = MoETransformer(cfg)
+    total, active = count_parameters(model)
+    d, hd, L = cfg.hidden, cfg.head_size, cfg.n_layers
+    attn = d * cfg.n_heads * hd * 2 + d * cfg.n_kv_heads * hd * 2
+    experts = cfg.moe.num_experts * 3 * d * cfg.moe.expert_ffn_hidden
+    router = cfg.moe.num_experts * d
+    per_layer = attn + experts + router + 2 * d
+    expected_total = L * per_layer + cfg.vocab_size * d + d  # tied embeddings, final norm
+    assert total == expected_total
+    inactive = L * (cfg.moe.num_experts - cfg.moe.top_k) * 3 * d * cfg.moe.expert_ffn_hidden
+    assert active == expected_total - inactive
+
+
+def test_layer_plan():
+    def plan(**over):
+        cfg = build_config("tiny", overrides=parse_overrides([f"model.{k}={v}" for k, v in over.items()])).model
+        return [cfg.is_moe_layer(i) for i in range(cfg.n_layers)]
+
+    assert plan(n_layers=4) == [True] * 4
+    assert plan(n_layers=4, moe_every=2) == [False, True, False, True]
+    assert plan(n_layers=4, first_k_dense=1) == [False, True, True, True]
+    assert plan(n_layers=3, moe_every=0) == [False] * 3
+    model = MoETransformer(build_config("tiny", overrides={"model": {"moe_every": 2}}).model)
+    out = model(torch.randint(0, 100, (1, 8)))
+    assert len(out.moe) == 1
+
+
+@pytest.mark.parametrize("qk_norm", ["none", "head", "full"])
+def test_kv_cache_matches_full_forward(qk_norm):
+    torch.manual_seed(0)
+    model = MoETransformer(build_config("tiny", overrides={"model": {"qk_norm": qk_norm}}).model).eval()
+    x = torch.randint(0, 500, (2, 12))
+    with torch.no_grad():
+        full = model(x).logits
+        cache = KVCache(model.config.n_layers)
+        parts = [model(x[:, :7], kv_cache=cache).logits, model(x[:, 7:8], kv_cache=cache).logits,
+                 model(x[:, 8:], kv_cache=cache).logits]
+    assert (torch.cat(parts, 1) - full).abs().max() <= 1e-5
+
+
+def test_greedy_generation_equals_argmax_loop():
+    torch.manual_seed(0)
+    model = MoETransformer(build_config("tiny").model).eval()
+    prompt = torch.randint(0, 500, (1, 5))
+    out = generate(model, prompt, 6, temperature=0.0)
+    ids = prompt
+    with torch.no_grad():
+        for _ in range(6):  # no cache: recompute the whole sequence each time
+            ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    assert out.tolist() == ids.tolist()
+
+
+def test_router_stays_fp32_under_bf16_autocast():
+    torch.manual_seed(0)
+    model = MoETransformer(build_config("tiny").model)
+    x = torch.randint(0, 500, (2, 8))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x, targets=x)
+    assert out.logits.dtype == torch.bfloat16
+    assert all(r.router_logits.dtype == torch.float32 for r in out.moe)
+    out.loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)

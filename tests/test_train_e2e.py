@@ -1,0 +1,82 @@
+"""End to end: `moetrain train` on local corpora, then `generate` and `eval`; issue-2 bad inputs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from moetrain.cli import main
+
+from conftest import SHAKESPEARE
+
+
+def _train(tmp_path: Path, data: Path, *extra: str) -> Path:
+    out = tmp_path / "run"
+    rc = main(["train", "--preset", "tiny", "--data", str(data), "--out", str(out), "--no-progress",
+               f"data.cache_dir={tmp_path / 'cache'}", *extra])
+    assert rc == 0
+    return out
+
+
+def test_tiny_run_on_code_corpus(tmp_path, code_corpus, capsys):
+    run = _train(tmp_path, code_corpus, "train.steps=20", "train.eval_every=10", "train.ckpt_every=10")
+    for name in ("config.json", "tokenizer.json", "metrics.jsonl"):
+        assert (run / name).is_file()
+    assert list((run / "tb").glob("events.out.tfevents.*"))
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000010", "step_00000020"]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if "train_loss" in r]
+    assert {"step", "train_loss", "lr", "tokens_per_s"} <= set(train[0])
+    vals = [r["val_loss"] for r in records if "val_loss" in r]
+    assert vals[0] == records[0]["val_loss"] and records[0]["step"] == 0
+    assert vals[-1] < 0.8 * vals[0]  # this corpus is very regular: 20 steps must cut the loss a lot
+
+    capsys.readouterr()
+    assert main(["generate", str(run), "--prompt", "def ", "--max-new-tokens", "20"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("def ") and len(text) > len("def ")
+    assert main(["eval", str(run), "--batches", "2"]) == 0
+    assert "perplexity" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not SHAKESPEARE.is_file(), reason="../shared/data/tinyshakespeare.txt not present")
+def test_tiny_run_on_tinyshakespeare(tmp_path):
+    run = _train(tmp_path, SHAKESPEARE)
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    vals = [r["val_loss"] for r in records if "val_loss" in r]
+    assert vals[-1] < vals[0]
+
+
+def _error(capsys, argv: list[str]) -> str:
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    return err
+
+
+def test_issue2_bad_inputs(tmp_path, capsys, code_corpus):
+    base = ["train", "--preset", "tiny", "--no-progress", f"data.cache_dir={tmp_path / 'cache'}"]
+    assert "does not exist" in _error(capsys, [*base, "--data", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "a")])
+    (tmp_path / "empty").mkdir()
+    assert "no usable text" in _error(capsys, [*base, "--data", str(tmp_path / "empty"), "--out", str(tmp_path / "b")]) \
+        or "no files" in _error(capsys, [*base, "--data", str(tmp_path / "empty"), "--out", str(tmp_path / "b2")])
+    short = tmp_path / "short.txt"
+    short.write_text("x = 1\n" * 5)
+    assert "shorter than one sequence" in _error(capsys, [*base, "--data", str(short), "--out", str(tmp_path / "c")])
+    msg = _error(capsys, [*base, "--data", str(code_corpus), "model.moe.top_k=9"])
+    assert "model.moe.top_k" in msg and "9" in msg
+    msg = _error(capsys, [*base, "--data", str(code_corpus), "model.hidden=30"])
+    assert "model.hidden" in msg and "divisible" in msg
+
+
+def test_entry_point_exit_code(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "moetrain", "train", "--preset", "nope"], capture_output=True,
+                          text=True)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == ["moetrain: error: --preset nope: unknown preset; choose one of "
+                                                "['cpu-small', 'mixtral-8x7b', 'olmoe-1b-7b', 'qwen3-30b-a3b', 'tiny']"]
