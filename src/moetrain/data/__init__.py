@@ -5,9 +5,21 @@ windows, sampling), :mod:`.config` (:class:`DataConfig`).
 """
 
 from moetrain.data.config import DataConfig
-from moetrain.data.corpus import (Document, ReadStats, default_corpus_files, discover_files, read_documents,
-                                  split_documents)
-from moetrain.data.dataset import BatchSampler, PreparedData, TokenWindows, eval_batches, prepare_data
+from moetrain.data.corpus import (
+                                  Document,
+                                  ReadStats,
+                                  default_corpus_files,
+                                  discover_files,
+                                  read_documents,
+                                  split_documents,
+)
+from moetrain.data.dataset import (
+                                  BatchSampler,
+                                  PreparedData,
+                                  TokenWindows,
+                                  eval_batches,
+                                  prepare_data,
+)
 from moetrain.data.tokenizer import EOS_TOKEN, load_tokenizer, train_tokenizer
 
 __all__ = [

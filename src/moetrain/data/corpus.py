@@ -145,7 +145,7 @@ def read_documents(files: Sequence[Path], source: str | None = None) -> tuple[li
     root = Path(os.path.commonpath([f.parent for f in files])) if files else Path(".")
     source = source if source is not None else str(root)
     docs: list[Document] = []
-    counts = dict(binary=0, unreadable=0, empty=0, bad_lines=0)
+    counts = {"binary": 0, "unreadable": 0, "empty": 0, "bad_lines": 0}
     for f in files:
         name = f.relative_to(root).as_posix()
         try:

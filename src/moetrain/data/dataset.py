@@ -22,13 +22,19 @@ import torch
 from tokenizers import Tokenizer
 
 from moetrain.data.config import DataConfig
-from moetrain.data.corpus import Document, discover_files, read_documents, split_documents
+from moetrain.data.corpus import (
+    Document,
+    discover_files,
+    read_documents,
+    split_documents,
+)
 from moetrain.data.tokenizer import EOS_TOKEN, load_tokenizer, train_tokenizer
 from moetrain.errors import ConfigError, DataError
 
 # Bump when the cache layout or the tokenization changes, so old entries are never trusted.
 _CACHE_VERSION = 1
-# Text per encode_batch call: bounds the memory of the Encoding objects (~100 bytes per token) to ~0.5 GB.
+# Text per encode_batch call (~1M tokens): bounds the memory of the Encoding objects, which cost ~100 bytes per
+# token, whatever the corpus size; larger chunks are no faster.
 _ENCODE_CHUNK_CHARS = 4_000_000
 
 
@@ -96,6 +102,11 @@ def prepare_data(cfg: DataConfig, vocab_size: int, tokenizer_path: Path | None =
         log(f"data: reused cached tokenizer and tokens from {entry}")
     else:
         meta = _build_entry(entry, files, source, cfg, vocab_size, given, dtype, log)
+        if given is None:
+            # A resumed run passes the tokenizer it saved; alias the entry under that key too, so resuming
+            # reuses these tokens instead of tokenizing the corpus again.
+            trained_json = load_tokenizer(entry / "tokenizer.json").to_str()
+            _atomic_symlink(entry.name, entry.parent / f"tokens-{_cache_key(files, cfg, vocab_size, trained_json)}")
     data = PreparedData(
         tokenizer=load_tokenizer(entry / "tokenizer.json"),
         train_tokens=_open_tokens(entry / "train.bin", dtype),
@@ -112,11 +123,10 @@ def prepare_data(cfg: DataConfig, vocab_size: int, tokenizer_path: Path | None =
 def _check_long_enough(data: PreparedData, cfg: DataConfig, source: str) -> None:
     need = cfg.seq_len + 1
     if len(data.train_tokens) < need:
-        raise DataError(f"data path '{source}': corpus is shorter than one sequence of data.seq_len={cfg.seq_len} "
-                        f"tokens ({len(data.train_tokens)} training tokens, need {need}); lower data.seq_len or "
-                        f"add text")
+        raise DataError(f"corpus '{source}' is shorter than one sequence of data.seq_len={cfg.seq_len} tokens "
+                        f"({len(data.train_tokens)} training tokens, need {need}); lower data.seq_len or add text")
     if len(data.val_tokens) < need:
-        raise DataError(f"data path '{source}': validation split is shorter than one sequence of "
+        raise DataError(f"validation split of '{source}' is shorter than one sequence of "
                         f"data.seq_len={cfg.seq_len} tokens ({len(data.val_tokens)} tokens, need {need}); lower "
                         f"data.seq_len or raise data.val_fraction")
 
@@ -159,7 +169,7 @@ def _build_entry(entry: Path, files: Sequence[Path], source: str, cfg: DataConfi
     t0 = time.perf_counter()
     docs, stats = read_documents(files, source=source)
     train_docs, val_docs = split_documents(docs, cfg.val_fraction)
-    log(f"data: read {stats.files} files -> {stats.documents} documents ({stats.describe()}) in "
+    log(f"data: read {stats.files} files -> {stats.documents} documents, {stats.describe()}, in "
         f"{time.perf_counter() - t0:.1f} s; split {len(train_docs)} train / {len(val_docs)} val")
     if given is None:
         t0 = time.perf_counter()
@@ -212,7 +222,10 @@ def _write_tokens(path: Path, tok: Tokenizer, docs: Sequence[Document], eos_id: 
             while end < len(docs) and (end == start or chars + len(docs[end].text) <= _ENCODE_CHUNK_CHARS):
                 chars += len(docs[end].text)
                 end += 1
-            for enc in tok.encode_batch([d.text for d in docs[start:end]], add_special_tokens=False):
+            # encode_batch_fast (tokenizers >= 0.20) gives the same ids as encode_batch without computing
+            # offsets: ~1.5x faster on 2 cores.
+            encode_batch = getattr(tok, "encode_batch_fast", tok.encode_batch)
+            for enc in encode_batch([d.text for d in docs[start:end]], add_special_tokens=False):
                 ids = np.array(enc.ids + [eos_id], dtype=dtype)
                 f.write(ids.tobytes())
                 n += len(ids)
@@ -236,6 +249,7 @@ class _AtomicFile:
 
     def __enter__(self):
         fd, self.tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
+        os.chmod(self.tmp, 0o644)  # mkstemp makes it 0600; a shared cache should be readable like any file
         self.file = os.fdopen(fd, "wb")
         return self.file
 
@@ -255,6 +269,18 @@ class _AtomicFile:
 def _atomic_write(path: Path, data: bytes) -> None:
     with _AtomicFile(path) as f:
         f.write(data)
+
+
+def _atomic_symlink(target: str, link: Path) -> None:
+    """Point ``link`` at ``target`` (a sibling name); best effort: a filesystem without symlinks only loses the
+    alias."""
+    tmp = link.with_name(f".{link.name}.{os.getpid()}.tmp")
+    try:
+        tmp.unlink(missing_ok=True)
+        os.symlink(target, tmp)
+        os.replace(tmp, link)
+    except OSError:
+        tmp.unlink(missing_ok=True)
 
 
 class TokenWindows:

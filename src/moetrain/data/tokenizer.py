@@ -55,8 +55,9 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     """
     try:
         tok = Tokenizer.from_file(str(path))
-    except Exception as e:  # tokenizers raises a bare Exception for both I/O and parse errors
-        raise DataError(f"cannot load tokenizer '{path}': {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+    except Exception as e:  # noqa: BLE001 -- tokenizers raises a bare Exception for I/O and parse errors alike
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise DataError(f"cannot load tokenizer '{path}': {reason}") from None
     if tok.token_to_id(EOS_TOKEN) is None:
         raise DataError(f"tokenizer '{path}' has no {EOS_TOKEN} token")
     return tok
