@@ -12,7 +12,9 @@ from typing import Any
 from moetrain.configlib import from_dict, merge, require, to_dict
 from moetrain.data.config import DataConfig
 from moetrain.model.config import ModelConfig
+from moetrain.parallel.config import ParallelConfig
 from moetrain.train.config import TrainConfig
+from moetrain.train.monitor_config import MonitorConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -23,12 +25,26 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
+        require(
+            self.model.moe.num_experts % self.parallel.ep == 0,
+            "parallel.ep",
+            f"expert-parallel size {self.parallel.ep} does not divide model.moe.num_experts="
+            f"{self.model.moe.num_experts} (each EP rank holds num_experts / ep experts)",
+        )
         require(
             self.data.seq_len <= self.model.max_seq_len,
             "data.seq_len",
             f"sequence length {self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}",
+        )
+        require(
+            self.train.batch_size % self.model.bta_tiles == 0,
+            "model.bta_tiles",
+            f"{self.model.bta_tiles} attention tiles do not divide the micro-batch "
+            f"train.batch_size={self.train.batch_size}; choose a divisor of it",
         )
 
     def to_dict(self) -> dict[str, Any]:

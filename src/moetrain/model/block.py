@@ -1,4 +1,8 @@
-"""One pre-norm transformer block: ``x + attn(norm(x))``, then ``h + ffn(norm(h))`` with a dense or MoE FFN."""
+"""One pre-norm transformer block: ``x + attn(norm(x))``, then ``h + ffn(norm(h))`` with a dense or MoE FFN.
+
+With ``bta_tiles = G > 1`` the norm + attention run over G tiles of the batch (Batch Tiling on Attention, see
+model/bta.py) and the FFN / MoE once over all tokens.
+"""
 
 from __future__ import annotations
 
@@ -6,17 +10,20 @@ import torch
 from torch import nn
 
 from moetrain.model.attention import Attention, KVCache
+from moetrain.model.bta import tiled_attention
 from moetrain.model.config import ModelConfig
 from moetrain.model.ffn import SwiGLU
 from moetrain.moe.layer import MoEAux, MoELayer
 
 
 class Block(nn.Module):
-    """Legend: B = batch, S = sequence, D = hidden. ``is_moe`` follows the config's layer plan."""
+    """Legend: B = batch, S = sequence, D = hidden. ``is_moe`` follows the config's layer plan; ``bta_tiles`` is
+    the config's G (attention tiles per micro-batch, 1 = untiled)."""
 
     def __init__(self, config: ModelConfig, index: int):
         super().__init__()
         self.is_moe = config.is_moe_layer(index)
+        self.bta_tiles = config.bta_tiles
         self.input_norm = nn.RMSNorm(config.hidden, eps=config.norm_eps)
         self.attn = Attention(config, index)
         self.post_attn_norm = nn.RMSNorm(config.hidden, eps=config.norm_eps)
@@ -25,9 +32,20 @@ class Block(nn.Module):
     def forward(
         self, x: torch.Tensor, padding_mask: torch.Tensor | None = None, kv_cache: KVCache | None = None
     ) -> tuple[torch.Tensor, MoEAux | None]:
-        """x: [B, S, D] -> ([B, S, D], the MoE record or ``None`` for a dense block)."""
-        h = x + self.attn(self.input_norm(x), kv_cache)
+        """x: [B, S, D] -> ([B, S, D], the MoE record or ``None`` for a dense block).
+
+        Raises:
+            ConfigError: ``bta_tiles`` does not divide B (training only; generation with a KV cache never tiles).
+        """
+        if kv_cache is None:
+            h = x + tiled_attention(self.attend, x, self.bta_tiles)  # untiled when bta_tiles == 1
+        else:
+            h = x + self.attend(x, kv_cache)
         if self.is_moe:
             y, aux = self.ffn(self.post_attn_norm(h), padding_mask)
             return h + y, aux
         return h + self.ffn(self.post_attn_norm(h)), None
+
+    def attend(self, x: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
+        """The attention branch ``attn(input_norm(x))``: [b, S, D] -> [b, S, D] (what BTA tiles and recomputes)."""
+        return self.attn(self.input_norm(x), kv_cache)

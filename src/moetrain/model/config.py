@@ -22,6 +22,7 @@ class ModelConfig:
         ffn_hidden: hidden width of the dense SwiGLU FFN used by non-MoE blocks.
         qk_norm: ``none``; ``head`` = RMSNorm over each head's q and k (Qwen3); ``full`` = RMSNorm over the whole
             q and k projections (OLMoE).
+        attention_bias: add a bias to the q, k and v projections (not o): Qwen2 / Qwen2-MoE's ``qkv_bias``.
         tie_embeddings: share the embedding and LM-head weights.
         rope_theta: rotary embedding base.
         max_seq_len: longest sequence (prompt + generated tokens) the model is used with.
@@ -30,6 +31,9 @@ class ModelConfig:
             ``decoder_sparse_step``); 0 makes every block dense.
         first_k_dense: the first K blocks are dense regardless of ``moe_every`` (DeepSeek's ``first_k_dense_replace``).
         init_std: standard deviation of the normal weight initialisation.
+        bta_tiles: Batch Tiling on Attention (BTA, Cerebras): G > 1 runs each block's norm + attention over the
+            micro-batch in G tiles of sequences, one after another, each recomputed in backward, and the FFN / MoE
+            once over all tokens; G must divide the micro-batch ``train.batch_size``. 1 = off. See model/bta.py.
         moe: the MoE layer.
     """
 
@@ -41,6 +45,7 @@ class ModelConfig:
     head_dim: int | None = None
     ffn_hidden: int = 1024
     qk_norm: Literal["none", "head", "full"] = "none"
+    attention_bias: bool = False
     tie_embeddings: bool = True
     rope_theta: float = 10000.0
     max_seq_len: int = 1024
@@ -48,6 +53,7 @@ class ModelConfig:
     moe_every: int = 1
     first_k_dense: int = 0
     init_std: float = 0.02
+    bta_tiles: int = 1
     moe: MoEConfig = field(default_factory=MoEConfig)
 
     def __post_init__(self) -> None:
@@ -72,6 +78,7 @@ class ModelConfig:
         require(self.first_k_dense >= 0, "first_k_dense", f"must be >= 0, got {self.first_k_dense}")
         require(self.rope_theta > 0, "rope_theta", f"must be > 0, got {self.rope_theta}")
         require(self.norm_eps > 0, "norm_eps", f"must be > 0, got {self.norm_eps}")
+        require(self.bta_tiles >= 1, "bta_tiles", f"must be >= 1 (1 = no batch tiling), got {self.bta_tiles}")
 
     @property
     def head_size(self) -> int:
