@@ -15,21 +15,31 @@ from torch import nn
 from moetrain.model.attention import KVCache
 from moetrain.model.block import Block
 from moetrain.model.config import ModelConfig
+from moetrain.moe.balancing import CountReducer
+from moetrain.moe.config import MoEConfig
 from moetrain.moe.layer import MoEAux, MoELayer
+from moetrain.moe.losses import global_load_balancing_loss, pooled_load_balancing_loss
 
 IGNORE_INDEX = -100
 
 
 @dataclass
 class ModelOutput:
-    """Result of :meth:`MoETransformer.forward`.
+    """Result of :meth:`MoETransformer.forward`. Every MoE loss is unweighted, averaged over MoE layers, and 0 for a
+    dense model; ``moe_loss`` holds their weighted sum (coefficients from ``config.moe``).
 
     Attributes:
         logits: [B, S, V] in the compute dtype.
-        loss: scalar fp32 ``lm_loss + aux_loss_coeff * aux_loss + z_loss_coeff * z_loss`` (``None`` without targets).
+        loss: scalar fp32 ``lm_loss + moe_loss`` (``None`` without targets).
         lm_loss: scalar fp32 mean cross-entropy over targets != -100 (``None`` without targets).
-        aux_loss: scalar fp32 Switch loss averaged over MoE layers (balanced = 1.0; 0 for a dense model).
-        z_loss: scalar fp32 router z-loss averaged over MoE layers.
+        aux_loss: Switch loss per layer (balanced = 1.0), ``aux_loss_coeff``.
+        pooled_aux_loss: transformers' ``load_balancing_loss_func`` pooled over layers (balanced = K),
+            ``pooled_aux_loss_coeff``.
+        seq_aux_loss: sequence-level balance loss (DeepSeek-V3; balanced = 1.0), ``seq_aux_loss_coeff``.
+        global_aux_loss: Switch loss with the step's global counts (balanced = 1.0), ``global_aux_loss_coeff``.
+        z_loss: router z-loss, ``z_loss_coeff``.
+        util_loss: std of the experts' mean routing probability, ``util_loss_coeff``.
+        moe_loss: scalar fp32 sum of coefficient * loss over the terms above.
         moe: one :class:`MoEAux` per MoE block, in block order.
     """
 
@@ -37,8 +47,65 @@ class ModelOutput:
     loss: torch.Tensor | None = None
     lm_loss: torch.Tensor | None = None
     aux_loss: torch.Tensor | None = None
+    pooled_aux_loss: torch.Tensor | None = None
+    seq_aux_loss: torch.Tensor | None = None
+    global_aux_loss: torch.Tensor | None = None
     z_loss: torch.Tensor | None = None
+    util_loss: torch.Tensor | None = None
+    moe_loss: torch.Tensor | None = None
     moe: list[MoEAux] = field(default_factory=list)
+
+
+MOE_LOSS_TERMS = ("aux_loss", "pooled_aux_loss", "seq_aux_loss", "global_aux_loss", "z_loss", "util_loss")
+"""The MoE loss fields of :class:`ModelOutput`; each is weighted by ``config.moe.<name>_coeff``."""
+
+
+def assemble_moe_losses(
+    out: ModelOutput,
+    config: MoEConfig,
+    global_counts: torch.Tensor | None = None,
+    count_reducer: CountReducer | None = None,
+) -> None:
+    """Fill ``out``'s MoE loss fields from its per-layer records ``out.moe``.
+
+    Gradient accumulation (``grad_accum`` micro-batches of equal token counts, each loss divided by
+    ``grad_accum``): the z-loss, sequence-level and global-batch losses then give exactly the gradients of one
+    large batch; the Switch, pooled and utilisation losses are non-linear in the batch and are averaged over
+    micro-batches (as Megatron-Core and transformers do).
+
+    Args:
+        out: the model output with ``moe`` set; its loss fields are overwritten.
+        config: the MoE config (coefficients).
+        global_counts: [L, E] the optimizer step's assignment counts per MoE layer, summed over all
+            micro-batches and data-parallel ranks (``MoETransformer.moe_counts``); ``None``: this micro-batch's.
+        count_reducer: sums [L, E] counts over data-parallel ranks; used (in training with gradients) on this
+            micro-batch's counts when ``global_counts`` is ``None`` and the global-batch loss is on.
+    """
+    records = out.moe
+    device = out.logits.device
+    zero = torch.zeros((), device=device)
+    if not records:
+        for name in MOE_LOSS_TERMS:
+            setattr(out, name, zero)
+        out.moe_loss = zero
+        return
+    counts = torch.stack([r.tokens_per_expert for r in records])  # [L, E]
+    prob_sums = torch.stack([r.prob_sum for r in records])  # [L, E]
+    num_tokens = torch.stack([r.num_tokens for r in records])  # [L]
+    out.aux_loss = torch.stack([r.aux_loss for r in records]).mean()
+    out.pooled_aux_loss = pooled_load_balancing_loss(counts, prob_sums, num_tokens)
+    out.seq_aux_loss = torch.stack([r.seq_aux_loss for r in records]).mean()
+    out.z_loss = torch.stack([r.z_loss for r in records]).mean()
+    out.util_loss = torch.stack([r.util_loss for r in records]).mean()
+    if global_counts is None:
+        global_counts = counts
+        if count_reducer is not None and config.global_aux_loss_coeff > 0 and torch.is_grad_enabled():
+            global_counts = count_reducer(counts.clone())
+    out.global_aux_loss = torch.stack([
+        global_load_balancing_loss(prob_sums[i], num_tokens[i], global_counts[i].to(device))
+        for i in range(len(records))
+    ]).mean()
+    out.moe_loss = sum(getattr(config, f"{name}_coeff") * getattr(out, name) for name in MOE_LOSS_TERMS)
 
 
 class MoETransformer(nn.Module):
@@ -58,11 +125,13 @@ class MoETransformer(nn.Module):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """Normal(0, init_std) for every matrix; output projections (attention ``o_proj``, FFN ``down_proj``) use
-        ``init_std / sqrt(2 * n_layers)`` (GPT-2's residual scaling); norms start at 1."""
+        ``init_std / sqrt(2 * n_layers)`` (GPT-2's residual scaling); norms start at 1, biases at 0."""
         std = self.config.init_std
         out_std = std / math.sqrt(2 * self.config.n_layers)
         for name, p in self.named_parameters():
-            if p.dim() == 1:
+            if name.endswith(".bias"):
+                p.zero_()
+            elif p.dim() == 1:
                 p.fill_(1.0)
             elif name.endswith(("o_proj.weight", "down_proj.weight", "down_proj")):
                 p.normal_(0.0, out_std)
@@ -75,31 +144,54 @@ class MoETransformer(nn.Module):
         targets: torch.Tensor | None = None,
         padding_mask: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
+        global_counts: torch.Tensor | None = None,
+        count_reducer: CountReducer | None = None,
     ) -> ModelOutput:
         """Args:
             input_ids: [B, S] int64.
             targets: [B, S] int64 next-token ids, -100 where no loss is taken; ``None`` skips the loss.
-            padding_mask: [B, S] bool, True for real tokens (excluded tokens do not count in the aux losses).
+            padding_mask: [B, S] bool, True for real tokens (excluded tokens do not count in the MoE losses).
             kv_cache: past keys/values for generation (positions continue after the cached ones).
+            global_counts: [L, E] the optimizer step's expert counts for the global-batch aux loss (see
+                :func:`assemble_moe_losses` and :meth:`moe_counts`); ``None``: this batch's own.
+            count_reducer: sums counts over data-parallel ranks (see :func:`assemble_moe_losses`).
         """
+        x, records = self._trunk(input_ids, padding_mask, kv_cache)
+        logits = self.lm_head(self.norm(x))  # [B, S, V]
+        out = ModelOutput(logits=logits, moe=records)
+        assemble_moe_losses(out, self.config.moe, global_counts, count_reducer)
+        if targets is not None:
+            out.lm_loss = F.cross_entropy(
+                logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX
+            )
+            out.loss = out.lm_loss + out.moe_loss
+        return out
+
+    def _trunk(
+        self, input_ids: torch.Tensor, padding_mask: torch.Tensor | None, kv_cache: KVCache | None = None
+    ) -> tuple[torch.Tensor, list[MoEAux]]:
+        """Embedding and blocks: ([B, S, D] hidden states before the final norm, the MoE records)."""
         x = self.embed_tokens(input_ids)  # [B, S, D]
         records: list[MoEAux] = []
         for block in self.blocks:
             x, aux = block(x, padding_mask, kv_cache)
             if aux is not None:
                 records.append(aux)
-        logits = self.lm_head(self.norm(x))  # [B, S, V]
-        out = ModelOutput(logits=logits, moe=records)
-        zero = torch.zeros((), device=x.device)
-        out.aux_loss = torch.stack([r.aux_loss for r in records]).mean() if records else zero
-        out.z_loss = torch.stack([r.z_loss for r in records]).mean() if records else zero
-        if targets is not None:
-            out.lm_loss = F.cross_entropy(
-                logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX
-            )
-            moe = self.config.moe
-            out.loss = out.lm_loss + moe.aux_loss_coeff * out.aux_loss + moe.z_loss_coeff * out.z_loss
-        return out
+        return x, records
+
+    @torch.no_grad()
+    def moe_counts(self, input_ids: torch.Tensor, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The routing pass of the global-batch aux loss: [L, E] fp32 expert counts (selection, real tokens) of
+        every MoE layer for ``input_ids`` [B, S], without gradients and without the LM head.
+
+        It runs the embedding and all blocks (later layers route on earlier layers' outputs), i.e. about one
+        forward pass: with gradient accumulation this adds roughly a third to the step's compute. Call it in the
+        same mode (train / eval) and RNG state as the pass it prepares, so that both route identically.
+        """
+        _, records = self._trunk(input_ids, padding_mask)
+        if not records:
+            return torch.zeros(0, self.config.moe.num_experts, device=input_ids.device)
+        return torch.stack([r.tokens_per_expert for r in records])
 
     def moe_layers(self) -> list[MoELayer]:
         return [b.ffn for b in self.blocks if b.is_moe]

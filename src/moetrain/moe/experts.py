@@ -1,9 +1,15 @@
-"""Routed experts: E SwiGLU FFNs stored as 3-D tensors, computed by grouped GEMM or a reference loop.
+"""Routed experts: E FFNs stored as 3-D tensors, computed by grouped GEMM, padded batched GEMM or a reference loop.
 
-Legend: N = dispatched rows (grouped by expert), D = hidden, E = experts, F = expert FFN hidden.
+Legend: R = dispatched rows (grouped by expert), D = hidden, E = experts, F = expert FFN hidden, C = capacity.
 
-Weight layout follows transformers' ``MixtralExperts``: ``gate_up_proj`` [E, 2F, D] (gate half first) and
-``down_proj`` [E, D, F]; expert e computes ``down_e(silu(gate_e x) * up_e x)``.
+Weight layout follows transformers' ``MixtralExperts``: SwiGLU experts hold ``gate_up_proj`` [E, 2F, D] (gate half
+first) and ``down_proj`` [E, D, F], expert e computing ``down_e(silu(gate_e x) * up_e x)``; GELU experts (the
+classic two-matrix FFN) hold ``up_proj`` [E, F, D] and ``down_proj`` [E, D, F], computing ``down_e(gelu(up_e x))``
+with the exact (erf) GELU and no biases.
+
+Every backend has the signature ``fn(x [R, D], w_in, w_out, tokens_per_expert [E], activation) -> [R, D]``: rows
+of expert e follow those of expert e - 1, and rows after the last expert's are ignored (their output is
+unspecified; the dispatcher never reads them).
 """
 
 from __future__ import annotations
@@ -11,6 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+ACTIVATIONS = ("swiglu", "gelu")
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -28,6 +36,26 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
+class _ZeroIdleGrad(torch.autograd.Function):
+    """Identity on an [E, ...] expert weight whose backward zeroes the gradient of experts with no rows.
+
+    A grouped-GEMM kernel need not write the weight gradient of an empty group (the memory it returns may hold
+    anything, NaN included); ``torch.where`` (not a multiply: 0 * NaN = NaN) makes idle experts' gradient exactly
+    zero. Costs one elementwise pass over the weight gradient, no host sync.
+    """
+
+    @staticmethod
+    def forward(ctx, weight, tokens_per_expert):  # noqa: D102
+        ctx.save_for_backward(tokens_per_expert)
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: D102
+        (tokens_per_expert,) = ctx.saved_tensors
+        active = (tokens_per_expert > 0).reshape(-1, *([1] * (grad.dim() - 1)))
+        return torch.where(active, grad, 0.0), None
+
+
 def _compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     """The autocast dtype when autocast is on (``grouped_mm`` has no autocast rule), else the weight's dtype."""
     if torch.is_autocast_enabled(x.device.type):
@@ -35,63 +63,128 @@ def _compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return weight.dtype
 
 
-def grouped_swiglu(
-    x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, tokens_per_expert: torch.Tensor
+def _activate(h: torch.Tensor, activation: str) -> torch.Tensor:
+    """[.., 2F] -> silu(gate) * up for ``swiglu``; [.., F] -> gelu for ``gelu``."""
+    if activation == "swiglu":
+        gate, up = h.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return F.gelu(h)
+
+
+def grouped_experts(
+    x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, tokens_per_expert: torch.Tensor,
+    activation: str = "swiglu",
 ) -> torch.Tensor:
-    """Dropless SwiGLU experts with two ``torch.nn.functional.grouped_mm`` calls (MegaBlocks-style).
+    """Dropless experts with two ``torch.nn.functional.grouped_mm`` calls (MegaBlocks-style); no host sync.
 
     Args:
-        x: [N, D] rows grouped by expert (expert 0's rows first).
-        gate_up_proj: [E, 2F, D].
-        down_proj: [E, D, F].
-        tokens_per_expert: [E] int rows per expert (sums to N; zeros allowed).
+        x: [R, D] rows grouped by expert (expert 0's rows first).
+        w_in: [E, 2F, D] (swiglu) or [E, F, D] (gelu).
+        w_out: [E, D, F].
+        tokens_per_expert: [E] int rows per expert (sums to <= R; zeros allowed).
+        activation: ``swiglu`` or ``gelu``.
     Returns:
-        [N, D] in the compute dtype (the autocast dtype under autocast).
+        [R, D] in the compute dtype (the autocast dtype under autocast).
     """
-    dtype = _compute_dtype(x, gate_up_proj)
+    dtype = _compute_dtype(x, w_in)
     offs = torch.cumsum(tokens_per_expert, dim=0).to(torch.int32)  # [E] end offset of each group
-    h = F.grouped_mm(x.to(dtype), gate_up_proj.to(dtype).transpose(-2, -1), offs=offs)  # [N, 2F]
-    gate, up = _ContiguousGrad.apply(h).chunk(2, dim=-1)
-    a = F.silu(gate) * up  # [N, F]
-    y = F.grouped_mm(a, down_proj.to(dtype).transpose(-2, -1), offs=offs)  # [N, D]
+    w_in = _ZeroIdleGrad.apply(w_in, tokens_per_expert)
+    w_out = _ZeroIdleGrad.apply(w_out, tokens_per_expert)
+    h = F.grouped_mm(x.to(dtype), w_in.to(dtype).transpose(-2, -1), offs=offs)  # [R, 2F] or [R, F]
+    a = _activate(_ContiguousGrad.apply(h), activation)
+    y = F.grouped_mm(a, w_out.to(dtype).transpose(-2, -1), offs=offs)  # [R, D]
     return _ContiguousGrad.apply(y)
 
 
-def loop_swiglu(
-    x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, tokens_per_expert: torch.Tensor
+def padded_experts(
+    x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, tokens_per_expert: torch.Tensor,
+    activation: str = "swiglu",
 ) -> torch.Tensor:
-    """Reference: a plain Python loop over experts, one pair of dense matmuls each (same args as
-    :func:`grouped_swiglu`). Syncs with the host once to read the counts."""
-    dtype = _compute_dtype(x, gate_up_proj)
+    """Experts on capacity buffers: x viewed as [E, C, D], two ``torch.bmm`` (GShard / Switch style).
+
+    Needs the capacity layout (every expert owns exactly C rows, R = E * C; see moe/dispatch.py); empty slots are
+    zero rows, which every activation maps to zero. Same arguments as :func:`grouped_experts`.
+
+    Raises:
+        ValueError: R is not a multiple of E.
+    """
+    e = w_in.shape[0]
+    if x.shape[0] % e:
+        raise ValueError(f"padded experts need the capacity layout: {x.shape[0]} rows for {e} experts")
+    dtype = _compute_dtype(x, w_in)
+    xb = x.to(dtype).reshape(e, x.shape[0] // e, x.shape[1])  # [E, C, D]
+    h = torch.bmm(xb, w_in.to(dtype).transpose(1, 2))  # [E, C, 2F] or [E, C, F]
+    y = torch.bmm(_activate(h, activation), w_out.to(dtype).transpose(1, 2))  # [E, C, D]
+    return y.reshape(x.shape[0], x.shape[1])
+
+
+def loop_experts(
+    x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, tokens_per_expert: torch.Tensor,
+    activation: str = "swiglu",
+) -> torch.Tensor:
+    """Reference: a plain Python loop over experts, one pair of dense matmuls each (same arguments as
+    :func:`grouped_experts`). Syncs with the host once to read the counts; rows after the last group are zero."""
+    dtype = _compute_dtype(x, w_in)
     outs = []
     start = 0
     for e, count in enumerate(tokens_per_expert.tolist()):
         xe = x[start : start + count].to(dtype)  # [n_e, D]
-        gate, up = (xe @ gate_up_proj[e].to(dtype).T).chunk(2, dim=-1)
-        outs.append((F.silu(gate) * up) @ down_proj[e].to(dtype).T)
+        outs.append(_activate(xe @ w_in[e].to(dtype).T, activation) @ w_out[e].to(dtype).T)
         start += count
-    return torch.cat(outs, dim=0) if outs else x.new_zeros(0, x.shape[1], dtype=dtype)
+    outs.append(x.new_zeros(x.shape[0] - start, x.shape[1], dtype=dtype))
+    return torch.cat(outs, dim=0)
 
 
-BACKENDS = {"grouped_mm": grouped_swiglu, "loop": loop_swiglu}
+def grouped_swiglu(x, gate_up_proj, down_proj, tokens_per_expert):
+    """:func:`grouped_experts` with SwiGLU (``gate_up_proj`` [E, 2F, D], ``down_proj`` [E, D, F])."""
+    return grouped_experts(x, gate_up_proj, down_proj, tokens_per_expert, "swiglu")
 
 
-class SwiGLUExperts(nn.Module):
-    """E SwiGLU experts with weights ``gate_up_proj`` [E, 2F, D] and ``down_proj`` [E, D, F].
+def loop_swiglu(x, gate_up_proj, down_proj, tokens_per_expert):
+    """:func:`loop_experts` with SwiGLU (``gate_up_proj`` [E, 2F, D], ``down_proj`` [E, D, F])."""
+    return loop_experts(x, gate_up_proj, down_proj, tokens_per_expert, "swiglu")
+
+
+BACKENDS = {"grouped_mm": grouped_experts, "padded": padded_experts, "loop": loop_experts}
+
+
+class RoutedExperts(nn.Module):
+    """E routed experts as 3-D weights (names and layouts as transformers, see the module docstring).
 
     Args:
         num_experts: E.  hidden: D.  ffn_hidden: F.
-        backend: ``grouped_mm`` or ``loop`` (see :data:`BACKENDS`).
+        activation: ``swiglu`` (``gate_up_proj``, ``down_proj``) or ``gelu`` (``up_proj``, ``down_proj``).
+        backend: ``grouped_mm``, ``padded`` or ``loop`` (see :data:`BACKENDS`).
+    Raises:
+        ValueError: unknown backend or activation.
     """
 
-    def __init__(self, num_experts: int, hidden: int, ffn_hidden: int, backend: str = "grouped_mm"):
+    def __init__(self, num_experts: int, hidden: int, ffn_hidden: int, activation: str = "swiglu",
+                 backend: str = "grouped_mm"):
         super().__init__()
         if backend not in BACKENDS:
             raise ValueError(f"model.moe.backend: unknown backend {backend!r}; choose one of {sorted(BACKENDS)}")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"model.moe.expert_activation: unknown activation {activation!r}; choose one of "
+                             f"{list(ACTIVATIONS)}")
         self.backend = backend
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * ffn_hidden, hidden))
+        self.activation = activation
+        if activation == "swiglu":
+            self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * ffn_hidden, hidden))
+        else:
+            self.up_proj = nn.Parameter(torch.empty(num_experts, ffn_hidden, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, ffn_hidden))
 
+    @property
+    def w_in(self) -> torch.Tensor:
+        """The input projection: ``gate_up_proj`` [E, 2F, D] or ``up_proj`` [E, F, D]."""
+        return self.gate_up_proj if self.activation == "swiglu" else self.up_proj
+
+    @property
+    def num_experts(self) -> int:
+        """Experts held by this module (E, or E / ep on an expert-parallel rank)."""
+        return self.down_proj.shape[0]
+
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        """x: [N, D] grouped by expert, tokens_per_expert: [E] -> [N, D]."""
-        return BACKENDS[self.backend](x, self.gate_up_proj, self.down_proj, tokens_per_expert)
+        """x: [R, D] grouped by expert, tokens_per_expert: [E] -> [R, D] (compute dtype)."""
+        return BACKENDS[self.backend](x, self.w_in, self.down_proj, tokens_per_expert, self.activation)

@@ -1,8 +1,17 @@
-"""One optimizer step: gradient accumulation over micro-batches, clipping, AdamW, LR schedule.
+"""One optimizer step: gradient accumulation over micro-batches, clipping, AdamW, LR schedule, expert-bias update.
 
-Every micro-batch has the same number of tokens, so dividing each micro-batch's mean loss by ``grad_accum`` gives
-exactly the mean over the whole step for the token-mean terms (LM loss, z-loss); the per-micro-batch Switch loss is
-averaged over micro-batches (it is not linear in the batch, so this differs slightly from one large batch).
+Gradient accumulation is exact for every token-mean term: all micro-batches have the same number of tokens, so
+dividing each micro-batch's loss by ``grad_accum`` gives the mean over the whole step for the LM loss, the router
+z-loss and the sequence-level aux loss. The global-batch aux loss needs the expert counts of the *whole* step
+before the first backward (its ``f`` is a constant of the step, non-differentiable): when it is on and
+``grad_accum > 1``, a routing pass without gradients (:meth:`MoETransformer.moe_counts`, about one extra forward,
+i.e. ~+1/3 step compute) first collects the step's counts; every micro-batch then uses them, so its gradients
+equal one large batch's. With data parallelism a :data:`~moetrain.moe.balancing.CountReducer` sums those counts
+over ranks. The Switch loss (per micro-batch), the pooled transformers-style loss and the utilisation loss are not
+linear in the batch; they are averaged over micro-batches (Megatron-Core and transformers do the same).
+
+The aux-loss-free expert bias (``model.moe.expert_bias``) is updated once per optimizer step, after the optimizer,
+from the counts of all micro-batches (and ranks).
 """
 
 from __future__ import annotations
@@ -14,6 +23,7 @@ from typing import Callable
 import torch
 
 from moetrain.model.transformer import MoETransformer
+from moetrain.moe.balancing import CountReducer
 from moetrain.train.config import TrainConfig
 
 
@@ -35,6 +45,11 @@ class StepResult:
         grad_norm: scalar, global gradient norm before clipping.
         lr: learning rate used by this step.
         tokens_per_expert: one [E] fp32 tensor per MoE layer, summed over the step's micro-batches.
+        skipped: the loss or the gradient norm was not finite, so no update was made (parameters, optimizer
+            state, expert biases and LR schedule unchanged; gradients discarded).
+        moe_losses: every MoE loss term of ``ModelOutput`` (``aux_loss``, ``pooled_aux_loss``, ``seq_aux_loss``,
+            ``global_aux_loss``, ``z_loss``, ``util_loss``, ``moe_loss``), averaged over micro-batches.
+        dropped_per_expert: one [E] fp32 tensor per MoE layer, assignments dropped by capacity, summed.
     """
 
     lm_loss: torch.Tensor
@@ -43,6 +58,99 @@ class StepResult:
     grad_norm: torch.Tensor
     lr: float
     tokens_per_expert: list[torch.Tensor] = field(default_factory=list)
+    skipped: bool = False
+    moe_losses: dict[str, torch.Tensor] = field(default_factory=dict)
+    dropped_per_expert: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass
+class Accumulated:
+    """What :func:`accumulate_gradients` returns (detached, on device).
+
+    Attributes:
+        lm_loss: scalar mean LM loss over the micro-batches.
+        moe_losses: MoE loss terms averaged over micro-batches (names as in ``ModelOutput``).
+        tokens_per_expert: [L, E] selection counts summed over micro-batches.
+        dropped_per_expert: [L, E] dropped counts summed over micro-batches.
+        global_counts: [L, E] the counts of the pre-pass after the reducer (``None`` when no pre-pass ran).
+    """
+
+    lm_loss: torch.Tensor
+    moe_losses: dict[str, torch.Tensor]
+    tokens_per_expert: torch.Tensor
+    dropped_per_expert: torch.Tensor
+    global_counts: torch.Tensor | None = None
+
+
+MOE_TERMS = ("aux_loss", "pooled_aux_loss", "seq_aux_loss", "global_aux_loss", "z_loss", "util_loss", "moe_loss")
+
+
+def needs_global_counts(model: MoETransformer, grad_accum: int, count_reducer: CountReducer | None) -> bool:
+    """Whether the step must run the no-grad routing pre-pass: the global-batch aux loss is on, the model has MoE
+    layers, and the step spans several micro-batches or data-parallel ranks."""
+    moe = model.config.moe
+    return moe.global_aux_loss_coeff > 0 and bool(model.moe_layers()) and (grad_accum > 1 or count_reducer is not None)
+
+
+def accumulate_gradients(
+    model: MoETransformer,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    dtype: str,
+    device: torch.device,
+    count_reducer: CountReducer | None = None,
+) -> Accumulated:
+    """Forward and backward every micro-batch, each loss divided by ``len(batches)``; gradients accumulate in
+    ``.grad`` (the caller zeroes them).
+
+    Args:
+        model: the model, in training mode.
+        batches: micro-batches (inputs, targets) [B, S] int64, all of the same shape.
+        dtype: ``fp32`` or ``bf16`` (autocast).
+        device: where to compute.
+        count_reducer: sums [L, E] counts over data-parallel ranks (a collective), or ``None`` on one rank.
+    """
+    g = len(batches)
+    batches = [(inputs.to(device), targets.to(device)) for inputs, targets in batches]
+    global_counts = None
+    if needs_global_counts(model, g, count_reducer):
+        # Same mode and the same random numbers (router jitter) as the passes below, so they route identically.
+        devices = [device] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices), autocast_context(device, dtype):
+            global_counts = sum(model.moe_counts(inputs) for inputs, _ in batches)
+        if count_reducer is not None:
+            global_counts = count_reducer(global_counts)
+    zero = torch.zeros((), device=device)
+    lm = zero.clone()
+    losses = {name: zero.clone() for name in MOE_TERMS}
+    counts = dropped = None
+    for inputs, targets in batches:
+        with autocast_context(device, dtype):
+            out = model(inputs, targets, global_counts=global_counts,
+                        count_reducer=count_reducer if global_counts is None else None)
+        (out.loss / g).backward()
+        lm += out.lm_loss.detach() / g
+        for name in MOE_TERMS:
+            losses[name] += getattr(out, name).detach() / g
+        if out.moe:
+            c = torch.stack([r.tokens_per_expert for r in out.moe])
+            d = torch.stack([r.dropped_per_expert for r in out.moe])
+            counts, dropped = (c, d) if counts is None else (counts + c, dropped + d)
+    if counts is None:
+        counts = dropped = torch.zeros(0, model.config.moe.num_experts, device=device)
+    return Accumulated(lm_loss=lm, moe_losses=losses, tokens_per_expert=counts, dropped_per_expert=dropped,
+                       global_counts=global_counts)
+
+
+@torch.no_grad()
+def update_expert_biases(model: MoETransformer, counts: torch.Tensor) -> None:
+    """Apply the aux-loss-free bias update to every MoE layer that has an expert bias.
+
+    Args:
+        counts: [L, E] the step's counts per MoE layer (all micro-batches, all data-parallel ranks).
+    """
+    for i, layer in enumerate(model.moe_layers()):
+        if layer.router.e_score_correction_bias is not None:
+            layer.router.update_expert_bias(counts[i])
 
 
 def train_step(
@@ -52,27 +160,41 @@ def train_step(
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     config: TrainConfig,
     device: torch.device,
+    count_reducer: CountReducer | None = None,
 ) -> StepResult:
     """Run ``config.grad_accum`` micro-batches from ``next_batch()`` (inputs, targets [B, S] int64), then clip and
-    step the optimizer and scheduler."""
-    zero = torch.zeros((), device=device)
-    lm, aux, z = zero.clone(), zero.clone(), zero.clone()
-    counts: list[torch.Tensor] = []
-    for _ in range(config.grad_accum):
-        inputs, targets = next_batch()
-        inputs, targets = inputs.to(device), targets.to(device)
-        with autocast_context(device, config.dtype):
-            out = model(inputs, targets)
-        (out.loss / config.grad_accum).backward()
-        lm += out.lm_loss.detach() / config.grad_accum
-        aux += out.aux_loss.detach() / config.grad_accum
-        z += out.z_loss.detach() / config.grad_accum
-        layer_counts = [r.tokens_per_expert for r in out.moe]
-        counts = layer_counts if not counts else [a + b for a, b in zip(counts, layer_counts)]
+    step the optimizer and scheduler, then update the expert biases.
+
+    Args:
+        count_reducer: data parallelism only: sums [L, E] expert counts over the DP ranks (for the global-batch aux
+            loss and the expert-bias update); ``None`` on a single rank.
+    """
+    batches = [next_batch() for _ in range(config.grad_accum)]
+    acc = accumulate_gradients(model, batches, config.dtype, device, count_reducer)
+    lm, aux, z = acc.lm_loss, acc.moe_losses["aux_loss"], acc.moe_losses["z_loss"]
+    counts = list(acc.tokens_per_expert.unbind(0))
+    dropped = list(acc.dropped_per_expert.unbind(0))
     max_norm = config.grad_clip if config.grad_clip > 0 else float("inf")
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     lr = scheduler.get_last_lr()[0]
+    result = StepResult(lm_loss=lm, aux_loss=aux, z_loss=z, grad_norm=grad_norm, lr=lr, tokens_per_expert=counts,
+                        moe_losses=acc.moe_losses, dropped_per_expert=dropped)
+    # A non-finite loss or gradient would poison the weights and AdamW's moments for good: skip the update and
+    # leave the schedule where it is (as Megatron-LM does). Costs one host sync per step (the trainer reads the
+    # loss every step anyway). A non-finite gradient makes the norm non-finite, so the norm covers all of them.
+    checked = torch.stack([lm, aux, z, acc.moe_losses["moe_loss"], grad_norm.to(lm.dtype)])
+    if not bool(torch.isfinite(checked).all()):
+        optimizer.zero_grad(set_to_none=True)
+        result.skipped = True
+        return result
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(lm_loss=lm, aux_loss=aux, z_loss=z, grad_norm=grad_norm, lr=lr, tokens_per_expert=counts)
+    if any(layer.router.e_score_correction_bias is not None for layer in model.moe_layers()):
+        step_counts = acc.global_counts
+        if step_counts is None:
+            step_counts = acc.tokens_per_expert
+            if count_reducer is not None:
+                step_counts = count_reducer(step_counts.clone())
+        update_expert_biases(model, step_counts)
+    return result
