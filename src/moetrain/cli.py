@@ -1,7 +1,8 @@
 """Command-line interface: ``moetrain <command>``; each command lives in ``moetrain.commands.<name>``.
 
-User errors (:class:`~moetrain.errors.MoetrainError`) print one line ``moetrain: error: ...`` and exit with status 2;
-``--debug`` shows the traceback instead.
+User errors (:class:`~moetrain.errors.MoetrainError`) and command-line syntax errors print one line
+``moetrain: error: ...`` and exit with status 2; ``--debug`` (before or after the subcommand) shows the traceback
+instead.
 """
 
 from __future__ import annotations
@@ -16,12 +17,22 @@ from moetrain.errors import MoetrainError
 COMMANDS = ["train", "generate", "eval"]
 
 
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """argparse whose errors are one line (``PROG: error: MESSAGE``), exit status 2, without the usage block.
+    Subcommand parsers inherit the class (``add_subparsers`` uses the parent's class)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="moetrain", description="Train and run Mixture-of-Experts language models.")
+    parser = OneLineArgumentParser(prog="moetrain", description="Train and run Mixture-of-Experts language models.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     sub = parser.add_subparsers(dest="command")
     for name in COMMANDS:
         importlib.import_module(f"moetrain.commands.{name}").add_parser(sub)
+    for command in sub.choices.values():  # `moetrain train ... --debug` works too; SUPPRESS keeps the top level's
+        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return parser
 
 
@@ -39,9 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except MoetrainError as e:
-        if args.debug:
+        if getattr(args, "debug", False):
             raise
-        print(f"moetrain: error: {e}", file=sys.stderr)
+        print(f"moetrain: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("moetrain: interrupted", file=sys.stderr)

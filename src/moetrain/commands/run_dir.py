@@ -15,18 +15,21 @@ def load_run(run_dir: str):
 
     from moetrain.config import Config
     from moetrain.model.transformer import MoETransformer
-    from moetrain.train.checkpoint import latest_valid_checkpoint, load_model_weights
+    from moetrain.train.checkpoint import latest_model_checkpoint
     from moetrain.train.trainer import CONFIG_FILE, TOKENIZER_FILE
 
     root = Path(run_dir)
     for name in (CONFIG_FILE, TOKENIZER_FILE):
         if not (root / name).is_file():
             raise MoetrainError(f"{root / name} not found; is '{root}' a moetrain run directory?")
-    config = Config.from_dict(json.loads((root / CONFIG_FILE).read_text()))
-    path = latest_valid_checkpoint(root / "checkpoints", warn=lambda m: print(m, file=sys.stderr))
-    if path is None:
-        raise MoetrainError(f"no usable checkpoint in {root / 'checkpoints'}")
+    try:
+        config = Config.from_dict(json.loads((root / CONFIG_FILE).read_text()))
+    except ValueError as e:  # JSONDecodeError; ConfigError passes through (it names the field)
+        if isinstance(e, MoetrainError):
+            raise
+        raise MoetrainError(f"{root / CONFIG_FILE}: cannot parse: {e}") from None
     model = MoETransformer(config.model)
-    load_model_weights(model, path)
+    latest_model_checkpoint(config.train.checkpoint_url or root / "checkpoints", model,
+                            warn=lambda m: print(m, file=sys.stderr))
     model.eval()
     return config, Tokenizer.from_file(str(root / TOKENIZER_FILE)), model

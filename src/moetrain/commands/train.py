@@ -46,7 +46,12 @@ def run(args) -> int:
             raise MoetrainError(f"--resume: {saved} not found; is '{run_dir}' a moetrain run directory?")
         if args.preset:
             raise MoetrainError("--preset cannot be combined with --resume (the run keeps its own config)")
-        data = json.loads(saved.read_text())
+        try:
+            data = json.loads(saved.read_text())
+        except (OSError, ValueError) as e:
+            raise MoetrainError(f"--resume: cannot read {saved}: {e}") from None
+        if not isinstance(data, dict):
+            raise MoetrainError(f"--resume: {saved} is not a JSON object of config fields")
         data = merge(data, file_data or {})
         config = Config.from_dict(merge(data, overrides))
     else:
@@ -61,5 +66,9 @@ def run(args) -> int:
             shutil.rmtree(run_dir)
     print(f"run directory: {run_dir}")
     result = Trainer(config, run_dir, resume=args.resume, progress=not args.no_progress).run(args.stop_at_step)
+    if result.preempted:
+        print(f"stopped by {result.preempted} after step {result.steps} with a checkpoint; continue with: "
+              f"moetrain train --out {run_dir} --resume")
+        return 0
     print(f"done: {result.steps} steps; try: moetrain generate {run_dir} --prompt 'def '")
     return 0

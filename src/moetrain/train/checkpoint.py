@@ -1,157 +1,398 @@
-"""Atomic, verified checkpoints.
+"""Atomic, verified checkpoints on a local disk or any fsspec URL (``s3://bucket/prefix`` via s3fs, ...).
 
-Layout: ``RUN_DIR/checkpoints/step_00000100/`` with ``model.safetensors`` (weights), ``train_state.pt`` (optimizer,
-scheduler, step, RNG states, data position) and ``manifest.json`` (size and SHA-256 of each file). A checkpoint
-is written into a hidden temporary directory, every file fsynced, then renamed into place, so a crash at any
-moment leaves either the complete checkpoint or none. Loading verifies the manifest and falls back to the newest
-checkpoint that verifies, warning about each one it skips.
+Layout: ``ROOT/step_00000100/`` (ROOT is ``RUN_DIR/checkpoints`` unless ``train.checkpoint_url`` says otherwise):
+
+- ``model.safetensors``: ``model.state_dict()`` (parameters and persistent buffers, e.g. routing biases; a tensor
+  shared by two names, such as tied embeddings, is stored once).
+- ``train_state.pt``: optimizer, LR schedule, step, RNG states, data position, monitor state (``torch.save``; read
+  back with ``weights_only=True``, so it holds tensors and plain Python data only).
+- ``tokenizer.json`` / ``config.json``: copies of the run's, so a checkpoint is self-contained.
+- ``manifest.json``: size and SHA-256 of every file above, plus a SHA-256 of the manifest's own content (so a
+  flipped byte anywhere, the manifest included, is detected). Written last.
+
+Crash safety. Locally a checkpoint is written into a hidden ``.tmp-step_...`` directory, each file and the
+directory fsynced, renamed into place, and the parent fsynced: a crash at any moment leaves the complete
+checkpoint or none (a stale temporary directory, removed by the next save). Object stores have no atomic rename, so
+there the files are uploaded into ``step_.../`` and the manifest last: a checkpoint whose manifest is missing or
+does not verify is never used. Either way a checkpoint is trusted only after every file's size and SHA-256 match
+its manifest, and each file is read once (verified bytes are what gets deserialised, so nothing changes between
+check and use).
+
+Fault injection (tests only): ``MOETRAIN_CKPT_WRITE_DELAY=SECONDS`` sleeps after each file written, so a test can
+kill the process in the middle of a checkpoint write.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import re
 import shutil
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load as safetensors_load
+from safetensors.torch import save as safetensors_save
 
 from moetrain.errors import CheckpointError
 
 MODEL_FILE = "model.safetensors"
 STATE_FILE = "train_state.pt"
 MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+WRITE_DELAY_ENV = "MOETRAIN_CKPT_WRITE_DELAY"
 _NAME = re.compile(r"^step_(\d{8})$")
+_STALE_PREFIXES = (".tmp-step_", ".trash-step_")
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+def checkpoint_name(step: int) -> str:
+    return f"step_{step:08d}"
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _canonical(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _fsync_dir(path: Path) -> None:
+    """fsync a directory so that renames and new entries in it survive a power loss (POSIX; a no-op elsewhere)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
     try:
         os.fsync(fd)
+    except OSError:  # some filesystems (and Windows) refuse fsync on directories
+        pass
     finally:
         os.close(fd)
 
 
+def write_file_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file in the same directory: write, fsync, rename, fsync the
+    directory. A crash leaves the old file or the new one, never a mix (used for the run's config and tokenizer)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _write_delay() -> None:
+    delay = os.environ.get(WRITE_DELAY_ENV)
+    if delay:
+        time.sleep(float(delay))
+
+
 def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's state dict with tied (shared-storage) duplicates dropped and tensors made contiguous on CPU."""
-    seen: set[int] = set()
+    """``model.state_dict()`` with names sharing one tensor (tied weights) kept once, as contiguous CPU tensors.
+
+    Two entries are the same tensor when they view the same storage with the same offset, shape and stride; empty
+    tensors (whose storage pointer is 0) are never merged.
+    """
+    seen: set[tuple] = set()
     out = {}
-    for name, t in model.state_dict().items():
-        key = t.untyped_storage().data_ptr() if t.device.type != "meta" else id(t)
-        if key in seen:
-            continue
-        seen.add(key)
+    for name, t in model.state_dict(keep_vars=False).items():
+        if t.device.type != "meta" and t.numel() > 0:
+            key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+            if key in seen:
+                continue
+            seen.add(key)
         out[name] = t.detach().to("cpu").contiguous()
     return out
 
 
-def save_checkpoint(ckpt_root: Path, step: int, model: torch.nn.Module, state: dict[str, Any], keep: int) -> Path:
-    """Write checkpoint ``step`` atomically under ``ckpt_root``; then delete all but the newest ``keep``.
+@dataclass
+class LoadedCheckpoint:
+    """A checkpoint whose files all matched its manifest.
+
+    Attributes:
+        name: ``step_XXXXXXXX``.
+        step: optimizer steps completed.
+        location: where it lives (a local path or a URL), for messages.
+        files: file name -> verified bytes.
+    """
+
+    name: str
+    step: int
+    location: str
+    files: dict[str, bytes]
+
+    def model_tensors(self) -> dict[str, torch.Tensor]:
+        return safetensors_load(self.files[MODEL_FILE])
+
+    def train_state(self) -> dict[str, Any]:
+        """The ``train_state.pt`` content.
+
+        Raises:
+            CheckpointError: it does not deserialise (e.g. written by an incompatible version).
+        """
+        try:
+            return torch.load(io.BytesIO(self.files[STATE_FILE]), map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 -- torch.load raises many types (UnpicklingError, RuntimeError, ...)
+            raise CheckpointError(f"{self.location}/{STATE_FILE}: cannot load: {str(e).splitlines()[0]}") from None
+
+
+class CheckpointStore:
+    """The checkpoints of one run, in a local directory or under an fsspec URL.
 
     Args:
-        ckpt_root: ``RUN_DIR/checkpoints``.
-        step: optimizer steps completed.
-        model: weights saved to safetensors.
-        state: everything else (picklable by ``torch.save``).
-        keep: how many checkpoints to keep (>= 1).
-    Returns:
-        The checkpoint directory.
+        url: a local path (``str`` or ``Path``), ``file://...``, or a URL of any fsspec filesystem, e.g.
+            ``s3://bucket/run1/checkpoints`` (needs s3fs; endpoint and credentials come from the usual AWS
+            environment variables, or ``FSSPEC_S3_ENDPOINT_URL`` / ``FSSPEC_S3_KEY`` / ``FSSPEC_S3_SECRET``).
+    Raises:
+        CheckpointError: an unknown protocol, or one whose fsspec implementation is not installed.
     """
-    ckpt_root.mkdir(parents=True, exist_ok=True)
-    final = ckpt_root / f"step_{step:08d}"
-    tmp = ckpt_root / f".tmp-step_{step:08d}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    save_file(model_tensors(model), str(tmp / MODEL_FILE))
-    torch.save(state, tmp / STATE_FILE)
-    manifest = {"step": step, "files": {}}
-    for name in (MODEL_FILE, STATE_FILE):
-        _fsync(tmp / name)
-        manifest["files"][name] = {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
-    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-    _fsync(tmp / MANIFEST)
-    if final.exists():  # re-saving the same step (e.g. an end-of-run save after a periodic one)
-        shutil.rmtree(final)
-    os.rename(tmp, final)
-    _fsync(ckpt_root)
-    for old in list_checkpoints(ckpt_root)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
+
+    def __init__(self, url: str | os.PathLike):
+        import fsspec
+        from fsspec.implementations.local import LocalFileSystem
+
+        self.url = str(url)
+        try:
+            self.fs, root = fsspec.core.url_to_fs(self.url)
+        except ImportError as e:
+            raise CheckpointError(f"checkpoint storage '{self.url}': a package is missing: {e}") from None
+        except ValueError as e:
+            raise CheckpointError(f"checkpoint storage '{self.url}': {e}") from None
+        self.local = isinstance(self.fs, LocalFileSystem)
+        self.root = Path(root) if self.local else root.rstrip("/")
+
+    def __repr__(self) -> str:
+        return f"CheckpointStore({self.url!r})"
+
+    def location(self, name: str, file: str | None = None) -> str:
+        """Human-readable location of checkpoint ``name`` (or of one of its files)."""
+        if self.local:
+            p = self.root / name
+            return str(p / file if file else p)
+        base = self.url.rstrip("/") + "/" + name
+        return f"{base}/{file}" if file else base
+
+    def _remote(self, *parts: str) -> str:
+        return "/".join([self.root, *parts])
+
+    # -- listing and reading -----------------------------------------------------------------------------------
+    def names(self) -> list[str]:
+        """Names of the checkpoint directories (complete or not), oldest first."""
+        if self.local:
+            if not self.root.is_dir():
+                return []
+            entries = [p.name for p in self.root.iterdir() if p.is_dir()]
+        else:
+            self.fs.invalidate_cache(self.root)  # s3fs caches listings; another process may have written since
+            try:
+                entries = [e.rstrip("/").rsplit("/", 1)[-1] for e in self.fs.ls(self.root, detail=False)]
+            except FileNotFoundError:
+                return []
+        return sorted(n for n in entries if _NAME.match(n))
+
+    def _read(self, name: str, file: str) -> bytes:
+        """Raises FileNotFoundError when missing; other I/O errors propagate."""
+        if self.local:
+            return (self.root / name / file).read_bytes()
+        return self.fs.cat_file(self._remote(name, file))
+
+    def read_verified(self, name: str) -> LoadedCheckpoint:
+        """Read every file of checkpoint ``name`` once and check it against the manifest.
+
+        Raises:
+            CorruptCheckpoint: the manifest is missing, unreadable or altered, or a file is missing, has another
+                size, or another SHA-256; the message names the file and the reason.
+        """
+        manifest_loc = self.location(name, MANIFEST)
+        try:
+            manifest = json.loads(self._read(name, MANIFEST))
+            body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+            files = body["files"]
+            if manifest["manifest_sha256"] != _sha256(_canonical(body)):
+                raise CorruptCheckpoint(f"{manifest_loc}: SHA-256 of the manifest does not match (corrupt)")
+            if body["step"] != int(_NAME.match(name).group(1)):
+                raise CorruptCheckpoint(f"{manifest_loc}: step {body['step']} does not match the directory name")
+        except FileNotFoundError:
+            raise CorruptCheckpoint(f"{manifest_loc}: missing (checkpoint never completed?)") from None
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CorruptCheckpoint(f"{manifest_loc}: unreadable manifest ({e.__class__.__name__})") from None
+        data: dict[str, bytes] = {}
+        for file, info in files.items():
+            loc = self.location(name, file)
+            try:
+                raw = self._read(name, file)
+            except (FileNotFoundError, IsADirectoryError):
+                raise CorruptCheckpoint(f"{loc}: missing") from None
+            if len(raw) != info["bytes"]:
+                raise CorruptCheckpoint(f"{loc}: {len(raw)} bytes, the manifest says {info['bytes']} (truncated?)")
+            if _sha256(raw) != info["sha256"]:
+                raise CorruptCheckpoint(f"{loc}: SHA-256 does not match the manifest (corrupt)")
+            data[file] = raw
+        return LoadedCheckpoint(name=name, step=body["step"], location=self.location(name), files=data)
+
+    def verify(self, name: str) -> str | None:
+        """``None`` if checkpoint ``name`` verifies, else the reason (naming the file)."""
+        try:
+            self.read_verified(name)
+        except CorruptCheckpoint as e:
+            return str(e)
+        return None
+
+    def latest_valid(self, warn: Callable[[str], None] = print) -> tuple[LoadedCheckpoint | None, list[str]]:
+        """The newest checkpoint that verifies, and the names of the newer ones that did not (each is reported
+        through ``warn`` with its location and reason). ``(None, [...])`` when none verifies."""
+        skipped = []
+        for name in reversed(self.names()):
+            try:
+                return self.read_verified(name), skipped
+            except CorruptCheckpoint as e:
+                warn(f"warning: skipping checkpoint {self.location(name)}: {e}")
+                skipped.append(name)
+        return None, skipped
+
+    # -- writing -----------------------------------------------------------------------------------------------
+    def save(self, step: int, files: dict[str, bytes]) -> str:
+        """Write checkpoint ``step`` with ``files`` (name -> bytes) and its manifest; returns its location.
+
+        Re-saving an existing step replaces it (locally: the old one is renamed away only after the new one is
+        complete on disk).
+        """
+        name = checkpoint_name(step)
+        body = {"format": FORMAT_VERSION, "step": step,
+                "files": {f: {"bytes": len(b), "sha256": _sha256(b)} for f, b in files.items()}}
+        manifest = json.dumps({**body, "manifest_sha256": _sha256(_canonical(body))}, indent=1).encode()
+        if self.local:
+            self._save_local(name, files, manifest)
+        else:
+            self._save_remote(name, files, manifest)
+        return self.location(name)
+
+    def _save_local(self, name: str, files: dict[str, bytes], manifest: bytes) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._remove_stale()
+        tmp = self.root / f".tmp-{name}-{os.getpid()}"
+        tmp.mkdir()
+        for file, raw in [*files.items(), (MANIFEST, manifest)]:
+            with open(tmp / file, "wb") as f:
+                f.write(raw)
+                f.flush()
+                os.fsync(f.fileno())
+            _write_delay()
+        _fsync_dir(tmp)
+        final = self.root / name
+        trash = None
+        if final.exists():
+            trash = self.root / f".trash-{name}-{os.getpid()}"
+            os.rename(final, trash)
+        os.rename(tmp, final)
+        _fsync_dir(self.root)
+        if trash is not None:
+            shutil.rmtree(trash, ignore_errors=True)
+
+    def _save_remote(self, name: str, files: dict[str, bytes], manifest: bytes) -> None:
+        manifest_path = self._remote(name, MANIFEST)
+        if self.fs.exists(manifest_path):  # invalidate the old checkpoint before touching its files
+            self.fs.rm_file(manifest_path)
+        for file, raw in files.items():
+            self.fs.pipe_file(self._remote(name, file), raw)
+            _write_delay()
+        self.fs.pipe_file(manifest_path, manifest)  # last: commits the checkpoint
+        self.fs.invalidate_cache(self.root)
+
+    def _remove_stale(self) -> None:
+        """Temporary directories left by a crashed save (one trainer writes a run's checkpoints at a time)."""
+        for p in self.root.iterdir():
+            if p.is_dir() and p.name.startswith(_STALE_PREFIXES):
+                shutil.rmtree(p, ignore_errors=True)
+
+    def delete(self, name: str) -> None:
+        if self.local:
+            shutil.rmtree(self.root / name, ignore_errors=True)
+        else:
+            self.fs.rm(self._remote(name), recursive=True)
+
+    def prune(self, keep: int, milestone_every: int = 0) -> list[str]:
+        """Delete all but the newest ``keep`` checkpoints, sparing milestones (steps that are multiples of
+        ``milestone_every`` > 0); returns the deleted names."""
+        names = self.names()
+        kept = set(names[-keep:]) if keep > 0 else set()
+        if milestone_every > 0:
+            kept |= {n for n in names if int(_NAME.match(n).group(1)) % milestone_every == 0}
+        deleted = [n for n in names if n not in kept]
+        for n in deleted:
+            self.delete(n)
+        return deleted
+
+    def quarantine(self, name: str) -> str:
+        """Move checkpoint ``name`` aside as ``corrupt-step_...-TIME`` (kept for inspection, never loaded);
+        returns the new location."""
+        new = f"corrupt-{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        if self.local:
+            os.rename(self.root / name, self.root / new)
+            _fsync_dir(self.root)
+            return str(self.root / new)
+        self.fs.mv(self._remote(name), self._remote(new), recursive=True)
+        self.fs.invalidate_cache(self.root)
+        return self.url.rstrip("/") + "/" + new
 
 
-def list_checkpoints(ckpt_root: Path) -> list[Path]:
-    """Complete (renamed-into-place) checkpoint directories, oldest first."""
-    if not ckpt_root.is_dir():
-        return []
-    return sorted(p for p in ckpt_root.iterdir() if p.is_dir() and _NAME.match(p.name))
+class CorruptCheckpoint(CheckpointError):
+    """A checkpoint that fails verification against its manifest (the message names the file and the reason)."""
 
 
-def verify_checkpoint(path: Path) -> str | None:
-    """``None`` if the checkpoint's files match its manifest, else the reason (naming the file)."""
-    manifest_path = path / MANIFEST
-    try:
-        manifest = json.loads(manifest_path.read_text())
-        files = manifest["files"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        return f"{manifest_path}: unreadable manifest ({e.__class__.__name__})"
-    for name, info in files.items():
-        f = path / name
-        if not f.is_file():
-            return f"{f}: missing"
-        size = f.stat().st_size
-        if size != info["bytes"]:
-            return f"{f}: {size} bytes, manifest says {info['bytes']} (truncated?)"
-        if _sha256(f) != info["sha256"]:
-            return f"{f}: SHA-256 does not match the manifest (corrupt)"
-    return None
+def encode_model(model: torch.nn.Module) -> bytes:
+    """safetensors bytes of :func:`model_tensors`. One metadata key only: safetensors keeps metadata in a hash map,
+    so several keys would come out in a different order in each process (and identical runs in different bytes)."""
+    return safetensors_save(model_tensors(model), metadata={"format": "pt"})
 
 
-def latest_valid_checkpoint(ckpt_root: Path, warn: Callable[[str], None] = print) -> Path | None:
-    """The newest checkpoint that verifies; each newer one that fails is reported through ``warn``."""
-    for path in reversed(list_checkpoints(ckpt_root)):
-        reason = verify_checkpoint(path)
-        if reason is None:
-            return path
-        warn(f"warning: skipping checkpoint {path}: {reason}")
-    return None
+def encode_state(state: dict[str, Any]) -> bytes:
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return buf.getvalue()
 
 
-def load_model_weights(model: torch.nn.Module, path: Path) -> None:
-    """Load ``path/model.safetensors`` into ``model``.
+def load_model_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor], where: str) -> None:
+    """Copy ``tensors`` (from :meth:`LoadedCheckpoint.model_tensors`) into ``model``.
 
     Raises:
-        CheckpointError: a missing or extra tensor, or a shape mismatch (the first mismatching tensor is named with
-            both shapes).
+        CheckpointError: a missing or extra tensor, or a shape mismatch; the first mismatching tensor (in the
+            model's order) is named with both shapes, and ``where`` says which file.
     """
-    tensors = load_file(str(path / MODEL_FILE))
     expected = model_tensors(model)
     for name, t in expected.items():
         if name not in tensors:
-            raise CheckpointError(f"{path / MODEL_FILE}: tensor '{name}' is missing (a different model?)")
+            raise CheckpointError(f"{where}: tensor '{name}' is missing (checkpoint from a different model?)")
         if tensors[name].shape != t.shape:
             raise CheckpointError(
-                f"{path / MODEL_FILE}: tensor '{name}' has shape {tuple(tensors[name].shape)}, "
-                f"the model expects {tuple(t.shape)} (checkpoint from a different model shape)"
-            )
+                f"{where}: tensor '{name}' has shape {tuple(tensors[name].shape)}, the model expects "
+                f"{tuple(t.shape)} (checkpoint from a different model shape)")
     extra = sorted(set(tensors) - set(expected))
     if extra:
-        raise CheckpointError(f"{path / MODEL_FILE}: unexpected tensor '{extra[0]}' (a different model?)")
+        raise CheckpointError(f"{where}: unexpected tensor '{extra[0]}' (checkpoint from a different model?)")
     model.load_state_dict(tensors, strict=False)
 
 
-def load_train_state(path: Path) -> dict[str, Any]:
-    """The non-weight state saved by :func:`save_checkpoint` (trusted: written by this program)."""
-    return torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
+def latest_model_checkpoint(url: str | os.PathLike, model: torch.nn.Module,
+                            warn: Callable[[str], None] = print) -> str:
+    """Load the newest valid checkpoint under ``url`` into ``model`` (for eval / generate / export); returns
+    its location.
+
+    Raises:
+        CheckpointError: no checkpoint verifies, or it is from a different model shape.
+    """
+    store = CheckpointStore(url)
+    ckpt, skipped = store.latest_valid(warn=warn)
+    if ckpt is None:
+        why = f" ({len(skipped)} failed verification, see the warnings)" if skipped else ""
+        raise CheckpointError(f"no usable checkpoint in {store.url}{why}")
+    load_model_weights(model, ckpt.model_tensors(), f"{ckpt.location}/{MODEL_FILE}")
+    return ckpt.location

@@ -26,6 +26,12 @@ class TrainConfig:
         eval_every / eval_batches: validation cadence (steps) and size (micro-batches); 0 disables periodic eval.
         log_every: steps between metrics lines.
         ckpt_every: steps between checkpoints (0: only at the end); ``keep_checkpoints`` newest are kept.
+        milestone_every: checkpoints at multiples of this step are never deleted (0: none are kept beyond
+            ``keep_checkpoints``).
+        checkpoint_url: where checkpoints go: ``None`` = ``RUN_DIR/checkpoints``; a local path or an fsspec URL such
+            as ``s3://bucket/prefix`` (needs s3fs; endpoint and credentials from the AWS environment variables).
+        max_nonfinite_skips: a step with a non-finite loss or gradient norm is skipped (no update); this many
+            consecutive skips stop the run with an error after a checkpoint of the last good state.
     """
 
     steps: int = 300
@@ -48,15 +54,33 @@ class TrainConfig:
     log_every: int = 10
     ckpt_every: int = 100
     keep_checkpoints: int = 2
+    milestone_every: int = 0
+    checkpoint_url: str | None = None
+    max_nonfinite_skips: int = 5
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "grad_accum", "log_every", "keep_checkpoints", "eval_batches"):
+        for name in ("steps", "batch_size", "grad_accum", "log_every", "keep_checkpoints", "eval_batches",
+                     "max_nonfinite_skips"):
             value = getattr(self, name)
             require(value >= 1, name, f"must be >= 1, got {value}")
-        for name in ("warmup_steps", "eval_every", "ckpt_every", "weight_decay", "grad_clip"):
+        for name in ("warmup_steps", "eval_every", "ckpt_every", "weight_decay", "grad_clip", "milestone_every"):
             value = getattr(self, name)
             require(value >= 0, name, f"must be >= 0, got {value}")
         require(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
         require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
         require(0 <= self.beta1 < 1, "beta1", f"must be in [0, 1), got {self.beta1}")
         require(0 <= self.beta2 < 1, "beta2", f"must be in [0, 1), got {self.beta2}")
+        if self.checkpoint_url is not None:
+            require(_known_protocol(self.checkpoint_url), "checkpoint_url",
+                    f"unknown storage protocol in {self.checkpoint_url!r}; use a local path or an fsspec URL such as "
+                    "s3://bucket/prefix")
+
+
+def _known_protocol(url: str) -> bool:
+    """Whether ``url`` is a local path or names a protocol fsspec knows (its package may still be missing)."""
+    if "://" not in url:
+        return bool(url)
+    from fsspec.registry import known_implementations, registry
+
+    protocol = url.split("://", 1)[0]
+    return protocol in known_implementations or protocol in registry

@@ -15,13 +15,19 @@ class MetricsLogger:
     the file stays valid JSON).
     """
 
-    def __init__(self, run_dir: Path, tensorboard: bool = True):
+    def __init__(self, run_dir: Path, tensorboard: bool = True, resume_step: int | None = None):
+        """``resume_step``: the run continues after this step (a resume), so records of later steps, written
+        before a crash and about to be recomputed, are dropped from ``metrics.jsonl`` and from TensorBoard
+        (``purge_step``); -1 drops everything."""
         self.path = run_dir / "metrics.jsonl"
         self.writer = None
+        if resume_step is not None:
+            truncate_metrics(self.path, resume_step)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=str(run_dir / "tb"))
+            purge = None if resume_step is None else max(resume_step + 1, 0)
+            self.writer = SummaryWriter(log_dir=str(run_dir / "tb"), purge_step=purge)
 
     def log(self, record: dict[str, Any]) -> None:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
@@ -36,3 +42,21 @@ class MetricsLogger:
         if self.writer is not None:
             self.writer.flush()
             self.writer.close()
+
+
+def truncate_metrics(path: Path, last_step: int) -> None:
+    """Keep only the records of ``path`` with ``step <= last_step``, dropping any line cut short by a crash; the
+    file is rewritten atomically (a crash leaves the old or the new content)."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= last_step:
+            kept.append(line + "\n")
+    from moetrain.train.checkpoint import write_file_atomic
+
+    write_file_atomic(path, "".join(kept).encode())

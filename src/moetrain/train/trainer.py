@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,15 +22,21 @@ from tqdm.auto import tqdm
 
 from moetrain.config import Config
 from moetrain.data.dataset import BatchSampler, PreparedData, TokenWindows, eval_batches, prepare_data
-from moetrain.errors import MoetrainError
+from moetrain.errors import CheckpointError, MoetrainError
 from moetrain.model.transformer import MoETransformer, count_parameters
 from moetrain.train.checkpoint import (
-    latest_valid_checkpoint,
+    MODEL_FILE,
+    STATE_FILE,
+    CheckpointStore,
+    LoadedCheckpoint,
+    encode_model,
+    encode_state,
     load_model_weights,
-    load_train_state,
-    save_checkpoint,
+    write_file_atomic,
 )
 from moetrain.train.metrics import MetricsLogger
+from moetrain.train.monitor import RoutingMonitor
+from moetrain.train.preemption import GracefulStop
 from moetrain.train.schedule import build_scheduler
 from moetrain.train.step import autocast_context, train_step
 
@@ -67,7 +74,10 @@ def seed_everything(seed: int) -> None:
 
 
 def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Every global RNG's state, as tensors and plain Python data (loadable with ``torch.load(weights_only=True)``)."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": random.getstate(), "numpy": (kind, keys.tolist(), pos, has_gauss, cached),
+             "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -75,7 +85,8 @@ def rng_state() -> dict:
 
 def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -103,6 +114,8 @@ class TrainResult:
     initial_val_loss: float | None
     final_val_loss: float | None
     losses: list[float]
+    preempted: str | None = None  # the signal that stopped the run early ("SIGTERM"), if any
+    nonfinite_skips: int = 0  # steps skipped for a non-finite loss or gradient over the whole run
 
 
 class Trainer:
@@ -115,24 +128,46 @@ class Trainer:
         self.device = resolve_device(config.train.device)
 
     # -- setup -----------------------------------------------------------------------------------------------
-    def _prepare(self) -> PreparedData:
+    def _prepare(self, ckpt: LoadedCheckpoint | None) -> tuple[PreparedData, bytes]:
+        """Tokenized data and the tokenizer's bytes. Writes nothing into the run directory (bad input must leave
+        it untouched). On resume the checkpoint's copy of the tokenizer is authoritative: a run-directory copy
+        that differs from it (damaged) is ignored here and rewritten by :meth:`_write_run_files`."""
         cfg = self.config
+        tok_path = self.run_dir / TOKENIZER_FILE
+        saved = ckpt.files.get(TOKENIZER_FILE) if ckpt is not None else None
+        if saved is not None and (not tok_path.is_file() or tok_path.read_bytes() != saved):
+            self.log(f"warning: {tok_path} is missing or differs from the checkpoint's copy; using the checkpoint's")
+            with tempfile.TemporaryDirectory() as tmp:
+                (Path(tmp) / TOKENIZER_FILE).write_bytes(saved)
+                data = prepare_data(cfg.data, cfg.model.vocab_size, tokenizer_path=Path(tmp) / TOKENIZER_FILE,
+                                    log=self.log)
+        else:
+            use_saved = self.resume and tok_path.is_file()
+            data = prepare_data(cfg.data, cfg.model.vocab_size, tokenizer_path=tok_path if use_saved else None,
+                                log=self.log)
+        return data, data.tokenizer.to_str().encode()
+
+    def _write_run_files(self, tokenizer: bytes) -> None:
+        """config.json and tokenizer.json, each written atomically (never seen half-written)."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         tok_path = self.run_dir / TOKENIZER_FILE
-        data = prepare_data(cfg.data, cfg.model.vocab_size, tokenizer_path=tok_path if tok_path.exists() else None,
-                            log=self.log)
-        if not tok_path.exists():
-            tmp = tok_path.with_suffix(".tmp")
-            data.tokenizer.save(str(tmp))
-            tmp.replace(tok_path)
-        (self.run_dir / CONFIG_FILE).write_text(json.dumps(cfg.to_dict(), indent=2))
-        return data
+        if not tok_path.is_file() or tok_path.read_bytes() != tokenizer:
+            write_file_atomic(tok_path, tokenizer)
+        write_file_atomic(self.run_dir / CONFIG_FILE, self._config_bytes())
+
+    def _config_bytes(self) -> bytes:
+        return json.dumps(self.config.to_dict(), indent=2).encode()
 
     def run(self, stop_at_step: int | None = None) -> TrainResult:
         cfg, t = self.config, self.config.train
         torch.use_deterministic_algorithms(t.deterministic, warn_only=True)
         seed_everything(t.seed)
-        data = self._prepare()
+        store = CheckpointStore(t.checkpoint_url or self.run_dir / "checkpoints")
+        ckpt, corrupt = store.latest_valid(warn=self.log) if self.resume else (None, [])
+        if self.resume and ckpt is None and corrupt:
+            raise CheckpointError(f"--resume: no checkpoint in {store.url} verifies ({len(corrupt)} failed; see the "
+                                  "warnings above)")
+        data, tokenizer_bytes = self._prepare(ckpt)
         train_windows = TokenWindows(data.train_tokens, cfg.data.seq_len)
         val_windows = TokenWindows(data.val_tokens, cfg.data.seq_len)
         val_set = eval_batches(val_windows, t.batch_size, t.eval_batches)
@@ -147,34 +182,51 @@ class Trainer:
             f"{len(train_windows)} training windows of {cfg.data.seq_len} tokens; device {self.device}"
         )
 
-        step, initial_val = 0, None
-        ckpt_root = self.run_dir / "checkpoints"
-        if self.resume:
-            path = latest_valid_checkpoint(ckpt_root, warn=self.log)
-            if path is None:
-                raise MoetrainError(f"--resume: no usable checkpoint in {ckpt_root}")
-            load_model_weights(model, path)
-            state = load_train_state(path)
-            optimizer.load_state_dict(state["optimizer"])
-            scheduler.load_state_dict(state["scheduler"])
-            sampler.load_state_dict(state["sampler"])
-            set_rng_state(state["rng"])
+        step, initial_val, state = 0, None, {}
+        skips_total, skips_in_a_row = 0, 0
+        if ckpt is not None:
+            load_model_weights(model, ckpt.model_tensors(), f"{ckpt.location}/{MODEL_FILE}")
+            state = ckpt.train_state()
+            try:
+                optimizer.load_state_dict(state["optimizer"])
+                scheduler.load_state_dict(state["scheduler"])
+                sampler.load_state_dict(state["sampler"])
+                set_rng_state(state["rng"])
+            except (KeyError, ValueError, TypeError, RuntimeError) as e:
+                raise CheckpointError(f"{ckpt.location}/{STATE_FILE}: does not fit this run: "
+                                      f"{e.__class__.__name__}: {str(e).splitlines()[0]}") from None
             step, initial_val = state["step"], state.get("initial_val_loss")
-            self.log(f"resumed from {path} at step {step}")
+            skips_total, skips_in_a_row = state.get("nonfinite_skips", (0, 0))
 
-        metrics = MetricsLogger(self.run_dir)
+        # Everything that can reject the input has run: from here on the run directory is written.
+        self._write_run_files(tokenizer_bytes)
+        for name in corrupt:  # never loaded again, kept for inspection
+            self.log(f"moved the corrupt checkpoint {store.location(name)} aside to {store.quarantine(name)}")
+        metrics = MetricsLogger(self.run_dir, resume_step=(step if ckpt is not None else -1) if self.resume else None)
+        if ckpt is not None:
+            self.log(f"resumed from {ckpt.location} at step {step}")
+        elif self.resume:
+            self.log(f"warning: no checkpoint in {store.url} yet: starting from step 0")
+        monitor = RoutingMonitor(model, cfg.monitor, self.run_dir, self.log, start_step=step)  # routing health
+        if ckpt is not None:
+            monitor.load_state_dict(state.get("monitor"))
         if initial_val is None:
             initial_val = evaluate(model, val_set, self.device, t.dtype)
             metrics.log({"step": 0, "val_loss": initial_val})
             self.log(f"step 0: val_loss {initial_val:.4f}")
 
-        def checkpoint() -> None:
+        def checkpoint() -> str:
             state = {
                 "step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                 "sampler": sampler.state_dict(), "rng": rng_state(), "initial_val_loss": initial_val,
-                "config": cfg.to_dict(),
+                "config": cfg.to_dict(), "monitor": monitor.state_dict(),
+                "nonfinite_skips": (skips_total, skips_in_a_row),
             }
-            save_checkpoint(ckpt_root, step, model, state, keep=t.keep_checkpoints)
+            files = {MODEL_FILE: encode_model(model), STATE_FILE: encode_state(state),
+                     TOKENIZER_FILE: tokenizer_bytes, CONFIG_FILE: self._config_bytes()}
+            where = store.save(step, files)
+            store.prune(t.keep_checkpoints, t.milestone_every)
+            return where
 
         end = t.steps if stop_at_step is None else min(t.steps, stop_at_step)
         tokens_per_step = t.batch_size * t.grad_accum * cfg.data.seq_len
@@ -183,35 +235,68 @@ class Trainer:
         bar = tqdm(total=t.steps, initial=step, disable=not self.progress, unit="step", dynamic_ncols=True)
         model.train()
         t_last, steps_since = time.perf_counter(), 0
-        while step < end:
-            result = train_step(model, sampler.next_batch, optimizer, scheduler, t, self.device)
-            lr = result.lr
-            step += 1
-            steps_since += 1
-            loss_value = float(result.lm_loss)  # one host sync per step (the progress bar shows it)
-            losses.append(loss_value)
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss_value:.3f}", lr=f"{lr:.2e}", refresh=False)
+        preempted, where = None, None
+        with GracefulStop() as stop:
+            try:
+                while step < end:
+                    result = train_step(model, sampler.next_batch, optimizer, scheduler, t, self.device)
+                    lr = result.lr
+                    step += 1
+                    steps_since += 1
+                    monitor.end_step(step, result.lm_loss)  # device-side only
+                    loss_value = float(result.lm_loss)  # one host sync per step (the progress bar shows it)
+                    losses.append(loss_value)
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{loss_value:.3f}", lr=f"{lr:.2e}", refresh=False)
+                    if result.skipped:
+                        skips_total += 1
+                        skips_in_a_row += 1
+                        self.log(f"warning: step {step}: non-finite loss ({loss_value}) or gradient norm "
+                                 f"({float(result.grad_norm)}): update skipped ({skips_in_a_row} in a row, "
+                                 f"{skips_total} in total; train.max_nonfinite_skips={t.max_nonfinite_skips})")
+                        metrics.log({"step": step, "skipped_nonfinite": True, "nonfinite_skips": skips_total})
+                    else:
+                        skips_in_a_row = 0
 
-            if step % t.log_every == 0 or step == end:
-                now = time.perf_counter()
-                tps = tokens_per_step * steps_since / (now - t_last)
-                t_last, steps_since = now, 0
-                record = {"step": step, "train_loss": loss_value, "lr": lr, "tokens_per_s": tps,
-                          "aux_loss": float(result.aux_loss), "z_loss": float(result.z_loss),
-                          "grad_norm": float(result.grad_norm)}
-                if (t.eval_every and step % t.eval_every == 0) or step == t.steps:
-                    val_loss = evaluate(model, val_set, self.device, t.dtype)
-                    record["val_loss"] = val_loss
-                bar.set_postfix(loss=f"{loss_value:.3f}", lr=f"{lr:.2e}", tok_s=f"{tps:.0f}")
-                metrics.log(record)
-            elif (t.eval_every and step % t.eval_every == 0) or step == t.steps:
-                val_loss = evaluate(model, val_set, self.device, t.dtype)
-                metrics.log({"step": step, "val_loss": val_loss})
-            if (t.ckpt_every and step % t.ckpt_every == 0) or step == end:
-                checkpoint()
-        bar.close()
-        metrics.close()
+                    if step % t.log_every == 0 or step == end:
+                        now = time.perf_counter()
+                        tps = tokens_per_step * steps_since / (now - t_last)
+                        t_last, steps_since = now, 0
+                        record = {"step": step, "train_loss": loss_value, "lr": lr, "tokens_per_s": tps,
+                                  "aux_loss": float(result.aux_loss), "z_loss": float(result.z_loss),
+                                  "grad_norm": float(result.grad_norm)}
+                        if (t.eval_every and step % t.eval_every == 0) or step == t.steps:
+                            val_loss = evaluate(model, val_set, self.device, t.dtype)
+                            record["val_loss"] = val_loss
+                        bar.set_postfix(loss=f"{loss_value:.3f}", lr=f"{lr:.2e}", tok_s=f"{tps:.0f}")
+                        record.update(monitor.flush(step, metrics.writer))
+                        metrics.log(record)
+                        monitor.raise_if_fatal(checkpoint)  # monitor.fatal alarms: checkpoint, then one-line error
+                    elif (t.eval_every and step % t.eval_every == 0) or step == t.steps:
+                        val_loss = evaluate(model, val_set, self.device, t.dtype)
+                        metrics.log({"step": step, "val_loss": val_loss})
+                    saved = (t.ckpt_every and step % t.ckpt_every == 0) or step == end
+                    if saved:
+                        where = checkpoint()
+                    if skips_in_a_row >= t.max_nonfinite_skips:
+                        # Skipped steps changed no weights: this checkpoint holds the last good state (the data
+                        # position and RNG move on, so a resume does not replay the same batches).
+                        where = where if saved else checkpoint()
+                        first = step - skips_in_a_row + 1
+                        raise MoetrainError(
+                            f"train.max_nonfinite_skips: {skips_in_a_row} consecutive steps ({first}-{step}) had a "
+                            f"non-finite loss or gradient, so training stopped; the last good state is in {where}; "
+                            "lower train.lr or check the data, then continue with --resume")
+                    if stop.received:
+                        where = where if saved else checkpoint()
+                        preempted = stop.received
+                        self.log(f"{preempted}: stopped after step {step} with checkpoint {where}; continue with: "
+                                 f"moetrain train --out {self.run_dir} --resume")
+                        break
+            finally:
+                bar.close()
+                monitor.close()
+                metrics.close()
         if val_loss is not None:
             self.log(f"step {step}: val_loss {val_loss:.4f} (before training: {initial_val:.4f})")
-        return TrainResult(self.run_dir, step, initial_val, val_loss, losses)
+        return TrainResult(self.run_dir, step, initial_val, val_loss, losses, preempted, skips_total)
