@@ -1,0 +1,208 @@
+"""Routing-health monitor: attaches to a model's MoE layers, turns their per-micro-batch records into per-layer
+statistics, alarms, ``metrics.jsonl`` fields and TensorBoard histograms / heatmaps.
+
+The monitor is attached from outside (forward hooks on each MoE layer, active only in training mode), so the model
+and the optimizer step stay unaware of it. The trainer calls three things:
+
+    monitor = RoutingMonitor(model, config.monitor, run_dir, log, start_step)
+    monitor.end_step(step, result.lm_loss)              # every optimizer step: device ops only, no host sync
+    record.update(monitor.flush(step, metrics.writer))  # logging steps: one host read, alarms, TensorBoard
+
+``metrics.jsonl`` keys (flat, so TensorBoard groups the scalars by layer; ``L`` is the transformer-block index of
+the MoE layer; statistics over the logging interval, defined in :mod:`moetrain.train.routing_stats`):
+
+    moe/layerL/tokens         [E] assignments per expert (list)      moe/layerL/cv, overload, max_share
+    moe/layerL/dead           [ids] experts idle >= dead_steps        moe/layerL/n_dead
+    moe/layerL/entropy        router entropy (nats)                   moe/layerL/router_z   mean logsumexp
+    moe/layerL/<name>         each ``*loss`` field of the layer record (aux_loss, z_loss, ...), unweighted
+    moe/layerL/drop_fraction  when the layer reports drops            moe/layerL/bias  [E] aux-loss-free biases
+    moe/interval_steps        steps in the interval                   moe/loss_spike_ratio, moe/nonfinite_steps
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from moetrain.train.alerts import ALERTS_FILE, AlertTracker, TrainingAlarm, truncate_alerts
+from moetrain.train.monitor_config import MonitorConfig
+from moetrain.train.routing_stats import RoutingStats, Snapshot
+
+# A 5-stop approximation of matplotlib's "viridis" (perceptually uniform, readable in grey), so training needs no
+# matplotlib for the TensorBoard heatmap.
+_VIRIDIS = np.array([[68, 1, 84], [59, 82, 139], [33, 145, 140], [94, 201, 98], [253, 231, 37]], dtype=np.float64)
+
+
+def colorize(values: np.ndarray, vmax: float) -> np.ndarray:
+    """[H, W] values in [0, vmax] -> [H, W, 3] uint8 viridis-like colours."""
+    x = np.clip(values / max(vmax, 1e-12), 0.0, 1.0) * (len(_VIRIDIS) - 1)
+    lo = np.floor(x).astype(int).clip(0, len(_VIRIDIS) - 2)
+    frac = (x - lo)[..., None]
+    return ((1 - frac) * _VIRIDIS[lo] + frac * _VIRIDIS[lo + 1]).round().astype(np.uint8)
+
+
+def _router_bias(layer: torch.nn.Module, num_experts: int) -> torch.Tensor | None:
+    """The layer's aux-loss-free routing bias: a router buffer [E] whose name contains ``bias`` (``None`` if the
+    router has none)."""
+    router = getattr(layer, "router", None)
+    if router is None:
+        return None
+    for name, buf in router.named_buffers(recurse=False):
+        if "bias" in name and buf is not None and tuple(buf.shape) == (num_experts,):
+            return buf
+    return None
+
+
+class RoutingMonitor:
+    """Routing statistics and alarms for every MoE layer of ``model``.
+
+    Args:
+        model: a model with ``blocks`` (each with ``is_moe`` and ``ffn``), e.g. ``MoETransformer``.
+        config: the run's :class:`MonitorConfig` (``enabled=False`` makes every method a no-op).
+        run_dir: where ``alerts.jsonl`` is appended.
+        log: prints alarm lines.
+        start_step: optimizer steps already done (a resumed run).
+    """
+
+    def __init__(self, model: torch.nn.Module, config: MonitorConfig, run_dir: Path,
+                 log: Callable[[str], None] = print, start_step: int = 0):
+        self.config, self.run_dir, self.enabled = config, Path(run_dir), config.enabled
+        blocks = list(getattr(model, "blocks", []))
+        self.layers = [(i, b.ffn) for i, b in enumerate(blocks) if getattr(b, "is_moe", False)]
+        moe_cfg = self.layers[0][1].config if self.layers else None
+        self.num_experts = moe_cfg.num_experts if moe_cfg else 0
+        self.top_k = moe_cfg.top_k if moe_cfg else 1
+        device = next(model.parameters()).device
+        self.stats = RoutingStats([i for i, _ in self.layers], self.num_experts, self.top_k, device,
+                                  config.spike_window, config.spike_warmup, start_step)
+        self.alerts = AlertTracker(config, self.run_dir / ALERTS_FILE, self.top_k, log)
+        if start_step > 0:  # resumed: the steps after the checkpoint run again, so do their alarms
+            truncate_alerts(self.run_dir / ALERTS_FILE, start_step)
+        self.history: list[deque] = [deque(maxlen=config.heatmap_history) for _ in self.layers]
+        self._handles = []
+        if self.enabled:
+            for pos, (_, layer) in enumerate(self.layers):
+                self._handles.append(layer.register_forward_hook(self._hook(pos)))
+
+    def _hook(self, pos: int):
+        def hook(module: torch.nn.Module, inputs: Any, output: Any) -> None:
+            # Training forwards only: evaluation (model.eval()) and generation must not count.
+            if module.training and isinstance(output, tuple):
+                self.stats.observe(pos, output[-1])
+
+        return hook
+
+    def end_step(self, step: int, lm_loss: torch.Tensor | float | None) -> None:
+        """Close optimizer step ``step`` (steps done so far); ``lm_loss`` is the step's scalar LM loss (device
+        tensor: no host sync)."""
+        if self.enabled:
+            self.stats.end_step(step, lm_loss)
+
+    def flush(self, step: int, writer: Any = None) -> dict[str, Any]:
+        """At a logging step: read the interval's statistics (one host sync), evaluate the alarms, write
+        TensorBoard histograms / heatmaps to ``writer`` (a ``SummaryWriter`` or ``None``), and return the
+        ``metrics.jsonl`` fields (see the module docstring; scalars are mirrored to TensorBoard by the metrics
+        logger)."""
+        if not self.enabled:
+            return {}
+        biases = [_router_bias(layer, self.num_experts) for _, layer in self.layers]
+        snap = self.stats.snapshot(biases)
+        self.last_snapshot = snap
+        self.alerts.update(snap)
+        if writer is not None:
+            self._tensorboard(snap, writer, step)
+        return snapshot_record(snap, self.config.dead_steps)
+
+    @property
+    def fatal(self) -> TrainingAlarm | None:
+        """The error for the first fatal alarm raised so far, else ``None``."""
+        alert = self.alerts.fatal
+        return TrainingAlarm(alert) if alert is not None else None
+
+    def raise_if_fatal(self, checkpoint: Callable[[], Any] | None = None) -> None:
+        """If a fatal alarm fired: write a checkpoint through ``checkpoint()`` (skipped for a non-finite loss,
+        whose weights may be non-finite: the previous checkpoint stays the newest), then raise it.
+
+        Raises:
+            TrainingAlarm: a ``monitor.fatal`` alarm fired.
+        """
+        alert = self.alerts.fatal
+        if alert is None:
+            return
+        note = ""
+        if checkpoint is not None and alert.kind != "nonfinite_loss":
+            checkpoint()
+            note = f" A checkpoint of step {alert.step} was written."
+        raise TrainingAlarm(alert, note)
+
+    def _tensorboard(self, snap: Snapshot, writer: Any, step: int) -> None:
+        for pos, ls in enumerate(snap.layers):
+            tag = f"moe/layer{ls.layer}"
+            tokens = np.asarray(ls.tokens, dtype=np.float64)
+            total = tokens.sum()
+            self.history[pos].append(tokens / (total / self.top_k) if total > 0 else np.zeros_like(tokens))
+            if self.config.tb_histograms and total > 0:
+                # Raw buckets: bucket e is expert e, its height the expert's tokens (a bar chart over experts).
+                idx = np.arange(len(tokens), dtype=np.float64)
+                writer.add_histogram_raw(
+                    f"{tag}/tokens_per_expert", min=0.0, max=float(len(tokens) - 1), num=float(total),
+                    sum=float((idx * tokens).sum()), sum_squares=float((idx ** 2 * tokens).sum()),
+                    bucket_limits=(idx + 0.5).tolist(), bucket_counts=tokens.tolist(), global_step=step)
+            if self.config.tb_histograms and ls.bias is not None:
+                writer.add_histogram(f"{tag}/bias", np.asarray(ls.bias), global_step=step)
+            if self.config.tb_heatmap:
+                self._heatmap(writer, f"{tag}/load_heatmap", np.stack(list(self.history[pos]), axis=1), step)
+
+    def _heatmap(self, writer: Any, tag: str, shares: np.ndarray, step: int) -> None:
+        """shares [E, H] (fraction of tokens per expert, H logging steps) -> an image, experts as rows, colour
+        scale 0..1 (1 = every token chose the expert)."""
+        try:
+            import PIL  # noqa: F401  (TensorBoard encodes images with Pillow)
+        except ImportError:
+            return
+        rows, cols = max(1, 96 // shares.shape[0]), max(1, 400 // max(shares.shape[1], 1))
+        image = np.repeat(np.repeat(colorize(shares, 1.0), rows, axis=0), cols, axis=1)  # [H, W, 3]
+        writer.add_image(tag, image, global_step=step, dataformats="HWC")
+
+    def state_dict(self) -> dict[str, Any]:
+        """Statistics windows and alarm episodes, for exact continuation after a resume."""
+        return {"stats": self.stats.state_dict(), "alerts": self.alerts.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """Restore :meth:`state_dict` output (``None``: a checkpoint from before monitoring; start afresh)."""
+        if state:
+            self.stats.load_state_dict(state["stats"])
+            self.alerts.load_state_dict(state["alerts"])
+
+    def close(self) -> None:
+        """Detach the hooks."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+def snapshot_record(snap: Snapshot, dead_steps: int) -> dict[str, Any]:
+    """The flat ``metrics.jsonl`` fields of one snapshot (keys in the module docstring); experts idle for
+    ``dead_steps`` or more steps are listed as dead."""
+    rec: dict[str, Any] = {"moe/interval_steps": snap.steps, "moe/nonfinite_steps": snap.nonfinite_steps}
+    if snap.spike_ratio is not None:
+        rec["moe/loss_spike_ratio"] = snap.spike_ratio
+    for ls in snap.layers:
+        p = f"moe/layer{ls.layer}/"
+        rec[p + "tokens"] = [round(t) for t in ls.tokens]
+        for name in ("cv", "overload", "max_share", "entropy", "router_z"):
+            rec[p + name] = getattr(ls, name)
+        for name, value in ls.losses.items():
+            rec[p + name] = value
+        if ls.drop_fraction is not None:
+            rec[p + "drop_fraction"] = ls.drop_fraction
+        rec[p + "dead"] = [e for e, idle in enumerate(ls.idle) if idle >= dead_steps]
+        rec[p + "n_dead"] = len(rec[p + "dead"])
+        if ls.bias is not None:
+            rec[p + "bias"] = ls.bias
+    return rec

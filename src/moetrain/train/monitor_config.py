@@ -1,0 +1,73 @@
+"""Configuration of routing-health monitoring: what is collected, and when each alarm fires.
+
+The alarms and why each matters (Switch Transformer, Fedus et al., 2021, sec. 2.2; ST-MoE, Zoph et al., 2022,
+sec. 3): a *dead expert* receives no tokens and stops learning; a *collapse* sends most tokens to one expert, so
+the layer degenerates into a dense FFN; *token drops* (capacity-limited layers) silently skip the FFN for some
+tokens; a *loss spike* or a *non-finite loss* usually precedes divergence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from moetrain.configlib import require
+
+AlarmKind = Literal["dead_expert", "collapse", "token_drop", "loss_spike", "nonfinite_loss"]
+ALARM_KINDS: tuple[str, ...] = ("dead_expert", "collapse", "token_drop", "loss_spike", "nonfinite_loss")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MonitorConfig:
+    """Routing statistics (per MoE layer, per logging interval ``train.log_every``) and alarm thresholds.
+
+    Alarms are evaluated at logging steps from statistics tracked at every step on the device, so nothing between
+    two logging steps is missed; an alarm is printed and appended to ``RUN_DIR/alerts.jsonl`` once per episode
+    (it re-arms when its condition has cleared at a later logging step).
+
+    Fields:
+        enabled: collect routing statistics and evaluate alarms (off: the trainer logs as before).
+        dead_steps: an expert that received no tokens for this many consecutive optimizer steps is dead
+            (>= 1; a value above ``train.steps`` silences the alarm).
+        collapse_fraction: collapse alarm when one expert is chosen by more than this fraction of a layer's tokens
+            over a logging interval (a token chooses K experts, so balanced routing gives K / E; in (0, 1]; 1.0
+            never fires). Not evaluated when K == E (every expert sees every token).
+        drop_fraction: token-drop alarm when more than this fraction of a layer's (token, expert) assignments was
+            dropped by the capacity limit over a logging interval (in [0, 1]; 1.0 never fires). Only for layers
+            whose record reports dropped counts.
+        spike_factor: loss-spike alarm when a step's LM loss exceeds ``spike_factor`` times the median of the
+            previous ``spike_window`` steps' losses (> 1; 0 disables).
+        spike_window: steps in the rolling median (>= 1).
+        spike_warmup: steps of loss history needed before spikes are checked (>= 1, <= ``spike_window``).
+        fatal: alarm kinds that stop training with an error (exit status 2) after writing a checkpoint
+            (``nonfinite_loss`` writes none: the weights may already be non-finite; the previous checkpoint stays).
+        tb_histograms: write per-layer histograms (tokens per expert, aux-loss-free biases) to TensorBoard.
+        tb_heatmap: write a per-layer expert-load heatmap image (experts x logging steps) to TensorBoard.
+        heatmap_history: logging steps kept for the TensorBoard heatmap (columns).
+    """
+
+    enabled: bool = True
+    dead_steps: int = 100
+    collapse_fraction: float = 0.9
+    drop_fraction: float = 0.1
+    spike_factor: float = 1.5
+    spike_window: int = 50
+    spike_warmup: int = 10
+    fatal: tuple[AlarmKind, ...] = ()
+    tb_histograms: bool = True
+    tb_heatmap: bool = True
+    heatmap_history: int = 200
+
+    def __post_init__(self) -> None:
+        require(self.dead_steps >= 1, "dead_steps", f"must be >= 1, got {self.dead_steps}")
+        require(0 < self.collapse_fraction <= 1, "collapse_fraction",
+                f"must be in (0, 1], got {self.collapse_fraction}")
+        require(0 <= self.drop_fraction <= 1, "drop_fraction", f"must be in [0, 1], got {self.drop_fraction}")
+        require(self.spike_factor == 0 or self.spike_factor > 1, "spike_factor",
+                f"must be > 1 (or 0 to disable), got {self.spike_factor}")
+        require(self.spike_window >= 1, "spike_window", f"must be >= 1, got {self.spike_window}")
+        require(1 <= self.spike_warmup <= self.spike_window, "spike_warmup",
+                f"must be in [1, spike_window={self.spike_window}], got {self.spike_warmup}")
+        require(self.heatmap_history >= 1, "heatmap_history", f"must be >= 1, got {self.heatmap_history}")
+        for kind in self.fatal:
+            require(kind in ALARM_KINDS, "fatal", f"unknown alarm {kind!r}; choose from {list(ALARM_KINDS)}")
