@@ -339,7 +339,10 @@ class CheckpointStore:
             os.rename(self.root / name, self.root / new)
             _fsync_dir(self.root)
             return str(self.root / new)
-        self.fs.mv(self._remote(name), self._remote(new), recursive=True)
+        src = self._remote(name)
+        for obj in self.fs.find(src):  # object by object: prefix "directories" do not move as a whole everywhere
+            self.fs.copy(obj, self._remote(new) + obj[len(src):])
+        self.fs.rm(src, recursive=True)
         self.fs.invalidate_cache(self.root)
         return self.url.rstrip("/") + "/" + new
 
