@@ -51,9 +51,10 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_size = config.n_heads, config.n_kv_heads, config.head_size
         self.rope_theta = config.rope_theta
         d, hd = config.hidden, config.head_size
-        self.q_proj = nn.Linear(d, self.n_heads * hd, bias=False)
-        self.k_proj = nn.Linear(d, self.n_kv_heads * hd, bias=False)
-        self.v_proj = nn.Linear(d, self.n_kv_heads * hd, bias=False)
+        bias = config.attention_bias  # q/k/v only, as Qwen2's qkv_bias
+        self.q_proj = nn.Linear(d, self.n_heads * hd, bias=bias)
+        self.k_proj = nn.Linear(d, self.n_kv_heads * hd, bias=bias)
+        self.v_proj = nn.Linear(d, self.n_kv_heads * hd, bias=bias)
         self.o_proj = nn.Linear(self.n_heads * hd, d, bias=False)
         self.qk_norm = config.qk_norm
         if config.qk_norm == "head":
