@@ -161,6 +161,8 @@ def train_step(
     config: TrainConfig,
     device: torch.device,
     count_reducer: CountReducer | None = None,
+    sync_grads: Callable[[float], torch.Tensor] | None = None,
+    reduce_mean: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> StepResult:
     """Run ``config.grad_accum`` micro-batches from ``next_batch()`` (inputs, targets [B, S] int64), then clip and
     step the optimizer and scheduler, then update the expert biases.
@@ -168,14 +170,24 @@ def train_step(
     Args:
         count_reducer: data parallelism only: sums [L, E] expert counts over the DP ranks (for the global-batch aux
             loss and the expert-bias update); ``None`` on a single rank.
+        sync_grads: data / expert parallelism only: turns this rank's gradients into the global batch's (the
+            all-reduces), clips them to the given max norm and returns the global norm
+            (:meth:`moetrain.parallel.launch.ParallelHooks.sync_grads`); ``None``: ``clip_grad_norm_`` here.
+        reduce_mean: data parallelism only: the mean over ranks of a 1-D tensor of this rank's losses, so that
+            every rank reports, and decides to skip a non-finite step on, the same values.
     """
     batches = [next_batch() for _ in range(config.grad_accum)]
     acc = accumulate_gradients(model, batches, config.dtype, device, count_reducer)
+    if reduce_mean is not None:
+        names = list(acc.moe_losses)
+        means = reduce_mean(torch.stack([acc.lm_loss, *acc.moe_losses.values()]))
+        acc.lm_loss, acc.moe_losses = means[0], dict(zip(names, means[1:]))
     lm, aux, z = acc.lm_loss, acc.moe_losses["aux_loss"], acc.moe_losses["z_loss"]
     counts = list(acc.tokens_per_expert.unbind(0))
     dropped = list(acc.dropped_per_expert.unbind(0))
     max_norm = config.grad_clip if config.grad_clip > 0 else float("inf")
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    grad_norm = (torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) if sync_grads is None
+                 else sync_grads(max_norm))
     lr = scheduler.get_last_lr()[0]
     result = StepResult(lm_loss=lm, aux_loss=aux, z_loss=z, grad_norm=grad_norm, lr=lr, tokens_per_expert=counts,
                         moe_losses=acc.moe_losses, dropped_per_expert=dropped)

@@ -1,0 +1,132 @@
+"""All-gather token dispatcher for expert parallelism (``parallel.dispatcher = "all_gather"``).
+
+Legend: T = this rank's tokens, T_max = the most tokens on any rank of the EP group, D = hidden, E = experts,
+K = top-k, P = ep, E_l = E / P local experts, R = rows for this rank's experts, C = capacity.
+
+Every rank all-gathers the tokens, expert ids, gating weights and keep flags of its EP group, lays out the rows of
+its own experts with the local dispatcher (assignments to other ranks' experts count as dropped), computes them,
+combines them into a [P * T_max, D] fp32 buffer of partial outputs, and a sum-reduce-scatter returns each rank the
+complete output of its own tokens (Megatron-Core ``MoEAllGatherTokenDispatcher``). Simpler than all-to-all and free
+of uneven splits, but each rank receives all P * T tokens instead of its share: for small EP groups or as a
+cross-check. In the capacity layout each local expert gets P * C slots (C per source rank, in source order).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from moetrain.moe.dispatch import DispatchMeta, LocalDispatcher
+from moetrain.parallel.comm import CommStats
+from moetrain.parallel.exchange import AllGather, KeepGradPath, ReduceScatter, all_gather_rows
+from moetrain.parallel.mesh import ParallelMesh
+
+
+@dataclass(frozen=True)
+class AllGatherMeta:
+    """What :meth:`AllGatherDispatcher.combine` needs.
+
+    Attributes:
+        local: the local dispatcher's metadata over the gathered [P * T_max] tokens.
+        rows_before / num_rows / rows_total: this rank's R = ``num_rows`` rows start at ``rows_before`` in the
+            gathered layout of ``rows_total`` rows.
+        received: [max(R, 1), D] rows handed to the experts (kept so the backward always reaches the gather; one
+            zero row when R = 0).
+        num_tokens: T.
+    """
+
+    local: DispatchMeta
+    rows_before: int
+    num_rows: int
+    rows_total: int
+    received: torch.Tensor
+    num_tokens: int
+
+
+class AllGatherDispatcher:
+    """Same interface as :class:`~moetrain.moe.dispatch.LocalDispatcher`; rows for this rank's experts only.
+
+    Args:
+        num_experts: E.  mesh: this rank's mesh position.  stats: optional counters.  name: label for errors.
+    """
+
+    supports_capacity = True
+
+    def __init__(self, num_experts: int, mesh: ParallelMesh, stats: CommStats | None = None, name: str = "moe"):
+        self.num_experts = num_experts
+        self.ep, self.group = mesh.ep, mesh.ep_group
+        self.local_experts = mesh.local_experts(num_experts)
+        self.permuter = LocalDispatcher(num_experts)
+        self.stats = stats
+        self.name = name
+
+    def dispatch(
+        self,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        keep: torch.Tensor | None = None,
+        capacity: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, AllGatherMeta]:
+        """Args:
+            x: [T, D].  topk_ids: [T, K] int64 global expert ids.  topk_weights: [T, K] fp32.
+            keep: [T, K] bool, False for dropped assignments.  capacity: C for the capacity layout.
+        Returns:
+            (rows [R, D] grouped by local expert, rows per local expert [E_l] int64, meta).
+        Raises:
+            CollectiveError: a peer failed in one of the gathers.
+        """
+        p, (t, k) = self.ep, topk_ids.shape
+        sizes = all_gather_rows(torch.tensor([t], device=x.device), self.group, p,
+                                f"all_gather (MoE token counts, {self.name})")
+        t_max = int(sizes.max())  # host sync: the padded size
+        pad = (0, 0, 0, t_max - t)
+        if keep is None:
+            keep = torch.ones_like(topk_ids, dtype=torch.bool)
+        x_all = AllGather.apply(F.pad(x, pad), self.group, p, f"all_gather (MoE tokens, {self.name})")
+        w_all = AllGather.apply(F.pad(topk_weights, pad), self.group, p,
+                                f"all_gather (MoE gating weights, {self.name})")
+        # Expert ids and keep flags travel together (padding rows: not kept).
+        ids_keep = torch.cat([topk_ids, keep.to(topk_ids.dtype)], dim=1)
+        ids_keep = all_gather_rows(F.pad(ids_keep, pad), self.group, p, f"all_gather (MoE expert ids, {self.name})")
+        ids_all, keep_all = ids_keep[:, :k], ids_keep[:, k:].bool()
+        mine = (ids_all >= self.local_experts.start) & (ids_all < self.local_experts.stop)
+        layout = None if capacity is None else p * capacity
+        rows, counts, local_meta = self.permuter.dispatch(x_all, ids_all, w_all, keep=keep_all & mine,
+                                                          capacity=layout)
+        per_expert = rows.shape[0] // self.num_experts if layout is not None else None
+        if layout is None:  # other experts' rows are all "dropped": this rank's rows come first
+            before, n = 0, int(counts.sum())  # host sync
+        else:
+            before, n = self.local_experts.start * per_expert, len(self.local_experts) * per_expert
+        # An empty [0, D] input trips grouped_mm; rows past the last expert's are ignored by every backend.
+        grouped = F.pad(rows[before : before + n], (0, 0, 0, 1 if n == 0 else 0))
+        if self.stats is not None and torch.is_grad_enabled():  # training passes only
+            row_bytes = x.shape[1] * x.element_size()
+            self.stats.dispatch_rows_sent += t_max
+            self.stats.dispatch_rows_sent_remote += t_max * (p - 1)
+            self.stats.dispatch_bytes_sent += t_max * row_bytes
+            self.stats.dispatch_bytes_sent_remote += t_max * (p - 1) * row_bytes
+            self.stats.tokens_received += int(counts[self.local_experts.start : self.local_experts.stop].sum())
+        meta = AllGatherMeta(local=local_meta, rows_before=before, num_rows=n, rows_total=rows.shape[0],
+                             received=grouped, num_tokens=t)
+        return grouped, counts[self.local_experts.start : self.local_experts.stop], meta
+
+    def combine(self, y: torch.Tensor, meta: AllGatherMeta) -> torch.Tensor:
+        """y: [R, D] -> [T, D] (dtype of y): the local combine over the gathered tokens gives partial outputs
+        (fp32), summed over the EP group by a reduce-scatter (so the rounding order differs from the local
+        dispatcher's by about one ulp).
+
+        Raises:
+            CollectiveError: a peer failed in the reduce-scatter.
+        """
+        y = KeepGradPath.apply(y, meta.received)[: meta.num_rows]
+        after = meta.rows_total - meta.rows_before - y.shape[0]
+        full = F.pad(y.float(), (0, 0, meta.rows_before, after))  # other experts' rows: zeros, ignored
+        partial = self.permuter.combine(full, meta.local)  # [P * T_max, D] fp32
+        if self.stats is not None and torch.is_grad_enabled():  # training passes only
+            self.stats.combine_bytes_sent += partial.numel() * partial.element_size()
+        out = ReduceScatter.apply(partial, self.group, self.ep, f"reduce_scatter (MoE combine, {self.name})")
+        return out[: meta.num_tokens].to(y.dtype)

@@ -1,0 +1,171 @@
+"""Distributed checkpoints with ``torch.distributed.checkpoint`` (DCP): each rank writes its own expert shards,
+replicated tensors are written once, and loading reshards to any EP size, one process included.
+
+Legend: E = experts, E_l = E / ep local experts.
+
+An expert shard [E_l, ...] is presented to DCP as a ``DTensor`` of global shape [E, ...] placed ``(Replicate(),
+Shard(0))`` on the ``(dp, ep)`` mesh, sharing storage with the parameter (no copy); every other tensor is a plain
+tensor, which DCP treats as replicated. The checkpoint's metadata thus describes global tensors and chunk offsets
+only, so any process count can read it: an EP=4 checkpoint loads at EP=2 or in one process (whole [E, ...]
+tensors), and an EP=1 checkpoint loads at EP=4. The AdamW moments of an expert shard are sharded the same way.
+
+Layout of one checkpoint directory: DCP's ``.metadata`` and ``__<rank>_0.distcp`` files, plus ``moetrain.json``
+(step, world size, ep) written by rank 0 last, so its presence marks a complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from moetrain.errors import CheckpointError
+from moetrain.parallel.comm import named_collective
+from moetrain.parallel.mesh import ParallelMesh
+from moetrain.parallel.sharding import ExpertShard
+
+MARKER = "moetrain.json"
+
+
+def is_dcp_checkpoint(path: Path) -> bool:
+    """Whether ``path`` holds a complete checkpoint written by :func:`save`."""
+    return (path / MARKER).is_file() and (path / ".metadata").is_file()
+
+
+def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= size
+    return tuple(reversed(stride))
+
+
+def _wrap(tensor: torch.Tensor, shard: ExpertShard | None, mesh: ParallelMesh) -> torch.Tensor:
+    """``tensor`` itself, or for an expert shard a DTensor view of it with the global shape."""
+    if shard is None or not mesh.distributed or mesh.ep == 1:
+        return tensor
+    shape = shard.global_shape(tensor.shape)
+    return DTensor.from_local(tensor, mesh.mesh, [Replicate(), Shard(0)], run_check=False, shape=shape,
+                              stride=_contiguous_stride(shape))
+
+
+def _param_names(model: nn.Module) -> dict[nn.Parameter, str]:
+    return {p: name for name, p in model.named_parameters()}
+
+
+@torch.no_grad()
+def materialise_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give every parameter its optimizer state tensors (so DCP can load into them) by one step with zero
+    gradients and learning rate 0, which changes no parameter (AdamW: decay ``1 - 0 * wd``, update ``0 * m``)."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if all(optimizer.state.get(p) for p in params):
+        return
+    grads = [p.grad for p in params]
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    for g in optimizer.param_groups:
+        g["lr"] = 0.0
+    optimizer.step()
+    for p, g in zip(params, grads):
+        p.grad = g
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
+
+
+def _state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None, plan: dict[str, ExpertShard],
+                mesh: ParallelMesh) -> dict[str, Any]:
+    """The tensors DCP reads and writes: ``model`` (the module's state dict, shards wrapped) and ``optim`` (each
+    parameter's optimizer state keyed by the parameter's name, shards wrapped)."""
+    state: dict[str, Any] = {"model": {k: _wrap(v, plan.get(k), mesh) for k, v in model.state_dict().items()}}
+    if optimizer is not None:
+        names = _param_names(model)
+        state["optim"] = {
+            names[p]: {k: _wrap(v, plan.get(names[p]), mesh) if torch.is_tensor(v) and v.shape == p.shape else v
+                       for k, v in s.items()}
+            for p, s in optimizer.state.items()
+        }
+    return state
+
+
+def _pickled(obj: Any) -> io.BytesIO:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return buf
+
+
+def save(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, plan: dict[str, ExpertShard],
+         mesh: ParallelMesh, extra: dict[str, Any] | None = None) -> None:
+    """Write a checkpoint of the (sharded) model, its optimizer and ``extra`` (any picklable data: step,
+    scheduler, sampler, RNG) into the directory ``path``. A collective: every rank calls it.
+
+    Args:
+        path: the checkpoint directory (created; shared by all ranks, e.g. on a shared file system).
+        model / optimizer: this rank's model and optimizer (``optimizer`` may be ``None``).
+        plan: the expert shards (:func:`moetrain.parallel.sharding.shard_experts`).
+        mesh: this rank's mesh position.
+        extra: replicated training state (one rank's copy is kept: it must be the same on every rank).
+    Raises:
+        CollectiveError: a peer failed while the checkpoint was written.
+    """
+    path = Path(path)
+    state = _state_dict(model, optimizer, plan, mesh)
+    names = _param_names(model)
+    groups = None
+    if optimizer is not None:
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[p] for p in g["params"]]}
+                  for g in optimizer.param_groups]
+    # One opaque blob, so DCP does not flatten (and split) nested Python data.
+    state["meta"] = _pickled({"param_groups": groups, "extra": extra or {}})
+    with named_collective("torch.distributed.checkpoint.save (gather plans, write shards)"):
+        dcp.save(state, checkpoint_id=str(path))
+    if mesh.is_main:
+        marker = {"format": "torch.distributed.checkpoint", "world_size": mesh.world_size, "ep": mesh.ep,
+                  "dp": mesh.dp, "experts_sharded": sorted(plan)}
+        (path / MARKER).write_text(json.dumps(marker, indent=1))
+    if mesh.distributed:
+        with named_collective("barrier (checkpoint written)"):
+            dist.barrier()
+
+
+def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, plan: dict[str, ExpertShard],
+         mesh: ParallelMesh) -> dict[str, Any]:
+    """Load a checkpoint written by :func:`save` at any EP / world size into this rank's (sharded) model and
+    optimizer, in place; return the ``extra`` data.
+
+    Raises:
+        CheckpointError: not a complete checkpoint, or a tensor missing or of another shape (a different model).
+        CollectiveError: a peer failed while loading.
+    """
+    path = Path(path)
+    if not is_dcp_checkpoint(path):
+        raise CheckpointError(f"{path}: not a complete distributed checkpoint (no {MARKER} or .metadata)")
+    if optimizer is not None:
+        materialise_optimizer_state(optimizer)
+    state = _state_dict(model, optimizer, plan, mesh)
+    state["meta"] = io.BytesIO()
+    try:
+        with named_collective("torch.distributed.checkpoint.load (read shards)"):
+            dcp.load(state, checkpoint_id=str(path))
+    except CheckpointException as e:  # DCP's report of missing keys and shape mismatches, from any rank
+        reason = " ".join(str(e).split())[:500]
+        raise CheckpointError(f"{path}: does not fit this model: {reason}") from None
+    state["meta"].seek(0)
+    meta = torch.load(state["meta"], weights_only=False)
+    if optimizer is not None:
+        names = _param_names(model)
+        index = {names[p]: i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+        local = {index[n]: {k: (v.to_local() if isinstance(v, DTensor) else v) for k, v in s.items()}
+                 for n, s in state["optim"].items()}
+        groups = [{**g, "params": [index[n] for n in g["params"]]} for g in meta["param_groups"]]
+        optimizer.load_state_dict({"state": local, "param_groups": groups})
+    return meta["extra"]

@@ -1,0 +1,107 @@
+"""Differentiable collectives used by the expert-parallel dispatchers (each backward is the reverse collective).
+
+Legend: R = rows, D = hidden, P = ranks in the group.
+
+Each forward and backward runs inside :func:`~moetrain.parallel.comm.named_collective`, so a failed peer is
+reported with the collective's name. All functions are SPMD: every rank of the group must call them in the same
+order, in forward and in backward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from moetrain.parallel.comm import named_collective
+
+# torch >= 2.10 names; older releases (pyproject allows torch >= 2.8) have the *_tensor spellings.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def all_to_all_rows(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group, name: str):
+    """Non-differentiable ``all_to_all_single`` along dim 0: ``x`` [sum(input_splits), ...] ->
+    [sum(output_splits), ...]; rows ``input_splits[p]`` go to rank p of ``group``."""
+    out = x.new_empty((sum(output_splits), *x.shape[1:]))
+    with named_collective(name, group):
+        dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
+    return out
+
+
+class AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` with uneven splits; backward sends the gradients back with the splits swapped."""
+
+    @staticmethod
+    def forward(ctx, x, output_splits: list[int], input_splits: list[int], group, name: str):  # noqa: D102
+        ctx.splits, ctx.group, ctx.name = (output_splits, input_splits), group, name
+        return all_to_all_rows(x, output_splits, input_splits, group, name)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: D102
+        output_splits, input_splits = ctx.splits
+        g = all_to_all_rows(grad, input_splits, output_splits, ctx.group, f"{ctx.name} [backward]")
+        return g, None, None, None, None
+
+
+def all_gather_rows(x: torch.Tensor, group, size: int, name: str) -> torch.Tensor:
+    """Non-differentiable all-gather along dim 0: [R, ...] on each of ``size`` ranks -> [size * R, ...]."""
+    out = x.new_empty((size * x.shape[0], *x.shape[1:]))
+    with named_collective(name, group):
+        _all_gather_single(out, x.contiguous(), group=group)
+    return out
+
+
+def reduce_scatter_rows(x: torch.Tensor, group, size: int, name: str) -> torch.Tensor:
+    """Non-differentiable sum-reduce-scatter along dim 0: [size * R, ...] -> [R, ...] (rank p gets block p)."""
+    out = x.new_empty((x.shape[0] // size, *x.shape[1:]))
+    with named_collective(name, group):
+        _reduce_scatter_single(out, x.contiguous(), group=group)
+    return out
+
+
+class AllGather(torch.autograd.Function):
+    """All-gather along dim 0; backward: sum-reduce-scatter of the gradient (each rank's rows collect the
+    gradient every rank computed for them)."""
+
+    @staticmethod
+    def forward(ctx, x, group, size: int, name: str):  # noqa: D102
+        ctx.group, ctx.size, ctx.name = group, size, name
+        return all_gather_rows(x, group, size, name)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: D102
+        return reduce_scatter_rows(grad, ctx.group, ctx.size, f"{ctx.name} [backward]"), None, None, None
+
+
+class ReduceScatter(torch.autograd.Function):
+    """Sum-reduce-scatter along dim 0; backward: all-gather of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group, size: int, name: str):  # noqa: D102
+        ctx.group, ctx.size, ctx.name = group, size, name
+        return reduce_scatter_rows(x, group, size, name)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: D102
+        return all_gather_rows(grad, ctx.group, ctx.size, f"{ctx.name} [backward]"), None, None, None
+
+
+class KeepGradPath(torch.autograd.Function):
+    """Identity on ``y`` whose backward also hands ``received`` a zero gradient.
+
+    Why: the dispatch exchange's backward is a collective, so it must run on every rank. If this rank's experts
+    received no rows, their output may not depend on the received tensor at all, autograd would then skip the
+    exchange's backward here and the peers would wait in it until the time-out. The cost is one zero [R, D] tensor
+    added in backward.
+    """
+
+    @staticmethod
+    def forward(ctx, y, received):  # noqa: D102
+        ctx.received_meta = (received.shape, received.dtype, received.device)
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: D102
+        shape, dtype, device = ctx.received_meta
+        zero = torch.zeros(shape, dtype=dtype, device=device) if ctx.needs_input_grad[1] else None
+        return grad, zero

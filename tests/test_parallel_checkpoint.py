@@ -1,0 +1,152 @@
+"""Distributed checkpoints (torch.distributed.checkpoint) reshard across expert-parallel sizes.
+
+One chain, each link checked against the previous one:
+  1 process trains one step and saves (DCP, no process group)
+  -> 4 ranks (EP=4) load it, save again at EP=4, take the next step
+  -> 2 ranks (EP=2) load the EP=4 checkpoint, take the next step
+  -> 1 process loads the EP=4 checkpoint, takes the next step.
+Every load must restore the saved parameters exactly (bit for bit), and every next step must give the loss and the
+parameters of the uninterrupted single-process run (so the AdamW moments and the LR schedule were resharded and
+restored too). fp64 weights.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from _parallel_util import spawn
+from moetrain.config import build_config
+from moetrain.errors import CheckpointError
+from moetrain.model.transformer import MoETransformer
+from moetrain.parallel import dcp
+from moetrain.parallel.launch import ParallelHooks
+from moetrain.parallel.mesh import build_mesh, single_process
+from moetrain.parallel.sharding import gather_full
+from moetrain.train.schedule import build_scheduler
+from moetrain.train.step import train_step
+from moetrain.train.trainer import build_optimizer
+
+BATCH, SEQ = 4, 8
+
+
+def _config(ep: int):
+    # The per-micro-batch Switch loss is per rank (not global): use the global-batch one, as under DP it is exact.
+    moe = {"num_experts": 4, "top_k": 2, "expert_ffn_hidden": 16, "backend": "loop", "expert_bias": True,
+           "aux_loss_coeff": 0.0, "global_aux_loss_coeff": 0.01}
+    return build_config("tiny", overrides={
+        "model": {"vocab_size": 64, "hidden": 16, "n_heads": 2, "n_kv_heads": 1, "ffn_hidden": 32, "moe": moe},
+        "data": {"seq_len": SEQ},
+        "train": {"batch_size": BATCH, "lr": 1e-2, "warmup_steps": 3, "device": "cpu"},
+        "parallel": {"ep": ep},
+    })
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    b = torch.randint(0, 64, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(100 + step))
+    return b[:, :-1], b[:, 1:]
+
+
+def _setup(mesh, seed: int):
+    """A fresh model (initialised with ``seed``: a load must overwrite it all), sharded for ``mesh``."""
+    cfg = _config(mesh.ep)
+    torch.manual_seed(seed)
+    model = MoETransformer(cfg.model).double()
+    hooks = ParallelHooks(mesh)
+    hooks.prepare_model(model)
+    opt = build_optimizer(model, cfg)
+    return cfg, model, hooks, opt, build_scheduler(opt, cfg.train)
+
+
+def _step(cfg, model, hooks, opt, sched, step: int) -> float:
+    kwargs = ({"count_reducer": hooks.count_reducer, "sync_grads": hooks.sync_grads, "reduce_mean": hooks.reduce_mean}
+              if hooks.distributed else {})
+    result = train_step(model, hooks.local_batch(lambda: _batch(step)), opt, sched, cfg.train, torch.device("cpu"),
+                        **kwargs)
+    return float(result.lm_loss)
+
+
+def _full_params(model, hooks) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, p in model.named_parameters():
+        out[name] = gather_full(p.detach(), hooks.plan[name], hooks.mesh) if name in hooks.plan else p.detach().clone()
+    for name, b in model.named_buffers():
+        if "bias" in name:
+            out[name] = b.clone()
+    return out
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def _load_and_step(mesh, path, step: int):
+    cfg, model, hooks, opt, sched = _setup(mesh, seed=99)
+    extra = dcp.load(path, model, opt, hooks.plan, mesh)
+    sched.load_state_dict(extra["scheduler"])
+    loaded = _full_params(model, hooks)
+    loss = _step(cfg, model, hooks, opt, sched, step)
+    return loaded, loss, _full_params(model, hooks), (cfg, model, hooks, opt, sched)
+
+
+def _ep_worker(rank: int, world: int, out_dir, src, dst) -> dict:
+    mesh = build_mesh(world, timeout_s=60)
+    loaded, loss, after, (cfg, model, hooks, opt, sched) = _load_and_step(mesh, src, step=1)
+    if dst is not None:  # re-save the state just loaded (before the step above) at this EP size
+        cfg, model, hooks, opt, sched = _setup(mesh, seed=7)
+        extra = dcp.load(src, model, opt, hooks.plan, mesh)
+        sched.load_state_dict(extra["scheduler"])
+        dcp.save(dst, model, opt, hooks.plan, mesh, extra={"scheduler": sched.state_dict()})
+    return {"loaded": loaded, "loss": loss, "after": after}
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("ckpt")
+    mesh = single_process()
+    cfg, model, hooks, opt, sched = _setup(mesh, seed=0)
+    _step(cfg, model, hooks, opt, sched, step=0)
+    saved = _full_params(model, hooks)
+    dcp.save(root / "ep1", model, opt, hooks.plan, mesh, extra={"scheduler": sched.state_dict()})
+    reference = copy.deepcopy((model, opt, sched))
+    ref_loss = _step(cfg, *reference[:1], hooks, *reference[1:], step=1)
+    ref_after = _full_params(reference[0], hooks)
+
+    ep4 = spawn(_ep_worker, 4, root / "w4", root / "ep1", root / "ep4")
+    ep2 = spawn(_ep_worker, 2, root / "w2", root / "ep4", None)
+    single = _load_and_step(single_process(), root / "ep4", step=1)[:3]
+    return {"saved": saved, "ref_loss": ref_loss, "ref_after": ref_after, "root": root,
+            "ep4": ep4, "ep2": ep2, "single": [dict(zip(("loaded", "loss", "after"), single))]}
+
+
+@pytest.mark.parametrize("run", ["ep4", "ep2", "single"])
+def test_resume_reshards_exactly(chain, run):
+    for rank, r in enumerate(chain[run]):
+        assert _max_diff(r["loaded"], chain["saved"]) == 0.0, (run, rank)
+        assert abs(r["loss"] - chain["ref_loss"]) <= 1e-6 * abs(chain["ref_loss"]), (run, rank, r["loss"])
+        assert _max_diff(r["after"], chain["ref_after"]) <= 1e-9, (run, rank)
+
+
+def test_step_changed_the_weights(chain):
+    """The resumed step moved the parameters (so matching them after the step tests the optimizer state)."""
+    assert _max_diff(chain["ref_after"], chain["saved"]) > 1e-4
+
+
+def test_checkpoint_layout(chain):
+    """EP=4 wrote one shard file per rank, and the marker records the mesh."""
+    files = sorted(p.name for p in (chain["root"] / "ep4").iterdir())
+    assert [f for f in files if f.endswith(".distcp")] == [f"__{r}_0.distcp" for r in range(4)]
+    assert dcp.is_dcp_checkpoint(chain["root"] / "ep4")
+
+
+def test_wrong_model_is_a_checkpoint_error(chain, tmp_path):
+    cfg = _config(1)
+    model = MoETransformer(build_config("tiny", overrides={"model": {"vocab_size": 64, "hidden": 32}}).model).double()
+    with pytest.raises(CheckpointError, match="does not fit"):
+        dcp.load(chain["root"] / "ep4", model, None, {}, single_process())
+    with pytest.raises(CheckpointError, match="not a complete distributed checkpoint"):
+        dcp.load(tmp_path, model, None, {}, single_process())
+    del cfg

@@ -1,0 +1,163 @@
+"""Expert parallelism, layer level: an MoE layer whose experts are sharded over EP ranks (gloo, 2 and 4 processes)
+gives the same output, loss and gradients (experts, router, input) as one process running the whole batch with the
+local dispatcher; the communication counters match the traffic predicted from the routing.
+
+Every rank reads its own slice of a global batch; the reference is the unsharded layer on the whole batch in the
+same process. Loss: mean over tokens of <y_t, c_t> plus the router z-loss (both token means, so the global loss is
+the mean of the rank losses).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from _parallel_util import spawn
+from moetrain.moe.config import MoEConfig
+from moetrain.moe.layer import MoELayer
+from moetrain.parallel.all_gather import AllGatherDispatcher
+from moetrain.parallel.all_to_all import AllToAllDispatcher
+from moetrain.parallel.comm import CommStats
+from moetrain.parallel.grads import all_reduce_mean, sync_gradients
+from moetrain.parallel.mesh import build_mesh
+from moetrain.parallel.sharding import shard_experts
+
+D, F_HIDDEN, T_PER_RANK, K = 8, 16, 6, 2
+DISPATCHERS = {"all_to_all": AllToAllDispatcher, "all_gather": AllGatherDispatcher}
+
+
+def _setup(case: dict, world: int):
+    """The full layer, the global batch and the loss weights, identical on every rank (fixed seed)."""
+    dtype = torch.float64 if case["dtype"] == "fp64" else torch.float32
+    cfg = MoEConfig(num_experts=case["experts"], top_k=K, expert_ffn_hidden=F_HIDDEN, backend=case["backend"])
+    torch.manual_seed(1234)
+    layer = MoELayer(D, cfg)
+    for p in layer.parameters():
+        nn.init.normal_(p, std=0.3)
+    x = torch.randn(world * T_PER_RANK, D)
+    c = torch.randn(world * T_PER_RANK, D)
+    if case.get("idle_last_rank"):
+        # Every feature positive and the last EP rank's experts pointing away from them: no token picks them.
+        x = x.abs() + 1.0
+        per = case["experts"] // case["ep"]
+        layer.router.weight.data[-per:] = -1.0
+    return layer.to(dtype), x.to(dtype), c.to(dtype)
+
+
+def _loss(layer: MoELayer, x: torch.Tensor, c: torch.Tensor):
+    y, aux = layer(x)
+    return y, (y * c).sum(-1).mean() + 0.1 * aux.z_loss
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+
+
+def _layer_worker(rank: int, world: int, out_dir, cases: list[dict]) -> dict:
+    results = {}
+    meshes = {}
+    for case in cases:
+        ep = case["ep"]
+        if ep not in meshes:
+            meshes[ep] = build_mesh(ep, timeout_s=60)
+        mesh = meshes[ep]
+        layer, x, c = _setup(case, world)
+        # Reference: the whole global batch through the unsharded layer with the local dispatcher.
+        ref = copy.deepcopy(layer)
+        x_ref = x.clone().requires_grad_(True)
+        y_ref, loss_ref = _loss(ref, x_ref, c)
+        loss_ref.backward()
+        routing = ref.router(x.to(ref.router.weight.dtype))
+
+        # Expert-parallel: this rank's slice, this rank's experts.
+        stats = CommStats()
+        shard_plan = shard_experts(layer, mesh)
+        layer.set_dispatcher(DISPATCHERS[case["dispatcher"]](case["experts"], mesh, stats))
+        rows = slice(rank * T_PER_RANK, (rank + 1) * T_PER_RANK)
+        x_mine = x[rows].clone().requires_grad_(True)
+        y, loss = _loss(layer, x_mine, c[rows])
+        loss.backward()
+        sync_gradients(layer, mesh, set(shard_plan))
+        local = mesh.local_experts(case["experts"])
+
+        # The traffic predicted from the reference routing of the EP group's tokens.
+        group_ranks = range(mesh.dp_rank * ep, (mesh.dp_rank + 1) * ep)
+        ids = routing.topk_ids.reshape(world, T_PER_RANK * K)
+        in_local = (ids >= local.start) & (ids < local.stop)
+        row_bytes = D * x.element_size()
+        if case["dispatcher"] == "all_to_all":
+            predicted_sent = T_PER_RANK * K
+            predicted_remote = int((~in_local[rank]).sum())
+        else:
+            predicted_sent, predicted_remote = T_PER_RANK, T_PER_RANK * (ep - 1)
+        results[case["name"]] = {
+            "y": _max_diff(y, y_ref[rows]),
+            "loss": abs(all_reduce_mean(loss.detach(), mesh, "test loss").item() - loss_ref.item()),
+            # Each rank's loss is W times its share of the global loss: its input gradient is W times as large.
+            "grad_x": _max_diff(x_mine.grad / world, x_ref.grad[rows]),
+            "grad_router": _max_diff(layer.router.weight.grad, ref.router.weight.grad),
+            "grad_gate_up": _max_diff(layer.experts.gate_up_proj.grad, ref.experts.gate_up_proj.grad[local.start:local.stop]),
+            "grad_down": _max_diff(layer.experts.down_proj.grad, ref.experts.down_proj.grad[local.start:local.stop]),
+            "bytes_sent": (stats.dispatch_bytes_sent, predicted_sent * row_bytes),
+            "bytes_sent_remote": (stats.dispatch_bytes_sent_remote, predicted_remote * row_bytes),
+            "tokens_received": (stats.tokens_received, int(in_local[list(group_ranks)].sum())),
+        }
+    return results
+
+
+CASES_2 = [
+    {"name": "ep2_a2a_fp64", "ep": 2, "experts": 4, "dispatcher": "all_to_all", "dtype": "fp64", "backend": "loop"},
+    {"name": "ep2_a2a_fp32_grouped", "ep": 2, "experts": 4, "dispatcher": "all_to_all", "dtype": "fp32",
+     "backend": "grouped_mm"},
+    {"name": "ep2_allgather_fp64", "ep": 2, "experts": 4, "dispatcher": "all_gather", "dtype": "fp64",
+     "backend": "loop"},
+    {"name": "ep2_a2a_idle_rank", "ep": 2, "experts": 4, "dispatcher": "all_to_all", "dtype": "fp64",
+     "backend": "loop", "idle_last_rank": True},
+    {"name": "ep2_allgather_idle_rank", "ep": 2, "experts": 4, "dispatcher": "all_gather", "dtype": "fp64",
+     "backend": "loop", "idle_last_rank": True},
+    {"name": "dp2_ep1", "ep": 1, "experts": 4, "dispatcher": "all_to_all", "dtype": "fp64", "backend": "loop"},
+]
+CASES_4 = [
+    {"name": "ep4_a2a_fp64", "ep": 4, "experts": 8, "dispatcher": "all_to_all", "dtype": "fp64", "backend": "loop"},
+    {"name": "ep4_a2a_idle_rank", "ep": 4, "experts": 8, "dispatcher": "all_to_all", "dtype": "fp64",
+     "backend": "loop", "idle_last_rank": True},
+    {"name": "dp2xep2_a2a_fp64", "ep": 2, "experts": 4, "dispatcher": "all_to_all", "dtype": "fp64",
+     "backend": "loop"},
+    {"name": "dp2xep2_allgather_fp32", "ep": 2, "experts": 4, "dispatcher": "all_gather", "dtype": "fp32",
+     "backend": "grouped_mm"},
+]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    """One 2-process and one 4-process job run every case (process start-up dominates on 2 cores)."""
+    out = {}
+    for world, cases in ((2, CASES_2), (4, CASES_4)):
+        per_rank = spawn(_layer_worker, world, tmp_path_factory.mktemp(f"layer{world}"), cases)
+        for case in cases:
+            out[case["name"]] = [r[case["name"]] for r in per_rank]
+    return out
+
+
+@pytest.mark.parametrize("name", [c["name"] for c in CASES_2 + CASES_4])
+def test_matches_single_process(results, name):
+    for rank, r in enumerate(results[name]):
+        for key in ("y", "loss", "grad_x", "grad_router", "grad_gate_up", "grad_down"):
+            assert r[key] <= 1e-6, (name, rank, key, r[key])
+
+
+@pytest.mark.parametrize("name", [c["name"] for c in CASES_2 + CASES_4])
+def test_traffic_matches_routing(results, name):
+    for rank, r in enumerate(results[name]):
+        for key in ("bytes_sent", "bytes_sent_remote", "tokens_received"):
+            measured, predicted = r[key]
+            assert measured == predicted, (name, rank, key, measured, predicted)
+
+
+def test_idle_rank_really_idle(results):
+    """The zero-token cases do leave the last EP rank's experts without tokens (else they test nothing)."""
+    assert results["ep2_a2a_idle_rank"][1]["tokens_received"] == (0, 0)
+    assert results["ep4_a2a_idle_rank"][3]["tokens_received"] == (0, 0)
