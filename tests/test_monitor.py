@@ -173,8 +173,8 @@ def fake(counts: list[float], dropped: list[float], aux: float = 1.0) -> FakeAux
 
 
 def test_drop_fraction_and_collapse_alarms(tmp_path):
-    cfg = MonitorConfig(collapse_fraction=0.75, drop_fraction=0.2, dead_steps=100)
-    stats = RoutingStats([0], num_experts=4, top_k=2, device=torch.device("cpu"))
+    cfg = MonitorConfig(collapse_fraction=0.75, collapse_window=1, drop_fraction=0.2, dead_steps=100)
+    stats = RoutingStats([0], num_experts=4, top_k=2, device=torch.device("cpu"), collapse_window=1)
     tracker = AlertTracker(cfg, tmp_path / ALERTS_FILE, top_k=2, log=lambda m: None)
     stats.observe(0, fake([70, 30, 50, 50], [6, 0, 4, 0]))
     stats.observe(0, fake([10, 50, 10, 30], [0, 20, 0, 0]))
@@ -196,6 +196,27 @@ def test_drop_fraction_and_collapse_alarms(tmp_path):
     assert by_kind["token_drop"].experts == (0, 2) and by_kind["token_drop"].value == pytest.approx(60 / 200)
     assert "capacity factor" in by_kind["token_drop"].remedy
     assert "layer 0" in by_kind["collapse"].message and "expert 0 100%" in by_kind["collapse"].message
+
+
+def test_collapse_share_uses_a_rolling_window_of_steps(tmp_path):
+    window = 3
+    cfg = MonitorConfig(collapse_fraction=0.9, collapse_window=window, dead_steps=100)
+    stats = RoutingStats([2], num_experts=4, top_k=1, device=torch.device("cpu"), collapse_window=window)
+    tracker = AlertTracker(cfg, tmp_path / ALERTS_FILE, top_k=1, log=lambda m: None)
+    # One token-count vector per step (top-1, 10 tokens a step): a 2-step burst on expert 0 at steps 2-3 is not
+    # a collapse over 3 steps; the collapse from step 5 on is, from step 7 (steps 5-7 all on expert 1).
+    per_step = [[3, 3, 2, 2], [10, 0, 0, 0], [10, 0, 0, 0], [2, 3, 3, 2], [0, 10, 0, 0], [0, 10, 0, 0],
+                [0, 10, 0, 0], [0, 10, 0, 0]]
+    fired = {}
+    for step, counts in enumerate(per_step, start=1):
+        stats.observe(0, fake(counts, [0, 0, 0, 0]))
+        stats.end_step(step, 2.0)
+        snap = stats.snapshot()
+        want = [sum(c[e] for c in per_step[max(0, step - window):step]) for e in range(4)]
+        assert snap.layers[0].window_tokens == want
+        assert snap.window_steps == min(step, window)
+        fired[step] = [a.kind for a in tracker.update(snap)]
+    assert fired == {1: [], 2: [], 3: [], 4: [], 5: [], 6: [], 7: ["collapse"], 8: []}
 
 
 def test_records_without_a_drop_field_report_no_drop_fraction(tmp_path):

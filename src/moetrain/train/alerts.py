@@ -109,14 +109,16 @@ def evaluate_alarms(snap: Snapshot, config: MonitorConfig, top_k: int) -> dict[t
             if idle >= config.dead_steps:
                 out[("dead_expert", ls.layer, e)] = dead_alert(snap.step, ls.layer, [e], idle, n_experts, config)
         total = sum(ls.tokens)
-        if top_k < n_experts and total > 0 and ls.max_share is not None and ls.max_share > config.collapse_fraction:
-            n_tok = total / top_k
-            hot = [e for e, t in enumerate(ls.tokens) if t / n_tok > config.collapse_fraction]
-            shares = ", ".join(f"expert {e} {ls.tokens[e] / n_tok:.0%}" for e in hot)
-            add(("collapse", ls.layer), "collapse", ls.layer, hot, ls.max_share, config.collapse_fraction,
-                f"layer {ls.layer}: routing collapse over {span}, share of the layer's tokens choosing {shares} "
-                f"(threshold monitor.collapse_fraction={config.collapse_fraction:.0%}; balanced "
-                f"{top_k / n_experts:.0%}; load cv {ls.cv:.2f})")
+        w_tok = sum(ls.window_tokens) / top_k  # tokens in the collapse window
+        hot = [e for e, t in enumerate(ls.window_tokens) if w_tok > 0 and t / w_tok > config.collapse_fraction]
+        if top_k < n_experts and hot:
+            shares = ", ".join(f"expert {e} {ls.window_tokens[e] / w_tok:.0%}" for e in hot)
+            window = f"steps {snap.step - snap.window_steps + 1}-{snap.step}"
+            add(("collapse", ls.layer), "collapse", ls.layer, hot, max(ls.window_tokens) / w_tok,
+                config.collapse_fraction,
+                f"layer {ls.layer}: routing collapse over {window}, share of the layer's tokens choosing {shares} "
+                f"(threshold monitor.collapse_fraction={config.collapse_fraction:.0%} over monitor.collapse_window="
+                f"{config.collapse_window} steps; balanced {top_k / n_experts:.0%})")
         if ls.drop_fraction is not None and ls.drop_fraction > config.drop_fraction:
             if ls.dropped is not None:  # per-expert drops reported: name the experts that dropped
                 hot = [e for e, d in enumerate(ls.dropped) if d > 0]

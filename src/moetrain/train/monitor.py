@@ -12,6 +12,7 @@ and the optimizer step stay unaware of it. The trainer calls three things:
 the MoE layer; statistics over the logging interval, defined in :mod:`moetrain.train.routing_stats`):
 
     moe/layerL/tokens         [E] assignments per expert (list)      moe/layerL/cv, overload, max_share
+    moe/layerL/max_share_window  max share over the last monitor.collapse_window steps (the collapse alarm's value)
     moe/layerL/dead           [ids] experts idle >= dead_steps        moe/layerL/n_dead
     moe/layerL/entropy        router entropy (nats)                   moe/layerL/router_z   mean logsumexp
     moe/layerL/<name>         each ``*loss`` field of the layer record (aux_loss, z_loss, ...), unweighted
@@ -79,7 +80,7 @@ class RoutingMonitor:
         self.top_k = moe_cfg.top_k if moe_cfg else 1
         device = next(model.parameters()).device
         self.stats = RoutingStats([i for i, _ in self.layers], self.num_experts, self.top_k, device,
-                                  config.spike_window, config.spike_warmup, start_step)
+                                  config.spike_window, config.spike_warmup, start_step, config.collapse_window)
         self.alerts = AlertTracker(config, self.run_dir / ALERTS_FILE, self.top_k, log)
         if start_step > 0:  # resumed: the steps after the checkpoint run again, so do their alarms
             truncate_alerts(self.run_dir / ALERTS_FILE, start_step)
@@ -116,7 +117,7 @@ class RoutingMonitor:
         self.alerts.update(snap)
         if writer is not None:
             self._tensorboard(snap, writer, step)
-        return snapshot_record(snap, self.config.dead_steps)
+        return snapshot_record(snap, self.config.dead_steps, self.top_k)
 
     @property
     def fatal(self) -> TrainingAlarm | None:
@@ -186,7 +187,7 @@ class RoutingMonitor:
         self._handles = []
 
 
-def snapshot_record(snap: Snapshot, dead_steps: int) -> dict[str, Any]:
+def snapshot_record(snap: Snapshot, dead_steps: int, top_k: int) -> dict[str, Any]:
     """The flat ``metrics.jsonl`` fields of one snapshot (keys in the module docstring); experts idle for
     ``dead_steps`` or more steps are listed as dead."""
     rec: dict[str, Any] = {"moe/interval_steps": snap.steps, "moe/nonfinite_steps": snap.nonfinite_steps}
@@ -197,6 +198,8 @@ def snapshot_record(snap: Snapshot, dead_steps: int) -> dict[str, Any]:
         rec[p + "tokens"] = [round(t) for t in ls.tokens]
         for name in ("cv", "overload", "max_share", "entropy", "router_z"):
             rec[p + name] = getattr(ls, name)
+        window_total = sum(ls.window_tokens)
+        rec[p + "max_share_window"] = max(ls.window_tokens) / (window_total / top_k) if window_total > 0 else None
         for name, value in ls.losses.items():
             rec[p + name] = value
         if ls.drop_fraction is not None:

@@ -30,8 +30,12 @@ class MonitorConfig:
         dead_steps: an expert that received no tokens for this many consecutive optimizer steps is dead
             (>= 1; a value above ``train.steps`` silences the alarm).
         collapse_fraction: collapse alarm when one expert is chosen by more than this fraction of a layer's tokens
-            over a logging interval (a token chooses K experts, so balanced routing gives K / E; in (0, 1]; 1.0
-            never fires). Not evaluated when K == E (every expert sees every token).
+            over the last ``collapse_window`` steps (a token chooses K experts, so balanced routing gives K / E; in
+            (0, 1]; 1.0 never fires). Not evaluated when K == E (every expert sees every token).
+        collapse_window: steps of the rolling window the collapse share is measured over (all steps so far when
+            fewer, so a collapse present from the start shows at the first logging step). A window longer than one
+            logging interval keeps short bursts out: small routers with near-uniform probabilities can send most
+            tokens of a few consecutive steps to the same experts and then move on (the ``tiny`` preset does).
         drop_fraction: token-drop alarm when more than this fraction of a layer's (token, expert) assignments was
             dropped by the capacity limit over a logging interval (in [0, 1]; 1.0 never fires). Only for layers
             whose record reports dropped counts.
@@ -49,6 +53,7 @@ class MonitorConfig:
     enabled: bool = True
     dead_steps: int = 100
     collapse_fraction: float = 0.9
+    collapse_window: int = 20
     drop_fraction: float = 0.1
     spike_factor: float = 1.5
     spike_window: int = 50
@@ -62,6 +67,7 @@ class MonitorConfig:
         require(self.dead_steps >= 1, "dead_steps", f"must be >= 1, got {self.dead_steps}")
         require(0 < self.collapse_fraction <= 1, "collapse_fraction",
                 f"must be in (0, 1], got {self.collapse_fraction}")
+        require(self.collapse_window >= 1, "collapse_window", f"must be >= 1, got {self.collapse_window}")
         require(0 <= self.drop_fraction <= 1, "drop_fraction", f"must be in [0, 1], got {self.drop_fraction}")
         require(self.spike_factor == 0 or self.spike_factor > 1, "spike_factor",
                 f"must be > 1 (or 0 to disable), got {self.spike_factor}")

@@ -16,6 +16,8 @@ Definitions (per MoE layer, over one logging interval unless noted):
 - ``max_share``: the largest fraction of the layer's tokens that chose one expert, ``max(tokens) / (sum / K)``
   (balanced = K / E, collapse -> 1).
 - ``idle[e]``: optimizer steps since expert ``e`` last received a token (tracked every step, not per interval).
+- ``window_tokens[e]``: assignments to expert ``e`` over the last ``collapse_window`` steps (all steps so far when
+  fewer), a rolling window independent of the logging interval; the collapse alarm's share is computed from it.
 - ``drop_fraction``: dropped assignments / assigned ones, when the layer's record reports a dropped count
   (a field whose name contains ``drop``: a scalar, or [E] per expert, then also kept as ``dropped[e]``);
   ``None`` otherwise.
@@ -48,6 +50,7 @@ class LayerStats:
     overload: float | None
     max_share: float | None
     idle: list[int]
+    window_tokens: list[float]
     drop_fraction: float | None
     entropy: float | None
     router_z: float | None
@@ -81,6 +84,7 @@ class Snapshot:
     spike_loss: float | None = None
     nonfinite_steps: int = 0
     nonfinite_step: int | None = None
+    window_steps: int = 0
 
 
 def routing_entropy_and_z(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,13 +130,14 @@ class RoutingStats:
         num_experts: E.  top_k: K.
         device: where the accumulators live (the model's device).
         spike_window / spike_warmup: rolling-median window and minimum history (steps) of the loss-spike check.
+        collapse_window: steps in the rolling window of ``window_tokens`` (the collapse alarm's share).
         start_step: optimizer steps already done (idle counts start here).
     """
 
     def __init__(self, layer_ids: list[int], num_experts: int, top_k: int, device: torch.device,
-                 spike_window: int = 50, spike_warmup: int = 10, start_step: int = 0):
+                 spike_window: int = 50, spike_warmup: int = 10, start_step: int = 0, collapse_window: int = 20):
         self.layer_ids, self.num_experts, self.top_k, self.device = list(layer_ids), num_experts, top_k, device
-        self.spike_window, self.spike_warmup = spike_window, spike_warmup
+        self.spike_window, self.spike_warmup, self.collapse_window = spike_window, spike_warmup, collapse_window
         n_layers = len(self.layer_ids)
         f64 = {"device": device, "dtype": torch.float64}
         # Interval accumulators, float64 so counts stay exact far beyond fp32's 2**24.
@@ -140,6 +145,9 @@ class RoutingStats:
         self.step_counts = torch.zeros(n_layers, num_experts, **f64)  # [L, E] this step (for idle tracking)
         self.dropped = torch.zeros(n_layers, num_experts, **f64)  # [L, E] this interval, when reported per expert
         self.dropped_per_expert = False
+        # Per-step counts of the last W steps (a ring; zeros before the run has W steps), for the collapse share.
+        self.window = torch.zeros(collapse_window, n_layers, num_experts, **f64)  # [W, L, E]
+        self.steps_seen = 0  # steps closed by end_step (host int: indexes the rings)
         self.last_seen = torch.full((n_layers, num_experts), float(start_step), **f64)  # [L, E] step
         self.loss_terms: list[str] | None = None  # fixed by the first record seen
         self.drop_field: str | None = None
@@ -197,6 +205,8 @@ class RoutingStats:
         """Close optimizer step ``step`` (1-based count of steps done) with its LM loss (scalar tensor or float)."""
         self.step = step
         self.counts += self.step_counts
+        self.window[self.steps_seen % self.collapse_window] = self.step_counts
+        self.steps_seen += 1
         self.last_seen.masked_fill_(self.step_counts > 0, float(step))
         self.step_counts.zero_()
         if lm_loss is None:
@@ -230,7 +240,8 @@ class RoutingStats:
         biases = biases if biases is not None else [None] * n_layers
         scalars = self.scalars if self.scalars is not None else torch.zeros(n_layers, 3, device=self.device,
                                                                             dtype=torch.float64)
-        parts = [self.counts.flatten(), self.last_seen.flatten(), self.dropped.flatten(), scalars.flatten(),
+        parts = [self.counts.flatten(), self.last_seen.flatten(), self.dropped.flatten(),
+                 self.window.sum(dim=0).flatten(), scalars.flatten(),
                  self.spike, self.nonfinite]
         parts += [b.detach().reshape(-1).to(self.device, torch.float64) for b in biases if b is not None]
         host = torch.cat(parts).tolist()  # the one host sync of the interval
@@ -241,6 +252,7 @@ class RoutingStats:
             return out
 
         counts, last_seen, dropped = take(n_layers * e), take(n_layers * e), take(n_layers * e)
+        window = take(n_layers * e)
         scalar_rows = take(scalars.numel())
         spike, nonfinite = take(3), take(2)
         terms = self.loss_terms or []
@@ -253,6 +265,7 @@ class RoutingStats:
             layer = LayerStats(
                 layer=layer_id, tokens=tokens, **load_statistics(tokens, self.top_k),
                 idle=[int(self.step - s) for s in last_seen[i * e:(i + 1) * e]],
+                window_tokens=window[i * e:(i + 1) * e],
                 drop_fraction=None, entropy=None, router_z=None,
             )
             if n_obs:
@@ -268,6 +281,7 @@ class RoutingStats:
             layers.append(layer)
         snap = Snapshot(step=self.step, first_step=self.interval_start + 1, steps=self.step - self.interval_start,
                         layers=layers, nonfinite_steps=int(nonfinite[0]),
+                        window_steps=min(self.steps_seen, self.collapse_window),
                         nonfinite_step=int(nonfinite[1]) if nonfinite[0] > 0 else None)
         if not math.isnan(spike[0]):
             snap.spike_ratio, snap.spike_step, snap.spike_loss = spike[0], int(spike[1]), spike[2]
@@ -287,27 +301,31 @@ class RoutingStats:
     # -- checkpointing -----------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue exactly after a resume (tensors copied to CPU)."""
-        tensors = {"counts": self.counts, "last_seen": self.last_seen, "dropped": self.dropped,
+        tensors = {"counts": self.counts, "last_seen": self.last_seen, "dropped": self.dropped, "window": self.window,
                    "loss_ring": self.loss_ring, "spike": self.spike, "nonfinite": self.nonfinite}
         state: dict[str, Any] = {k: v.detach().cpu().clone() for k, v in tensors.items()}
-        state.update(loss_terms=self.loss_terms, drop_field=self.drop_field, dropped_per_expert=self.dropped_per_expert,
-                     observed=list(self.observed),
-                     losses_seen=self.losses_seen, step=self.step, interval_start=self.interval_start,
+        state.update(loss_terms=self.loss_terms, drop_field=self.drop_field,
+                     dropped_per_expert=self.dropped_per_expert, observed=list(self.observed),
+                     losses_seen=self.losses_seen, steps_seen=self.steps_seen, step=self.step,
+                     interval_start=self.interval_start,
                      scalars=None if self.scalars is None else self.scalars.detach().cpu().clone())
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output; a state from a different layer/expert layout is ignored (the run
         then starts its statistics afresh)."""
-        if tuple(state["counts"].shape) != tuple(self.counts.shape) or state["loss_ring"].numel() != self.spike_window:
+        if ("window" not in state or tuple(state["counts"].shape) != tuple(self.counts.shape)
+                or state["loss_ring"].numel() != self.spike_window
+                or tuple(state["window"].shape) != tuple(self.window.shape)):
             return
-        for name in ("counts", "last_seen", "dropped", "loss_ring", "spike", "nonfinite"):
+        for name in ("counts", "last_seen", "dropped", "window", "loss_ring", "spike", "nonfinite"):
             getattr(self, name).copy_(state[name].to(self.device))
         self.loss_terms, self.drop_field = state["loss_terms"], state["drop_field"]
         self.dropped_per_expert = state["dropped_per_expert"]
         self.scalars = None if state["scalars"] is None else state["scalars"].to(self.device)
         self.observed, self.losses_seen = list(state["observed"]), state["losses_seen"]
         self.step, self.interval_start = state["step"], state["interval_start"]
+        self.steps_seen = state["steps_seen"]
 
 
 def load_statistics(tokens: list[float], top_k: int) -> dict[str, float | None]:

@@ -1,0 +1,29 @@
+"""``moetrain stats RUN_DIR``: the latest per-layer routing table of a run (finished or in progress)."""
+
+from __future__ import annotations
+
+
+def add_parser(sub) -> None:
+    s = sub.add_parser("stats", help="latest per-layer routing statistics of a run (finished or in progress)")
+    s.add_argument("run_dir")
+    s.add_argument("--alarms", type=int, default=5, help="how many of the newest alarms to list (default 5)")
+    s.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from moetrain.report.runlog import load_run_log
+    from moetrain.report.table import HEADER, format_table, layer_rows, run_summary
+
+    log = load_run_log(args.run_dir)
+    print(f"run: {log.run_dir}")
+    for label, value in run_summary(log):
+        print(f"  {label}: {value}")
+    rows = layer_rows(log)
+    print()
+    print(format_table(HEADER, rows) if rows else "no routing statistics logged yet")
+    if log.alerts and args.alarms > 0:
+        print()
+        print(f"newest alarms ({min(args.alarms, len(log.alerts))} of {len(log.alerts)}; all in alerts.jsonl):")
+        for a in log.alerts[-args.alarms:]:
+            print(f"  step {a.get('step')} [{a.get('kind')}] {a.get('message')}")
+    return 0

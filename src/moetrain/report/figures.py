@@ -1,0 +1,182 @@
+"""PNG figures of a run with matplotlib's Agg backend (no display needed): loss and learning rate, expert load per
+layer over steps, dropped-token fraction, and routing-health curves; alarms are marked on each.
+
+Every figure is written even when its data is missing (a run in progress, a dropless run): the axes then say
+what is missing instead of being blank.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from moetrain.errors import MoetrainError
+from moetrain.report.runlog import RunLog
+
+# One colour per alarm kind, shared by every figure's markers and legend.
+ALARM_COLORS = {"dead_expert": "tab:purple", "collapse": "tab:red", "token_drop": "tab:orange",
+                "loss_spike": "tab:brown", "nonfinite_loss": "black"}
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        raise MoetrainError("moetrain report needs matplotlib: pip install 'moetrain[report]'") from None
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _mark_alarms(ax, alerts: list[dict[str, Any]], layer: int | None = None) -> None:
+    """Vertical lines at alarm steps (only ``layer``'s and run-wide ones when ``layer`` is given), one legend entry
+    per kind."""
+    seen = set()
+    for a in alerts:
+        if layer is not None and a.get("layer") not in (None, layer):
+            continue
+        kind = a.get("kind", "?")
+        ax.axvline(a.get("step", 0), color=ALARM_COLORS.get(kind, "gray"), linestyle="--", linewidth=1, alpha=0.8,
+                   label=f"alarm: {kind}" if kind not in seen else None)
+        seen.add(kind)
+
+
+def _empty(ax, text: str) -> None:
+    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="gray")
+
+
+def loss_lr_figure(log: RunLog, path: Path) -> Path:
+    """Train / validation loss (left axis) and learning rate (right axis) over steps."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    for key, style in (("train_loss", "-"), ("val_loss", "o-")):
+        steps, values = log.series(key)
+        if values:
+            ax.plot(steps, values, style, label=key.replace("_", " "), markersize=4)
+    steps, lrs = log.series("lr")
+    handles, labels = [], []
+    if lrs:
+        ax2 = ax.twinx()
+        ax2.plot(steps, lrs, color="tab:green", alpha=0.6, label="learning rate")
+        ax2.set_ylabel("learning rate")
+        handles, labels = ax2.get_legend_handles_labels()
+    if not log.series("train_loss")[1] and not log.series("val_loss")[1]:
+        _empty(ax, "no losses logged yet")
+    _mark_alarms(ax, log.alerts)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title("Loss and learning rate")
+    h, lab = ax.get_legend_handles_labels()
+    if h or handles:
+        ax.legend(h + handles, lab + labels, loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def expert_load_figure(log: RunLog, path: Path) -> Path:
+    """One heatmap per MoE layer: experts (rows) x logging steps (columns), colour = fraction of the layer's tokens
+    that chose the expert in that interval (balanced = K / E, 1 = every token)."""
+    plt = _pyplot()
+    layers = log.layers()
+    k = log.top_k()
+    fig, axes = plt.subplots(max(len(layers), 1), 1, figsize=(9, 1.2 + 2.2 * max(len(layers), 1)), squeeze=False,
+                             layout="constrained")
+    mesh = None
+    for ax, layer in zip(axes[:, 0], layers):
+        steps, tokens = log.series(f"moe/layer{layer}/tokens")
+        pairs = [(s, t) for s, t in zip(steps, tokens) if isinstance(t, list) and t and sum(t) > 0]
+        if not pairs:
+            _empty(ax, f"layer {layer}: no token counts logged")
+            continue
+        n_experts = max(len(t) for _, t in pairs)
+        pairs = [(s, t) for s, t in pairs if len(t) == n_experts]
+        grid = [[t[e] / (sum(t) / k) for _, t in pairs] for e in range(n_experts)]  # [E, n_logs]
+        # Column i covers the logging interval (step_{i-1}, step_i]; the first one starts interval_steps earlier.
+        first = next((r.get("moe/interval_steps") for r in log.records if r["step"] == pairs[0][0]), None) or 1
+        x_edges = [pairs[0][0] - first] + [s for s, _ in pairs]
+        mesh = ax.pcolormesh(x_edges, [e - 0.5 for e in range(n_experts + 1)], grid, cmap="viridis", vmin=0, vmax=1)
+        ax.set_ylabel(f"layer {layer}\nexpert")
+        if n_experts <= 16:
+            ax.set_yticks(range(n_experts))
+        _mark_alarms(ax, log.alerts, layer)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(loc="upper right", fontsize=7)
+    if not layers:
+        _empty(axes[0, 0], "no routing statistics logged")
+    axes[-1, 0].set_xlabel("step")
+    fig.suptitle("Expert load: fraction of each layer's tokens routed to each expert")
+    if mesh is not None:
+        fig.colorbar(mesh, ax=axes[:, 0].tolist(), fraction=0.03, pad=0.01, label="share of tokens")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def drop_figure(log: RunLog, path: Path) -> Path:
+    """Dropped-token fraction per MoE layer over steps (dropless layers report none)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(9, 3.5))
+    plotted = False
+    for layer in log.layers():
+        steps, values = log.series(f"moe/layer{layer}/drop_fraction")
+        if values:
+            ax.plot(steps, [100 * v for v in values], marker=".", label=f"layer {layer}")
+            plotted = True
+    if not plotted:
+        _empty(ax, "no token drops reported (dropless layers, or no routing statistics yet)")
+    _mark_alarms(ax, [a for a in log.alerts if a.get("kind") == "token_drop"])
+    ax.set_xlabel("step")
+    ax.set_ylabel("dropped assignments (%)")
+    ax.set_title("Dropped-token fraction")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def routing_health_figure(log: RunLog, path: Path) -> Path:
+    """Load CV, max share, router entropy and mean router z per layer over steps."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(2, 2, figsize=(10, 6), sharex=True)
+    panels = [("cv", "load coefficient of variation"), ("max_share", "max share of tokens"),
+              ("entropy", "router entropy (nats)"), ("router_z", "mean router z (logsumexp)")]
+    for ax, (stat, title) in zip(axes.flat, panels):
+        for layer in log.layers():
+            steps, values = log.series(f"moe/layer{layer}/{stat}")
+            if values:
+                ax.plot(steps, values, label=f"layer {layer}")
+        if not ax.lines:
+            _empty(ax, "not logged")
+        _mark_alarms(ax, log.alerts)
+        ax.set_title(title, fontsize=10)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    for ax in axes[1]:
+        ax.set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+FIGURES = {
+    "loss_lr.png": loss_lr_figure,
+    "expert_load.png": expert_load_figure,
+    "drop_fraction.png": drop_figure,
+    "routing_health.png": routing_health_figure,
+}
+
+
+def write_figures(log: RunLog, out_dir: Path) -> list[Path]:
+    """Write every figure of :data:`FIGURES` into ``out_dir``; returns their paths.
+
+    Raises:
+        MoetrainError: matplotlib is not installed.
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return [make(log, out_dir / name) for name, make in FIGURES.items()]

@@ -1,0 +1,116 @@
+"""Reading a run directory's logs (finished or in progress): ``config.json``, ``metrics.jsonl``, ``alerts.jsonl``.
+
+A run in progress may end ``metrics.jsonl`` with a line cut short mid-write; such lines (and any other line that is
+not a JSON object with an integer ``step``) are skipped and counted, never fatal. Routing statistics use the flat
+keys written by :mod:`moetrain.train.monitor` (``moe/layerL/<stat>``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from moetrain.errors import MoetrainError
+from moetrain.train.alerts import read_alerts
+
+_LAYER_KEY = re.compile(r"^moe/layer(\d+)/(.+)$")
+
+
+@dataclass
+class RunLog:
+    """One run's logs.
+
+    Attributes:
+        run_dir: the run directory.
+        config: ``config.json`` as a dict (``None`` if absent or unreadable).
+        records: ``metrics.jsonl`` records in file order.
+        alerts: ``alerts.jsonl`` records.
+        skipped_lines: unreadable ``metrics.jsonl`` lines (a partial last line of a run in progress).
+    """
+
+    run_dir: Path
+    config: dict[str, Any] | None
+    records: list[dict[str, Any]]
+    alerts: list[dict[str, Any]] = field(default_factory=list)
+    skipped_lines: int = 0
+
+    def layers(self) -> list[int]:
+        """Transformer-block indices of the MoE layers that have routing statistics, ascending."""
+        found = set()
+        for rec in self.records:
+            for key in rec:
+                m = _LAYER_KEY.match(key)
+                if m:
+                    found.add(int(m.group(1)))
+        return sorted(found)
+
+    def series(self, key: str) -> tuple[list[int], list[Any]]:
+        """(steps, values) of every record holding a non-null ``key``."""
+        steps, values = [], []
+        for rec in self.records:
+            value = rec.get(key)
+            if value is not None:
+                steps.append(rec["step"])
+                values.append(value)
+        return steps, values
+
+    def latest(self, key: str) -> tuple[int, Any] | tuple[None, None]:
+        """(step, value) of the newest record holding a non-null ``key``."""
+        for rec in reversed(self.records):
+            if rec.get(key) is not None:
+                return rec["step"], rec[key]
+        return None, None
+
+    def layer_stats(self, layer: int) -> tuple[int | None, dict[str, Any]]:
+        """(step, {stat: value}) of the newest record with routing statistics of ``layer``."""
+        prefix = f"moe/layer{layer}/"
+        for rec in reversed(self.records):
+            stats = {k[len(prefix):]: v for k, v in rec.items() if k.startswith(prefix)}
+            if stats:
+                return rec["step"], stats
+        return None, {}
+
+    def top_k(self) -> int:
+        """The run's top-k (1 when the config is unknown)."""
+        try:
+            return int(self.config["model"]["moe"]["top_k"])  # type: ignore[index]
+        except (TypeError, KeyError, ValueError):
+            return 1
+
+
+def load_run_log(run_dir: str | Path) -> RunLog:
+    """Read the logs of ``run_dir``.
+
+    Raises:
+        MoetrainError: ``run_dir`` is not a directory or holds neither ``metrics.jsonl`` nor ``config.json``.
+    """
+    root = Path(run_dir)
+    metrics_path, config_path = root / "metrics.jsonl", root / "config.json"
+    if not root.is_dir():
+        raise MoetrainError(f"{root}: no such run directory")
+    if not metrics_path.is_file() and not config_path.is_file():
+        raise MoetrainError(f"{root}: neither metrics.jsonl nor config.json found; is it a moetrain run directory?")
+    config = None
+    if config_path.is_file():
+        try:
+            config = json.loads(config_path.read_text())
+        except (OSError, ValueError):
+            config = None
+    records, skipped = [], 0
+    if metrics_path.is_file():
+        for line in metrics_path.read_text(errors="replace").splitlines():
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                skipped += 1
+                continue
+            if isinstance(rec, dict) and isinstance(rec.get("step"), int):
+                records.append(rec)
+            else:
+                skipped += 1
+    return RunLog(run_dir=root, config=config, records=records, alerts=read_alerts(root), skipped_lines=skipped)
