@@ -1,0 +1,190 @@
+"""Device descriptions for the cost model: sourced peak figures, user files, and a measured CPU.
+
+Every preset value carries its source. Peaks are vendor peaks (dense, no structured sparsity); the step-time model
+multiplies them by ``efficiency`` (a stated assumption, not a vendor figure) because no real kernel reaches them.
+Bandwidths are per device and per direction (a link quoted as "900 GB/s bidirectional" is 450 GB/s each way).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from moetrain.errors import ConfigError
+
+GB = 1e9
+GIB = 2**30
+TFLOPS = 1e12
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hardware:
+    """One accelerator (or a CPU) as the cost model sees it.
+
+    Fields:
+        name: preset or file name.
+        peak_flops: dense peak FLOP/s of the training compute dtype (bf16 on accelerators, fp32 on the CPU).
+        mem_bytes: device memory in bytes.
+        mem_bw: device memory bandwidth, bytes/s.
+        intra_bw: per-device, per-direction bandwidth to devices of the same node (NVLink, NeuronLink), bytes/s.
+        inter_bw: per-device, per-direction bandwidth to other nodes (InfiniBand / EFA share), bytes/s.
+        devices_per_node: devices joined by ``intra_bw``.
+        efficiency: fraction of ``peak_flops`` and of the bandwidths that real kernels reach (an assumption).
+        sources: field name -> where its value comes from.
+    """
+
+    name: str
+    peak_flops: float
+    mem_bytes: float
+    mem_bw: float
+    intra_bw: float
+    inter_bw: float
+    devices_per_node: int = 8
+    efficiency: float = 0.5
+    sources: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("peak_flops", "mem_bytes", "mem_bw", "intra_bw", "inter_bw"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"hardware {self.name}: {name} must be > 0, got {getattr(self, name)}")
+        if self.devices_per_node < 1:
+            raise ConfigError(f"hardware {self.name}: devices_per_node must be >= 1, got {self.devices_per_node}")
+        if not 0 < self.efficiency <= 1:
+            raise ConfigError(f"hardware {self.name}: efficiency must be in (0, 1], got {self.efficiency}")
+
+    @property
+    def ridge(self) -> float:
+        """FLOPs per byte where a kernel turns from memory-bound to compute-bound (roofline ridge point)."""
+        return self.peak_flops / self.mem_bw
+
+
+_EFFICIENCY_NOTE = "assumption: typical sustained fraction of peak for large training GEMMs, not a vendor figure"
+
+PRESETS: dict[str, Hardware] = {
+    "h100": Hardware(
+        name="h100", peak_flops=989.4 * TFLOPS, mem_bytes=80 * GB, mem_bw=3.35e12, intra_bw=450 * GB,
+        inter_bw=50 * GB, devices_per_node=8, efficiency=0.5,
+        sources={
+            "peak_flops": "NVIDIA H100 Tensor Core GPU datasheet, H100 SXM: BF16 Tensor Core 1,979 TFLOPS with "
+                          "sparsity = 989.4 dense",
+            "mem_bytes": "NVIDIA H100 datasheet, H100 SXM: 80 GB HBM3",
+            "mem_bw": "NVIDIA H100 datasheet, H100 SXM: 3.35 TB/s",
+            "intra_bw": "NVIDIA H100 datasheet: NVLink 900 GB/s (bidirectional) = 450 GB/s per direction",
+            "inter_bw": "NVIDIA DGX H100 datasheet: 8x 400 Gb/s ConnectX-7 (one per GPU) = 50 GB/s per GPU",
+            "efficiency": _EFFICIENCY_NOTE,
+        },
+    ),
+    "h200": Hardware(
+        name="h200", peak_flops=989.4 * TFLOPS, mem_bytes=141 * GB, mem_bw=4.8e12, intra_bw=450 * GB,
+        inter_bw=50 * GB, devices_per_node=8, efficiency=0.5,
+        sources={
+            "peak_flops": "NVIDIA H200 Tensor Core GPU datasheet, H200 SXM: BF16 Tensor Core 1,979 TFLOPS with "
+                          "sparsity = 989.4 dense",
+            "mem_bytes": "NVIDIA H200 datasheet, H200 SXM: 141 GB HBM3e",
+            "mem_bw": "NVIDIA H200 datasheet, H200 SXM: 4.8 TB/s",
+            "intra_bw": "NVIDIA H200 datasheet: NVLink 900 GB/s (bidirectional) = 450 GB/s per direction",
+            "inter_bw": "NVIDIA DGX H200 datasheet: 8x 400 Gb/s ConnectX-7 (one per GPU) = 50 GB/s per GPU",
+            "efficiency": _EFFICIENCY_NOTE,
+        },
+    ),
+    "trn1": Hardware(
+        name="trn1", peak_flops=190 * TFLOPS, mem_bytes=32 * GIB, mem_bw=820 * GIB, intra_bw=384 * GIB,
+        inter_bw=800e9 / 8 / 16, devices_per_node=16, efficiency=0.5,
+        sources={
+            "peak_flops": "AWS Neuron docs, Trainium architecture: 190 FP16/BF16/cFP8/TF32 TFLOPS per chip",
+            "mem_bytes": "AWS Neuron docs, Trainium architecture: 32 GiB device memory per chip",
+            "mem_bw": "AWS Neuron docs, Trn1/Trn1n architecture: 820 GiB/s device memory bandwidth per chip",
+            "intra_bw": "AWS Neuron docs, Trn1/Trn1n architecture: trn1.32xlarge NeuronLink-v2 384 GiB/s/device",
+            "inter_bw": "AWS Neuron docs, Trn1/Trn1n architecture: trn1.32xlarge EFA 800 Gbps per 16-chip instance",
+            "efficiency": _EFFICIENCY_NOTE,
+        },
+    ),
+}
+
+
+def calibrate_cpu(size: int = 1024, repeats: int = 3) -> Hardware:
+    """Measure this machine: fp32 matmul FLOP/s (best of ``repeats`` [size, size] @ [size, size]) and copy
+    bandwidth (best of ``repeats`` copies of a 64 MiB tensor, read + write counted). Takes about a second.
+
+    Memory is the physical RAM; intra/inter bandwidth (processes on one host) are set to the copy bandwidth, and
+    ``efficiency`` to 1 because the peaks are themselves measured.
+    """
+    import torch
+
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b  # warm-up: thread pool, allocator
+    best = min(_timed(lambda: a @ b) for _ in range(repeats))
+    flops = 2 * size**3 / best
+    src = torch.empty(16 * 2**20)  # 64 MiB fp32
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best_copy = min(_timed(lambda: dst.copy_(src)) for _ in range(repeats))
+    bw = 2 * src.numel() * 4 / best_copy
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    note = f"measured by moetrain.analysis.hardware.calibrate_cpu() on {torch.get_num_threads()} threads"
+    return Hardware(
+        name="cpu", peak_flops=flops, mem_bytes=float(ram), mem_bw=bw, intra_bw=bw, inter_bw=bw,
+        devices_per_node=1, efficiency=1.0,
+        sources={
+            "peak_flops": f"{note}: fp32 {size}x{size} matmul", "mem_bw": f"{note}: 64 MiB tensor copy",
+            "mem_bytes": "os.sysconf physical pages", "intra_bw": "copy bandwidth (processes on one host)",
+            "inter_bw": "copy bandwidth (processes on one host)", "efficiency": "1: the peaks are measured",
+        },
+    )
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def load_hardware(path: str | Path) -> Hardware:
+    """A user-supplied device from a ``.json`` or ``.toml`` file with the :class:`Hardware` fields (SI units:
+    FLOP/s, bytes, bytes/s); ``sources`` is optional, ``name`` defaults to the file stem.
+
+    Raises:
+        ConfigError: missing file, unknown suffix, syntax error, unknown or missing fields, bad values.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--device {p}: no such file")
+    try:
+        if p.suffix == ".json":
+            data = json.loads(p.read_text())
+        elif p.suffix == ".toml":
+            data = tomllib.loads(p.read_text())
+        else:
+            raise ConfigError(f"--device {p}: expected a .json or .toml hardware file")
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(f"--device {p}: cannot parse: {e}") from None
+    known = {f.name for f in dataclasses.fields(Hardware)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"--device {p}: unknown hardware fields {unknown}; known: {sorted(known)}")
+    data.setdefault("name", p.stem)
+    data.setdefault("sources", {k: f"user file {p.name}" for k in data if k != "name"})
+    try:
+        return Hardware(**data)
+    except TypeError as e:
+        raise ConfigError(f"--device {p}: {e}") from None
+
+
+def get_hardware(name: str) -> Hardware:
+    """A preset (``h100``, ``h200``, ``trn1``), ``cpu`` (calibrated now), or a path to a hardware file.
+
+    Raises:
+        ConfigError: neither a preset nor a readable file.
+    """
+    if name in PRESETS:
+        return PRESETS[name]
+    if name == "cpu":
+        return calibrate_cpu()
+    if name.endswith((".json", ".toml")):
+        return load_hardware(name)
+    raise ConfigError(f"--device {name}: unknown device; choose one of {sorted([*PRESETS, 'cpu'])} or a .json/.toml file")

@@ -1,0 +1,147 @@
+"""Parameter counts per model part, and the memory of weights, gradients and AdamW states per device.
+
+Legend: V = vocabulary, D = hidden, L = blocks, E = experts, K = top-k, F = expert FFN hidden.
+
+Bytes per parameter follow moetrain's trainer by default: fp32 weights (bf16 runs autocast and keep fp32 master
+weights), fp32 gradients, and AdamW's two fp32 moments (``exp_avg``, ``exp_avg_sq``): 4 + 4 + 8 = 16 bytes.
+Megatron-style mixed precision (bf16 weights, fp32 main gradients, fp32 master copy + moments) is 2 + 4 + 12 = 18.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moetrain.analysis.shape import ModelShape
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Parameters by part (whole model). ``experts`` are the routed experts, everything else is "dense".
+
+    Attributes:
+        embedding, lm_head (0 when tied), final_norm, norms (the blocks' RMSNorms), attention (projections, biases
+        and q/k norms), dense_ffn (blocks without MoE), router, experts, shared_experts (with their gates).
+    """
+
+    embedding: int
+    lm_head: int
+    final_norm: int
+    norms: int
+    attention: int
+    dense_ffn: int
+    router: int
+    experts: int
+    shared_experts: int
+    num_experts: int = 1
+    top_k: int = 1
+
+    @property
+    def total(self) -> int:
+        return self.dense + self.experts
+
+    @property
+    def dense(self) -> int:
+        """Every parameter that is not a routed expert (replicated across expert-parallel ranks)."""
+        return (self.embedding + self.lm_head + self.final_norm + self.norms + self.attention + self.dense_ffn
+                + self.router + self.shared_experts)
+
+    @property
+    def active(self) -> int:
+        """Parameters one token uses: all dense ones and K of each layer's E routed experts (the convention of
+        ``moetrain.model.transformer.count_parameters``)."""
+        return self.total - self.experts * (self.num_experts - self.top_k) // self.num_experts
+
+
+def count_params(shape: ModelShape) -> ParamCounts:
+    """Exact parameter counts of ``MoETransformer`` built from the config ``shape`` was read from."""
+    d, q, kv = shape.hidden, shape.q_width, shape.kv_width
+    attn = d * q + 2 * d * kv + q * d
+    if shape.attention_bias:
+        attn += q + 2 * kv
+    if shape.qk_norm == "head":
+        attn += 2 * shape.head_size
+    elif shape.qk_norm == "full":
+        attn += q + kv
+    shared = 0
+    if shape.shared_ffn:
+        shared = shape.expert_mats * d * shape.shared_ffn + (d if shape.shared_gate else 0)
+    return ParamCounts(
+        embedding=shape.vocab * d,
+        lm_head=0 if shape.tie_embeddings else shape.vocab * d,
+        final_norm=d,
+        norms=2 * d * shape.n_layers,
+        attention=attn * shape.n_layers,
+        dense_ffn=3 * d * shape.dense_ffn * shape.dense_layers,
+        router=shape.num_experts * d * shape.moe_layers,
+        experts=shape.num_experts * shape.expert_mats * d * shape.expert_ffn * shape.moe_layers,
+        shared_experts=shared * shape.moe_layers,
+        num_experts=shape.num_experts,
+        top_k=shape.top_k,
+    )
+
+
+def local_params(counts: ParamCounts, n_layers: int, ep: int = 1, pp: int = 1) -> tuple[float, float]:
+    """(dense, routed-expert) parameters on the busiest device: ceil(L / pp) blocks' share of the block
+    parameters, the larger pipeline end (embedding, or LM head + final norm; both when pp == 1), and 1 / ep of
+    the stage's experts."""
+    per_block = (counts.norms + counts.attention + counts.dense_ffn + counts.router + counts.shared_experts) / n_layers
+    blocks = -(-n_layers // pp)
+    ends = counts.embedding + counts.lm_head + counts.final_norm
+    edge = ends if pp == 1 else max(counts.embedding, counts.lm_head + counts.final_norm)
+    return per_block * blocks + edge, counts.experts / n_layers * blocks / ep
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes per parameter of the training state."""
+
+    weight: int = 4
+    grad: int = 4
+    optimizer: int = 8  # AdamW exp_avg + exp_avg_sq in fp32 (plus a fp32 master copy in Megatron's layout)
+
+    @classmethod
+    def megatron_bf16(cls) -> "StateBytes":
+        """bf16 weights, fp32 main gradients, fp32 master weights + two moments (Megatron distributed optimizer)."""
+        return cls(weight=2, grad=4, optimizer=12)
+
+
+@dataclass(frozen=True)
+class StateMemory:
+    """Per-device bytes of weights, gradients and optimizer states."""
+
+    weights: float
+    grads: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optimizer
+
+
+def state_memory(
+    counts: ParamCounts,
+    n_layers: int,
+    ep: int = 1,
+    pp: int = 1,
+    dense_replicas: int = 1,
+    expert_replicas: int = 1,
+    zero1: bool = False,
+    state: StateBytes = StateBytes(),
+) -> StateMemory:
+    """Weights, gradients and optimizer states on the busiest device.
+
+    Args:
+        counts: the model's parameters.
+        n_layers: L, split evenly into ``pp`` pipeline stages (ceil(L / pp) blocks on the busiest stage, which
+            also holds the embedding or the LM head, whichever is larger).
+        ep: expert-parallel degree: each device holds E / ep of a layer's experts.
+        pp: pipeline stages.
+        dense_replicas / expert_replicas: devices holding a copy of the same dense / expert parameters (the
+            data-parallel group sizes); with ``zero1`` the optimizer states are sharded across them (ZeRO stage 1,
+            Megatron's distributed optimizer).
+        state: bytes per parameter.
+    """
+    dense, experts = local_params(counts, n_layers, ep, pp)
+    params = dense + experts
+    opt = dense / dense_replicas + experts / expert_replicas if zero1 else params
+    return StateMemory(weights=params * state.weight, grads=params * state.grad, optimizer=opt * state.optimizer)

@@ -1,0 +1,173 @@
+"""Parallel-layout planner: candidate layouts for N devices, each with the micro-batch, BTA tile count and
+checkpointing that fit memory and train fastest, and a recommendation with its reason.
+
+The choice follows the practice of choosing by expert count, then refining by memory fit:
+<= 8 experts: data parallel (DP); 9-32 experts: expert + data parallel (EP x DP); more than 32: expert sharding +
+pipeline (EP x PP). The preferred family is tried first; if none of its layouts fits in memory, the next larger
+sharding is tried (DP -> EP x DP -> EP x PP), and only then smaller ones (e.g. one device: DP). Within a family the
+fastest fitting layout wins (analysis/step.py).
+
+BTA: for each layout the micro-batch (a power of two dividing the per-rank batch) and G are searched; G > 1 is
+recommended when it lets a larger micro-batch fit (more tokens per expert GEMM) and that is faster than the best
+untiled option, by at least ``BTA_MIN_GAIN``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from moetrain.analysis.hardware import Hardware
+from moetrain.analysis.params import count_params
+from moetrain.analysis.shape import ModelShape
+from moetrain.analysis.step import Estimate, Layout, Workload, estimate
+
+FAMILY_ORDER = ("DP", "EPxDP", "EPxPP")
+BTA_MIN_GAIN = 0.02  # a tiled option must be at least 2% faster to be recommended over G = 1
+
+
+def preferred_family(num_experts: int) -> str:
+    """DP for <= 8 experts, EP x DP for 9-32, EP x PP above 32."""
+    if num_experts <= 8:
+        return "DP"
+    if num_experts <= 32:
+        return "EPxDP"
+    return "EPxPP"
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    out, v = [], 1
+    while v <= limit:
+        out.append(v)
+        v *= 2
+    return out
+
+
+def candidate_layouts(shape: ModelShape, devices: int, global_batch: int, max_pp: int = 8) -> list[Layout]:
+    """Layouts of the three families for ``devices`` devices: ep a power of two dividing E, pp a power of two
+    <= ``max_pp`` and <= L, dp the rest; the global batch must split over the ep * dp data-parallel ranks."""
+    out = []
+    for pp in _powers_of_two(min(max_pp, shape.n_layers)):
+        for ep in _powers_of_two(shape.num_experts):
+            if devices % (pp * ep) or shape.num_experts % ep:
+                continue
+            layout = Layout(dp=devices // (pp * ep), ep=ep, pp=pp)
+            if layout.family in FAMILY_ORDER and global_batch % layout.data_parallel == 0:
+                out.append(layout)
+    return out
+
+
+@dataclass
+class Candidate:
+    """A layout with its best workload options: ``best`` (any G) and ``untiled`` (G = 1); ``None`` when nothing
+    fits."""
+
+    layout: Layout
+    best: Estimate | None
+    untiled: Estimate | None
+    smallest: Estimate  # the lowest-memory option, to show how far from fitting a layout is
+
+    @property
+    def fits(self) -> bool:
+        return self.best is not None
+
+
+def plan_layout(
+    shape: ModelShape, moe_flags: list[bool], layout: Layout, hw: Hardware, seq: int, global_batch: int,
+    act_bytes: int = 2, max_tiles: int = 16,
+) -> Candidate:
+    """Search micro-batch, G and checkpointing for one layout."""
+    counts = count_params(shape)
+    per_rank = global_batch // layout.data_parallel
+    best = untiled = smallest = None
+    for mb in _powers_of_two(per_rank):
+        if per_rank % mb:
+            continue
+        for g in _powers_of_two(min(mb, max_tiles)):
+            for ckpt in (False, True):
+                work = Workload(seq=seq, global_batch=global_batch, micro_batch=mb, bta_tiles=g, checkpoint=ckpt,
+                                act_bytes=act_bytes)
+                est = estimate(shape, moe_flags, layout, work, hw, counts)
+                if smallest is None or est.memory < smallest.memory:
+                    smallest = est
+                if not est.fits:
+                    continue
+                if best is None or est.step_s < best.step_s:
+                    best = est
+                if g == 1 and (untiled is None or est.step_s < untiled.step_s):
+                    untiled = est
+    if best is not None and untiled is not None and best.workload.bta_tiles > 1:
+        if best.step_s > untiled.step_s * (1 - BTA_MIN_GAIN):
+            best = untiled
+    return Candidate(layout=layout, best=best, untiled=untiled, smallest=smallest)
+
+
+@dataclass
+class Plan:
+    """All candidates (sorted by family order, then step time) and the recommendation with its reason."""
+
+    candidates: list[Candidate]
+    recommended: Candidate | None
+    reason: str
+    bta_reason: str
+    notes: list[str] = field(default_factory=list)
+
+
+def plan(
+    shape: ModelShape, moe_flags: list[bool], devices: int, hw: Hardware, seq: int, global_batch: int,
+    act_bytes: int = 2,
+) -> Plan:
+    """Plan ``global_batch`` sequences of ``seq`` tokens per step on ``devices`` ``hw`` devices."""
+    layouts = candidate_layouts(shape, devices, global_batch)
+    cands = [plan_layout(shape, moe_flags, l, hw, seq, global_batch, act_bytes) for l in layouts]
+    order = {f: i for i, f in enumerate(FAMILY_ORDER)}
+    cands.sort(key=lambda c: (order[c.layout.family], not c.fits, c.best.step_s if c.best else c.smallest.memory))
+    first = preferred_family(shape.num_experts)
+    # Preferred family, then more sharding, then (when nothing else exists or fits) less.
+    families = list(FAMILY_ORDER[order[first]:]) + list(reversed(FAMILY_ORDER[: order[first]]))
+    rule = (f"{shape.num_experts} experts -> {first} (<= 8: DP, 9-32: EP x DP, > 32: EP x PP)")
+    chosen, reason = None, ""
+    for fam in families:
+        fitting = [c for c in cands if c.layout.family == fam and c.fits]
+        if fitting:
+            chosen = min(fitting, key=lambda c: c.best.step_s)
+            reason = rule + (f"; fastest fitting {fam} layout" if fam == first
+                             else f"; no {' or '.join(families[:families.index(fam)])} layout fits in memory "
+                                  f"(or divides {devices} devices), so {fam}: the fastest fitting one")
+            break
+    if chosen is None:
+        least = min(cands, key=lambda c: c.smallest.memory) if cands else None
+        reason = rule + "; nothing fits: " + (
+            f"the smallest option ({least.layout.label}) needs {least.smallest.memory / 1e9:.0f} GB per device of "
+            f"{hw.mem_bytes / 1e9:.0f} GB; add devices" if least else "no layout divides the devices and batch")
+        return Plan(cands, None, reason, "")
+    notes = []
+    faster = [c for c in cands if c.fits and c.best.step_s < chosen.best.step_s * 0.95]
+    if faster:
+        f = min(faster, key=lambda c: c.best.step_s)
+        notes.append(f"{f.layout.label} ({f.layout.family}) is estimated {1 - f.best.step_s / chosen.best.step_s:.0%} "
+                     f"faster; the expert-count rule prefers {chosen.layout.family}")
+    return Plan(cands, chosen, reason, bta_reason(chosen), notes)
+
+
+def bta_reason(c: Candidate) -> str:
+    """Why G was chosen for candidate ``c``."""
+    b, u = c.best, c.untiled
+    g = b.workload.bta_tiles
+    if g > 1:
+        gain = 1 - b.step_s / u.step_s if u else float("nan")
+        before = (f"micro-batch {u.workload.micro_batch}: {u.tokens_per_expert:.0f} tokens/expert, "
+                  f"{u.expert_intensity:.0f} FLOP/B" if u else "no untiled micro-batch fits")
+        if u and u.workload.checkpoint and not b.workload.checkpoint:
+            before += " and activation checkpointing"
+        return (f"BTA G={g}: micro-batch {b.workload.micro_batch} fits with attention in tiles of "
+                f"{b.workload.micro_batch // g} sequences; {b.tokens_per_expert:.0f} tokens/expert per GEMM, "
+                f"{b.expert_intensity:.0f} FLOP/B (ridge {b.ridge:.0f}) vs {before}; step {gain:.0%} faster")
+    if b.expert_intensity >= b.ridge:
+        why = (f"expert GEMMs already compute-bound at micro-batch {b.workload.micro_batch} "
+               f"({b.expert_intensity:.0f} >= ridge {b.ridge:.0f} FLOP/B)")
+    elif b.grad_accum == 1:
+        why = f"the whole per-rank batch ({b.workload.micro_batch} sequences) already fits untiled"
+    else:
+        why = ("a larger micro-batch does not fit even with tiled attention (the MoE layer's own activations "
+               "dominate) or is not faster")
+    return f"BTA G=1 (off): {why}"

@@ -1,0 +1,1 @@
+"""Benchmarks run by ``moetrain bench NAME``: one module per benchmark (see moetrain/commands/bench.py)."""

@@ -1,0 +1,191 @@
+"""``moetrain bench bta``: at a fixed global batch, (a) the whole batch at once, (b) gradient accumulation over G
+micro-batches, (c) BTA with G tiles; tokens/s, saved-activation bytes and tokens per expert GEMM.
+
+Legend: B = global batch (sequences), G = tiles / micro-batches, S = sequence, E = experts, K = top-k.
+
+What each mode costs: (a) runs every layer on B sequences (the experts see B * S * K / E rows each, attention
+activations of B sequences are saved); (b) runs everything G times on B / G sequences (the experts see G times
+fewer rows per GEMM, but every micro-batch re-reads every expert's weights and writes its gradient); (c) runs the
+attention in G tiles of B / G sequences (recomputed in backward) and the MoE layers once on all B sequences.
+
+Timing: each round runs one training step (forward, backward, AdamW step) of every mode in turn, interleaved so
+that a busy machine slows all modes alike; the table reports the median and the best step time over the timed
+rounds. Saved bytes are counted with ``torch.autograd.graph.saved_tensors_hooks`` (moetrain/analysis/saved.py):
+what one step's forward keeps for backward, plus for BTA the inputs its tile checkpoints hold and one tile's
+recomputed attention.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+from moetrain.errors import ConfigError
+
+MODES = ("a", "b", "c")
+NAMES = {"a": "whole batch", "b": "grad accumulation", "c": "BTA"}
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bta", help="BTA vs whole batch vs gradient accumulation at a fixed global batch")
+    p.add_argument("--experts", type=int, default=64, help="E (default 64)")
+    p.add_argument("--top-k", type=int, default=2, help="K (default 2)")
+    p.add_argument("--hidden", type=int, default=128, help="D (default 128)")
+    p.add_argument("--expert-ffn", type=int, default=256, help="F, each expert's FFN hidden (default 256)")
+    p.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
+    p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default: = heads)")
+    p.add_argument("--layers", type=int, default=2, help="blocks, all MoE (default 2)")
+    p.add_argument("--vocab", type=int, default=512, help="vocabulary (default 512)")
+    p.add_argument("--seq", type=int, default=64, help="S (default 64)")
+    p.add_argument("--batch", type=int, default=32, help="global batch B in sequences (default 32)")
+    p.add_argument("--tiles", type=int, default=8, help="G: micro-batches in (b), tiles in (c) (default 8)")
+    p.add_argument("--steps", type=int, default=6, help="timed rounds (default 6)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default 2)")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--backend", default="grouped_mm", help="model.moe.backend (default grouped_mm)")
+    p.add_argument("--attention", choices=["fused", "math"], default="fused",
+                   help="SDPA kernel: fused (PyTorch's choice: flash on CPU) or math (materialises S x S scores)")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: PyTorch's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default="bench_bta.json", help="output file (default bench_bta.json)")
+    p.set_defaults(func=run)
+
+
+def _check(args) -> None:
+    for name in ("experts", "top_k", "hidden", "expert_ffn", "heads", "layers", "vocab", "seq", "batch", "tiles",
+                 "steps"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
+    if args.warmup < 0:
+        raise ConfigError(f"--warmup: must be >= 0, got {args.warmup}")
+    if args.batch % args.tiles:
+        raise ConfigError(f"--tiles: {args.tiles} does not divide --batch {args.batch}")
+
+
+def run(args) -> int:
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from moetrain.analysis.activations import model_activations
+    from moetrain.analysis.saved import saved_bytes_per_block
+    from moetrain.analysis.shape import ModelShape
+    from moetrain.configlib import from_dict
+    from moetrain.model.config import ModelConfig
+    from moetrain.model.transformer import MoETransformer
+
+    _check(args)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    g = args.tiles
+    model_dict = {
+        "vocab_size": args.vocab, "hidden": args.hidden, "n_layers": args.layers, "n_heads": args.heads,
+        "n_kv_heads": args.kv_heads or args.heads, "ffn_hidden": 4 * args.hidden, "max_seq_len": args.seq,
+        "moe": {"num_experts": args.experts, "top_k": args.top_k, "expert_ffn_hidden": args.expert_ffn,
+                "backend": args.backend},
+    }
+    base = from_dict(ModelConfig, model_dict, "model")
+    tiled = from_dict(ModelConfig, {**model_dict, "bta_tiles": g}, "model")
+    torch.manual_seed(args.seed)
+    ref = MoETransformer(base)
+    models = {"a": ref, "b": MoETransformer(base), "c": MoETransformer(tiled)}
+    for m in models.values():
+        m.load_state_dict(ref.state_dict())
+        m.train()
+    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
+    gen = torch.Generator().manual_seed(args.seed)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen)
+    tgt = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen)
+    micro = {"a": 1, "b": g, "c": 1}
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.dtype == "bf16")
+    kernel = sdpa_kernel([SDPBackend.MATH]) if args.attention == "math" else contextlib.nullcontext()
+
+    def step(mode: str) -> None:
+        model, n = models[mode], micro[mode]
+        for i, t in zip(ids.chunk(n), tgt.chunk(n)):
+            with autocast:
+                loss = model(i, t).loss
+            (loss / n).backward()
+        opts[mode].step()
+        opts[mode].zero_grad(set_to_none=True)
+
+    times: dict[str, list[float]] = {k: [] for k in MODES}
+    with kernel:
+        for r in range(args.warmup + args.steps):
+            for mode in MODES:
+                t0 = time.perf_counter()
+                step(mode)
+                if r >= args.warmup:
+                    times[mode].append(time.perf_counter() - t0)
+        saved = {}
+        with autocast:
+            saved["a"] = saved_bytes_per_block(models["a"], ids, tgt)
+            saved["b"] = saved_bytes_per_block(models["b"], ids[: args.batch // g], tgt[: args.batch // g])
+            saved["c"] = saved_bytes_per_block(models["c"], ids, tgt)
+
+    shape = ModelShape.from_config(base)
+    flags = [base.is_moe_layer(i) for i in range(base.n_layers)]
+    act_bytes = 2 if args.dtype == "bf16" else 4
+    predicted = {
+        "a": model_activations(shape, flags, args.batch, args.seq, 1, act_bytes=act_bytes,
+                               attention_kernel=args.attention).peak,
+        "b": model_activations(shape, flags, args.batch // g, args.seq, 1, act_bytes=act_bytes,
+                               attention_kernel=args.attention).peak,
+        "c": model_activations(shape, flags, args.batch, args.seq, g, act_bytes=act_bytes,
+                               attention_kernel=args.attention).peak,
+    }
+    tokens = args.batch * args.seq
+    rows = {
+        k: {
+            "mode": NAMES[k],
+            "step_s_median": statistics.median(times[k]),
+            "step_s_best": min(times[k]),
+            "tokens_per_s": tokens / statistics.median(times[k]),
+            "tokens_per_s_best": tokens / min(times[k]),
+            "saved_bytes": saved[k].peak,
+            "saved_bytes_predicted": predicted[k],
+            "tokens_per_expert_gemm": tokens // micro[k] * args.top_k / args.experts,
+        }
+        for k in MODES
+    }
+    ratios = {
+        "c_over_b_tokens_per_s": rows["c"]["tokens_per_s"] / rows["b"]["tokens_per_s"],
+        "c_over_b_tokens_per_s_best": rows["c"]["tokens_per_s_best"] / rows["b"]["tokens_per_s_best"],
+        "c_over_b_saved_bytes": rows["c"]["saved_bytes"] / rows["b"]["saved_bytes"],
+        "c_over_a_tokens_per_s": rows["c"]["tokens_per_s"] / rows["a"]["tokens_per_s"],
+        "c_over_a_saved_bytes": rows["c"]["saved_bytes"] / rows["a"]["saved_bytes"],
+    }
+    _print_table(args, rows, ratios)
+    report = {
+        "benchmark": "bta", "args": {k: v for k, v in vars(args).items() if k not in ("func", "debug")},
+        "machine": {"platform": platform.platform(), "torch": torch.__version__, "threads": torch.get_num_threads()},
+        "tokens_per_step": tokens, "modes": rows, "ratios": ratios,
+    }
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.json}")
+    return 0
+
+
+def _print_table(args, rows, ratios) -> None:
+    g = args.tiles
+    print(f"bench bta: E={args.experts} top-{args.top_k}, D={args.hidden}, F={args.expert_ffn}, H={args.heads}, "
+          f"L={args.layers}, S={args.seq}, global batch B={args.batch} ({args.batch * args.seq} tokens), G={g}, "
+          f"{args.dtype}, {args.backend}, {args.attention} attention; {args.steps} timed rounds")
+    label = {"a": f"(a) whole batch, B={args.batch}", "b": f"(b) grad accum {g} x {args.batch // g}",
+             "c": f"(c) BTA, {g} tiles of {args.batch // g}"}
+    print(f"{'mode':<30} {'tok/s':>8} {'best':>8} {'step ms':>8} {'saved MB':>9} {'model MB':>9} {'tok/expert':>10}")
+    for k in MODES:
+        r = rows[k]
+        print(f"{label[k]:<30} {r['tokens_per_s']:>8.0f} {r['tokens_per_s_best']:>8.0f} "
+              f"{r['step_s_median'] * 1e3:>8.1f} {r['saved_bytes'] / 1e6:>9.2f} "
+              f"{r['saved_bytes_predicted'] / 1e6:>9.2f} {r['tokens_per_expert_gemm']:>10.1f}")
+    print(f"(c) vs (b): {ratios['c_over_b_tokens_per_s']:.2f}x tokens/s (best-of: "
+          f"{ratios['c_over_b_tokens_per_s_best']:.2f}x), {ratios['c_over_b_saved_bytes']:.2f}x saved bytes; "
+          f"(c) vs (a): {ratios['c_over_a_tokens_per_s']:.2f}x tokens/s, {ratios['c_over_a_saved_bytes']:.2f}x "
+          f"saved bytes")
+    print("tok/s: median over rounds; saved MB: measured with saved_tensors_hooks; model MB: the cost model's "
+          "prediction (moetrain.analysis.activations)")

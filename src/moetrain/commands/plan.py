@@ -1,0 +1,96 @@
+"""``moetrain plan --preset NAME --devices N --device h100``: candidate parallel layouts, their memory per device,
+estimated step time and communication share, and the recommended layout and BTA tile count, with the reason."""
+
+from __future__ import annotations
+
+from moetrain.errors import ConfigError
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("plan", help="parallel layout and BTA plan for a model on N devices (cost model)")
+    p.add_argument("--preset", help="model preset, e.g. mixtral-8x7b, qwen3-30b-a3b, olmoe-1b-7b (default cpu-small)")
+    p.add_argument("--config", help="a .toml or .json file of config fields (applied over the preset)")
+    p.add_argument("--devices", type=int, required=True, help="number of devices N")
+    p.add_argument("--device", default="h100",
+                   help="h100 | h200 | trn1 | cpu (calibrated now) | a .json/.toml hardware file (default h100)")
+    p.add_argument("--seq", type=int, default=4096, help="tokens per sequence (default 4096)")
+    p.add_argument("--global-batch", type=int, default=1024, help="sequences per optimizer step (default 1024)")
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="compute dtype (default bf16)")
+    p.add_argument("--all", action="store_true", help="show every candidate, not only the best per family")
+    p.add_argument("--sources", action="store_true", help="print where each hardware figure comes from")
+    p.add_argument("overrides", nargs="*", metavar="FIELD=VALUE", help="config overrides, e.g. model.moe.top_k=1")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from moetrain.analysis.hardware import get_hardware
+    from moetrain.analysis.params import count_params
+    from moetrain.analysis.planner import plan
+    from moetrain.analysis.shape import ModelShape
+    from moetrain.config import build_config
+    from moetrain.configlib import load_file, parse_overrides
+
+    for name in ("devices", "seq", "global_batch"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
+    file_data = load_file(args.config) if args.config else None
+    config = build_config(args.preset, file_data, parse_overrides(args.overrides))
+    model = config.model
+    if args.seq > model.max_seq_len:
+        raise ConfigError(f"--seq: {args.seq} exceeds model.max_seq_len={model.max_seq_len}")
+    hw = get_hardware(args.device)
+    shape = ModelShape.from_config(model)
+    counts = count_params(shape)
+    flags = [model.is_moe_layer(i) for i in range(model.n_layers)]
+    act_bytes = 2 if args.dtype == "bf16" else 4
+    result = plan(shape, flags, args.devices, hw, args.seq, args.global_batch, act_bytes)
+
+    print(f"model   {config.preset}: {counts.total / 1e9:.2f}B parameters ({counts.active / 1e9:.2f}B active), "
+          f"{shape.num_experts} experts top-{shape.top_k}, {shape.moe_layers} MoE of {shape.n_layers} blocks")
+    print(f"devices {args.devices} x {hw.name}: {hw.peak_flops / 1e12:.0f} TFLOP/s peak, {hw.mem_bytes / 1e9:.0f} GB, "
+          f"{hw.mem_bw / 1e12:.2f} TB/s, links {hw.intra_bw / 1e9:.0f} / {hw.inter_bw / 1e9:.0f} GB/s "
+          f"(intra / inter node, per direction), {hw.efficiency:.0%} of peak assumed sustained")
+    print(f"step    {args.global_batch} x {args.seq} tokens ({args.global_batch * args.seq / 1e6:.2f}M), "
+          f"{args.dtype} autocast, fp32 weights + grads + AdamW (16 B/param), optimizer sharded over data-parallel "
+          f"ranks (ZeRO-1)")
+    if args.sources:
+        for k, v in hw.sources.items():
+            print(f"  {k}: {v}")
+    print()
+    header = (f"{'layout':<18} {'family':<6} {'fits':<4} {'GB/dev':>7} {'micro':>5} {'G':>3} {'ckpt':>4} "
+              f"{'tok/exp':>8} {'F/B':>6} {'step s':>8} {'comm':>5}")
+    print(header)
+    print("-" * len(header))
+    shown = result.candidates if args.all else _best_per_family(result.candidates)
+    for c in shown:
+        e = c.best or c.smallest
+        mark = "*" if c is result.recommended else " "
+        print(f"{mark}{c.layout.label:<17} {c.layout.family:<6} {'yes' if c.fits else 'no':<4} "
+              f"{e.memory / 1e9:>7.1f} {e.workload.micro_batch:>5} {e.workload.bta_tiles:>3} "
+              f"{'on' if e.workload.checkpoint else 'off':>4} {e.tokens_per_expert:>8.0f} {e.expert_intensity:>6.0f} "
+              f"{e.step_s:>8.2f} {e.comm_share:>5.0%}")
+    print()
+    if result.recommended is None:
+        print(f"recommended: none. {result.reason}")
+        return 0
+    r = result.recommended.best
+    print(f"recommended: {result.recommended.layout.label}, micro-batch {r.workload.micro_batch} x "
+          f"{r.grad_accum} accumulation steps, activation checkpointing {'on' if r.workload.checkpoint else 'off'}: "
+          f"{r.memory / 1e9:.1f} GB/device, ~{r.step_s:.2f} s/step, {r.comm_share:.0%} communication")
+    print(f"  why: {result.reason}")
+    print(f"  {result.bta_reason}")
+    for note in result.notes:
+        print(f"  note: {note}")
+    print("  (estimates from moetrain.analysis: roofline compute, 1F1B bubble, exposed all-to-all; see docs/bta.md)")
+    return 0
+
+
+def _best_per_family(cands):
+    """The first few candidates of each family (already sorted: fitting and fastest first)."""
+    out, seen = [], {}
+    for c in cands:
+        n = seen.get(c.layout.family, 0)
+        if n < 4:
+            out.append(c)
+            seen[c.layout.family] = n + 1
+    return out

@@ -1,0 +1,115 @@
+"""The cost model against the real model: FLOPs (FlopCounterMode), parameter counts (exact), saved-activation
+bytes (saved_tensors_hooks, within 10%)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from moetrain.analysis.activations import model_activations
+from moetrain.analysis.flops import step_flops, total_flops
+from moetrain.analysis.params import count_params
+from moetrain.analysis.saved import saved_bytes_per_block
+from moetrain.analysis.shape import ModelShape
+from moetrain.config import build_config
+from moetrain.model.config import ModelConfig
+from moetrain.model.transformer import MoETransformer, count_parameters
+from moetrain.moe.config import MoEConfig
+
+
+def _config(**kw) -> ModelConfig:
+    moe = kw.pop("moe", {})
+    base = dict(vocab_size=96, hidden=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=40, max_seq_len=32)
+    base.update(kw)
+    return ModelConfig(**base, moe=MoEConfig(**{"num_experts": 4, "top_k": 2, "expert_ffn_hidden": 24, **moe}))
+
+
+CASES = {
+    "dense": dict(moe_every=0),
+    "moe": dict(moe={"backend": "loop"}),
+    "moe-qknorm-untied": dict(qk_norm="head", tie_embeddings=False, moe={"backend": "loop", "num_experts": 8,
+                                                                          "top_k": 3}),
+    "mixed-layers": dict(n_layers=3, moe_every=2, qk_norm="full", moe={"backend": "loop"}),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("tiles", [1, 2])
+def test_flops_match_flop_counter(name, tiles):
+    """FlopCounterMode counts neither ``grouped_mm`` nor PyTorch's fused CPU attention kernel (both report 0), so the
+    reference run uses the ``loop`` expert backend and the ``math`` SDPA backend, whose matmuls it does count."""
+    cfg = _config(**CASES[name], bta_tiles=tiles)
+    torch.manual_seed(0)
+    model = MoETransformer(cfg)
+    b, s = 4, 16
+    ids = torch.randint(0, cfg.vocab_size, (b, s))
+    with sdpa_kernel([SDPBackend.MATH]), FlopCounterMode(display=False) as counter:
+        model(ids, ids).loss.backward()
+    measured = counter.get_total_flops()
+    predicted = total_flops(step_flops(ModelShape.from_config(cfg), b, s, bta_tiles=tiles))
+    assert predicted == pytest.approx(measured, rel=0.02)
+
+
+def test_grouped_mm_is_invisible_to_flop_counter():
+    """Why the test above uses the loop backend: documents the counter's blind spot (if PyTorch adds a formula,
+    this fails and the comparison can move to grouped_mm)."""
+    x = torch.randn(8, 16)
+    w = torch.randn(2, 16, 4)
+    with FlopCounterMode(display=False) as counter:
+        torch.nn.functional.grouped_mm(x, w, offs=torch.tensor([4, 8], dtype=torch.int32))
+    assert counter.get_total_flops() == 0
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_parameter_counts_exact(name):
+    cfg = _config(**CASES[name])
+    model = MoETransformer(cfg)
+    counts = count_params(ModelShape.from_config(cfg))
+    total, active = count_parameters(model)
+    assert counts.total == total == sum(p.numel() for p in model.parameters())
+    assert counts.active == active
+
+
+@pytest.mark.parametrize("preset", ["mixtral-8x7b", "qwen3-30b-a3b", "olmoe-1b-7b", "cpu-small"])
+def test_parameter_counts_of_presets(preset):
+    cfg = build_config(preset).model
+    with torch.device("meta"):
+        model = MoETransformer(cfg)
+    counts = count_params(ModelShape.from_config(cfg))
+    total, active = count_parameters(model)
+    assert counts.total == total == sum(p.numel() for p in model.parameters())
+    assert counts.active == active
+
+
+def test_shared_expert_parameter_counts():
+    if "shared_expert_ffn_hidden" not in MoEConfig.__dataclass_fields__:
+        pytest.skip("this MoE layer has no shared expert")
+    cfg = _config(moe={"shared_expert_ffn_hidden": 20, "shared_expert_gate": True})
+    try:
+        model = MoETransformer(cfg)
+    except TypeError as e:  # the MoE layer is being extended in parallel
+        pytest.skip(f"MoE layer does not build shared experts yet: {e}")
+    assert count_params(ModelShape.from_config(cfg)).total == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("tiles", [1, 2, 4])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_saved_activation_bytes_per_block_within_10_percent(name, tiles, dtype):
+    cfg = _config(**CASES[name], bta_tiles=tiles)
+    torch.manual_seed(0)
+    model = MoETransformer(cfg)
+    b, s = 4, 32
+    ids = torch.randint(0, cfg.vocab_size, (b, s))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+        measured = saved_bytes_per_block(model, ids, ids)
+    flags = [cfg.is_moe_layer(i) for i in range(cfg.n_layers)]
+    predicted = model_activations(ModelShape.from_config(cfg), flags, b, s, tiles,
+                                  act_bytes=2 if dtype == "bf16" else 4)
+    for i, (p, m) in enumerate(zip(predicted.blocks, measured.blocks)):
+        assert p == pytest.approx(m, rel=0.10), f"block {i}: predicted {p:.0f} B, measured {m} B"
+    assert predicted.other == pytest.approx(measured.other, rel=0.10)
+    assert predicted.transient == pytest.approx(measured.tile_recompute, rel=0.10)
+    assert predicted.peak == pytest.approx(measured.peak, rel=0.10)
