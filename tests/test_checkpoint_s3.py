@@ -11,6 +11,7 @@ import time
 import urllib.request
 
 import pytest
+import torch
 
 pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
@@ -21,6 +22,16 @@ from moetrain.cli import main  # noqa: E402
 from moetrain.train.checkpoint import MANIFEST, MODEL_FILE, STATE_FILE, CheckpointStore  # noqa: E402
 
 BUCKET = "moetrain-test"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """One intra-op thread: on a shared 2-core machine two OpenMP threads per process can be ~30x slower (both spin
+    while the other is descheduled); results are compared within one thread setting only."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 def _free_port() -> int:
