@@ -14,7 +14,7 @@ import sys
 from moetrain.errors import MoetrainError
 
 # Subcommand modules, in help order; each defines add_parser(subparsers).
-COMMANDS = ["train", "generate", "eval", "report", "stats", "plan", "bench"]
+COMMANDS = ["train", "generate", "eval", "report", "stats", "plan", "bench", "export", "upcycle"]
 
 
 class OneLineArgumentParser(argparse.ArgumentParser):

@@ -22,6 +22,8 @@ def add_parser(sub) -> None:
     p.add_argument("--overwrite", action="store_true", help="delete an existing --out directory first")
     p.add_argument("--stop-at-step", type=int, help="stop (with a checkpoint) after this step; --resume continues")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--init-from", metavar="HF_DIR",
+                   help="fine-tune a Hugging Face checkpoint: model and tokenizer from HF_DIR (see export, upcycle)")
     p.add_argument("overrides", nargs="*", metavar="FIELD=VALUE", help="e.g. model.moe.top_k=1 train.lr=1e-3")
     p.set_defaults(func=run)
 
@@ -36,6 +38,11 @@ def run(args) -> int:
     if args.steps is not None:
         overrides = merge(overrides, {"train": {"steps": args.steps}})
     file_data = load_file(args.config) if args.config else None
+    init = None
+    if args.init_from:
+        from moetrain.interop.finetune import load_init
+
+        init = load_init(args.init_from)
 
     if args.resume:
         if not args.out:
@@ -55,7 +62,10 @@ def run(args) -> int:
         data = merge(data, file_data or {})
         config = Config.from_dict(merge(data, overrides))
     else:
-        config = build_config(args.preset, file_data, overrides)
+        if init is None:
+            config = build_config(args.preset, file_data, overrides)
+        else:
+            config = init.config(args.preset, file_data, overrides)
         run_dir = Path(args.out) if args.out else Path("runs") / f"{config.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
         if run_dir.exists() and any(run_dir.iterdir()):
             if not args.overwrite:
@@ -65,7 +75,9 @@ def run(args) -> int:
                 )
             shutil.rmtree(run_dir)
     print(f"run directory: {run_dir}")
-    result = Trainer(config, run_dir, resume=args.resume, progress=not args.no_progress).run(args.stop_at_step)
+    result = Trainer(config, run_dir, resume=args.resume, progress=not args.no_progress,
+                     init_weights=init.weights if init else None,
+                     init_tokenizer=init.tokenizer if init else None).run(args.stop_at_step)
     if result.preempted:
         print(f"stopped by {result.preempted} after step {result.steps} with a checkpoint; continue with: "
               f"moetrain train --out {run_dir} --resume")

@@ -123,8 +123,14 @@ class Trainer:
     schedules and tests) so that ``resume=True`` continues exactly."""
 
     def __init__(self, config: Config, run_dir: Path, resume: bool = False, log: Callable[[str], None] = print,
-                 progress: bool = True):
+                 progress: bool = True, init_weights: dict[str, torch.Tensor] | None = None,
+                 init_tokenizer: Path | None = None):
+        """``init_weights`` (our tensor names, e.g. ``model_tensors`` of an imported model) and ``init_tokenizer``
+        (a ``tokenizer.json``) start a new run from given weights and tokenizer instead of a random initialisation
+        and a newly trained tokenizer (fine-tuning, ``moetrain train --init-from``) while the run has no
+        checkpoint; resuming from a checkpoint ignores them (it holds both)."""
         self.config, self.run_dir, self.resume, self.log, self.progress = config, run_dir, resume, log, progress
+        self.init_weights, self.init_tokenizer = init_weights, init_tokenizer
         self.device = resolve_device(config.train.device)
 
     # -- setup -----------------------------------------------------------------------------------------------
@@ -143,8 +149,8 @@ class Trainer:
                                     log=self.log)
         else:
             use_saved = self.resume and tok_path.is_file()
-            data = prepare_data(cfg.data, cfg.model.vocab_size, tokenizer_path=tok_path if use_saved else None,
-                                log=self.log)
+            given = tok_path if use_saved else self.init_tokenizer
+            data = prepare_data(cfg.data, cfg.model.vocab_size, tokenizer_path=given, log=self.log)
         return data, data.tokenizer.to_str().encode()
 
     def _write_run_files(self, tokenizer: bytes) -> None:
@@ -174,6 +180,8 @@ class Trainer:
         sampler = BatchSampler(train_windows, t.batch_size, t.seed)
 
         model = MoETransformer(cfg.model).to(self.device)
+        if ckpt is None and self.init_weights is not None:
+            load_model_weights(model, self.init_weights, "--init-from")
         optimizer = build_optimizer(model, cfg)
         scheduler = build_scheduler(optimizer, t)
         total, active = count_parameters(model)

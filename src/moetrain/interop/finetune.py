@@ -1,0 +1,86 @@
+"""``moetrain train --init-from HF_DIR``: fine-tune a Hugging Face checkpoint with our trainer.
+
+The model config comes from the checkpoint (:func:`~moetrain.interop.hf.from_hf`), the training and data config
+from the preset / ``--config`` file / ``FIELD=VALUE`` overrides as usual; overrides of ``model.*`` may change
+training-only fields (loss coefficients, the expert backend, ``bta_tiles``) but not the architecture. The run keeps
+the checkpoint's tokenizer: its ``tokenizer.json`` is what the data pipeline encodes the corpus with, and what the
+run directory stores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moetrain.configlib import merge, to_dict
+from moetrain.errors import ConfigError, DataError
+from moetrain.interop.families import TRAINING_ONLY_MODEL, TRAINING_ONLY_MOE
+from moetrain.interop.hf import TOKENIZER_FILE, from_hf, read_hf_config
+from moetrain.model.config import ModelConfig
+
+
+@dataclass
+class InitFrom:
+    """An imported checkpoint ready to start a run.
+
+    Attributes:
+        model: the imported model config.
+        weights: our tensor names -> fp32 tensors (tied duplicates dropped), for ``Trainer(init_weights=...)``.
+        tokenizer: the checkpoint's ``tokenizer.json``.
+    """
+
+    model: ModelConfig
+    weights: dict[str, torch.Tensor]
+    tokenizer: Path
+
+    def config(self, preset: str | None, file_data: dict[str, Any] | None, overrides: dict[str, Any]):
+        """The run's :class:`~moetrain.config.Config`: preset, then file, then this model, then overrides.
+
+        Raises:
+            ConfigError: an override that changes the imported architecture (the field is named).
+        """
+        from moetrain.config import Config
+        from moetrain.presets import preset_dict
+
+        data = merge(preset_dict(preset or "cpu-small"), file_data or {})
+        data["model"] = to_dict(self.model)
+        config = Config.from_dict(merge(data, overrides))
+        _check_same_architecture(self.model, config.model)
+        return config
+
+
+def _check_same_architecture(imported: ModelConfig, final: ModelConfig) -> None:
+    for f in dataclasses.fields(ModelConfig):
+        if f.name == "moe" or f.name in TRAINING_ONLY_MODEL:
+            continue
+        if getattr(imported, f.name) != getattr(final, f.name):
+            raise ConfigError(f"model.{f.name}={getattr(final, f.name)!r}: --init-from fixes the architecture to the "
+                              f"checkpoint's ({getattr(imported, f.name)!r})")
+    for f in dataclasses.fields(type(imported.moe)):
+        if f.name in TRAINING_ONLY_MOE:
+            continue
+        if getattr(imported.moe, f.name) != getattr(final.moe, f.name):
+            raise ConfigError(f"model.moe.{f.name}={getattr(final.moe, f.name)!r}: --init-from fixes the architecture "
+                              f"to the checkpoint's ({getattr(imported.moe, f.name)!r})")
+
+
+def load_init(hf_dir: str | Path) -> InitFrom:
+    """Import ``hf_dir`` (config, weights and tokenizer) for fine-tuning.
+
+    Raises:
+        MoetrainError: the errors of :func:`~moetrain.interop.hf.from_hf`, or no ``tokenizer.json`` in ``hf_dir``.
+    """
+    from moetrain.train.checkpoint import model_tensors
+
+    root = Path(hf_dir)
+    read_hf_config(root)  # a missing directory / config.json / unsupported model_type first
+    tokenizer = root / TOKENIZER_FILE
+    if not tokenizer.is_file():
+        raise DataError(f"--init-from {root}: no {TOKENIZER_FILE}; fine-tuning keeps the checkpoint's tokenizer "
+                        "(a fast tokenizer saved by transformers' save_pretrained)")
+    model = from_hf(root, dtype=torch.float32)
+    return InitFrom(model=model.config, weights=model_tensors(model), tokenizer=tokenizer)
