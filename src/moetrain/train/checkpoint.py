@@ -314,9 +314,18 @@ class CheckpointStore:
                 shutil.rmtree(p, ignore_errors=True)
 
     def delete(self, name: str) -> None:
+        """Remove checkpoint ``name``. Locally it is first renamed to a hidden ``.trash-`` name (atomic), so a crash
+        during the removal leaves no half-deleted directory under a checkpoint's name; remotely the manifest goes
+        first, so a half-deleted checkpoint no longer verifies."""
         if self.local:
-            shutil.rmtree(self.root / name, ignore_errors=True)
+            trash = self.root / f".trash-{name}-{os.getpid()}"
+            os.rename(self.root / name, trash)
+            shutil.rmtree(trash, ignore_errors=True)
         else:
+            try:
+                self.fs.rm_file(self._remote(name, MANIFEST))
+            except FileNotFoundError:  # an incomplete upload
+                pass
             self.fs.rm(self._remote(name), recursive=True)
 
     def prune(self, keep: int, milestone_every: int = 0) -> list[str]:
