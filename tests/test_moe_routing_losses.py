@@ -219,3 +219,16 @@ def test_config_errors_name_the_field(override, field):
     with pytest.raises(ConfigError) as err:
         build_config("tiny", overrides={"model": {"moe": {"num_experts": 8, **override}}})
     assert str(err.value).startswith(field), str(err.value)
+
+
+def test_eval_capacity_factor_applies_in_eval_mode_only():
+    layer = MoELayer(8, MoEConfig(num_experts=4, top_k=1, expert_ffn_hidden=8, capacity_factor=0.5,
+                                  eval_capacity_factor=4.0))
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.5)
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(0))
+    _, train_aux = layer.train()(x)
+    _, eval_aux = layer.eval()(x)
+    assert train_aux.capacity == 2 and train_aux.dropped_per_expert.sum() > 0  # ceil(16 / 4 * 0.5)
+    assert eval_aux.capacity == 16 and eval_aux.dropped_per_expert.sum() == 0  # ceil(16 / 4 * 4), capped at T
