@@ -80,6 +80,8 @@ CASES = [
     ("vocab-small", [*T, "model.vocab_size=100"], "model.vocab_size: must be >= 257"),
     ("ckpt-url", [*T, "train.checkpoint_url=bogus://x"],
      "train.checkpoint_url: unknown storage protocol in 'bogus://x'"),
+    ("ckpt-url-in-use", [*T, "train.checkpoint_url={run}/checkpoints"],
+     "train.checkpoint_url: {run}/checkpoints already holds checkpoints (step_00000002 ...) of another run"),
     ("steps-not-int", [*T, "--steps", "ten"], "moetrain train: error: argument --steps: invalid int value: 'ten'"),
     ("stop-not-int", [*T, "--stop-at-step", "1e3"], "argument --stop-at-step: invalid int value: '1e3'"),
     ("unknown-flag", [*T, "--frobnicate"], "unrecognized arguments: --frobnicate"),

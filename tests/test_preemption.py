@@ -7,7 +7,9 @@ milliseconds per step, a checkpoint every 2 steps and a metrics line every step.
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 from pathlib import Path
 
 import pytest
@@ -172,11 +174,11 @@ def test_second_signal_exits_at_once_and_leaves_no_partial_checkpoint(setup, tmp
     log = tmp_path / "first.log"
     proc = start_cli(args, log, {"MOETRAIN_CKPT_WRITE_DELAY": "0.5"})  # a slow checkpoint write to interrupt
     assert wait_for(lambda: bool(_tmp_dirs(run)), 120, proc), _read(log)
-    proc.terminate()
-    wait_for(lambda: "SIGTERM received" in _read(log), 10, proc)
-    proc.terminate()
+    os.kill(proc.pid, signal.SIGINT)  # Ctrl-C: the same graceful stop as SIGTERM
+    wait_for(lambda: "SIGINT received" in _read(log), 10, proc)
+    os.kill(proc.pid, signal.SIGINT)
     proc.join(10)
-    assert proc.exitcode == 128 + 15, _read(log)
+    assert proc.exitcode == 128 + signal.SIGINT, _read(log)
     assert "second signal" in _read(log)
     _all_complete_checkpoints_verify(run)
     assert run_cli(_resume(args), tmp_path / "resume.log") == 0, (tmp_path / "resume.log").read_text()

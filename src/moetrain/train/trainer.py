@@ -24,11 +24,13 @@ from moetrain.config import Config
 from moetrain.data.dataset import BatchSampler, PreparedData, TokenWindows, eval_batches, prepare_data
 from moetrain.errors import CheckpointError, MoetrainError
 from moetrain.model.transformer import MoETransformer, count_parameters
+from moetrain.parallel.launch import ParallelHooks
 from moetrain.train.checkpoint import (
     MODEL_FILE,
     STATE_FILE,
     CheckpointStore,
     LoadedCheckpoint,
+    checkpoint_name,
     encode_model,
     encode_state,
     load_model_weights,
@@ -124,14 +126,16 @@ class Trainer:
 
     def __init__(self, config: Config, run_dir: Path, resume: bool = False, log: Callable[[str], None] = print,
                  progress: bool = True, init_weights: dict[str, torch.Tensor] | None = None,
-                 init_tokenizer: Path | None = None):
+                 init_tokenizer: Path | None = None, hooks: ParallelHooks | None = None):
         """``init_weights`` (our tensor names, e.g. ``model_tensors`` of an imported model) and ``init_tokenizer``
         (a ``tokenizer.json``) start a new run from given weights and tokenizer instead of a random initialisation
         and a newly trained tokenizer (fine-tuning, ``moetrain train --init-from``) while the run has no
-        checkpoint; resuming from a checkpoint ignores them (it holds both)."""
+        checkpoint; resuming from a checkpoint ignores them (it holds both). ``hooks`` make this one rank of an
+        expert/data-parallel job (``moetrain.parallel.launch.start``, under ``torchrun``); default: one process."""
         self.config, self.run_dir, self.resume, self.log, self.progress = config, run_dir, resume, log, progress
         self.init_weights, self.init_tokenizer = init_weights, init_tokenizer
         self.device = resolve_device(config.train.device)
+        self.hooks = hooks if hooks is not None else ParallelHooks.local(self.device)
 
     # -- setup -----------------------------------------------------------------------------------------------
     def _prepare(self, ckpt: LoadedCheckpoint | None) -> tuple[PreparedData, bytes]:
@@ -173,7 +177,10 @@ class Trainer:
         if self.resume and ckpt is None and corrupt:
             raise CheckpointError(f"--resume: no checkpoint in {store.url} verifies ({len(corrupt)} failed; see the "
                                   "warnings above)")
-        data, tokenizer_bytes = self._prepare(ckpt)
+        if not self.resume and store.names():  # a later --resume would mix in another run's (newer) checkpoints
+            raise CheckpointError(f"train.checkpoint_url: {store.url} already holds checkpoints "
+                                  f"({store.names()[-1]} ...) of another run; choose another location or pass --resume")
+        data, tokenizer_bytes = self.hooks.prepare_data(lambda: self._prepare(ckpt), cfg.data, cfg.model.vocab_size)
         train_windows = TokenWindows(data.train_tokens, cfg.data.seq_len)
         val_windows = TokenWindows(data.val_tokens, cfg.data.seq_len)
         val_set = eval_batches(val_windows, t.batch_size, t.eval_batches)
@@ -182,9 +189,10 @@ class Trainer:
         model = MoETransformer(cfg.model).to(self.device)
         if ckpt is None and self.init_weights is not None:
             load_model_weights(model, self.init_weights, "--init-from")
+        total, active = count_parameters(model)
+        self.hooks.prepare_model(model, self.log)  # expert parallelism: keep this rank's experts, dispatchers
         optimizer = build_optimizer(model, cfg)
         scheduler = build_scheduler(optimizer, t)
-        total, active = count_parameters(model)
         self.log(
             f"model: {total / 1e6:.2f}M parameters, {active / 1e6:.2f}M active per token; "
             f"{len(train_windows)} training windows of {cfg.data.seq_len} tokens; device {self.device}"
@@ -193,10 +201,13 @@ class Trainer:
         step, initial_val, state = 0, None, {}
         skips_total, skips_in_a_row = 0, 0
         if ckpt is not None:
-            load_model_weights(model, ckpt.model_tensors(), f"{ckpt.location}/{MODEL_FILE}")
+            sharded = self.hooks.load_checkpoint(ckpt, model, optimizer)  # sharded checkpoint or sharded model
+            if not sharded:
+                load_model_weights(model, ckpt.model_tensors(), f"{ckpt.location}/{MODEL_FILE}")
             state = ckpt.train_state()
             try:
-                optimizer.load_state_dict(state["optimizer"])
+                if not sharded:
+                    optimizer.load_state_dict(state["optimizer"])
                 scheduler.load_state_dict(state["scheduler"])
                 sampler.load_state_dict(state["sampler"])
                 set_rng_state(state["rng"])
@@ -206,16 +217,19 @@ class Trainer:
             step, initial_val = state["step"], state.get("initial_val_loss")
             skips_total, skips_in_a_row = state.get("nonfinite_skips", (0, 0))
 
-        # Everything that can reject the input has run: from here on the run directory is written.
-        self._write_run_files(tokenizer_bytes)
-        for name in corrupt:  # never loaded again, kept for inspection
-            self.log(f"moved the corrupt checkpoint {store.location(name)} aside to {store.quarantine(name)}")
-        metrics = MetricsLogger(self.run_dir, resume_step=(step if ckpt is not None else -1) if self.resume else None)
+        # Everything that can reject the input has run: from here on the run directory is written (by rank 0).
+        if self.hooks.is_main:
+            self._write_run_files(tokenizer_bytes)
+            for name in corrupt:  # never loaded again, kept for inspection
+                self.log(f"moved the corrupt checkpoint {store.location(name)} aside to {store.quarantine(name)}")
+        metrics = self.hooks.metrics_logger(lambda: MetricsLogger(
+            self.run_dir, resume_step=(step if ckpt is not None else -1) if self.resume else None))
         if ckpt is not None:
             self.log(f"resumed from {ckpt.location} at step {step}")
         elif self.resume:
             self.log(f"warning: no checkpoint in {store.url} yet: starting from step 0")
-        monitor = RoutingMonitor(model, cfg.monitor, self.run_dir, self.log, start_step=step)  # routing health
+        monitor = RoutingMonitor(model, self.hooks.monitor_config(cfg.monitor), self.run_dir, self.log,
+                                 start_step=step)  # routing health
         if ckpt is not None:
             monitor.load_state_dict(state.get("monitor"))
         if initial_val is None:
@@ -230,8 +244,12 @@ class Trainer:
                 "config": cfg.to_dict(), "monitor": monitor.state_dict(),
                 "nonfinite_skips": (skips_total, skips_in_a_row),
             }
-            files = {MODEL_FILE: encode_model(model), STATE_FILE: encode_state(state),
-                     TOKENIZER_FILE: tokenizer_bytes, CONFIG_FILE: self._config_bytes()}
+            files = self.hooks.checkpoint_files(model, optimizer, state)  # sharded (a collective) or None
+            if files is None:
+                files = {MODEL_FILE: encode_model(model), STATE_FILE: encode_state(state)}
+            if not self.hooks.is_main:  # rank 0 writes every rank's shards
+                return store.location(checkpoint_name(step))
+            files.update({TOKENIZER_FILE: tokenizer_bytes, CONFIG_FILE: self._config_bytes()})
             where = store.save(step, files)
             store.prune(t.keep_checkpoints, t.milestone_every)
             return where
@@ -242,12 +260,14 @@ class Trainer:
         val_loss = None
         bar = tqdm(total=t.steps, initial=step, disable=not self.progress, unit="step", dynamic_ncols=True)
         model.train()
+        next_batch = self.hooks.local_batch(sampler.next_batch)  # this rank's rows of each global batch
         t_last, steps_since = time.perf_counter(), 0
         preempted, where = None, None
         with GracefulStop() as stop:
             try:
                 while step < end:
-                    result = train_step(model, sampler.next_batch, optimizer, scheduler, t, self.device)
+                    result = train_step(model, next_batch, optimizer, scheduler, t, self.device,
+                                        **self.hooks.step_kwargs())
                     lr = result.lr
                     step += 1
                     steps_since += 1
@@ -278,8 +298,10 @@ class Trainer:
                             record["val_loss"] = val_loss
                         bar.set_postfix(loss=f"{loss_value:.3f}", lr=f"{lr:.2e}", tok_s=f"{tps:.0f}")
                         record.update(monitor.flush(step, metrics.writer))
+                        record.update(self.hooks.step_metrics())  # per-rank tokens and bytes exchanged
                         metrics.log(record)
-                        monitor.raise_if_fatal(checkpoint)  # monitor.fatal alarms: checkpoint, then one-line error
+                        # monitor.fatal alarms: checkpoint, then one-line error
+                        self.hooks.raise_if_fatal(monitor, checkpoint)
                     elif (t.eval_every and step % t.eval_every == 0) or step == t.steps:
                         val_loss = evaluate(model, val_set, self.device, t.dtype)
                         metrics.log({"step": step, "val_loss": val_loss})
@@ -295,9 +317,10 @@ class Trainer:
                             f"train.max_nonfinite_skips: {skips_in_a_row} consecutive steps ({first}-{step}) had a "
                             f"non-finite loss or gradient, so training stopped; the last good state is in {where}; "
                             "lower train.lr or check the data, then continue with --resume")
-                    if stop.received:
+                    signal = self.hooks.agree_stop(stop.received)  # every rank stops after the same step
+                    if signal:
                         where = where if saved else checkpoint()
-                        preempted = stop.received
+                        preempted = signal
                         self.log(f"{preempted}: stopped after step {step} with checkpoint {where}; continue with: "
                                  f"moetrain train --out {self.run_dir} --resume")
                         break
