@@ -5,6 +5,11 @@ local dispatcher; the communication counters match the traffic predicted from th
 Every rank reads its own slice of a global batch; the reference is the unsharded layer on the whole batch in the
 same process. Loss: mean over tokens of <y_t, c_t> plus the router z-loss (both token means, so the global loss is
 the mean of the rank losses).
+
+With a capacity, C is a budget per expert per micro-batch of the rank that routes the tokens (the layer drops on
+its own tokens before dispatch, as Megatron-Core does from the local tokens), so the single-process reference runs
+each rank's slice as its own micro-batch (loss = mean of the slices' losses) and the global batch sees the same
+drops.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import torch
 from torch import nn
 
 from _parallel_util import spawn
+from moetrain.moe.capacity import capacity_keep, expert_capacity
 from moetrain.moe.config import MoEConfig
 from moetrain.moe.layer import MoELayer
 from moetrain.parallel.all_gather import AllGatherDispatcher
@@ -32,7 +38,8 @@ DISPATCHERS = {"all_to_all": AllToAllDispatcher, "all_gather": AllGatherDispatch
 def _setup(case: dict, world: int):
     """The full layer, the global batch and the loss weights, identical on every rank (fixed seed)."""
     dtype = torch.float64 if case["dtype"] == "fp64" else torch.float32
-    cfg = MoEConfig(num_experts=case["experts"], top_k=K, expert_ffn_hidden=F_HIDDEN, backend=case["backend"])
+    cfg = MoEConfig(num_experts=case["experts"], top_k=K, expert_ffn_hidden=F_HIDDEN, backend=case["backend"],
+                    **case.get("moe", {}))
     torch.manual_seed(1234)
     layer = MoELayer(D, cfg)
     for p in layer.parameters():
@@ -49,7 +56,34 @@ def _setup(case: dict, world: int):
 
 def _loss(layer: MoELayer, x: torch.Tensor, c: torch.Tensor):
     y, aux = layer(x)
-    return y, (y * c).sum(-1).mean() + 0.1 * aux.z_loss
+    return y, (y * c).sum(-1).mean() + 0.1 * aux.z_loss, aux
+
+
+def _reference(layer: MoELayer, x: torch.Tensor, c: torch.Tensor, world: int, per_slice: bool):
+    """(y, loss, dropped assignments): the whole batch at once, or (capacity) each rank's slice as a micro-batch."""
+    if not per_slice:
+        y, loss, aux = _loss(layer, x, c)
+        return y, loss, 0
+    ys, loss, dropped = [], 0.0, 0
+    for r in range(world):
+        rows = slice(r * T_PER_RANK, (r + 1) * T_PER_RANK)
+        y, slice_loss, aux = _loss(layer, x[rows], c[rows])
+        ys.append(y)
+        loss = loss + slice_loss / world
+        dropped += int(aux.dropped_per_expert.sum())
+    return torch.cat(ys), loss, dropped
+
+
+def _kept(layer: MoELayer, x: torch.Tensor, world: int) -> torch.Tensor:
+    """[W, T * K] bool: the assignments each rank's slice keeps (all of them when dropless)."""
+    cfg = layer.config
+    routing = layer.router(x.to(layer.router.weight.dtype))
+    ids, weights = routing.topk_ids.reshape(world, T_PER_RANK, K), routing.topk_weights.reshape(world, T_PER_RANK, K)
+    if cfg.capacity_factor is None:
+        return torch.ones(world, T_PER_RANK * K, dtype=torch.bool)
+    cap = expert_capacity(T_PER_RANK, K, cfg.num_experts, cfg.capacity_factor, cfg.min_capacity)
+    return torch.stack([capacity_keep(ids[r], weights[r], cfg.num_experts, cap, cfg.drop_policy).reshape(-1)
+                        for r in range(world)])
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -68,9 +102,11 @@ def _layer_worker(rank: int, world: int, out_dir, cases: list[dict]) -> dict:
         # Reference: the whole global batch through the unsharded layer with the local dispatcher.
         ref = copy.deepcopy(layer)
         x_ref = x.clone().requires_grad_(True)
-        y_ref, loss_ref = _loss(ref, x_ref, c)
+        capacity = layer.config.capacity_factor is not None
+        y_ref, loss_ref, dropped = _reference(ref, x_ref, c, world, per_slice=capacity)
         loss_ref.backward()
         routing = ref.router(x.to(ref.router.weight.dtype))
+        kept = _kept(ref, x, world)
 
         # Expert-parallel: this rank's slice, this rank's experts.
         stats = CommStats()
@@ -78,21 +114,29 @@ def _layer_worker(rank: int, world: int, out_dir, cases: list[dict]) -> dict:
         layer.set_dispatcher(DISPATCHERS[case["dispatcher"]](case["experts"], mesh, stats))
         rows = slice(rank * T_PER_RANK, (rank + 1) * T_PER_RANK)
         x_mine = x[rows].clone().requires_grad_(True)
-        y, loss = _loss(layer, x_mine, c[rows])
+        y, loss, _ = _loss(layer, x_mine, c[rows])
         loss.backward()
         sync_gradients(layer, mesh, set(shard_plan))
         local = mesh.local_experts(case["experts"])
 
-        # The traffic predicted from the reference routing of the EP group's tokens.
-        group_ranks = range(mesh.dp_rank * ep, (mesh.dp_rank + 1) * ep)
+        # The traffic predicted from the reference routing (and drops) of the EP group's tokens.
+        group_ranks = list(range(mesh.dp_rank * ep, (mesh.dp_rank + 1) * ep))
         ids = routing.topk_ids.reshape(world, T_PER_RANK * K)
-        in_local = (ids >= local.start) & (ids < local.stop)
+        in_local = (ids >= local.start) & (ids < local.stop) & kept
         row_bytes = D * x.element_size()
-        if case["dispatcher"] == "all_to_all":
-            predicted_sent = T_PER_RANK * K
-            predicted_remote = int((~in_local[rank]).sum())
+        padded = layer.config.pad_to_capacity or layer.config.backend == "padded"
+        cap = (expert_capacity(T_PER_RANK, K, case["experts"], layer.config.capacity_factor, layer.config.min_capacity)
+               if capacity else 0)
+        if case["dispatcher"] == "all_to_all" and padded:  # C slots per expert, empty ones included
+            predicted_sent, predicted_remote = case["experts"] * cap, (case["experts"] - len(local)) * cap
+            predicted_received = ep * len(local) * cap
+        elif case["dispatcher"] == "all_to_all":
+            predicted_sent = int(kept[rank].sum())
+            predicted_remote = int((kept[rank] & ~in_local[rank]).sum())
+            predicted_received = int(in_local[group_ranks].sum())
         else:
             predicted_sent, predicted_remote = T_PER_RANK, T_PER_RANK * (ep - 1)
+            predicted_received = ep * len(local) * cap if padded else int(in_local[group_ranks].sum())
         results[case["name"]] = {
             "y": _max_diff(y, y_ref[rows]),
             "loss": abs(all_reduce_mean(loss.detach(), mesh, "test loss").item() - loss_ref.item()),
@@ -103,7 +147,8 @@ def _layer_worker(rank: int, world: int, out_dir, cases: list[dict]) -> dict:
             "grad_down": _max_diff(layer.experts.down_proj.grad, ref.experts.down_proj.grad[local.start:local.stop]),
             "bytes_sent": (stats.dispatch_bytes_sent, predicted_sent * row_bytes),
             "bytes_sent_remote": (stats.dispatch_bytes_sent_remote, predicted_remote * row_bytes),
-            "tokens_received": (stats.tokens_received, int(in_local[list(group_ranks)].sum())),
+            "tokens_received": (stats.tokens_received, predicted_received),
+            "dropped": dropped,
         }
     return results
 
@@ -119,6 +164,12 @@ CASES_2 = [
     {"name": "ep2_allgather_idle_rank", "ep": 2, "experts": 4, "dispatcher": "all_gather", "dtype": "fp64",
      "backend": "loop", "idle_last_rank": True},
     {"name": "dp2_ep1", "ep": 1, "experts": 4, "dispatcher": "all_to_all", "dtype": "fp64", "backend": "loop"},
+    {"name": "ep2_a2a_capacity_probs", "ep": 2, "experts": 4, "dispatcher": "all_to_all", "dtype": "fp64",
+     "backend": "loop", "moe": {"capacity_factor": 0.5}},
+    {"name": "ep2_a2a_capacity_padded", "ep": 2, "experts": 4, "dispatcher": "all_to_all", "dtype": "fp64",
+     "backend": "padded", "moe": {"capacity_factor": 0.5, "drop_policy": "position"}},
+    {"name": "ep2_allgather_capacity_padded", "ep": 2, "experts": 4, "dispatcher": "all_gather", "dtype": "fp64",
+     "backend": "padded", "moe": {"capacity_factor": 0.5}},
 ]
 CASES_4 = [
     {"name": "ep4_a2a_fp64", "ep": 4, "experts": 8, "dispatcher": "all_to_all", "dtype": "fp64", "backend": "loop"},
@@ -128,6 +179,10 @@ CASES_4 = [
      "backend": "loop"},
     {"name": "dp2xep2_allgather_fp32", "ep": 2, "experts": 4, "dispatcher": "all_gather", "dtype": "fp32",
      "backend": "grouped_mm"},
+    {"name": "ep4_a2a_capacity_fp32", "ep": 4, "experts": 8, "dispatcher": "all_to_all", "dtype": "fp32",
+     "backend": "grouped_mm", "moe": {"capacity_factor": 0.5}},
+    {"name": "dp2xep2_allgather_capacity", "ep": 2, "experts": 4, "dispatcher": "all_gather", "dtype": "fp64",
+     "backend": "loop", "moe": {"capacity_factor": 0.5, "drop_policy": "position"}},
 ]
 
 
@@ -161,3 +216,8 @@ def test_idle_rank_really_idle(results):
     """The zero-token cases do leave the last EP rank's experts without tokens (else they test nothing)."""
     assert results["ep2_a2a_idle_rank"][1]["tokens_received"] == (0, 0)
     assert results["ep4_a2a_idle_rank"][3]["tokens_received"] == (0, 0)
+
+
+@pytest.mark.parametrize("name", [c["name"] for c in CASES_2 + CASES_4 if "moe" in c])
+def test_capacity_cases_really_drop(results, name):
+    assert results[name][0]["dropped"] > 0

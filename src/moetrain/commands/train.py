@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -67,20 +69,33 @@ def run(args) -> int:
         else:
             config = init.config(args.preset, file_data, overrides)
         run_dir = Path(args.out) if args.out else Path("runs") / f"{config.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
-        if run_dir.exists() and any(run_dir.iterdir()):
+        # Under torchrun only rank 0 owns the run directory (the others never write it).
+        if os.environ.get("RANK", "0") == "0" and run_dir.exists() and any(run_dir.iterdir()):
             if not args.overwrite:
                 raise MoetrainError(
                     f"run directory '{run_dir}' already exists; pass --resume to continue it, --overwrite to "
                     "replace it, or choose another --out"
                 )
             shutil.rmtree(run_dir)
-    print(f"run directory: {run_dir}")
-    result = Trainer(config, run_dir, resume=args.resume, progress=not args.no_progress,
-                     init_weights=init.weights if init else None,
-                     init_tokenizer=init.tokenizer if init else None).run(args.stop_at_step)
+    from moetrain.parallel.comm import CollectiveError
+    from moetrain.parallel.launch import start
+    from moetrain.train.trainer import resolve_device
+
+    hooks = start(config, resolve_device(config.train.device).type)  # joins torchrun's job when WORLD_SIZE > 1
+    say = print if hooks.is_main else (lambda *a, **k: None)
+    say(f"run directory: {run_dir}")
+    try:
+        result = Trainer(config, run_dir, resume=args.resume, progress=not args.no_progress and hooks.is_main,
+                         init_weights=init.weights if init else None,
+                         init_tokenizer=init.tokenizer if init else None, log=say, hooks=hooks).run(args.stop_at_step)
+    except CollectiveError as e:  # a peer died or hung: every surviving rank says which collective, exit 1
+        print(f"moetrain: error: rank {hooks.mesh.rank}: {e}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        hooks.close()
     if result.preempted:
-        print(f"stopped by {result.preempted} after step {result.steps} with a checkpoint; continue with: "
-              f"moetrain train --out {run_dir} --resume")
+        say(f"stopped by {result.preempted} after step {result.steps} with a checkpoint; continue with: "
+            f"moetrain train --out {run_dir} --resume")
         return 0
-    print(f"done: {result.steps} steps; try: moetrain generate {run_dir} --prompt 'def '")
+    say(f"done: {result.steps} steps; try: moetrain generate {run_dir} --prompt 'def '")
     return 0

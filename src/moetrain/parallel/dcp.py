@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import io
 import json
+import tempfile
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -38,6 +41,15 @@ MARKER = "moetrain.json"
 def is_dcp_checkpoint(path: Path) -> bool:
     """Whether ``path`` holds a complete checkpoint written by :func:`save`."""
     return (path / MARKER).is_file() and (path / ".metadata").is_file()
+
+
+@contextmanager
+def _quiet(mesh: ParallelMesh) -> Iterator[None]:
+    """Silence DCP's "assuming the intent is to save in a single process" warning: for one process it is."""
+    with warnings.catch_warnings():
+        if not mesh.distributed:
+            warnings.filterwarnings("ignore", message=".*single process.*")
+        yield
 
 
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
@@ -126,7 +138,7 @@ def save(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, 
                   for g in optimizer.param_groups]
     # One opaque blob, so DCP does not flatten (and split) nested Python data.
     state["meta"] = _pickled({"param_groups": groups, "extra": extra or {}})
-    with named_collective("torch.distributed.checkpoint.save (gather plans, write shards)"):
+    with named_collective("torch.distributed.checkpoint.save (gather plans, write shards)"), _quiet(mesh):
         dcp.save(state, checkpoint_id=str(path))
     if mesh.is_main:
         marker = {"format": "torch.distributed.checkpoint", "world_size": mesh.world_size, "ep": mesh.ep,
@@ -154,7 +166,7 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, 
     state = _state_dict(model, optimizer, plan, mesh)
     state["meta"] = io.BytesIO()
     try:
-        with named_collective("torch.distributed.checkpoint.load (read shards)"):
+        with named_collective("torch.distributed.checkpoint.load (read shards)"), _quiet(mesh):
             dcp.load(state, checkpoint_id=str(path))
     except CheckpointException as e:  # DCP's report of missing keys and shape mismatches, from any rank
         reason = " ".join(str(e).split())[:500]
@@ -169,3 +181,56 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, 
         groups = [{**g, "params": [index[n] for n in g["params"]]} for g in meta["param_groups"]]
         optimizer.load_state_dict({"state": local, "param_groups": groups})
     return meta["extra"]
+
+
+def is_dcp_files(files: dict[str, bytes]) -> bool:
+    """Whether a checkpoint's files (as read from the checkpoint store) are a sharded checkpoint."""
+    return ".metadata" in files and MARKER in files
+
+
+def save_files(model: nn.Module, optimizer: torch.optim.Optimizer | None, plan: dict[str, ExpertShard],
+               mesh: ParallelMesh) -> dict[str, bytes]:
+    """A checkpoint as files for :class:`~moetrain.train.checkpoint.CheckpointStore` (which verifies, writes
+    atomically, and works on fsspec URLs): every rank writes its DCP shard into a private temporary directory, and
+    rank 0 gathers ``.metadata``, the ``__<rank>_0.distcp`` shard of every rank and :data:`MARKER`.
+
+    The gather moves the whole checkpoint through rank 0 (memory and network: fine for one node; a multi-node job
+    with a shared file system would let each rank write its shard in place, same format). A collective.
+
+    Returns:
+        File name -> bytes on rank 0; ``{}`` on the other ranks.
+    Raises:
+        CollectiveError: a peer failed.
+    """
+    with tempfile.TemporaryDirectory(prefix="moetrain-dcp-") as tmp:
+        save(Path(tmp), model, optimizer, plan, mesh)
+        mine = {p.name: p.read_bytes() for p in Path(tmp).iterdir() if p.is_file()}
+    if not mesh.distributed:
+        return mine
+    gathered: list[dict[str, bytes]] | None = [{} for _ in range(mesh.world_size)] if mesh.is_main else None
+    with named_collective("gather_object (checkpoint shards to rank 0)"):
+        dist.gather_object(mine, gathered, dst=0)
+    if not mesh.is_main:
+        return {}
+    files: dict[str, bytes] = {}
+    for part in gathered:
+        files.update(part)
+    return files
+
+
+def load_files(files: dict[str, bytes], model: nn.Module, optimizer: torch.optim.Optimizer | None,
+               plan: dict[str, ExpertShard], mesh: ParallelMesh, where: str = "checkpoint") -> None:
+    """Load a checkpoint given as files (from the checkpoint store) into this rank's model and optimizer; every
+    rank needs all the files (each reads the chunks its shards overlap).
+
+    Raises:
+        CheckpointError: the files are not a complete sharded checkpoint, or do not fit this model.
+    """
+    with tempfile.TemporaryDirectory(prefix="moetrain-dcp-") as tmp:
+        for name, raw in files.items():
+            if name == MARKER or name == ".metadata" or name.endswith(".distcp"):
+                (Path(tmp) / name).write_bytes(raw)
+        try:
+            load(Path(tmp), model, optimizer, plan, mesh)
+        except CheckpointError as e:
+            raise CheckpointError(str(e).replace(tmp, where)) from None

@@ -22,18 +22,22 @@ Only rank 0 writes logs, metrics and run files.
 
 from __future__ import annotations
 
-from typing import Callable
+import dataclasses
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from moetrain.errors import ConfigError
+from moetrain.errors import CheckpointError, ConfigError, MoetrainError
+from moetrain.parallel import dcp
 from moetrain.parallel.all_gather import AllGatherDispatcher
 from moetrain.parallel.all_to_all import AllToAllDispatcher
 from moetrain.parallel.comm import CommStats, named_collective
 from moetrain.parallel.grads import all_reduce_mean, clip_grad_norm, sync_gradients
-from moetrain.parallel.mesh import ParallelMesh
+from moetrain.parallel.mesh import ParallelMesh, init_distributed, single_process
 from moetrain.parallel.sharding import ExpertShard, moe_layers, shard_experts
 
 DISPATCHERS = {"all_to_all": AllToAllDispatcher, "all_gather": AllGatherDispatcher}
@@ -63,21 +67,42 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, dispatcher: str = "all_to_
     return plan
 
 
+class NullMetrics:
+    """What ranks other than 0 log to: nothing (same interface as ``MetricsLogger``)."""
+
+    writer = None
+
+    def log(self, record: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 class ParallelHooks:
-    """The trainer's view of one rank of a DP x EP job (see the module docstring).
+    """The trainer's view of one rank of a DP x EP job (see the module docstring); for a single process
+    (:meth:`local`) every hook is the identity and checkpoints keep the single-file format, but a sharded
+    checkpoint can still be loaded (resharded to one process).
 
     Args:
         mesh: this rank's mesh position.
         dispatcher: ``parallel.dispatcher``.
+        owns_group: destroy the default process group in :meth:`close` (it was created by :func:`start`).
     """
 
-    def __init__(self, mesh: ParallelMesh, dispatcher: str = "all_to_all"):
+    def __init__(self, mesh: ParallelMesh, dispatcher: str = "all_to_all", owns_group: bool = False):
         self.mesh = mesh
         self.dispatcher = dispatcher
+        self.owns_group = owns_group
         self.stats = CommStats()
         self.plan: dict[str, ExpertShard] = {}
         self.model: nn.Module | None = None
         self._steps = 0  # optimizer steps since the last step_metrics()
+
+    @classmethod
+    def local(cls, device: torch.device | str = "cpu") -> "ParallelHooks":
+        """Hooks of a plain single-process run."""
+        return cls(single_process(device))
 
     @property
     def is_main(self) -> bool:
@@ -88,10 +113,16 @@ class ParallelHooks:
         return self.mesh.distributed
 
     # -- model and data ---------------------------------------------------------------------------------------
-    def prepare_model(self, model: nn.Module) -> nn.Module:
-        """Shard the experts and attach the dispatchers (call before building the optimizer)."""
+    def prepare_model(self, model: nn.Module, log: Callable[[str], None] | None = None) -> nn.Module:
+        """Shard the experts and attach the dispatchers (call before building the optimizer); ``log`` gets one
+        line describing the mesh when distributed."""
         self.plan = parallelize(model, self.mesh, self.dispatcher, self.stats)
         self.model = model
+        if log is not None and self.distributed:
+            held = sum(p.numel() for p in model.parameters())
+            log(f"parallel: {self.mesh.world_size} ranks = dp {self.mesh.dp} x ep {self.mesh.ep}, dispatcher "
+                f"{self.dispatcher if self.mesh.ep > 1 else 'local (experts replicated)'}; each rank holds "
+                f"{held / 1e6:.2f}M parameters, {len(self.plan)} expert tensors sharded")
         return model
 
     def local_batch(self, next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]]
@@ -117,7 +148,52 @@ class ParallelHooks:
 
         return mine if self.distributed else next_batch
 
+    def prepare_data(self, prepare: Callable[[], tuple[Any, bytes]], data_config, vocab_size: int
+                     ) -> tuple[Any, bytes]:
+        """Rank 0 runs ``prepare()`` (tokenizer training, tokenization, cache) first; the other ranks then prepare
+        the same corpus with rank 0's tokenizer (a cache hit on the same node), so every rank tokenizes
+        identically. A failure on rank 0 is reported by every rank (one broadcast).
+
+        Args:
+            prepare: the trainer's own data preparation, returning (prepared data, tokenizer.json bytes).
+            data_config / vocab_size: for the other ranks' ``prepare_data``.
+        Raises:
+            MoetrainError: rank 0's data preparation failed (its message).
+        """
+        if not self.distributed:
+            return prepare()
+        from moetrain.data.dataset import prepare_data
+
+        result, message = None, [None]
+        if self.is_main:
+            try:
+                result = prepare()
+                message = [("ok", result[1])]
+            except MoetrainError as e:
+                message = [("error", str(e))]
+                raise
+            finally:
+                with named_collective("broadcast_object_list (tokenizer from rank 0)"):
+                    dist.broadcast_object_list(message, src=0)
+            return result
+        with named_collective("broadcast_object_list (tokenizer from rank 0)"):
+            dist.broadcast_object_list(message, src=0)
+        kind, payload = message[0]
+        if kind == "error":
+            raise MoetrainError(f"rank 0 could not prepare the data: {payload}")
+        with tempfile.TemporaryDirectory(prefix="moetrain-tok-") as tmp:
+            path = Path(tmp) / "tokenizer.json"
+            path.write_bytes(payload)
+            data = prepare_data(data_config, vocab_size, tokenizer_path=path, log=lambda _: None)
+        return data, payload
+
     # -- the step ---------------------------------------------------------------------------------------------
+    def step_kwargs(self) -> dict[str, Any]:
+        """Extra arguments of :func:`moetrain.train.step.train_step` (none for a single process)."""
+        if not self.distributed:
+            return {}
+        return {"count_reducer": self.count_reducer, "sync_grads": self.sync_grads, "reduce_mean": self.reduce_mean}
+
     @property
     def count_reducer(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """Sums [L, E] expert counts over all ranks (every rank reads different data); ``None`` for one process."""
@@ -165,3 +241,398 @@ class ParallelHooks:
             for field, key in names.items():
                 out[f"ep/rank{rank}/{key}"] = values[field] / steps
         return out
+
+    # -- checkpoints, monitoring, stopping ---------------------------------------------------------------------
+    def load_checkpoint(self, ckpt, model: nn.Module, optimizer: torch.optim.Optimizer) -> bool:
+        """Load the weights and optimizer state of ``ckpt`` (a verified ``LoadedCheckpoint``) when it takes this
+        module: a sharded checkpoint (any world size / EP, resharded here), or a single-file checkpoint into a
+        sharded model (expert tensors and their AdamW moments sliced to this rank's experts).
+
+        Returns:
+            ``False`` when the trainer's own single-file loading applies (a single-file checkpoint, no sharding).
+        Raises:
+            CheckpointError: the checkpoint does not fit the model.
+        """
+        from moetrain.train.checkpoint import MODEL_FILE, STATE_FILE, load_model_weights
+
+        if dcp.is_dcp_files(ckpt.files):
+            dcp.load_files(ckpt.files, model, optimizer, self.plan, self.mesh, where=ckpt.location)
+            return True
+        if not self.plan:
+            return False
+        tensors = ckpt.model_tensors()
+        for name, shard in self.plan.items():
+            if name in tensors:
+                tensors[name] = tensors[name][shard.offset : shard.offset + shard.local_rows]
+        load_model_weights(model, tensors, f"{ckpt.location}/{MODEL_FILE}")
+        state = ckpt.train_state()["optimizer"]
+        names = {p: n for n, p in model.named_parameters()}
+        index_names = [names[p] for g in optimizer.param_groups for p in g["params"]]
+        for index, entry in state["state"].items():
+            shard = self.plan.get(index_names[int(index)])
+            if shard is None:
+                continue
+            for key, value in entry.items():
+                if torch.is_tensor(value) and value.dim() > 0 and value.shape[0] == shard.global_rows:
+                    entry[key] = value[shard.offset : shard.offset + shard.local_rows]
+        try:
+            optimizer.load_state_dict(state)
+        except (KeyError, ValueError, TypeError, RuntimeError) as e:
+            raise CheckpointError(f"{ckpt.location}/{STATE_FILE}: does not fit this run: {str(e).splitlines()[0]}"
+                                  ) from None
+        return True
+
+    def checkpoint_files(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+                         ) -> dict[str, bytes] | None:
+        """The weight and state files of a checkpoint (a collective when distributed).
+
+        Returns:
+            ``None`` for a single process (the trainer writes its single-file format); otherwise the sharded
+            checkpoint's files plus ``train_state.pt`` without the optimizer (it is in the shards) on rank 0,
+            and ``{}`` on the other ranks (rank 0 writes the checkpoint).
+        """
+        if not self.distributed:
+            return None
+        from moetrain.train.checkpoint import STATE_FILE, encode_state
+
+        files = dcp.save_files(model, optimizer, self.plan, self.mesh)
+        if self.is_main:
+            files[STATE_FILE] = encode_state({k: v for k, v in state.items() if k != "optimizer"})
+        return files
+
+    def monitor_config(self, config):
+        """The routing monitor's config for this rank: rank 0's only (it sees rank 0's tokens and writes the
+        alerts); disabled on the others."""
+        return config if self.is_main else dataclasses.replace(config, enabled=False)
+
+    def metrics_logger(self, make: Callable[[], Any]) -> Any:
+        """``make()`` (the metrics writer) on rank 0, a :class:`NullMetrics` on the other ranks."""
+        return make() if self.is_main else NullMetrics()
+
+    def raise_if_fatal(self, monitor, checkpoint: Callable[[], Any]) -> None:
+        """``monitor.raise_if_fatal(checkpoint)`` with the decision made on rank 0 and shared (one broadcast),
+        so that every rank writes the checkpoint (a collective) and stops together.
+
+        Raises:
+            TrainingAlarm: on rank 0.  MoetrainError: on the other ranks, naming rank 0's alarm.
+        """
+        if not self.distributed:
+            monitor.raise_if_fatal(checkpoint)
+            return
+        alert = monitor.alerts.fatal if self.is_main else None
+        fatal = [alert.kind if alert is not None else None]
+        with named_collective("broadcast_object_list (routing alarm from rank 0)"):
+            dist.broadcast_object_list(fatal, src=0)
+        if fatal[0] is None:
+            return
+        if fatal[0] != "nonfinite_loss":  # as RoutingMonitor.raise_if_fatal: weights may be non-finite then
+            checkpoint()
+        if self.is_main:
+            monitor.raise_if_fatal(None)
+        raise MoetrainError("stopped with rank 0: its routing monitor raised a fatal alarm (see rank 0's log)")
+
+    def agree_stop(self, received: str | None) -> str | None:
+        """The stop signal if any rank received one (one all-reduce per step), so all ranks stop after the same
+        step; ``None`` otherwise."""
+        if not self.distributed:
+            return received
+        flag = torch.tensor([1 if received else 0], device=self.mesh.device)
+        with named_collective("all_reduce (stop signal)"):
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if int(flag) == 0:
+            return None
+        return received or "a signal received by another rank"
+
+    def close(self) -> None:
+        pass
+
+
+class ParallelHooks:
+    """The trainer's view of one rank of a DP x EP job (see the module docstring); for a single process
+    (:meth:`local`) every hook is the identity and checkpoints keep the single-file format, but a sharded
+    checkpoint can still be loaded (resharded to one process).
+
+    Args:
+        mesh: this rank's mesh position.
+        dispatcher: ``parallel.dispatcher``.
+        owns_group: destroy the default process group in :meth:`close` (it was created by :func:`start`).
+    """
+
+    def __init__(self, mesh: ParallelMesh, dispatcher: str = "all_to_all", owns_group: bool = False):
+        self.mesh = mesh
+        self.dispatcher = dispatcher
+        self.owns_group = owns_group
+        self.stats = CommStats()
+        self.plan: dict[str, ExpertShard] = {}
+        self.model: nn.Module | None = None
+        self._steps = 0  # optimizer steps since the last step_metrics()
+
+    @classmethod
+    def local(cls, device: torch.device | str = "cpu") -> "ParallelHooks":
+        """Hooks of a plain single-process run."""
+        return cls(single_process(device))
+
+    @property
+    def is_main(self) -> bool:
+        return self.mesh.is_main
+
+    @property
+    def distributed(self) -> bool:
+        return self.mesh.distributed
+
+    # -- model and data ---------------------------------------------------------------------------------------
+    def prepare_model(self, model: nn.Module, log: Callable[[str], None] | None = None) -> nn.Module:
+        """Shard the experts and attach the dispatchers (call before building the optimizer); ``log`` gets one
+        line describing the mesh when distributed."""
+        self.plan = parallelize(model, self.mesh, self.dispatcher, self.stats)
+        self.model = model
+        if log is not None and self.distributed:
+            held = sum(p.numel() for p in model.parameters())
+            log(f"parallel: {self.mesh.world_size} ranks = dp {self.mesh.dp} x ep {self.mesh.ep}, dispatcher "
+                f"{self.dispatcher if self.mesh.ep > 1 else 'local (experts replicated)'}; each rank holds "
+                f"{held / 1e6:.2f}M parameters, {len(self.plan)} expert tensors sharded")
+        return model
+
+    def local_batch(self, next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]]
+                    ) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+        """Wrap a sampler's ``next_batch`` (global micro-batch [B, S]) to return this rank's rows
+        ``[rank * B / W, (rank + 1) * B / W)``.
+
+        Raises:
+            ConfigError: B not divisible by the world size (on the first call).
+        """
+        w, r = self.mesh.world_size, self.mesh.rank
+
+        def mine() -> tuple[torch.Tensor, torch.Tensor]:
+            inputs, targets = next_batch()
+            b = inputs.shape[0]
+            if b % w:
+                raise ConfigError(
+                    f"train.batch_size: {b} sequences per micro-batch cannot be split evenly over {w} ranks "
+                    f"(WORLD_SIZE); choose a multiple of {w}"
+                )
+            rows = slice(r * b // w, (r + 1) * b // w)
+            return inputs[rows], targets[rows]
+
+        return mine if self.distributed else next_batch
+
+    def prepare_data(self, prepare: Callable[[], tuple[Any, bytes]], data_config, vocab_size: int
+                     ) -> tuple[Any, bytes]:
+        """Rank 0 runs ``prepare()`` (tokenizer training, tokenization, cache) first; the other ranks then prepare
+        the same corpus with rank 0's tokenizer (a cache hit on the same node), so every rank tokenizes
+        identically. A failure on rank 0 is reported by every rank (one broadcast).
+
+        Args:
+            prepare: the trainer's own data preparation, returning (prepared data, tokenizer.json bytes).
+            data_config / vocab_size: for the other ranks' ``prepare_data``.
+        Raises:
+            MoetrainError: rank 0's data preparation failed (its message).
+        """
+        if not self.distributed:
+            return prepare()
+        from moetrain.data.dataset import prepare_data
+
+        result, message = None, [None]
+        if self.is_main:
+            try:
+                result = prepare()
+                message = [("ok", result[1])]
+            except MoetrainError as e:
+                message = [("error", str(e))]
+                raise
+            finally:
+                with named_collective("broadcast_object_list (tokenizer from rank 0)"):
+                    dist.broadcast_object_list(message, src=0)
+            return result
+        with named_collective("broadcast_object_list (tokenizer from rank 0)"):
+            dist.broadcast_object_list(message, src=0)
+        kind, payload = message[0]
+        if kind == "error":
+            raise MoetrainError(f"rank 0 could not prepare the data: {payload}")
+        with tempfile.TemporaryDirectory(prefix="moetrain-tok-") as tmp:
+            path = Path(tmp) / "tokenizer.json"
+            path.write_bytes(payload)
+            data = prepare_data(data_config, vocab_size, tokenizer_path=path, log=lambda _: None)
+        return data, payload
+
+    # -- the step ---------------------------------------------------------------------------------------------
+    def step_kwargs(self) -> dict[str, Any]:
+        """Extra arguments of :func:`moetrain.train.step.train_step` (none for a single process)."""
+        if not self.distributed:
+            return {}
+        return {"count_reducer": self.count_reducer, "sync_grads": self.sync_grads, "reduce_mean": self.reduce_mean}
+
+    @property
+    def count_reducer(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """Sums [L, E] expert counts over all ranks (every rank reads different data); ``None`` for one process."""
+        if not self.distributed:
+            return None
+
+        def reduce(counts: torch.Tensor) -> torch.Tensor:
+            with named_collective("all_reduce (expert counts, all ranks)"):
+                dist.all_reduce(counts, op=dist.ReduceOp.SUM)
+            return counts
+
+        return reduce
+
+    def sync_grads(self, max_norm: float) -> torch.Tensor:
+        """All-reduce the gradients (:func:`~moetrain.parallel.grads.sync_gradients`), clip them to ``max_norm`` by
+        the global norm and return it. Called once per optimizer step by ``train_step``."""
+        self._steps += 1
+        sync_gradients(self.model, self.mesh, set(self.plan))
+        return clip_grad_norm(self.model, self.mesh, set(self.plan), max_norm)
+
+    def reduce_mean(self, values: torch.Tensor) -> torch.Tensor:
+        """Mean over ranks of this rank's losses (1-D)."""
+        return all_reduce_mean(values, self.mesh, "step losses, all ranks")
+
+    def step_metrics(self) -> dict[str, float]:
+        """Per-rank communication per optimizer step since the last call (a collective: an all-gather of six
+        counters), as metrics fields ``ep/rank{R}/tokens_received``, ``ep/rank{R}/a2a_bytes_sent`` (rows put into
+        the dispatch exchange x D x element size), ``ep/rank{R}/a2a_bytes_sent_remote`` (the part bound for other
+        ranks) and ``ep/rank{R}/combine_bytes_sent``. Counters cover training forward passes only."""
+        if not self.distributed or self.mesh.ep == 1:
+            return {}
+        local = self.stats.as_tensor().to(self.mesh.device)
+        everyone = [torch.empty_like(local) for _ in range(self.mesh.world_size)]
+        with named_collective("all_gather (communication counters)"):
+            dist.all_gather(everyone, local)
+        steps = max(self._steps, 1)
+        self.stats.reset()
+        self._steps = 0
+        names = {"tokens_received": "tokens_received", "dispatch_bytes_sent": "a2a_bytes_sent",
+                 "dispatch_bytes_sent_remote": "a2a_bytes_sent_remote", "combine_bytes_sent": "combine_bytes_sent"}
+        fields = CommStats.field_names()
+        out = {}
+        for rank, counters in enumerate(everyone):
+            values = dict(zip(fields, counters.tolist()))
+            for field, key in names.items():
+                out[f"ep/rank{rank}/{key}"] = values[field] / steps
+        return out
+
+    # -- checkpoints, monitoring, stopping ---------------------------------------------------------------------
+    def load_checkpoint(self, ckpt, model: nn.Module, optimizer: torch.optim.Optimizer) -> bool:
+        """Load the weights and optimizer state of ``ckpt`` (a verified ``LoadedCheckpoint``) when it takes this
+        module: a sharded checkpoint (any world size / EP, resharded here), or a single-file checkpoint into a
+        sharded model (expert tensors and their AdamW moments sliced to this rank's experts).
+
+        Returns:
+            ``False`` when the trainer's own single-file loading applies (a single-file checkpoint, no sharding).
+        Raises:
+            CheckpointError: the checkpoint does not fit the model.
+        """
+        from moetrain.train.checkpoint import MODEL_FILE, STATE_FILE, load_model_weights
+
+        if dcp.is_dcp_files(ckpt.files):
+            dcp.load_files(ckpt.files, model, optimizer, self.plan, self.mesh, where=ckpt.location)
+            return True
+        if not self.plan:
+            return False
+        tensors = ckpt.model_tensors()
+        for name, shard in self.plan.items():
+            if name in tensors:
+                tensors[name] = tensors[name][shard.offset : shard.offset + shard.local_rows]
+        load_model_weights(model, tensors, f"{ckpt.location}/{MODEL_FILE}")
+        state = ckpt.train_state()["optimizer"]
+        names = {p: n for n, p in model.named_parameters()}
+        index_names = [names[p] for g in optimizer.param_groups for p in g["params"]]
+        for index, entry in state["state"].items():
+            shard = self.plan.get(index_names[int(index)])
+            if shard is None:
+                continue
+            for key, value in entry.items():
+                if torch.is_tensor(value) and value.dim() > 0 and value.shape[0] == shard.global_rows:
+                    entry[key] = value[shard.offset : shard.offset + shard.local_rows]
+        try:
+            optimizer.load_state_dict(state)
+        except (KeyError, ValueError, TypeError, RuntimeError) as e:
+            raise CheckpointError(f"{ckpt.location}/{STATE_FILE}: does not fit this run: {str(e).splitlines()[0]}"
+                                  ) from None
+        return True
+
+    def checkpoint_files(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+                         ) -> dict[str, bytes] | None:
+        """The weight and state files of a checkpoint (a collective when distributed).
+
+        Returns:
+            ``None`` for a single process (the trainer writes its single-file format); otherwise the sharded
+            checkpoint's files plus ``train_state.pt`` without the optimizer (it is in the shards) on rank 0,
+            and ``{}`` on the other ranks (rank 0 writes the checkpoint).
+        """
+        if not self.distributed:
+            return None
+        from moetrain.train.checkpoint import STATE_FILE, encode_state
+
+        files = dcp.save_files(model, optimizer, self.plan, self.mesh)
+        if self.is_main:
+            files[STATE_FILE] = encode_state({k: v for k, v in state.items() if k != "optimizer"})
+        return files
+
+    def monitor_config(self, config):
+        """The routing monitor's config for this rank: rank 0's only (it sees rank 0's tokens and writes the
+        alerts); disabled on the others."""
+        return config if self.is_main else dataclasses.replace(config, enabled=False)
+
+    def metrics_logger(self, make: Callable[[], Any]) -> Any:
+        """``make()`` (the metrics writer) on rank 0, a :class:`NullMetrics` on the other ranks."""
+        return make() if self.is_main else NullMetrics()
+
+    def raise_if_fatal(self, monitor, checkpoint: Callable[[], Any]) -> None:
+        """``monitor.raise_if_fatal(checkpoint)`` with the decision made on rank 0 and shared (one broadcast),
+        so that every rank writes the checkpoint (a collective) and stops together.
+
+        Raises:
+            TrainingAlarm: on rank 0.  MoetrainError: on the other ranks, naming rank 0's alarm.
+        """
+        if not self.distributed:
+            monitor.raise_if_fatal(checkpoint)
+            return
+        alert = monitor.alerts.fatal if self.is_main else None
+        fatal = [alert.kind if alert is not None else None]
+        with named_collective("broadcast_object_list (routing alarm from rank 0)"):
+            dist.broadcast_object_list(fatal, src=0)
+        if fatal[0] is None:
+            return
+        if fatal[0] != "nonfinite_loss":  # as RoutingMonitor.raise_if_fatal: weights may be non-finite then
+            checkpoint()
+        if self.is_main:
+            monitor.raise_if_fatal(None)
+        raise MoetrainError("stopped with rank 0: its routing monitor raised a fatal alarm (see rank 0's log)")
+
+    def agree_stop(self, received: str | None) -> str | None:
+        """The stop signal if any rank received one (one all-reduce per step), so all ranks stop after the same
+        step; ``None`` otherwise."""
+        if not self.distributed:
+            return received
+        flag = torch.tensor([1 if received else 0], device=self.mesh.device)
+        with named_collective("all_reduce (stop signal)"):
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if int(flag) == 0:
+            return None
+        return received or "a signal received by another rank"
+
+    def log_plan(self, log: Callable[[str], None], total_params: int) -> None:
+        """One line describing the mesh and the sharding (rank 0)."""
+        if self.distributed:
+            log(f"parallel: {self.mesh.world_size} ranks = dp {self.mesh.dp} x ep {self.mesh.ep}, "
+                f"dispatcher {self.dispatcher if self.mesh.ep > 1 else 'local'}; each rank holds "
+                f"{total_params / 1e6:.2f}M parameters (experts sharded {len(self.plan)} tensors)")
+
+    def close(self) -> None:
+        """Destroy the default process group if :func:`start` created it."""
+        if self.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def start(config, device_type: str) -> ParallelHooks:
+    """Join the ``torchrun`` job (``WORLD_SIZE`` > 1) or stay a single process, per the run config.
+
+    Args:
+        config: the run :class:`~moetrain.config.Config` (its ``parallel`` section).
+        device_type: ``cpu`` or ``cuda``.
+    Raises:
+        ConfigError: an impossible mesh (the message names ``parallel.ep`` and the world size).
+    """
+    owns = not dist.is_initialized()
+    mesh = init_distributed(config.parallel, device_type)
+    return ParallelHooks(mesh, config.parallel.dispatcher, owns_group=owns and mesh.distributed)
