@@ -11,8 +11,13 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from moetrain.errors import ConfigError  # noqa: E402
-from moetrain.hf import AcceleratedMoeBlock, MoELoggingCallback, accelerate, add_moe_logging  # noqa: E402
+from moetrain.errors import ConfigError
+from moetrain.hf import (
+    AcceleratedMoeBlock,
+    MoELoggingCallback,
+    accelerate,
+    add_moe_logging,
+)
 
 V = 97
 COMMON = {"vocab_size": V, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,

@@ -11,11 +11,11 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from moetrain.cli import main  # noqa: E402
-from moetrain.commands.run_dir import load_run  # noqa: E402
-from moetrain.data.tokenizer import EOS_TOKEN, train_tokenizer  # noqa: E402
-from moetrain.interop.hf import from_hf  # noqa: E402
-from moetrain.interop.upcycle import upcycle_model  # noqa: E402
+from moetrain.cli import main
+from moetrain.commands.run_dir import load_run
+from moetrain.data.tokenizer import EOS_TOKEN, train_tokenizer
+from moetrain.interop.hf import from_hf
+from moetrain.interop.upcycle import upcycle_model
 
 TRAIN = ["--no-progress", "train.eval_every=0", "train.eval_batches=1", "train.batch_size=4", "data.seq_len=32",
          "train.log_every=1"]

@@ -5,21 +5,28 @@ Reference: transformers' modeling code on CPU in fp32 (tiny random configs, no d
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 
-from moetrain.errors import CheckpointError, ConfigError  # noqa: E402
-from moetrain.interop.hf import from_hf, to_hf  # noqa: E402
-from moetrain.interop.layouts import FUSED, LAYOUTS, MEGATRON, PER_EXPERT, W123, detect_layout  # noqa: E402
-from moetrain.model.config import ModelConfig  # noqa: E402
-from moetrain.model.generate import generate  # noqa: E402
-from moetrain.model.transformer import MoETransformer  # noqa: E402
-from moetrain.moe.config import MoEConfig  # noqa: E402
+from moetrain.errors import CheckpointError, ConfigError
+from moetrain.interop.hf import from_hf, to_hf
+from moetrain.interop.layouts import (
+    FUSED,
+    LAYOUTS,
+    MEGATRON,
+    PER_EXPERT,
+    W123,
+    detect_layout,
+)
+from moetrain.model.config import ModelConfig
+from moetrain.model.generate import generate
+from moetrain.model.transformer import MoETransformer
+from moetrain.moe.config import MoEConfig
 
 V = 101
 BASE = {"vocab_size": V, "hidden": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 40,
@@ -153,7 +160,7 @@ def test_hub_layouts_are_read_by_name(tmp_path):
         from safetensors import safe_open
 
         with safe_open(str(index_or_file), "pt") as f:
-            assert probe in f.keys()
+            assert probe in f.keys()  # noqa: SIM118 (a safetensors handle, not a dict)
         ours = from_hf(tmp_path / family)
         hf_state = hf.state_dict()
         for i in ours.config.moe_layer_indices:
@@ -242,6 +249,17 @@ def test_import_refuses_what_does_not_map(tmp_path):
     hf.config.rope_parameters = {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}
     with pytest.raises(ConfigError, match="rope_type='linear'"):
         from_hf(hf)
+
+
+def test_dots1_without_expert_bias_round_trips(tmp_path):
+    """dots.llm1 always stores e_score_correction_bias; a model without one exports zeros and comes back without."""
+    cfg = dataclasses.replace(OURS["dots1"](), moe=_moe(num_experts=8, score_func="sigmoid", num_groups=4,
+                                                        topk_groups=2, expert_bias=False))
+    torch.manual_seed(0)
+    ours = MoETransformer(cfg)
+    to_hf(ours, tmp_path)
+    back = from_hf(tmp_path)
+    assert back.config == cfg and back.state_dict().keys() == ours.state_dict().keys()
 
 
 def test_layer_plan_mapping():

@@ -233,7 +233,7 @@ class MoELoggingCallback(_callback_base()):
     def __init__(self, stats: RoutingStats, per_expert: bool = True):
         self.stats, self.per_expert = stats, per_expert
 
-    def on_log(self, args, state, control, logs=None, **kwargs):  # noqa: D102
+    def on_log(self, args, state, control, logs=None, **kwargs):
         if logs is None or not self.stats.has_data():
             return
         values = self.stats.summary(self.per_expert)

@@ -164,7 +164,7 @@ def _check_family(cfg: ModelConfig, family: Family) -> None:
         if shared % moe.expert_ffn_hidden:
             raise _err("model.moe.shared_expert_ffn_hidden", shared, "dots.llm1 sizes the shared expert as "
                        f"n_shared_experts * moe_intermediate_size; it must be a multiple of {moe.expert_ffn_hidden}")
-        if moe.num_experts // moe.num_groups < 2 and moe.groups_per_token < moe.num_groups:
+        if moe.num_experts // moe.num_groups < 2:
             raise _err("model.moe.num_groups", moe.num_groups, "dots.llm1 scores a group by its two best experts, "
                        "so groups need >= 2 experts")
         if cfg.moe_every != 1:
@@ -217,6 +217,9 @@ def hf_config_dict(cfg: ModelConfig, family: Family) -> dict[str, Any]:
                    routed_scaling_factor=moe.routed_scaling_factor, n_group=moe.num_groups,
                    topk_group=moe.groups_per_token, attention_bias=False, sliding_window=None,
                    layer_types=["full_attention"] * cfg.n_layers)
+        # dots.llm1 always has e_score_correction_bias (zeros without one): say whether ours has the bias, so that
+        # an import gives back the same config (and the bias updates only where they were on).
+        out["moetrain"]["expert_bias"] = moe.expert_bias
     return out
 
 
@@ -296,7 +299,7 @@ def _moe_from_hf(hf: Any, family: Family, carried: dict[str, Any]) -> MoEConfig:
         groups, topk_groups = int(_get(hf, "n_group", 1)), int(_get(hf, "topk_group", 1))
         kwargs.update(score_func="sigmoid", routed_scaling_factor=float(_get(hf, "routed_scaling_factor", 1.0)),
                       num_groups=groups, topk_groups=None if topk_groups >= groups else topk_groups,
-                      expert_bias=True,
+                      expert_bias=bool(carried.get("expert_bias", True)),
                       shared_expert_ffn_hidden=int(_get(hf, "n_shared_experts", 0)) * kwargs["expert_ffn_hidden"])
     known = {f.name for f in dataclasses.fields(MoEConfig)}
     missing = sorted(set(kwargs) - known)

@@ -13,6 +13,7 @@ the config before it is read, and the expert layout is declared per format (see 
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -81,10 +82,18 @@ def to_hf_model(model: MoETransformer, tokenizer: Any = None):
     config.architectures = [family.architecture]
     state = hf_state_dict(model, family)
     config.dtype = next(iter(state.values())).dtype
-    with torch.device("meta"):
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Initializing zero-element tensors")  # zero-width shared experts
         hf = tf.AutoModelForCausalLM.from_config(config)
     result = hf.load_state_dict(state, strict=False, assign=True)
     missing = set(result.missing_keys) - ({"lm_head.weight"} if model.config.tie_embeddings else set())
+    # What the family always has and we may not: dots.llm1's e_score_correction_bias (zeros = no bias) and its
+    # shared experts (zero width = none).
+    hf_state = hf.state_dict()
+    fill = {k: torch.zeros(hf_state[k].shape, dtype=hf_state[k].dtype) for k in missing
+            if k.endswith("e_score_correction_bias") or hf_state[k].numel() == 0}
+    hf.load_state_dict(fill, strict=False, assign=True)
+    missing -= set(fill)
     if missing or result.unexpected_keys:  # a bug in the name mapping, not a user error
         raise RuntimeError(f"HF name mapping incomplete: missing {sorted(missing)[:3]}, unexpected "
                            f"{sorted(result.unexpected_keys)[:3]}")
@@ -155,11 +164,11 @@ class TensorSource:
         return check_shape(name, self._load(name), expected, self.where)
 
     @classmethod
-    def from_state_dict(cls, state: dict[str, torch.Tensor], where: str) -> "TensorSource":
+    def from_state_dict(cls, state: dict[str, torch.Tensor], where: str) -> TensorSource:
         return cls({k: tuple(v.shape) for k, v in state.items()}, state.__getitem__, where)
 
     @classmethod
-    def from_directory(cls, root: Path) -> "TensorSource":
+    def from_directory(cls, root: Path) -> TensorSource:
         """Lazily open ``model.safetensors`` or the shards listed in ``model.safetensors.index.json``.
 
         Raises:
@@ -181,7 +190,7 @@ class TensorSource:
                 raise CheckpointError(f"{root / INDEX_FILE}: shard '{fname}' is missing")
             h = safe_open(str(root / fname), framework="pt")
             handles[fname] = h
-            for key in h.keys():
+            for key in h.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
                 shapes[key] = tuple(h.get_slice(key).get_shape())
                 owner[key] = fname
         return cls(shapes, lambda name: handles[owner[name]].get_tensor(name), str(root))
@@ -273,6 +282,13 @@ def load_tensors(src: TensorSource, family: Family, cfg: ModelConfig, layouts: t
             hf = moe_block[i] + hf[len(f"model.layers.{i}.mlp"):]
         out[name] = src.get(hf, shape)
     ignored = {"lm_head.weight"} if cfg.tie_embeddings else set()
+    for k in sorted(set(src.shapes) - src.used):
+        # dots.llm1 stores e_score_correction_bias even for a model without an expert bias: all zeros, no effect.
+        if (k.endswith(".mlp.gate.e_score_correction_bias") and not getattr(cfg.moe, "expert_bias", False)
+                and bool(src.get(k, src.shapes[k]).any())):
+            raise CheckpointError(f"{src.where}: tensor '{k}' is non-zero, but config.json's moetrain.expert_bias "
+                                  "is false")
+    ignored |= {k for k, shape in src.shapes.items() if 0 in shape}  # e.g. zero-width shared experts: nothing
     extra = sorted(k for k in set(src.shapes) - src.used - ignored if not k.endswith(_IGNORED_SUFFIXES))
     if extra:
         raise CheckpointError(f"{src.where}: unexpected tensor '{extra[0]}' (the config does not account for it"
