@@ -48,26 +48,27 @@ def _setup(case: dict, world: int):
     c = torch.randn(world * T_PER_RANK, D)
     if case.get("idle_last_rank"):
         # Every feature positive and the last EP rank's experts pointing away from them: no token picks them.
-        x = x.abs() + 1.0
+        x = x.abs() + 0.2
         per = case["experts"] // case["ep"]
         layer.router.weight.data[-per:] = -1.0
     return layer.to(dtype), x.to(dtype), c.to(dtype)
 
 
-def _loss(layer: MoELayer, x: torch.Tensor, c: torch.Tensor):
-    y, aux = layer(x)
-    return y, (y * c).sum(-1).mean() + 0.1 * aux.z_loss, aux
+def _loss(layer: MoELayer, x: torch.Tensor, c: torch.Tensor, autocast: bool = False):
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        y, aux = layer(x)
+    return y, (y.to(c.dtype) * c).sum(-1).mean() + 0.1 * aux.z_loss, aux
 
 
-def _reference(layer: MoELayer, x: torch.Tensor, c: torch.Tensor, world: int, per_slice: bool):
+def _reference(layer: MoELayer, x: torch.Tensor, c: torch.Tensor, world: int, per_slice: bool, autocast: bool):
     """(y, loss, dropped assignments): the whole batch at once, or (capacity) each rank's slice as a micro-batch."""
     if not per_slice:
-        y, loss, aux = _loss(layer, x, c)
+        y, loss, aux = _loss(layer, x, c, autocast)
         return y, loss, 0
     ys, loss, dropped = [], 0.0, 0
     for r in range(world):
         rows = slice(r * T_PER_RANK, (r + 1) * T_PER_RANK)
-        y, slice_loss, aux = _loss(layer, x[rows], c[rows])
+        y, slice_loss, aux = _loss(layer, x[rows], c[rows], autocast)
         ys.append(y)
         loss = loss + slice_loss / world
         dropped += int(aux.dropped_per_expert.sum())
@@ -103,7 +104,8 @@ def _layer_worker(rank: int, world: int, out_dir, cases: list[dict]) -> dict:
         ref = copy.deepcopy(layer)
         x_ref = x.clone().requires_grad_(True)
         capacity = layer.config.capacity_factor is not None
-        y_ref, loss_ref, dropped = _reference(ref, x_ref, c, world, per_slice=capacity)
+        autocast = case.get("autocast", False)
+        y_ref, loss_ref, dropped = _reference(ref, x_ref, c, world, per_slice=capacity, autocast=autocast)
         loss_ref.backward()
         routing = ref.router(x.to(ref.router.weight.dtype))
         kept = _kept(ref, x, world)
@@ -114,7 +116,7 @@ def _layer_worker(rank: int, world: int, out_dir, cases: list[dict]) -> dict:
         layer.set_dispatcher(DISPATCHERS[case["dispatcher"]](case["experts"], mesh, stats))
         rows = slice(rank * T_PER_RANK, (rank + 1) * T_PER_RANK)
         x_mine = x[rows].clone().requires_grad_(True)
-        y, loss, _ = _loss(layer, x_mine, c[rows])
+        y, loss, _ = _loss(layer, x_mine, c[rows], autocast)
         loss.backward()
         sync_gradients(layer, mesh, set(shard_plan))
         local = mesh.local_experts(case["experts"])
@@ -123,7 +125,8 @@ def _layer_worker(rank: int, world: int, out_dir, cases: list[dict]) -> dict:
         group_ranks = list(range(mesh.dp_rank * ep, (mesh.dp_rank + 1) * ep))
         ids = routing.topk_ids.reshape(world, T_PER_RANK * K)
         in_local = (ids >= local.start) & (ids < local.stop) & kept
-        row_bytes = D * x.element_size()
+        # all_to_all sends rows in the autocast dtype (bf16: 2 bytes), all_gather the tokens as they are.
+        row_bytes = D * (2 if autocast and case["dispatcher"] == "all_to_all" else x.element_size())
         padded = layer.config.pad_to_capacity or layer.config.backend == "padded"
         cap = (expert_capacity(T_PER_RANK, K, case["experts"], layer.config.capacity_factor, layer.config.min_capacity)
                if capacity else 0)
@@ -168,6 +171,8 @@ CASES_2 = [
      "backend": "loop", "moe": {"capacity_factor": 0.5}},
     {"name": "ep2_a2a_capacity_padded", "ep": 2, "experts": 4, "dispatcher": "all_to_all", "dtype": "fp64",
      "backend": "padded", "moe": {"capacity_factor": 0.5, "drop_policy": "position"}},
+    {"name": "ep2_a2a_bf16_autocast", "ep": 2, "experts": 4, "dispatcher": "all_to_all", "dtype": "fp32",
+     "backend": "grouped_mm", "autocast": True, "tol": 2e-2},
     {"name": "ep2_allgather_capacity_padded", "ep": 2, "experts": 4, "dispatcher": "all_gather", "dtype": "fp64",
      "backend": "padded", "moe": {"capacity_factor": 0.5}},
 ]
@@ -186,6 +191,10 @@ CASES_4 = [
 ]
 
 
+# bf16 grouped GEMMs of other group sizes round differently: the bf16 case checks the wiring and the traffic.
+TOLERANCE = {c["name"]: c["tol"] for c in CASES_2 + CASES_4 if "tol" in c}
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
     """One 2-process and one 4-process job run every case (process start-up dominates on 2 cores)."""
@@ -201,7 +210,7 @@ def results(tmp_path_factory) -> dict:
 def test_matches_single_process(results, name):
     for rank, r in enumerate(results[name]):
         for key in ("y", "loss", "grad_x", "grad_router", "grad_gate_up", "grad_down"):
-            assert r[key] <= 1e-6, (name, rank, key, r[key])
+            assert r[key] <= TOLERANCE.get(name, 1e-6), (name, rank, key, r[key])
 
 
 @pytest.mark.parametrize("name", [c["name"] for c in CASES_2 + CASES_4])

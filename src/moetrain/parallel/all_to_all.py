@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from moetrain.moe.dispatch import DispatchMeta, LocalDispatcher
 from moetrain.parallel.comm import CommStats
-from moetrain.parallel.exchange import AllToAll, KeepGradPath, all_to_all_rows
+from moetrain.parallel.exchange import AllToAll, KeepGradPath, all_to_all_rows, wire_dtype
 from moetrain.parallel.mesh import ParallelMesh
 
 
@@ -102,6 +102,7 @@ class AllToAllDispatcher:
         """
         p, e_local = self.ep, len(self.local_experts)
         rows, counts, local_meta = self.permuter.dispatch(x, topk_ids, topk_weights, keep=keep, capacity=capacity)
+        rows = wire_dtype(rows)  # bf16 on the wire under autocast: what the experts compute in anyway
         counts_recv = all_to_all_rows(counts, [e_local] * p, [e_local] * p, self.group,
                                       f"all_to_all_single (MoE token counts, {self.name})").view(p, e_local)
         # One host sync for both split lists (all_to_all_single takes Python ints).
@@ -114,7 +115,7 @@ class AllToAllDispatcher:
         # An empty [0, D] input trips grouped_mm; rows past the last expert's are ignored by every backend.
         grouped = F.pad(received[regroup], (0, 0, 0, 1 if sum(recv) == 0 else 0))  # [max(R, 1), D]
         if self.stats is not None and torch.is_grad_enabled():  # training passes only
-            row_bytes = x.shape[1] * x.element_size()
+            row_bytes = rows.shape[1] * rows.element_size()  # the dtype on the wire
             remote = sum(send) - send[self.ep_rank]
             self.stats.dispatch_rows_sent += sum(send)
             self.stats.dispatch_rows_sent_remote += remote

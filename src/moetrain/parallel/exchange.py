@@ -105,3 +105,16 @@ class KeepGradPath(torch.autograd.Function):
         shape, dtype, device = ctx.received_meta
         zero = torch.zeros(shape, dtype=dtype, device=device) if ctx.needs_input_grad[1] else None
         return grad, zero
+
+
+def wire_dtype(x: torch.Tensor) -> torch.Tensor:
+    """Dispatched rows ``x`` in the autocast dtype when autocast is on (else unchanged), for sending to experts.
+
+    The experts cast their input rows to the autocast dtype first thing (``grouped_mm`` has no autocast rule), so
+    casting the rows (after the local permute, never the tokens before it, whose gradient sums K rows in fp32)
+    before the exchange computes exactly the same thing and halves the bytes sent in bf16 (the backward exchange
+    carries bf16 gradients likewise).
+    """
+    if torch.is_autocast_enabled(x.device.type):
+        return x.to(torch.get_autocast_dtype(x.device.type))
+    return x
