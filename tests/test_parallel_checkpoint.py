@@ -4,7 +4,9 @@ One chain, each link checked against the previous one:
   1 process trains one step and saves (DCP, no process group)
   -> 4 ranks (EP=4) load it, save again at EP=4, take the next step
   -> 2 ranks (EP=2) load the EP=4 checkpoint, take the next step
-  -> 1 process loads the EP=4 checkpoint, takes the next step.
+  -> 1 process loads the EP=4 checkpoint, takes the next step;
+and the 2 ranks also load the single-process (safetensors + train_state.pt) format of the first state into their
+sharded model (expert tensors and AdamW moments sliced), as a run started without torchrun and resumed with it.
 Every load must restore the saved parameters exactly (bit for bit), and every next step must give the loss and the
 parameters of the uninterrupted single-process run (so the AdamW moments and the LR schedule were resharded and
 restored too). fp64 weights.
@@ -25,6 +27,7 @@ from moetrain.parallel import dcp
 from moetrain.parallel.launch import ParallelHooks
 from moetrain.parallel.mesh import build_mesh, single_process
 from moetrain.parallel.sharding import gather_full
+from moetrain.train.checkpoint import MODEL_FILE, STATE_FILE, LoadedCheckpoint, encode_model, encode_state
 from moetrain.train.schedule import build_scheduler
 from moetrain.train.step import train_step
 from moetrain.train.trainer import build_optimizer
@@ -92,15 +95,27 @@ def _load_and_step(mesh, path, step: int):
     return loaded, loss, _full_params(model, hooks), (cfg, model, hooks, opt, sched)
 
 
-def _ep_worker(rank: int, world: int, out_dir, src, dst) -> dict:
+def _legacy_load_and_step(mesh, files: dict[str, bytes], step: int):
+    """Load the single-file format through the trainer's hook, then take the next step."""
+    cfg, model, hooks, opt, sched = _setup(mesh, seed=99)
+    ckpt = LoadedCheckpoint(name="step_00000001", step=1, location="legacy", files=files)
+    assert hooks.load_checkpoint(ckpt, model, opt)
+    sched.load_state_dict(ckpt.train_state()["scheduler"])
+    loaded = _full_params(model, hooks)
+    loss = _step(cfg, model, hooks, opt, sched, step)
+    return {"loaded": loaded, "loss": loss, "after": _full_params(model, hooks)}
+
+
+def _ep_worker(rank: int, world: int, out_dir, src, dst, legacy=None) -> dict:
     mesh = build_mesh(world, timeout_s=60)
     loaded, loss, after, (cfg, model, hooks, opt, sched) = _load_and_step(mesh, src, step=1)
+    legacy_result = _legacy_load_and_step(mesh, legacy, step=1) if legacy is not None else None
     if dst is not None:  # re-save the state just loaded (before the step above) at this EP size
         cfg, model, hooks, opt, sched = _setup(mesh, seed=7)
         extra = dcp.load(src, model, opt, hooks.plan, mesh)
         sched.load_state_dict(extra["scheduler"])
         dcp.save(dst, model, opt, hooks.plan, mesh, extra={"scheduler": sched.state_dict()})
-    return {"loaded": loaded, "loss": loss, "after": after}
+    return {"loaded": loaded, "loss": loss, "after": after, "legacy": legacy_result}
 
 
 @pytest.fixture(scope="module")
@@ -111,18 +126,21 @@ def chain(tmp_path_factory) -> dict:
     _step(cfg, model, hooks, opt, sched, step=0)
     saved = _full_params(model, hooks)
     dcp.save(root / "ep1", model, opt, hooks.plan, mesh, extra={"scheduler": sched.state_dict()})
+    legacy = {MODEL_FILE: encode_model(model),
+              STATE_FILE: encode_state({"optimizer": opt.state_dict(), "scheduler": sched.state_dict()})}
     reference = copy.deepcopy((model, opt, sched))
     ref_loss = _step(cfg, *reference[:1], hooks, *reference[1:], step=1)
     ref_after = _full_params(reference[0], hooks)
 
     ep4 = spawn(_ep_worker, 4, root / "w4", root / "ep1", root / "ep4")
-    ep2 = spawn(_ep_worker, 2, root / "w2", root / "ep4", None)
+    ep2 = spawn(_ep_worker, 2, root / "w2", root / "ep4", None, legacy)
     single = _load_and_step(single_process(), root / "ep4", step=1)[:3]
     return {"saved": saved, "ref_loss": ref_loss, "ref_after": ref_after, "root": root,
-            "ep4": ep4, "ep2": ep2, "single": [dict(zip(("loaded", "loss", "after"), single))]}
+            "ep4": ep4, "ep2": ep2, "single": [dict(zip(("loaded", "loss", "after"), single))],
+            "legacy_to_ep2": [r["legacy"] for r in ep2]}
 
 
-@pytest.mark.parametrize("run", ["ep4", "ep2", "single"])
+@pytest.mark.parametrize("run", ["ep4", "ep2", "single", "legacy_to_ep2"])
 def test_resume_reshards_exactly(chain, run):
     for rank, r in enumerate(chain[run]):
         assert _max_diff(r["loaded"], chain["saved"]) == 0.0, (run, rank)

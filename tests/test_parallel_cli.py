@@ -1,5 +1,5 @@
-"""``torchrun --nproc_per_node 2 -m moetrain train`` (EP=2) trains like one process on the same global batch, and
-logs the per-rank token exchange.
+"""``torchrun --nproc_per_node 2 -m moetrain train`` (EP=2) trains like one process on the same global batch, logs
+the per-rank token exchange, and writes a sharded checkpoint that one process resumes exactly.
 
 The global-batch aux loss replaces the per-micro-batch Switch loss here: the Switch loss is computed on each rank's
 own tokens (Megatron-Core's convention), so it alone is not the global batch's; every other term is.
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -86,3 +87,24 @@ def test_only_rank_zero_writes(runs):
     assert log.count("run directory:") == 1 and log.count("step 0: val_loss") == 1
     assert "parallel: 2 ranks = dp 1 x ep 2" in log
     assert len(_records(runs / "ep2")) == len(_records(runs / "one"))  # one writer: no duplicated lines
+
+
+@pytest.fixture(scope="module")
+def resumed(runs) -> dict[str, dict]:
+    """Step 3 of: the single-process run resumed by one process (the trusted path), and the EP=2 run's sharded
+    checkpoint (verified through the checkpoint store) resumed by one process (resharded to EP=1)."""
+    out = {}
+    for name, extra in (("one", []), ("ep2", ["parallel.ep=1"])):
+        run = runs / f"{name}-resumed"
+        shutil.copytree(runs / name, run)
+        assert main(["train", "--out", str(run), "--resume", "--steps", "3", "--no-progress", *extra]) == 0
+        out[name] = {r["step"]: r for r in _records(run) if "train_loss" in r}
+    return out
+
+
+def test_sharded_checkpoint_resumes_in_one_process(runs, resumed):
+    ckpt = runs / "ep2" / "checkpoints" / "step_00000002"
+    assert sorted(p.name for p in ckpt.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert not (ckpt / "model.safetensors").exists()
+    assert abs(resumed["ep2"][3]["train_loss"] - resumed["one"][3]["train_loss"]) <= 1e-5
+    assert resumed["one"][3]["train_loss"] != resumed["one"][2]["train_loss"]
