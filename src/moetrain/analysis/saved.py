@@ -80,12 +80,14 @@ class SavedBytes:
 
     Attributes:
         blocks: bytes per block, in block order (BTA blocks include the input their checkpoints hold).
+        attention: the part of ``blocks`` saved by the input norm and the attention (with the block input).
         other: bytes outside the blocks (embedding, final norm, LM head, loss).
         tile_recompute: the largest bytes one attention tile holds while it is recomputed in backward (0 without
             BTA); only one tile in the whole model is alive at a time, so it adds once to the peak.
     """
 
     blocks: list[int] = field(default_factory=list)
+    attention: list[int] = field(default_factory=list)
     other: int = 0
     tile_recompute: int = 0
 
@@ -107,7 +109,7 @@ def saved_bytes_per_block(model: nn.Module, input_ids: torch.Tensor, targets: to
 
     def enter(i):
         def hook(block, args):
-            counter.use(f"block{i}")
+            counter.use(f"block{i}.attn")
             if getattr(block, "bta_tiles", 1) > 1 and torch.is_grad_enabled():
                 # The tiles' checkpoints close over views of the block input: it stays alive for backward.
                 counter.add(args[0])
@@ -117,9 +119,13 @@ def saved_bytes_per_block(model: nn.Module, input_ids: torch.Tensor, targets: to
     def leave(block, args, out):
         counter.use("other")
 
+    def ffn(i):
+        return lambda module, args: counter.use(f"block{i}.ffn")
+
     handles = []
     for i, block in enumerate(model.blocks):
         handles.append(block.register_forward_pre_hook(enter(i)))
+        handles.append(block.post_attn_norm.register_forward_pre_hook(ffn(i)))
         handles.append(block.register_forward_hook(leave))
     try:
         with counter:
@@ -128,8 +134,11 @@ def saved_bytes_per_block(model: nn.Module, input_ids: torch.Tensor, targets: to
         for h in handles:
             h.remove()
     del out
+    n = len(model.blocks)
+    attention = [counter.buckets.get(f"block{i}.attn", 0) for i in range(n)]
     result = SavedBytes(
-        blocks=[counter.buckets.get(f"block{i}", 0) for i in range(len(model.blocks))],
+        blocks=[attention[i] + counter.buckets.get(f"block{i}.ffn", 0) for i in range(n)],
+        attention=attention,
         other=counter.buckets.get("other", 0),
     )
     for block, x in tile_inputs:

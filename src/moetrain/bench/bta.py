@@ -38,6 +38,8 @@ def add_parser(sub) -> None:
     p.add_argument("--expert-ffn", type=int, default=256, help="F, each expert's FFN hidden (default 256)")
     p.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
     p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default: = heads)")
+    p.add_argument("--head-dim", type=int, default=None, help="per-head width (default: hidden / heads)")
+    p.add_argument("--qk-norm", choices=["none", "head", "full"], default="none", help="model.qk_norm")
     p.add_argument("--layers", type=int, default=2, help="blocks, all MoE (default 2)")
     p.add_argument("--vocab", type=int, default=512, help="vocabulary (default 512)")
     p.add_argument("--seq", type=int, default=64, help="S (default 64)")
@@ -49,7 +51,9 @@ def add_parser(sub) -> None:
     p.add_argument("--backend", default="grouped_mm", help="model.moe.backend (default grouped_mm)")
     p.add_argument("--attention", choices=["fused", "math"], default="fused",
                    help="SDPA kernel: fused (PyTorch's choice: flash on CPU) or math (materialises S x S scores)")
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: PyTorch's)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch.set_num_threads (default 1: one core measures the same on an idle or a shared "
+                        "machine; 0 keeps PyTorch's default)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="bench_bta.json", help="output file (default bench_bta.json)")
     p.set_defaults(func=run)
@@ -71,6 +75,8 @@ def run(args) -> int:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from moetrain.analysis.activations import model_activations
+    from moetrain.analysis.hardware import calibrate_cpu
+    from moetrain.analysis.intensity import expert_intensity
     from moetrain.analysis.saved import saved_bytes_per_block
     from moetrain.analysis.shape import ModelShape
     from moetrain.configlib import from_dict
@@ -83,7 +89,7 @@ def run(args) -> int:
     g = args.tiles
     model_dict = {
         "vocab_size": args.vocab, "hidden": args.hidden, "n_layers": args.layers, "n_heads": args.heads,
-        "n_kv_heads": args.kv_heads or args.heads, "ffn_hidden": 4 * args.hidden, "max_seq_len": args.seq,
+        "n_kv_heads": args.kv_heads or args.heads, "head_dim": args.head_dim, "qk_norm": args.qk_norm, "ffn_hidden": 4 * args.hidden, "max_seq_len": args.seq,
         "moe": {"num_experts": args.experts, "top_k": args.top_k, "expert_ffn_hidden": args.expert_ffn,
                 "backend": args.backend},
     }
@@ -138,6 +144,9 @@ def run(args) -> int:
                                attention_kernel=args.attention).peak,
     }
     tokens = args.batch * args.seq
+    cpu = calibrate_cpu()
+    intensity = {k: expert_intensity(shape, tokens // micro[k] * args.top_k / args.experts, act_bytes, act_bytes)
+                 .intensity for k in MODES}
     rows = {
         k: {
             "mode": NAMES[k],
@@ -146,8 +155,11 @@ def run(args) -> int:
             "tokens_per_s": tokens / statistics.median(times[k]),
             "tokens_per_s_best": tokens / min(times[k]),
             "saved_bytes": saved[k].peak,
+            "saved_bytes_attention": sum(saved[k].attention) + saved[k].tile_recompute,
+            "saved_bytes_ffn": saved[k].peak - sum(saved[k].attention) - saved[k].tile_recompute - saved[k].other,
             "saved_bytes_predicted": predicted[k],
             "tokens_per_expert_gemm": tokens // micro[k] * args.top_k / args.experts,
+            "expert_gemm_flops_per_byte": intensity[k],
         }
         for k in MODES
     }
@@ -158,10 +170,12 @@ def run(args) -> int:
         "c_over_a_tokens_per_s": rows["c"]["tokens_per_s"] / rows["a"]["tokens_per_s"],
         "c_over_a_saved_bytes": rows["c"]["saved_bytes"] / rows["a"]["saved_bytes"],
     }
-    _print_table(args, rows, ratios)
+    _print_table(args, rows, ratios, cpu.ridge)
     report = {
         "benchmark": "bta", "args": {k: v for k, v in vars(args).items() if k not in ("func", "debug")},
-        "machine": {"platform": platform.platform(), "torch": torch.__version__, "threads": torch.get_num_threads()},
+        "machine": {"platform": platform.platform(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+                    "calibrated_flops": cpu.peak_flops, "calibrated_bytes_per_s": cpu.mem_bw,
+                    "ridge_flops_per_byte": cpu.ridge},
         "tokens_per_step": tokens, "modes": rows, "ratios": ratios,
     }
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -170,22 +184,29 @@ def run(args) -> int:
     return 0
 
 
-def _print_table(args, rows, ratios) -> None:
+def _print_table(args, rows, ratios, ridge: float) -> None:
     g = args.tiles
     print(f"bench bta: E={args.experts} top-{args.top_k}, D={args.hidden}, F={args.expert_ffn}, H={args.heads}, "
+          f"Hd={args.head_dim or args.hidden // args.heads}, "
           f"L={args.layers}, S={args.seq}, global batch B={args.batch} ({args.batch * args.seq} tokens), G={g}, "
           f"{args.dtype}, {args.backend}, {args.attention} attention; {args.steps} timed rounds")
     label = {"a": f"(a) whole batch, B={args.batch}", "b": f"(b) grad accum {g} x {args.batch // g}",
              "c": f"(c) BTA, {g} tiles of {args.batch // g}"}
-    print(f"{'mode':<30} {'tok/s':>8} {'best':>8} {'step ms':>8} {'saved MB':>9} {'model MB':>9} {'tok/expert':>10}")
+    print(f"{'mode':<30} {'tok/s':>8} {'best':>8} {'step ms':>8} {'saved MB':>9} {'attn MB':>8} {'moe MB':>8} "
+          f"{'model MB':>9} {'tok/expert':>10}")
     for k in MODES:
         r = rows[k]
         print(f"{label[k]:<30} {r['tokens_per_s']:>8.0f} {r['tokens_per_s_best']:>8.0f} "
               f"{r['step_s_median'] * 1e3:>8.1f} {r['saved_bytes'] / 1e6:>9.2f} "
+              f"{r['saved_bytes_attention'] / 1e6:>8.2f} {r['saved_bytes_ffn'] / 1e6:>8.2f} "
               f"{r['saved_bytes_predicted'] / 1e6:>9.2f} {r['tokens_per_expert_gemm']:>10.1f}")
     print(f"(c) vs (b): {ratios['c_over_b_tokens_per_s']:.2f}x tokens/s (best-of: "
           f"{ratios['c_over_b_tokens_per_s_best']:.2f}x), {ratios['c_over_b_saved_bytes']:.2f}x saved bytes; "
           f"(c) vs (a): {ratios['c_over_a_tokens_per_s']:.2f}x tokens/s, {ratios['c_over_a_saved_bytes']:.2f}x "
           f"saved bytes")
-    print("tok/s: median over rounds; saved MB: measured with saved_tensors_hooks; model MB: the cost model's "
-          "prediction (moetrain.analysis.activations)")
+    print(f"expert GEMM arithmetic intensity (cost model): (b) {rows['b']['expert_gemm_flops_per_byte']:.1f}, "
+          f"(a)/(c) {rows['c']['expert_gemm_flops_per_byte']:.1f} FLOP/B; this CPU's ridge (calibrated matmul "
+          f"FLOP/s / copy bandwidth): {ridge:.1f} FLOP/B")
+    print("tok/s: median over rounds (best: best round); saved MB: bytes kept for backward, measured with "
+          "saved_tensors_hooks, = attn MB (input norm + attention, with one recomputed tile for BTA) + moe MB (norm + "
+          "MoE layer) + embedding/LM head/loss; model MB: the cost model's prediction (moetrain.analysis.activations)")
