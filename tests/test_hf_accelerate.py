@@ -31,6 +31,10 @@ FAMILIES = {
     "olmoe": {"intermediate_size": 24, "num_experts": 4},
     "dots1": {"intermediate_size": 40, "moe_intermediate_size": 24, "n_routed_experts": 4, "n_shared_experts": 1,
               "n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.0, "norm_topk_prob": True},
+    "deepseek_v3": {"intermediate_size": 40, "moe_intermediate_size": 24, "n_routed_experts": 4, "n_shared_experts": 1,
+                    "n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.0, "first_k_dense_replace": 1,
+                    "num_key_value_heads": 4, "kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 8,
+                    "v_head_dim": 8, "qk_nope_head_dim": 8},
 }
 
 

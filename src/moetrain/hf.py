@@ -1,5 +1,5 @@
 """moetrain's MoE inside Hugging Face models: :func:`accelerate` swaps the sparse MoE blocks of a transformers
-Mixtral / Qwen2-MoE / Qwen3-MoE / OLMoE / dots.llm1 model in place for moetrain's dispatch and grouped-GEMM experts,
+Mixtral / Qwen2-MoE / Qwen3-MoE / OLMoE / dots.llm1 / DeepSeek-V3 model in place for moetrain's dispatch and grouped-GEMM experts,
 and :class:`MoELoggingCallback` logs the per-layer routing statistics to an HF ``Trainer``'s loggers.
 
 Legend: B = batch, S = sequence, T = B * S tokens, D = hidden, E = experts, K = top-k.
@@ -39,6 +39,7 @@ SUPPORTED_BLOCKS = {
     "Qwen3MoeSparseMoeBlock": ("softmax", None, False),
     "OlmoeSparseMoeBlock": ("softmax", None, False),
     "Dots1MoE": ("sigmoid", "shared_experts", False),
+    "DeepseekV3MoE": ("sigmoid", "shared_experts", False),  # the MoE block only: the attention (MLA) stays HF's
 }
 _EXPERT_FNS = {"grouped_mm": grouped_swiglu, "loop": loop_swiglu}
 
@@ -126,7 +127,7 @@ class AcceleratedMoeBlock(nn.Module):
 
     Args:
         block: the HF block (``MixtralSparseMoeBlock``, ``Qwen2MoeSparseMoeBlock``, ``Qwen3MoeSparseMoeBlock``,
-            ``OlmoeSparseMoeBlock`` or ``Dots1MoE``).
+            ``OlmoeSparseMoeBlock``, ``Dots1MoE`` or ``DeepseekV3MoE``).
         layer: its decoder layer index (for the statistics).
         stats: where training-mode forwards record their routing.
         backend: ``grouped_mm`` or ``loop`` (moetrain's reference).
