@@ -108,3 +108,13 @@ def test_sharded_checkpoint_resumes_in_one_process(runs, resumed):
     assert not (ckpt / "model.safetensors").exists()
     assert abs(resumed["ep2"][3]["train_loss"] - resumed["one"][3]["train_loss"]) <= 1e-5
     assert resumed["one"][3]["train_loss"] != resumed["one"][2]["train_loss"]
+
+
+def test_eval_loads_a_sharded_checkpoint(runs, capsys):
+    """``moetrain eval`` (like generate and export) loads the EP=2 run's sharded checkpoint whole."""
+    losses = {}
+    for name in ("one", "ep2"):
+        capsys.readouterr()
+        assert main(["eval", str(runs / name), "--batches", "1"]) == 0
+        losses[name] = float(capsys.readouterr().out.split()[1])
+    assert losses["one"] == losses["ep2"]

@@ -406,5 +406,11 @@ def latest_model_checkpoint(url: str | os.PathLike, model: torch.nn.Module,
     if ckpt is None:
         why = f" ({len(skipped)} failed verification, see the warnings)" if skipped else ""
         raise CheckpointError(f"no usable checkpoint in {store.url}{why}")
-    load_model_weights(model, ckpt.model_tensors(), f"{ckpt.location}/{MODEL_FILE}")
+    from moetrain.parallel import dcp  # sharded checkpoints of expert-parallel runs: resharded to this process
+    from moetrain.parallel.mesh import single_process
+
+    if dcp.is_dcp_files(ckpt.files):
+        dcp.load_files(ckpt.files, model, None, {}, single_process(), where=ckpt.location)
+    else:
+        load_model_weights(model, ckpt.model_tensors(), f"{ckpt.location}/{MODEL_FILE}")
     return ckpt.location
