@@ -38,6 +38,12 @@ def _child(argv: list[str], log_path: str, env: dict[str, str]) -> None:
     import torch
 
     torch.set_num_threads(1)  # the same in every child (and cheaper next to other processes on 2 cores)
+    import threading
+
+    from tqdm.auto import tqdm
+
+    # tqdm's default lock is a multiprocessing semaphore; a SIGKILLed child would leak it (a warning at exit).
+    tqdm.set_lock(threading.RLock())
     from moetrain.cli import main
 
     code = main(argv)
