@@ -1,9 +1,10 @@
 """Collective time-outs: when one rank of a 2-rank EP job dies (SIGKILL) or hangs (SIGSTOP) mid-training, the
-other exits non-zero with one line naming the collective it was in, instead of waiting forever.
+other exits non-zero with one line naming the collective it was in, instead of waiting forever. And when only one
+rank gets SIGTERM (preemption), both stop after the same step, write one sharded checkpoint together and exit 0.
 
 The ranks are started as plain processes with torchrun's environment variables (``RANK``, ``WORLD_SIZE``,
 ``MASTER_ADDR=127.0.0.1``, ``MASTER_PORT``), not by torchrun itself, whose agent would tear the survivor down
-first. Both scenarios run at once (the waits overlap).
+first. The scenarios run at once (the waits overlap).
 """
 
 from __future__ import annotations
@@ -52,8 +53,9 @@ def outcomes(tmp_path_factory) -> dict:
     # Fill the data cache once here, so the two jobs' rank 0s do not both train a tokenizer on 2 cores.
     cfg = build_config("tiny", overrides={"data": {"path": str(tmp / "corpus"), "cache_dir": str(tmp / "cache")}})
     prepare_data(cfg.data, cfg.model.vocab_size, log=lambda _: None)
-    jobs = {"killed": _launch(tmp, "killed", timeout_s=60), "hung": _launch(tmp, "hung", timeout_s=TIMEOUT_S)}
-    how = {"killed": signal.SIGKILL, "hung": signal.SIGSTOP}
+    jobs = {"killed": _launch(tmp, "killed", timeout_s=60), "hung": _launch(tmp, "hung", timeout_s=TIMEOUT_S),
+            "terminated": _launch(tmp, "terminated", timeout_s=60)}
+    how = {"killed": signal.SIGKILL, "hung": signal.SIGSTOP, "terminated": signal.SIGTERM}
     out = {}
     try:
         deadline = time.monotonic() + 300
@@ -77,12 +79,16 @@ def outcomes(tmp_path_factory) -> dict:
             end = time.monotonic()
             out.setdefault(name, {}).update(rc=survivor.returncode, stderr=stderr, stdout=stdout,
                                             seconds=end - out.get(name, {}).get("fault_at", end))
+            if name == "terminated":
+                victim.wait(timeout=120)
+                out[name]["victim_rc"] = victim.returncode
     finally:
         for procs in jobs.values():
             for p in procs:
                 if p.poll() is None:
                     p.kill()
                     p.communicate()
+    out["root"] = tmp
     return out
 
 
@@ -102,3 +108,12 @@ def test_hang_is_reported_as_a_timeout(outcomes):
     """The hung peer's socket stays open, so only the configured time-out can end the wait."""
     errors = [line for line in outcomes["hung"]["stderr"].splitlines() if line.startswith("moetrain: error:")]
     assert errors and f"{TIMEOUT_S * 1000}ms" in errors[0], errors
+
+
+def test_sigterm_on_one_rank_stops_both_with_a_checkpoint(outcomes):
+    r = outcomes["terminated"]
+    assert "fault_at" in r, r["stderr"][-2000:]
+    assert r["rc"] == 0 and r["victim_rc"] == 0, r["stderr"][-2000:]
+    assert "stopped by a signal received by another rank after step" in r["stdout"], r["stdout"][-2000:]
+    ckpts = sorted((outcomes["root"] / "terminated" / "checkpoints").glob("step_*"))
+    assert ckpts and sorted(p.name for p in ckpts[-1].glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]

@@ -169,8 +169,8 @@ class ParallelHooks:
             try:
                 result = prepare()
                 message = [("ok", result[1])]
-            except MoetrainError as e:
-                message = [("error", str(e))]
+            except Exception as e:  # the other ranks report it instead of waiting for a tokenizer
+                message = [("error", str(e) if isinstance(e, MoetrainError) else f"{type(e).__name__}: {e}")]
                 raise
             finally:
                 with named_collective("broadcast_object_list (tokenizer from rank 0)"):
@@ -437,8 +437,8 @@ class ParallelHooks:
             try:
                 result = prepare()
                 message = [("ok", result[1])]
-            except MoetrainError as e:
-                message = [("error", str(e))]
+            except Exception as e:  # the other ranks report it instead of waiting for a tokenizer
+                message = [("error", str(e) if isinstance(e, MoetrainError) else f"{type(e).__name__}: {e}")]
                 raise
             finally:
                 with named_collective("broadcast_object_list (tokenizer from rank 0)"):
