@@ -32,6 +32,7 @@ CASES = {
     "moe-qknorm-untied": dict(qk_norm="head", tie_embeddings=False, moe={"backend": "loop", "num_experts": 8,
                                                                           "top_k": 3}),
     "mixed-layers": dict(n_layers=3, moe_every=2, qk_norm="full", moe={"backend": "loop"}),
+    "many-experts": dict(moe={"backend": "loop", "num_experts": 32, "top_k": 4, "expert_ffn_hidden": 8}),
 }
 
 

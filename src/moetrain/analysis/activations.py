@@ -20,7 +20,7 @@ Element counts per token follow what moetrain's own modules save (checked agains
 - outside the blocks: the final norm (``3 D + 1``) and the fp32 log-softmax of the logits (V) for the loss.
 
 Under bf16 autocast (``act_bytes=2``) GEMM inputs and outputs take 2 bytes; the residual stream and the norms'
-internals, the router, the MoE combine and the loss stay fp32; autocast's bf16 copies of the weights are saved too.
+internals, the router and the loss stay fp32; autocast's bf16 copies of the weights are saved too.
 In a BTA block the attention's weight copies are made inside the tiles' checkpoints, so they are not kept.
 """
 
@@ -33,8 +33,11 @@ from moetrain.analysis.shape import ModelShape
 
 # Per routed row: the dispatched input copy and the gathered output copy (moe/dispatch.py).
 _DISPATCH_COPIES = 2
-# Per token of an MoE layer, in 4-byte units: top-k ids and row orders (int64), gating weights, masks, loss terms.
-_ROUTING_SMALL = 12
+# Per token of an MoE layer, in 4-byte units: E-sized: the router logits and probabilities (fp32) and the full
+# [T, E] int64 sort whose top-k slice is kept; K-sized: expert ids and row orders (int64), gating weights; loss terms.
+_ROUTING_PER_EXPERT = 4
+_ROUTING_PER_K = 6
+_ROUTING_SMALL = 6
 
 
 @dataclass(frozen=True)
@@ -69,7 +72,7 @@ def block_activations(
     Args:
         moe: an MoE block (else a dense SwiGLU FFN block).
         act_bytes: bytes per element of the GEMM inputs and outputs (4 fp32; 2 under bf16 autocast, where the
-            residual stream, the norms' internals, the router and the MoE combine stay fp32, and autocast's
+            residual stream, the norms' internals, the router and the loss stay fp32, and autocast's
             compute-dtype copies of the weights are saved too: see :func:`weight_copy_bytes`).
         attention_kernel: ``fused`` (flash / memory-efficient SDPA) or ``math`` (materialises H x S x S).
     """
@@ -91,8 +94,8 @@ def block_activations(
         internals = 4 if shape.expert_mats == 3 else 2
         rows = shape.expert_rows(t)
         # The router reads the normed input in fp32, so the post-attention norm's output stays fp32.
-        ffn = t * (3 * d + 1) * fp + rows * (d * ab + d * fp + internals * shape.expert_ffn * ab)
-        ffn += t * (2 * shape.num_experts + _ROUTING_SMALL) * fp
+        ffn = t * (3 * d + 1) * fp + rows * (_DISPATCH_COPIES * d + internals * shape.expert_ffn) * ab
+        ffn += t * (_ROUTING_PER_EXPERT * shape.num_experts + _ROUTING_PER_K * shape.top_k + _ROUTING_SMALL) * fp
         if shape.shared_ffn:
             ffn += t * (internals * shape.shared_ffn * ab + (2 * fp if shape.shared_gate else 0))
     else:
