@@ -65,6 +65,7 @@ class Candidate:
     best: Estimate | None
     untiled: Estimate | None
     smallest: Estimate  # the lowest-memory option, to show how far from fitting a layout is
+    tiled: Estimate | None = None  # the fastest fitting option with G > 1
 
     @property
     def fits(self) -> bool:
@@ -78,7 +79,7 @@ def plan_layout(
     """Search micro-batch, G and checkpointing for one layout."""
     counts = count_params(shape)
     per_rank = global_batch // layout.data_parallel
-    best = untiled = smallest = None
+    best = untiled = smallest = tiled = None
     for mb in _powers_of_two(per_rank):
         if per_rank % mb:
             continue
@@ -95,10 +96,12 @@ def plan_layout(
                     best = est
                 if g == 1 and (untiled is None or est.step_s < untiled.step_s):
                     untiled = est
+                if g > 1 and (tiled is None or est.step_s < tiled.step_s):
+                    tiled = est
     if best is not None and untiled is not None and best.workload.bta_tiles > 1:
         if best.step_s > untiled.step_s * (1 - BTA_MIN_GAIN):
             best = untiled
-    return Candidate(layout=layout, best=best, untiled=untiled, smallest=smallest)
+    return Candidate(layout=layout, best=best, untiled=untiled, smallest=smallest, tiled=tiled)
 
 
 @dataclass
@@ -167,7 +170,12 @@ def bta_reason(c: Candidate) -> str:
                f"({b.expert_intensity:.0f} >= ridge {b.ridge:.0f} FLOP/B)")
     elif b.grad_accum == 1:
         why = f"the whole per-rank batch ({b.workload.micro_batch} sequences) already fits untiled"
+    elif c.tiled is None or c.tiled.workload.micro_batch <= b.workload.micro_batch:
+        why = (f"tiling the attention does not let a larger micro-batch than {b.workload.micro_batch} fit (the "
+               "activations that remain, mostly the MoE layer's, scale with the whole micro-batch)")
     else:
-        why = ("a larger micro-batch does not fit even with tiled attention (the MoE layer's own activations "
-               "dominate) or is not faster")
+        t = c.tiled
+        why = (f"G={t.workload.bta_tiles} fits micro-batch {t.workload.micro_batch} ({t.tokens_per_expert:.0f} "
+               f"tokens/expert) but its estimated step is {t.step_s / b.step_s - 1:+.0%} vs untiled: the attention "
+               f"recompute{' and checkpointing cost' if t.workload.checkpoint else ' costs'} more than the GEMMs gain")
     return f"BTA G=1 (off): {why}"
