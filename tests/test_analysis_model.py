@@ -33,7 +33,11 @@ CASES = {
                                                                           "top_k": 3}),
     "mixed-layers": dict(n_layers=3, moe_every=2, qk_norm="full", moe={"backend": "loop"}),
     "many-experts": dict(moe={"backend": "loop", "num_experts": 32, "top_k": 4, "expert_ffn_hidden": 8}),
+    "shared-expert": dict(moe={"backend": "loop", "shared_expert_ffn_hidden": 20, "shared_expert_gate": True}),
+    "padded-capacity": dict(moe={"backend": "padded", "capacity_factor": 1.5, "pad_to_capacity": True}),
 }
+# Activation bytes of the capacity buffers depend on the padded backend's internals, not modelled per tensor.
+MEMORY_CASES = [name for name in CASES if name != "padded-capacity"]
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -84,18 +88,7 @@ def test_parameter_counts_of_presets(preset):
     assert counts.active == active
 
 
-def test_shared_expert_parameter_counts():
-    if "shared_expert_ffn_hidden" not in MoEConfig.__dataclass_fields__:
-        pytest.skip("this MoE layer has no shared expert")
-    cfg = _config(moe={"shared_expert_ffn_hidden": 20, "shared_expert_gate": True})
-    try:
-        model = MoETransformer(cfg)
-    except TypeError as e:  # the MoE layer is being extended in parallel
-        pytest.skip(f"MoE layer does not build shared experts yet: {e}")
-    assert count_params(ModelShape.from_config(cfg)).total == sum(p.numel() for p in model.parameters())
-
-
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", MEMORY_CASES)
 @pytest.mark.parametrize("tiles", [1, 2, 4])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_saved_activation_bytes_per_block_within_10_percent(name, tiles, dtype):

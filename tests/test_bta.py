@@ -17,11 +17,11 @@ from moetrain.model.transformer import MoETransformer
 from moetrain.moe.config import MoEConfig
 
 
-def _config(bta_tiles=1, moe_every=1, backend="grouped_mm") -> ModelConfig:
+def _config(bta_tiles=1, moe_every=1, **moe) -> ModelConfig:
     return ModelConfig(
         vocab_size=128, hidden=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=48, max_seq_len=32,
         moe_every=moe_every, bta_tiles=bta_tiles, qk_norm="head",
-        moe=MoEConfig(num_experts=4, top_k=2, expert_ffn_hidden=24, backend=backend),
+        moe=MoEConfig(**{"num_experts": 4, "top_k": 2, "expert_ffn_hidden": 24, **moe}),
     )
 
 
@@ -38,10 +38,21 @@ def _batch(b=4, s=16, vocab=128):
     return torch.randint(0, vocab, (b, s), generator=g), torch.randint(0, vocab, (b, s), generator=g)
 
 
+LAYERS = {
+    "dropless": dict(backend="grouped_mm"),
+    "loop": dict(backend="loop"),
+    "dense-and-moe": dict(moe_every=2),
+    # Capacity 1.0 with 4 experts drops tokens: the MoE layer sees all tokens at once, as untiled, so it drops
+    # the same ones.
+    "capacity": dict(backend="padded", capacity_factor=1.0),
+    "shared-expert": dict(shared_expert_ffn_hidden=16, shared_expert_gate=True),
+}
+
+
 @pytest.mark.parametrize("tiles", [1, 2, 4])
-@pytest.mark.parametrize("moe_every,backend", [(1, "grouped_mm"), (1, "loop"), (2, "grouped_mm")])
-def test_outputs_and_gradients_equal_untiled(tiles, moe_every, backend):
-    ref, bta = _pair(tiles, moe_every=moe_every, backend=backend)
+@pytest.mark.parametrize("layer", list(LAYERS))
+def test_outputs_and_gradients_equal_untiled(tiles, layer):
+    ref, bta = _pair(tiles, **LAYERS[layer])
     ids, tgt = _batch()
     out_ref, out_bta = ref(ids, tgt), bta(ids, tgt)
     out_ref.loss.backward()

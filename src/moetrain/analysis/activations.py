@@ -97,7 +97,11 @@ def block_activations(
         ffn = t * (3 * d + 1) * fp + rows * (_DISPATCH_COPIES * d + internals * shape.expert_ffn) * ab
         ffn += t * (_ROUTING_PER_EXPERT * shape.num_experts + _ROUTING_PER_K * shape.top_k + _ROUTING_SMALL) * fp
         if shape.shared_ffn:
-            ffn += t * (internals * shape.shared_ffn * ab + (2 * fp if shape.shared_gate else 0))
+            ffn += t * internals * shape.shared_ffn * ab
+            if autocast:  # each of the shared expert's input GEMMs (and its gate) casts the input
+                ffn += t * (shape.expert_mats - 1 + shape.shared_gate) * d * ab
+            if shape.shared_gate:  # sigmoid(gate) * shared: the shared output and the gate's logit / sigmoid
+                ffn += t * (d * ab + 2 * fp)
     else:
         ffn = t * ((2 * d + 1) * fp + d * ab * (2 if autocast else 1) + 4 * shape.dense_ffn * ab)
     return BlockActivations(block_input=t * d * fp, attention=attention, ffn=ffn)
