@@ -5,7 +5,8 @@ expert bias and gradient accumulation all on.
 
 The reference is the unsharded model trained by ``train_step`` in the same process on the whole global batch.
 fp64 weights; the model computes the LM loss in fp32 and the step accumulates the reported losses in fp32, so
-losses are compared to 1e-6 relative, gradients and parameters to 1e-6 absolute (they agree to ~1e-9).
+losses are compared to 1e-6 relative, the gradient norm to 1e-6 and parameters after the AdamW steps to 1e-5
+(all-to-all: ~4e-10; all-gather, whose partial sums round differently: ~2e-6).
 """
 
 from __future__ import annotations
@@ -119,8 +120,11 @@ def test_steps_match_single_process(results, name):
     for rank, per_rank in enumerate(results[name]):
         r = per_rank[name]
         assert r["clipped"], "the test must engage gradient clipping"
-        for key in ("grad_norm", "params", "expert_bias"):
+        for key in ("grad_norm", "expert_bias"):
             assert r[key] <= 1e-6, (name, rank, key, r[key])
+        # AdamW divides by sqrt(v) + eps: a gradient entry near eps moves its parameter by up to lr * dg / eps, so
+        # fp32-rounding differences of the combine (all-gather sums partial outputs over ranks) show up as ~1e-6.
+        assert r["params"] <= 1e-5, (name, rank, r["params"])
         # The trainer accumulates the reported losses in fp32 (values ~6): compare them relatively.
         for key in ("lm_loss", "global_aux_loss", "seq_aux_loss", "z_loss"):
             assert r[key] <= 1e-6 * max(1.0, r["ref_" + key]), (name, rank, key, r[key])

@@ -124,9 +124,9 @@ class AllGatherDispatcher:
         """
         y = KeepGradPath.apply(y, meta.received)[: meta.num_rows]
         after = meta.rows_total - meta.rows_before - y.shape[0]
-        # Partial sums in (at least) fp32: the reduce-scatter adds them up over ranks.
-        full = F.pad(y.to(torch.promote_types(y.dtype, torch.float32)), (0, 0, meta.rows_before, after))
-        partial = self.permuter.combine(full, meta.local)  # [P * T_max, D]
+        # Partial sums in fp32, the local combine's accumulation dtype: reduce-scattered, they add up as it would.
+        full = F.pad(y.float(), (0, 0, meta.rows_before, after))  # other experts' rows: zeros, ignored
+        partial = self.permuter.combine(full, meta.local)  # [P * T_max, D] fp32
         if self.stats is not None and torch.is_grad_enabled():  # training passes only
             self.stats.combine_bytes_sent += partial.numel() * partial.element_size()
         out = ReduceScatter.apply(partial, self.group, self.ep, f"reduce_scatter (MoE combine, {self.name})")
