@@ -330,6 +330,28 @@ def test_state_dict_resume_continues_exactly(tmp_path):
     assert dataclasses.asdict(resumed.snapshot()) == dataclasses.asdict(straight.snapshot())
 
 
+def test_folding_the_queue_in_batches_changes_nothing():
+    """Statistics are the same whether the step queue is folded every 3 steps or once at the snapshot."""
+    def run(fold_every: int):
+        stats = RoutingStats([1, 4], num_experts=4, top_k=2, device=torch.device("cpu"), spike_window=4,
+                             spike_warmup=2, collapse_window=5)
+        stats.FOLD_EVERY = fold_every
+        snaps = []
+        losses = [2.0, 2.1, 1.9, 2.0, 6.0, float("nan"), 2.0, 2.2, 1.8, 2.0, 9.0]
+        for step, loss in enumerate(losses, start=1):
+            for pos in (0, 1):
+                rows = ONLY_01 if (step + pos) % 4 else X
+                stats.observe(pos, fake(hand_top2(rows), [step % 2, 0, 1, 0], aux=step / 7))
+            stats.end_step(step, torch.tensor(loss))
+            if step in (7, 11):
+                snaps.append(dataclasses.asdict(stats.snapshot()))
+        return snaps
+
+    once, batched = run(1000), run(3)
+    assert batched == once
+    assert once[0]["spike_step"] == 5 and once[0]["nonfinite_steps"] == 1 and once[1]["spike_step"] == 11
+
+
 def test_resumed_monitor_drops_alarms_of_steps_after_the_checkpoint(tmp_path):
     with open(tmp_path / ALERTS_FILE, "w") as f:
         for step in (5, 10, 15):
@@ -344,21 +366,25 @@ def test_tensorboard_histograms_and_heatmap(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from torch.utils.tensorboard import SummaryWriter
 
-    model, layer = make_model()
-    monitor = RoutingMonitor(model, MonitorConfig(), tmp_path, log=lambda m: None)
+    model, layer = make_model(expert_bias=True)
+    monitor = RoutingMonitor(model, MonitorConfig(tb_heatmap_every=2), tmp_path, log=lambda m: None)
     writer = SummaryWriter(log_dir=str(tmp_path / "tb"))
     layer.train()
-    for step in (1, 2):
+    for step in (1, 2, 3):
         layer(torch.tensor(X))
         monitor.end_step(step, torch.tensor(2.0))
         monitor.flush(step, writer)
+    monitor.close()  # the last logging step (3) had no heatmap: close writes it
     writer.close()
     acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"histograms": 0, "images": 0}).Reload()
     hist = acc.Histograms("moe/layer1/tokens_per_expert")
-    assert [h.step for h in hist] == [1, 2]
+    assert [h.step for h in hist] == [1, 2, 3]
     assert list(hist[-1].histogram_value.bucket) == [float(c) for c in hand_top2(X)]
+    assert [h.step for h in acc.Histograms("moe/layer1/bias")] == [1, 2, 3]
     images = acc.Images("moe/layer1/load_heatmap")
-    assert [im.step for im in images] == [1, 2] and images[-1].height > 0
+    assert [im.step for im in images] == [2, 3]
+    # Experts are rows (64 // 4 = 16 px each); logging steps are columns (256 // 3 = 85 px each at step 3).
+    assert (images[-1].height, images[-1].width) == (4 * 16, 3 * 85)
 
 
 def test_colorize_maps_the_ends_of_the_scale():

@@ -34,9 +34,14 @@ class MetricsLogger:
         with open(self.path, "a") as f:
             f.write(json.dumps(clean) + "\n")
         if self.writer is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self.writer.add_scalar(key, value, record["step"])
+            # All scalars of a record in one event (what add_scalar writes, but once): each event is a hand-over to
+            # the writer thread, which cost ~0.1 ms per key with the per-layer routing statistics.
+            from tensorboard.compat.proto.summary_pb2 import Summary
+
+            values = [Summary.Value(tag=key, simple_value=float(value)) for key, value in record.items()
+                      if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)]
+            if values:
+                self.writer._get_file_writer().add_summary(Summary(value=values), record["step"])
 
     def close(self) -> None:
         if self.writer is not None:

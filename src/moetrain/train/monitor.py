@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from tensorboard.compat.proto.summary_pb2 import Summary
 
 from moetrain.train.alerts import ALERTS_FILE, AlertTracker, TrainingAlarm, truncate_alerts
 from moetrain.train.monitor_config import MonitorConfig
@@ -85,10 +86,25 @@ class RoutingMonitor:
         if start_step > 0:  # resumed: the steps after the checkpoint run again, so do their alarms
             truncate_alerts(self.run_dir / ALERTS_FILE, start_step)
         self.history: list[deque] = [deque(maxlen=config.heatmap_history) for _ in self.layers]
+        self.flushes, self._writer, self._last_step, self._heatmap_step = 0, None, None, None
+        if self.enabled and config.tb_heatmap:
+            try:  # import Pillow now (a one-off ~0.1 s), not in the middle of training at the first heatmap
+                import PIL.Image  # noqa: F401
+            except ImportError:
+                pass
+        self._handles: list = []
+        self.attach()
+
+    def attach(self) -> None:
+        """Start observing the MoE layers (forward hooks; done by the constructor; no-op when disabled or attached)."""
+        if self.enabled and not self._handles:
+            self._handles = [layer.register_forward_hook(self._hook(pos)) for pos, (_, layer) in enumerate(self.layers)]
+
+    def detach(self) -> None:
+        """Stop observing the MoE layers (remove the hooks); :meth:`attach` resumes."""
+        for handle in self._handles:
+            handle.remove()
         self._handles = []
-        if self.enabled:
-            for pos, (_, layer) in enumerate(self.layers):
-                self._handles.append(layer.register_forward_hook(self._hook(pos)))
 
     def _hook(self, pos: int):
         def hook(module: torch.nn.Module, inputs: Any, output: Any) -> None:
@@ -142,33 +158,52 @@ class RoutingMonitor:
         raise TrainingAlarm(alert, note)
 
     def _tensorboard(self, snap: Snapshot, writer: Any, step: int) -> None:
+        """Histograms (and, every ``tb_heatmap_every`` logging steps, heatmaps) of every layer as ONE event: each
+        TensorBoard event costs a hand-over to the writer thread, which dominated the monitor's cost when written
+        one per layer and kind."""
+        from torch.utils.tensorboard.summary import histogram, histogram_raw
+
+        values = []
+        self.flushes += 1
         for pos, ls in enumerate(snap.layers):
-            tag = f"moe/layer{ls.layer}"
-            tokens = np.asarray(ls.tokens, dtype=np.float64)
-            total = tokens.sum()
-            self.history[pos].append(tokens / (total / self.top_k) if total > 0 else np.zeros_like(tokens))
+            # Plain Python on these short lists: numpy's per-call overhead is larger at E <= 128.
+            tag, tokens = f"moe/layer{ls.layer}", ls.tokens
+            total = sum(tokens)
+            self.history[pos].append([t * self.top_k / total for t in tokens] if total > 0 else [0.0] * len(tokens))
             if self.config.tb_histograms and total > 0:
                 # Raw buckets: bucket e is expert e, its height the expert's tokens (a bar chart over experts).
-                idx = np.arange(len(tokens), dtype=np.float64)
-                writer.add_histogram_raw(
+                values += histogram_raw(
                     f"{tag}/tokens_per_expert", min=0.0, max=float(len(tokens) - 1), num=float(total),
-                    sum=float((idx * tokens).sum()), sum_squares=float((idx ** 2 * tokens).sum()),
-                    bucket_limits=(idx + 0.5).tolist(), bucket_counts=tokens.tolist(), global_step=step)
+                    sum=float(sum(e * t for e, t in enumerate(tokens))),
+                    sum_squares=float(sum(e * e * t for e, t in enumerate(tokens))),
+                    bucket_limits=[e + 0.5 for e in range(len(tokens))], bucket_counts=list(tokens)).value
             if self.config.tb_histograms and ls.bias is not None:
-                writer.add_histogram(f"{tag}/bias", np.asarray(ls.bias), global_step=step)
-            if self.config.tb_heatmap:
-                self._heatmap(writer, f"{tag}/load_heatmap", np.stack(list(self.history[pos]), axis=1), step)
+                values += histogram(f"{tag}/bias", np.asarray(ls.bias), bins="auto").value
+        if self.config.tb_heatmap and self.flushes % self.config.tb_heatmap_every == 0:
+            values += self._heatmaps()
+            self._heatmap_step = step
+        if values:
+            writer._get_file_writer().add_summary(Summary(value=values), step)
+        self._writer, self._last_step = writer, step
 
-    def _heatmap(self, writer: Any, tag: str, shares: np.ndarray, step: int) -> None:
-        """shares [E, H] (fraction of tokens per expert, H logging steps) -> an image, experts as rows, colour
-        scale 0..1 (1 = every token chose the expert)."""
+    def _heatmaps(self) -> list:
+        """One image per layer: experts as rows, logging steps as columns, colour = share of the layer's tokens
+        (0..1, 1 = every token chose the expert). ``[]`` without Pillow (TensorBoard encodes PNGs with it)."""
         try:
-            import PIL  # noqa: F401  (TensorBoard encodes images with Pillow)
+            import PIL  # noqa: F401
         except ImportError:
-            return
-        rows, cols = max(1, 96 // shares.shape[0]), max(1, 400 // max(shares.shape[1], 1))
-        image = np.repeat(np.repeat(colorize(shares, 1.0), rows, axis=0), cols, axis=1)  # [H, W, 3]
-        writer.add_image(tag, image, global_step=step, dataformats="HWC")
+            return []
+        from torch.utils.tensorboard.summary import image
+
+        out = []
+        for pos, ls in enumerate(self.last_snapshot.layers):
+            if not self.history[pos]:
+                continue
+            shares = np.asarray(self.history[pos], dtype=np.float64).T  # [E, H]
+            rows, cols = max(1, 64 // shares.shape[0]), max(1, 256 // shares.shape[1])  # ~64 x 256 px
+            rgb = np.repeat(np.repeat(colorize(shares, 1.0), rows, axis=0), cols, axis=1)  # [H, W, 3]
+            out += image(f"moe/layer{ls.layer}/load_heatmap", rgb, dataformats="HWC").value
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         """Statistics windows and alarm episodes, for exact continuation after a resume."""
@@ -181,10 +216,14 @@ class RoutingMonitor:
             self.alerts.load_state_dict(state["alerts"])
 
     def close(self) -> None:
-        """Detach the hooks."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        """Write the final heatmaps (if the last logging step had none) and detach the hooks. Call it before the
+        TensorBoard writer is closed."""
+        if self._writer is not None and self.config.tb_heatmap and self._heatmap_step != self._last_step:
+            values = self._heatmaps()
+            if values:
+                self._writer._get_file_writer().add_summary(Summary(value=values), self._last_step)
+            self._heatmap_step = self._last_step
+        self.detach()
 
 
 def snapshot_record(snap: Snapshot, dead_steps: int, top_k: int) -> dict[str, Any]:

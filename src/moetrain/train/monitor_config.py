@@ -42,11 +42,13 @@ class MonitorConfig:
         spike_factor: loss-spike alarm when a step's LM loss exceeds ``spike_factor`` times the median of the
             previous ``spike_window`` steps' losses (> 1; 0 disables).
         spike_window: steps in the rolling median (>= 1).
-        spike_warmup: steps of loss history needed before spikes are checked (>= 1, <= ``spike_window``).
+        spike_warmup: finite losses the window must hold before a step is checked (>= 1, <= ``spike_window``).
         fatal: alarm kinds that stop training with an error (exit status 2) after writing a checkpoint
             (``nonfinite_loss`` writes none: the weights may already be non-finite; the previous checkpoint stays).
         tb_histograms: write per-layer histograms (tokens per expert, aux-loss-free biases) to TensorBoard.
         tb_heatmap: write a per-layer expert-load heatmap image (experts x logging steps) to TensorBoard.
+        tb_heatmap_every: logging steps between heatmap images (each shows the whole history, and encoding a PNG
+            per layer is the costliest thing the monitor does); the last logging step always gets one.
         heatmap_history: logging steps kept for the TensorBoard heatmap (columns).
     """
 
@@ -61,6 +63,7 @@ class MonitorConfig:
     fatal: tuple[AlarmKind, ...] = ()
     tb_histograms: bool = True
     tb_heatmap: bool = True
+    tb_heatmap_every: int = 10
     heatmap_history: int = 200
 
     def __post_init__(self) -> None:
@@ -74,6 +77,7 @@ class MonitorConfig:
         require(self.spike_window >= 1, "spike_window", f"must be >= 1, got {self.spike_window}")
         require(1 <= self.spike_warmup <= self.spike_window, "spike_warmup",
                 f"must be in [1, spike_window={self.spike_window}], got {self.spike_warmup}")
+        require(self.tb_heatmap_every >= 1, "tb_heatmap_every", f"must be >= 1, got {self.tb_heatmap_every}")
         require(self.heatmap_history >= 1, "heatmap_history", f"must be >= 1, got {self.heatmap_history}")
         for kind in self.fatal:
             require(kind in ALARM_KINDS, "fatal", f"unknown alarm {kind!r}; choose from {list(ALARM_KINDS)}")

@@ -1,11 +1,13 @@
 """Routing statistics accumulated on the device, read by the host only at logging steps.
 
-Legend: L = MoE layers, T = tokens, E = experts, K = top-k, W = loss-spike window (steps).
+Legend: L = MoE layers, T = tokens, E = experts, K = top-k, P = queued steps, W = window (steps).
 
-Every micro-batch adds a handful of tiny kernels per layer (an [T, E] logsumexp and softmax-weighted sum, a few
-[E] and [L, C] adds); nothing is read back, so the GPU never waits on the host between logging steps. At a logging
-step :meth:`RoutingStats.snapshot` concatenates every accumulator into one float64 vector and copies it to the host
-once (one sync per logging interval, on top of the trainer's own).
+Every micro-batch adds about five tiny kernels per layer (router entropy and z from one ``log_softmax`` of the
+[T, E] logits) and queues its scalars and counts; the queue is folded into the accumulators in one vectorised batch
+of about 20 small kernels per logging interval, however many layers, micro-batches and steps. Nothing is read
+back, so the GPU never waits on the host between logging steps. At a logging step :meth:`RoutingStats.snapshot`
+concatenates every accumulator into one float64 vector and copies it to the host once (one sync per logging
+interval, on top of the trainer's own).
 
 Definitions (per MoE layer, over one logging interval unless noted):
 
@@ -32,6 +34,7 @@ Router logits carry no padding mask, so entropy and z include padded positions (
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from dataclasses import dataclass, field
@@ -93,15 +96,34 @@ def routing_entropy_and_z(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     Args:
         logits: [T, E] router logits (any float dtype; computed in fp32).
     Returns:
-        (entropy, z): scalar fp32 tensors, the means over T of ``H(softmax(l)) = lse(l) - sum_e p_e l_e`` (nats)
-        and of ``lse(l) = logsumexp(l)``.
+        (entropy, z): scalar fp32 tensors, the means over T of ``H(softmax(l))`` (nats) and ``logsumexp(l)``.
+    """
+    entropy_sum, z_sum = entropy_and_z_sums(logits)
+    return entropy_sum / logits.shape[0], z_sum / logits.shape[0]
+
+
+def entropy_and_z_sums(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sums over the T tokens of the router entropy and of ``logsumexp(l)``, in about five kernels (this runs for
+    every layer of every micro-batch): ``log_softmax``, ``exp``, one dot product ``sum p log p`` over all T * E
+    entries, and ``lse = l_0 - log_softmax(l)_0`` (no separate logsumexp pass).
+
+    Args:
+        logits: [T, E] router logits (any float dtype; computed in fp32).
+    Returns:
+        (sum_t H_t, sum_t lse_t): scalar fp32 tensors.
     """
     logits = logits.detach().float()
-    lse = torch.logsumexp(logits, dim=-1)  # [T]
-    probs = torch.exp(logits - lse[:, None])  # [T, E]
-    # H = -sum p log p = -sum p (l - lse) = lse - sum p l; avoids 0 * log 0 for saturated routers.
-    entropy = lse - (probs * logits).sum(dim=-1)  # [T]
-    return entropy.mean(), lse.mean()
+    dim = -1
+    if logits.device.type == "cpu" and logits.shape[-1] <= 32:
+        # CPU reductions over a short last dim run row by row (~20x slower than over a long one at E = 4): reduce
+        # over dim 0 of the [E, T] transpose instead (one copy of T * E floats).
+        logits, dim = logits.t().contiguous(), 0
+    log_p = torch.log_softmax(logits, dim=dim)
+    # H = -sum p log p; exp(log_p) * log_p is never 0 * -inf because router logits are finite.
+    entropy_sum = -torch.dot(log_p.exp().reshape(-1), log_p.reshape(-1))
+    first, first_log_p = logits.select(dim, 0), log_p.select(dim, 0)  # [T]: logit and log-prob of expert 0
+    z_sum = (first - first_log_p).sum()  # log_softmax(l)_0 = l_0 - lse(l)
+    return entropy_sum, z_sum
 
 
 def find_drop_field(record: Any) -> str | None:
@@ -125,14 +147,23 @@ class RoutingStats:
     Feed it with :meth:`observe` (every training micro-batch, every MoE layer) and :meth:`end_step` (after each
     optimizer step); read it with :meth:`snapshot` at logging steps, which also starts a new interval.
 
+    Per-step values are queued and folded into the accumulators in one batch of about 20 small kernels (at each
+    snapshot, or every ``FOLD_EVERY`` steps), so a step costs five kernels per layer and micro-batch and nothing
+    else, and no host sync; the per-step quantities (idle experts, the collapse window) are still computed step by
+    step, vectorised over the queued steps. The LM losses are read with the snapshot, and the non-finite and
+    loss-spike checks run on the host over every step.
+
     Args:
         layer_ids: [L] transformer-block index of each MoE layer (names the layer in every output).
         num_experts: E.  top_k: K.
         device: where the accumulators live (the model's device).
-        spike_window / spike_warmup: rolling-median window and minimum history (steps) of the loss-spike check.
-        collapse_window: steps in the rolling window of ``window_tokens`` (the collapse alarm's share).
+        spike_window / spike_warmup: rolling-median window of the loss-spike check, and the finite losses it must
+            hold before a step is checked.
         start_step: optimizer steps already done (idle counts start here).
+        collapse_window: steps in the rolling window of ``window_tokens`` (the collapse alarm's share).
     """
+
+    FOLD_EVERY = 32  # steps queued at most (bounds the queue when logging steps are far apart)
 
     def __init__(self, layer_ids: list[int], num_experts: int, top_k: int, device: torch.device,
                  spike_window: int = 50, spike_warmup: int = 10, start_step: int = 0, collapse_window: int = 20):
@@ -142,35 +173,51 @@ class RoutingStats:
         f64 = {"device": device, "dtype": torch.float64}
         # Interval accumulators, float64 so counts stay exact far beyond fp32's 2**24.
         self.counts = torch.zeros(n_layers, num_experts, **f64)  # [L, E] this interval
-        self.step_counts = torch.zeros(n_layers, num_experts, **f64)  # [L, E] this step (for idle tracking)
         self.dropped = torch.zeros(n_layers, num_experts, **f64)  # [L, E] this interval, when reported per expert
-        self.dropped_per_expert = False
         # Per-step counts of the last W steps (a ring; zeros before the run has W steps), for the collapse share.
         self.window = torch.zeros(collapse_window, n_layers, num_experts, **f64)  # [W, L, E]
-        self.steps_seen = 0  # steps closed by end_step (host int: indexes the rings)
+        self.steps_seen = 0  # steps folded so far (host int: indexes the ring)
         self.last_seen = torch.full((n_layers, num_experts), float(start_step), **f64)  # [L, E] step
-        self.loss_terms: list[str] | None = None  # fixed by the first record seen
+        # Record layout, fixed by the first record seen: loss fields, and how drops are reported.
+        self.loss_terms: list[str] | None = None
         self.drop_field: str | None = None
-        self.scalars: torch.Tensor | None = None  # [L, 3 + n_terms]: entropy, z, dropped, *loss terms (sums)
+        self.drop_mode: str | None = None  # None | "scalar" | "expert"
+        self.scalars: torch.Tensor | None = None  # [L, C] sums: entropy, z, (dropped if scalar), *loss terms
         self.observed = [0] * n_layers  # micro-batches seen per layer this interval (host ints: no sync)
-        # Loss-spike state: a ring of the last W finite losses (NaN = empty slot) and interval maxima.
-        self.loss_ring = torch.full((spike_window,), float("nan"), **f64)  # [W]
-        self.losses_seen = 0
-        self.spike = torch.full((3,), float("nan"), **f64)  # (max ratio, its step, its loss)
-        self.nonfinite = torch.zeros(2, **f64)  # (count, last step)
+        self.tokens_seen = [0] * n_layers  # router rows (tokens) seen per layer this interval
+        # The queue: per observation its layer position and step slot, scalars and [E] vectors; per closed step
+        # its number and LM loss.
+        self._obs_pos: list[int] = []
+        self._obs_slot: list[int] = []
+        self._obs_scalars: list[torch.Tensor] = []
+        self._obs_vectors: list[torch.Tensor] = []
+        self._steps: list[int] = []
+        self._losses: list[torch.Tensor | None] = []
+        self._index_cache: dict[tuple[int, ...], torch.Tensor] = {}
+        # LM losses stay on the device until a snapshot reads them with everything else; the loss-spike and
+        # non-finite checks then run on the host, over every step (a few floats per step, no per-step kernels).
+        self._loss_chunks: list[torch.Tensor] = []  # folded [P] float64 losses (NaN: none reported)
+        self._loss_steps: list[int] = []  # their step numbers
+        self.loss_history: list[float] = []  # the last W losses, oldest first (NaN: non-finite)
+        self.spike: tuple[float, int, float] | None = None  # this interval's (max ratio, its step, its loss)
+        self.nonfinite_count, self.nonfinite_last = 0, None
         self.step = start_step
         self.interval_start = start_step
 
     # -- per micro-batch ---------------------------------------------------------------------------------------
     def _init_columns(self, record: Any) -> None:
-        self.loss_terms = find_loss_fields(record)
+        self.loss_terms = [name for name in find_loss_fields(record)
+                           if isinstance(getattr(record, name), torch.Tensor) and getattr(record, name).dim() == 0]
         self.drop_field = find_drop_field(record)
-        self.scalars = torch.zeros(len(self.layer_ids), 3 + len(self.loss_terms), device=self.device,
-                                   dtype=torch.float64)
+        dropped = getattr(record, self.drop_field, None) if self.drop_field else None
+        if isinstance(dropped, torch.Tensor):
+            self.drop_mode = "expert" if dropped.numel() == self.num_experts else "scalar"
+        width = 2 + (self.drop_mode == "scalar") + len(self.loss_terms)
+        self.scalars = torch.zeros(len(self.layer_ids), width, device=self.device, dtype=torch.float64)
 
-    @torch.no_grad()
     def observe(self, pos: int, record: Any) -> None:
-        """Add one micro-batch of MoE layer ``pos`` (0-based among MoE layers).
+        """Add one micro-batch of MoE layer ``pos`` (0-based among MoE layers): about five small kernels (the router
+        entropy and z); the rest is queued. No host sync.
 
         Args:
             pos: position of the layer in ``layer_ids``.
@@ -179,52 +226,114 @@ class RoutingStats:
         """
         if self.scalars is None:
             self._init_columns(record)
-        counts = record.tokens_per_expert.detach().to(torch.float64)  # [E]
-        self.step_counts[pos] += counts
-        entropy, z = routing_entropy_and_z(record.router_logits)
-        values = [entropy, z]
-        dropped = getattr(record, self.drop_field, None) if self.drop_field else None
-        if isinstance(dropped, torch.Tensor):
-            dropped = dropped.detach()
-            if dropped.numel() == self.num_experts:
-                self.dropped[pos] += dropped.reshape(-1).to(torch.float64)
-                self.dropped_per_expert = True
-            values.append(dropped.sum().float())
-        else:
-            values.append(entropy.new_zeros(()))
-        for name in self.loss_terms:
-            value = getattr(record, name, None)
-            values.append(value.detach().float().reshape(()) if isinstance(value, torch.Tensor)
-                          else entropy.new_zeros(()))
-        self.scalars[pos] += torch.stack(values).to(torch.float64)
+        entropy_sum, z_sum = entropy_and_z_sums(record.router_logits)
+        scalars = [entropy_sum, z_sum]
+        # Queued unconverted (stacked and converted in _fold: this runs per layer and micro-batch, and each tensor
+        # call costs microseconds of Python), but detached: a queued loss would keep the step's autograd graph
+        # alive until the fold.
+        vectors = [record.tokens_per_expert.detach()]
+        if self.drop_mode == "expert":
+            vectors.append(getattr(record, self.drop_field).detach())
+        elif self.drop_mode == "scalar":
+            scalars.append(getattr(record, self.drop_field).detach().sum())
+        scalars += [getattr(record, name).detach() for name in self.loss_terms]
+        self._obs_pos.append(pos)
+        self._obs_slot.append(len(self._steps))  # the step being run: closed by the next end_step
+        self._obs_scalars += scalars
+        self._obs_vectors += vectors
         self.observed[pos] += 1
+        self.tokens_seen[pos] += record.router_logits.shape[0]
 
     # -- per optimizer step ------------------------------------------------------------------------------------
-    @torch.no_grad()
     def end_step(self, step: int, lm_loss: torch.Tensor | float | None = None) -> None:
-        """Close optimizer step ``step`` (1-based count of steps done) with its LM loss (scalar tensor or float)."""
+        """Close optimizer step ``step`` (1-based count of steps done) with its LM loss (a scalar tensor; a float
+        works too). Queues only: no kernel, no host sync."""
+        if self._steps and step != self._steps[-1] + 1:
+            self._fold()  # a fold assumes consecutive steps (their numbers are made on the device from the first)
         self.step = step
-        self.counts += self.step_counts
-        self.window[self.steps_seen % self.collapse_window] = self.step_counts
-        self.steps_seen += 1
-        self.last_seen.masked_fill_(self.step_counts > 0, float(step))
-        self.step_counts.zero_()
-        if lm_loss is None:
+        self._steps.append(step)
+        if lm_loss is not None and not isinstance(lm_loss, torch.Tensor):
+            lm_loss = torch.tensor(float(lm_loss))
+        self._losses.append(lm_loss)
+        if len(self._steps) >= self.FOLD_EVERY:
+            self._fold()
+
+    def _index(self, values: tuple[int, ...]) -> torch.Tensor:
+        """Device int64 tensor of ``values``, cached: the queue's index patterns repeat from one interval to the next,
+        so each costs one host-to-device copy per run."""
+        if values not in self._index_cache:
+            if len(self._index_cache) > 64:
+                self._index_cache.clear()
+            self._index_cache[values] = torch.tensor(values, dtype=torch.int64, device=self.device)
+        return self._index_cache[values]
+
+    @torch.no_grad()
+    def _fold(self) -> None:
+        """Fold the closed steps of the queue into the accumulators (device kernels only)."""
+        p = len(self._steps)
+        if p == 0:
             return
-        loss = torch.as_tensor(lm_loss, device=self.device).detach().to(torch.float64).reshape(())
-        finite = torch.isfinite(loss)
-        self.nonfinite[0] += (~finite).to(torch.float64)
-        self.nonfinite[1] = torch.where(finite, self.nonfinite[1], float(step))
-        if self.losses_seen >= self.spike_warmup:
-            median = torch.nanmedian(self.loss_ring)
-            ratio = torch.where(finite, loss / median, float("nan"))
-            # NaN-safe "ratio > best": a NaN best (no ratio yet) is replaced by any finite ratio.
-            better = (ratio > self.spike[0]) | (torch.isnan(self.spike[0]) & ~torch.isnan(ratio))
-            update = torch.stack([ratio, torch.full_like(ratio, float(step)), loss])  # a fill, not a host copy
-            self.spike.copy_(torch.where(better, update, self.spike))
-        # Non-finite losses stay out of the median (NaN slots are skipped by nanmedian).
-        self.loss_ring[self.losses_seen % self.spike_window] = torch.where(finite, loss, float("nan"))
-        self.losses_seen += 1
+        n_layers, e, f64 = len(self.layer_ids), self.num_experts, torch.float64
+        n = sum(1 for slot in self._obs_slot if slot < p)  # observations of closed steps (a prefix of the queue)
+        width = 0 if self.scalars is None else self.scalars.shape[1]
+        n_vec = 2 if self.drop_mode == "expert" else 1
+        if n:
+            pos = self._index(tuple(self._obs_pos[:n]))
+            values = torch.stack(self._obs_scalars[:n * width]).view(n, width).to(f64)  # [n, C]
+            vectors = torch.stack(self._obs_vectors[:n * n_vec]).reshape(n, n_vec, e).to(f64)  # [n, V, E]
+            self.scalars.index_add_(0, pos, values)
+            if n_vec == 2:
+                self.dropped.index_add_(0, pos, vectors[:, 1])
+            if self._obs_pos[:n] == list(range(n_layers)) * (n // n_layers) and n % (p * n_layers) == 0:
+                # The usual order (every step runs its micro-batches through layers 0..L-1): a reshape and a sum.
+                step_counts = vectors[:, 0].reshape(p, n // (p * n_layers), n_layers, e).sum(dim=1)
+            else:
+                step_counts = torch.zeros(p * n_layers, e, device=self.device, dtype=f64)  # [P * L, E]
+                rows = self._index(tuple(s * n_layers + q for s, q in zip(self._obs_slot[:n], self._obs_pos[:n])))
+                step_counts = step_counts.index_add_(0, rows, vectors[:, 0]).view(p, n_layers, e)
+        else:
+            step_counts = torch.zeros(p, n_layers, e, device=self.device, dtype=f64)  # [P, L, E]
+        self.counts += step_counts.sum(dim=0)
+        # Collapse window: this batch's steps go to the next ring slots (only the last W matter).
+        keep = min(p, self.collapse_window)
+        slots = tuple((self.steps_seen + i) % self.collapse_window for i in range(p - keep, p))
+        self.window.index_copy_(0, self._index(slots), step_counts[p - keep:])
+        # Idle experts: the last step of the batch in which each expert had a token (0 = none; steps are >= 1).
+        first = self._steps[0]  # steps are consecutive: step i of the batch is first + i
+        step_no = torch.arange(first, first + p, device=self.device, dtype=f64)  # [P]
+        last = ((step_counts > 0) * step_no[:, None, None]).amax(dim=0)  # [L, E]
+        torch.maximum(self.last_seen, last, out=self.last_seen)
+        if any(loss is not None for loss in self._losses):
+            if any(loss is None for loss in self._losses):
+                nan = torch.full((), math.nan, device=self.device)
+                self._losses = [nan if x is None else x for x in self._losses]
+            self._loss_chunks.append(torch.stack(self._losses).to(self.device, f64).reshape(-1))
+            self._loss_steps += self._steps
+        self.steps_seen += p
+        self._obs_pos, self._obs_slot = self._obs_pos[n:], [s - p for s in self._obs_slot[n:]]
+        self._obs_scalars, self._obs_vectors = self._obs_scalars[n * width:], self._obs_vectors[n * n_vec:]
+        self._steps, self._losses = [], []
+
+    def _check_losses(self, losses: list[float]) -> None:
+        """Non-finite losses and loss spikes of the steps in ``self._loss_steps`` (host side): each step's loss is
+        compared with the median of the ``spike_window`` losses before it (non-finite ones left out; the lower
+        middle value for an even count, as ``torch.median``), once that window holds ``spike_warmup`` finite
+        losses."""
+        for step, loss in zip(self._loss_steps, losses):
+            if not math.isfinite(loss):
+                self.nonfinite_count += 1
+                self.nonfinite_last = step
+            finite = sorted(x for x in self.loss_history if not math.isnan(x))
+            if math.isfinite(loss) and len(finite) >= self.spike_warmup:
+                median = finite[(len(finite) - 1) // 2]
+                ratio = loss / median if median != 0 else math.inf
+                if self.spike is None or ratio > self.spike[0]:
+                    self.spike = (ratio, step, loss)
+            self.loss_history = [*self.loss_history, loss if math.isfinite(loss) else math.nan][-self.spike_window:]
+        self._loss_chunks, self._loss_steps = [], []
+
+    def _read_losses(self) -> torch.Tensor | None:
+        return torch.cat(self._loss_chunks) if self._loss_chunks else None
 
     # -- at logging steps --------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -236,55 +345,58 @@ class RoutingStats:
         Returns:
             :class:`Snapshot` of the interval ending at the last :meth:`end_step`.
         """
+        self._fold()
         n_layers, e = len(self.layer_ids), self.num_experts
         biases = biases if biases is not None else [None] * n_layers
-        scalars = self.scalars if self.scalars is not None else torch.zeros(n_layers, 3, device=self.device,
-                                                                            dtype=torch.float64)
+        losses = self._read_losses()
         parts = [self.counts.flatten(), self.last_seen.flatten(), self.dropped.flatten(),
-                 self.window.sum(dim=0).flatten(), scalars.flatten(),
-                 self.spike, self.nonfinite]
+                 self.window.sum(dim=0).flatten()]
+        if self.scalars is not None:
+            parts.append(self.scalars.flatten())
+        if losses is not None:
+            parts.append(losses)
         parts += [b.detach().reshape(-1).to(self.device, torch.float64) for b in biases if b is not None]
         host = torch.cat(parts).tolist()  # the one host sync of the interval
+        at = 0
 
         def take(n: int) -> list[float]:
-            nonlocal host
-            out, host = host[:n], host[n:]
-            return out
+            nonlocal at
+            at += n
+            return host[at - n:at]
 
-        counts, last_seen, dropped = take(n_layers * e), take(n_layers * e), take(n_layers * e)
-        window = take(n_layers * e)
-        scalar_rows = take(scalars.numel())
-        spike, nonfinite = take(3), take(2)
+        counts, last_seen, dropped, window = (take(n_layers * e) for _ in range(4))
+        width = 0 if self.scalars is None else self.scalars.shape[1]
+        scalar_rows = take(n_layers * width)
+        self._check_losses(take(len(self._loss_steps)) if losses is not None else [])
         terms = self.loss_terms or []
-        width = 3 + len(terms)
+        first_term = 2 + (self.drop_mode == "scalar")
         layers = []
         for i, layer_id in enumerate(self.layer_ids):
             tokens = counts[i * e:(i + 1) * e]
             row = scalar_rows[i * width:(i + 1) * width]
-            n_obs = self.observed[i]
             layer = LayerStats(
                 layer=layer_id, tokens=tokens, **load_statistics(tokens, self.top_k),
                 idle=[int(self.step - s) for s in last_seen[i * e:(i + 1) * e]],
                 window_tokens=window[i * e:(i + 1) * e],
                 drop_fraction=None, entropy=None, router_z=None,
             )
+            n_obs, n_tok = self.observed[i], self.tokens_seen[i]
             if n_obs:
-                layer.entropy, layer.router_z = row[0] / n_obs, row[1] / n_obs
-                layer.losses = {name: row[3 + j] / n_obs for j, name in enumerate(terms)}
+                layer.entropy, layer.router_z = row[0] / n_tok, row[1] / n_tok
+                layer.losses = {name: row[first_term + j] / n_obs for j, name in enumerate(terms)}
                 assigned = sum(tokens)
-                if self.drop_field is not None and assigned > 0:
-                    layer.drop_fraction = row[2] / assigned
-                    if self.dropped_per_expert:
-                        layer.dropped = dropped[i * e:(i + 1) * e]
+                if self.drop_mode is not None and assigned > 0:
+                    layer.dropped = dropped[i * e:(i + 1) * e] if self.drop_mode == "expert" else None
+                    total = sum(layer.dropped) if layer.dropped is not None else row[2]
+                    layer.drop_fraction = total / assigned
             if biases[i] is not None:
                 layer.bias = take(biases[i].numel())
             layers.append(layer)
         snap = Snapshot(step=self.step, first_step=self.interval_start + 1, steps=self.step - self.interval_start,
-                        layers=layers, nonfinite_steps=int(nonfinite[0]),
-                        window_steps=min(self.steps_seen, self.collapse_window),
-                        nonfinite_step=int(nonfinite[1]) if nonfinite[0] > 0 else None)
-        if not math.isnan(spike[0]):
-            snap.spike_ratio, snap.spike_step, snap.spike_loss = spike[0], int(spike[1]), spike[2]
+                        layers=layers, nonfinite_steps=self.nonfinite_count, nonfinite_step=self.nonfinite_last,
+                        window_steps=min(self.steps_seen, self.collapse_window))
+        if self.spike is not None:
+            snap.spike_ratio, snap.spike_step, snap.spike_loss = self.spike
         self._reset_interval()
         return snap
 
@@ -294,38 +406,37 @@ class RoutingStats:
         if self.scalars is not None:
             self.scalars.zero_()
         self.observed = [0] * len(self.layer_ids)
-        self.spike.fill_(float("nan"))
-        self.nonfinite.zero_()
+        self.tokens_seen = [0] * len(self.layer_ids)
+        self.spike, self.nonfinite_count, self.nonfinite_last = None, 0, None
         self.interval_start = self.step
 
     # -- checkpointing -----------------------------------------------------------------------------------------
+    _TENSORS = ("counts", "last_seen", "dropped", "window")
+    _VALUES = ("loss_terms", "drop_field", "drop_mode", "observed", "tokens_seen", "steps_seen", "step",
+               "interval_start", "loss_history", "spike", "nonfinite_count", "nonfinite_last")
+
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue exactly after a resume (tensors copied to CPU)."""
-        tensors = {"counts": self.counts, "last_seen": self.last_seen, "dropped": self.dropped, "window": self.window,
-                   "loss_ring": self.loss_ring, "spike": self.spike, "nonfinite": self.nonfinite}
-        state: dict[str, Any] = {k: v.detach().cpu().clone() for k, v in tensors.items()}
-        state.update(loss_terms=self.loss_terms, drop_field=self.drop_field,
-                     dropped_per_expert=self.dropped_per_expert, observed=list(self.observed),
-                     losses_seen=self.losses_seen, steps_seen=self.steps_seen, step=self.step,
-                     interval_start=self.interval_start,
-                     scalars=None if self.scalars is None else self.scalars.detach().cpu().clone())
+        """Everything needed to continue exactly after a resume (tensors copied to CPU; take it between steps:
+        the queue is folded first, and the losses read: one host sync)."""
+        self._fold()
+        losses = self._read_losses()
+        self._check_losses(losses.tolist() if losses is not None else [])
+        state: dict[str, Any] = {k: getattr(self, k).detach().cpu().clone() for k in self._TENSORS}
+        state.update({k: copy.copy(getattr(self, k)) for k in self._VALUES})
+        state["scalars"] = None if self.scalars is None else self.scalars.detach().cpu().clone()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output; a state from a different layer/expert layout is ignored (the run
-        then starts its statistics afresh)."""
-        if ("window" not in state or tuple(state["counts"].shape) != tuple(self.counts.shape)
-                or state["loss_ring"].numel() != self.spike_window
-                or tuple(state["window"].shape) != tuple(self.window.shape)):
+        """Restore :meth:`state_dict` output; a state from another layer / expert / window layout, or from an older
+        version, is ignored (the run then starts its statistics afresh)."""
+        if (any(k not in state for k in (*self._TENSORS, *self._VALUES, "scalars"))
+                or any(tuple(state[k].shape) != tuple(getattr(self, k).shape) for k in self._TENSORS)):
             return
-        for name in ("counts", "last_seen", "dropped", "window", "loss_ring", "spike", "nonfinite"):
+        for name in self._TENSORS:
             getattr(self, name).copy_(state[name].to(self.device))
-        self.loss_terms, self.drop_field = state["loss_terms"], state["drop_field"]
-        self.dropped_per_expert = state["dropped_per_expert"]
+        for name in self._VALUES:
+            setattr(self, name, copy.copy(state[name]))
         self.scalars = None if state["scalars"] is None else state["scalars"].to(self.device)
-        self.observed, self.losses_seen = list(state["observed"]), state["losses_seen"]
-        self.step, self.interval_start = state["step"], state["interval_start"]
-        self.steps_seen = state["steps_seen"]
 
 
 def load_statistics(tokens: list[float], top_k: int) -> dict[str, float | None]:
