@@ -331,24 +331,37 @@ def test_state_dict_resume_continues_exactly(tmp_path):
 
 
 def test_folding_the_queue_in_batches_changes_nothing():
-    """Statistics are the same whether the step queue is folded every 3 steps or once at the snapshot."""
-    def run(fold_every: int):
+    """Statistics are the same whether the step queue is folded every 3 steps or once at the snapshot, and whether
+    the layers report in the usual order (the reshape path) or not (the index_add path); 2 micro-batches a step."""
+    def run(fold_every: int, order: tuple[int, ...]):
         stats = RoutingStats([1, 4], num_experts=4, top_k=2, device=torch.device("cpu"), spike_window=4,
                              spike_warmup=2, collapse_window=5)
         stats.FOLD_EVERY = fold_every
         snaps = []
         losses = [2.0, 2.1, 1.9, 2.0, 6.0, float("nan"), 2.0, 2.2, 1.8, 2.0, 9.0]
         for step, loss in enumerate(losses, start=1):
-            for pos in (0, 1):
-                rows = ONLY_01 if (step + pos) % 4 else X
-                stats.observe(pos, fake(hand_top2(rows), [step % 2, 0, 1, 0], aux=step / 7))
+            for micro in range(2):
+                for pos in order:
+                    rows = ONLY_01 if (step + pos + micro) % 4 else X
+                    stats.observe(pos, fake(hand_top2(rows), [step % 2, 0, micro, 0], aux=step / 7))
             stats.end_step(step, torch.tensor(loss))
             if step in (7, 11):
                 snaps.append(dataclasses.asdict(stats.snapshot()))
         return snaps
 
-    once, batched = run(1000), run(3)
-    assert batched == once
+    once = run(1000, (0, 1))
+    assert run(3, (0, 1)) == once
+    assert run(3, (1, 0)) == once
+    for pos in (0, 1):  # and against a plain loop: counts of steps 1-7, idle steps at step 7
+        want = [0] * 4
+        last_seen = [0] * 4
+        for step in range(1, 8):
+            for micro in range(2):
+                counts = hand_top2(ONLY_01 if (step + pos + micro) % 4 else X)
+                want = [a + b for a, b in zip(want, counts)]
+                last_seen = [step if c else seen for c, seen in zip(counts, last_seen)]
+        assert once[0]["layers"][pos]["tokens"] == want
+        assert once[0]["layers"][pos]["idle"] == [7 - seen for seen in last_seen]
     assert once[0]["spike_step"] == 5 and once[0]["nonfinite_steps"] == 1 and once[1]["spike_step"] == 11
 
 
