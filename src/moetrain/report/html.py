@@ -23,14 +23,17 @@ pre { background: #f7f7f7; padding: 0.8em; overflow-x: auto; font-size: 0.8em; m
 """
 
 
-def _table(header: list[str], rows: list[list[str]], numeric_from: int = 1) -> str:
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+def _table(header: list[str] | None, rows: list[list[str]], numeric_from: int = 1) -> str:
+    """An HTML table (no header row when ``header`` is ``None``); cells from column ``numeric_from`` on are
+    right-aligned."""
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in header or [])
     body = "".join(
         "<tr>" + "".join(
             f'<td class="num">{html.escape(str(c))}</td>' if i >= numeric_from else f"<td>{html.escape(str(c))}</td>"
             for i, c in enumerate(row)) + "</tr>"
         for row in rows)
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+    thead = f"<thead><tr>{head}</tr></thead>" if header else ""
+    return f"<table>{thead}<tbody>{body}</tbody></table>"
 
 
 def _image(path: Path) -> str:
@@ -42,7 +45,7 @@ def _image(path: Path) -> str:
 def render_html(log: RunLog, figures: list[Path]) -> str:
     """The report page of ``log`` with ``figures`` (PNG files) embedded."""
     name = html.escape(log.run_dir.resolve().name)
-    summary = _table(["", ""], [[k, v] for k, v in run_summary(log)], numeric_from=2)
+    summary = _table(None, [[k, v] for k, v in run_summary(log)], numeric_from=2)
     rows = layer_rows(log)
     layers = _table(HEADER, rows) if rows else '<p class="muted">No routing statistics logged yet.</p>'
     if log.alerts:

@@ -5,7 +5,7 @@ The monitor is attached from outside (forward hooks on each MoE layer, active on
 and the optimizer step stay unaware of it. The trainer calls three things:
 
     monitor = RoutingMonitor(model, config.monitor, run_dir, log, start_step)
-    monitor.end_step(step, result.lm_loss)              # every optimizer step: device ops only, no host sync
+    monitor.end_step(step, result.lm_loss)              # every optimizer step: queues, no kernel, no host sync
     record.update(monitor.flush(step, metrics.writer))  # logging steps: one host read, alarms, TensorBoard
 
 ``metrics.jsonl`` keys (flat, so TensorBoard groups the scalars by layer; ``L`` is the transformer-block index of
@@ -18,6 +18,9 @@ the MoE layer; statistics over the logging interval, defined in :mod:`moetrain.t
     moe/layerL/<name>         each ``*loss`` field of the layer record (aux_loss, z_loss, ...), unweighted
     moe/layerL/drop_fraction  when the layer reports drops            moe/layerL/bias  [E] aux-loss-free biases
     moe/interval_steps        steps in the interval                   moe/loss_spike_ratio, moe/nonfinite_steps
+
+A layer recomputed in backward by activation checkpointing would run its hook twice and be counted twice; the
+model checkpoints attention tiles only (``moetrain.model.bta``), never MoE layers.
 """
 
 from __future__ import annotations
@@ -98,7 +101,8 @@ class RoutingMonitor:
     def attach(self) -> None:
         """Start observing the MoE layers (forward hooks; done by the constructor; no-op when disabled or attached)."""
         if self.enabled and not self._handles:
-            self._handles = [layer.register_forward_hook(self._hook(pos)) for pos, (_, layer) in enumerate(self.layers)]
+            self._handles = [layer.register_forward_hook(self._hook(pos))
+                             for pos, (_, layer) in enumerate(self.layers)]
 
     def detach(self) -> None:
         """Stop observing the MoE layers (remove the hooks); :meth:`attach` resumes."""
