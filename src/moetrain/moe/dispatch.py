@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from moetrain.moe.fast_dispatch import combine_rows, permute_rows
+
 
 @dataclass(frozen=True)
 class DispatchMeta:
@@ -39,6 +41,8 @@ class DispatchMeta:
         tokens_per_expert: [E] int64 rows per expert in the dispatched layout.
         num_tokens: T.
         capacity: C for the capacity layout, ``None`` for the grouped layout.
+        dropless: every assignment kept in the grouped layout (R = N, ``rows`` a permutation): dispatch and combine
+            then run as gathers both ways (moe/fast_dispatch.py).
     """
 
     token_ids: torch.Tensor
@@ -49,6 +53,7 @@ class DispatchMeta:
     tokens_per_expert: torch.Tensor
     num_tokens: int
     capacity: int | None = None
+    dropless: bool = False
 
 
 class LocalDispatcher:
@@ -109,7 +114,11 @@ class LocalDispatcher:
             rank = torch.empty_like(rank_sorted).scatter_(0, order, rank_sorted)
             rows = torch.where(kept, flat_ids * capacity + rank, 0)
             tokens_per_expert = torch.full((e,), capacity, dtype=torch.int64, device=device)
-        x_rows = torch.where(row_valid[:, None], x[token_ids], 0)  # [R, D]; empty rows are exact zeros
+        dropless = keep is None and capacity is None
+        if dropless:  # every row valid: a gather, whose backward is a gather too (no serial scatter-add on CPU)
+            x_rows = permute_rows(x, token_ids, rows.reshape(t, k))
+        else:
+            x_rows = torch.where(row_valid[:, None], x[token_ids], 0)  # [R, D]; empty rows are exact zeros
         meta = DispatchMeta(
             token_ids=token_ids,
             row_valid=row_valid,
@@ -119,6 +128,7 @@ class LocalDispatcher:
             tokens_per_expert=tokens_per_expert,
             num_tokens=t,
             capacity=capacity,
+            dropless=dropless,
         )
         return x_rows, tokens_per_expert, meta
 
@@ -128,6 +138,8 @@ class LocalDispatcher:
         Dropped assignments contribute exactly zero (selected away before the multiply). The weighted sum
         accumulates in fp32 (bf16 would round each of the K partial sums) and is returned in ``y.dtype``.
         """
+        if meta.dropless:
+            return combine_rows(y, meta.rows, meta.topk_weights, meta.token_ids)
         t, k = meta.kept.shape
         picked = y[meta.rows.reshape(-1)].reshape(t, k, -1)  # [T, K, D]
         picked = torch.where(meta.kept[..., None], picked.float(), 0.0)

@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moetrain.moe.fast_experts import fused_experts
+
 ACTIVATIONS = ("swiglu", "gelu")
 
 
@@ -145,7 +147,7 @@ def loop_swiglu(x, gate_up_proj, down_proj, tokens_per_expert):
     return loop_experts(x, gate_up_proj, down_proj, tokens_per_expert, "swiglu")
 
 
-BACKENDS = {"grouped_mm": grouped_experts, "padded": padded_experts, "loop": loop_experts}
+BACKENDS = {"grouped_mm": grouped_experts, "padded": padded_experts, "loop": loop_experts, "fused": fused_experts}
 
 
 class RoutedExperts(nn.Module):
@@ -154,7 +156,7 @@ class RoutedExperts(nn.Module):
     Args:
         num_experts: E.  hidden: D.  ffn_hidden: F.
         activation: ``swiglu`` (``gate_up_proj``, ``down_proj``) or ``gelu`` (``up_proj``, ``down_proj``).
-        backend: ``grouped_mm``, ``padded`` or ``loop`` (see :data:`BACKENDS`).
+        backend: ``grouped_mm``, ``padded``, ``loop`` or ``fused`` (moe/fast_experts.py; see :data:`BACKENDS`).
     Raises:
         ValueError: unknown backend or activation.
     """

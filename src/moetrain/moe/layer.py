@@ -16,6 +16,7 @@ from moetrain.moe.capacity import capacity_keep, expert_capacity
 from moetrain.moe.config import MoEConfig
 from moetrain.moe.dispatch import LocalDispatcher
 from moetrain.moe.experts import RoutedExperts
+from moetrain.moe.fast_moe import fused_moe
 from moetrain.moe.losses import (
     _valid,
     assignment_counts,
@@ -123,7 +124,11 @@ class MoELayer(nn.Module):
             # Dropless capacity buffers must fit the busiest expert: one host sync (the price of this backend).
             layout = max(int(expert_counts(routing.topk_ids, c.num_experts).max()), 1)
 
-        if keep is None and layout is None:
+        fused = keep is None and layout is None and c.backend == "fused" and type(self.dispatcher) is LocalDispatcher
+        if fused:  # dropless on one device: dispatch, experts and combine as one Function (moe/fast_moe.py)
+            y = fused_moe(tokens, routing.topk_ids, routing.topk_weights, self.experts.w_in, self.experts.down_proj,
+                          self.experts.activation).to(x.dtype)
+        elif keep is None and layout is None:
             x_rows, tokens_per_expert, meta = self.dispatcher.dispatch(tokens, routing.topk_ids, routing.topk_weights)
         else:
             if not getattr(self.dispatcher, "supports_capacity", False):
@@ -132,7 +137,8 @@ class MoELayer(nn.Module):
                     f"that drops and pads; {type(self.dispatcher).__name__} is dropless only")
             x_rows, tokens_per_expert, meta = self.dispatcher.dispatch(
                 tokens, routing.topk_ids, routing.topk_weights, keep=keep, capacity=layout)
-        y = self.dispatcher.combine(self.experts(x_rows, tokens_per_expert), meta).to(x.dtype)  # [T, D]
+        if not fused:
+            y = self.dispatcher.combine(self.experts(x_rows, tokens_per_expert), meta).to(x.dtype)  # [T, D]
 
         if self.shared_expert is not None:
             shared = self.shared_expert(tokens)

@@ -1,0 +1,263 @@
+"""Dropless MoE FFN as one autograd Function: dispatch, experts and combine fused, with a hand-written backward.
+
+Legend: T = tokens, D = hidden, E = experts, K = top-k, N = T * K rows (assignments, grouped by expert), F = expert
+FFN hidden, I = input-projection width (2F for SwiGLU, F for GELU), n = rows of one expert.
+
+Computes exactly what the layer's unfused path computes (LocalDispatcher dropless dispatch -> routed experts ->
+gating-weighted combine; same stable sort, same row order), ``out[t] = sum_k w[t, k] * expert_{e(t,k)}(x[t])``, but:
+
+- **No [N, D] copy of the input is kept.** Each expert's rows are gathered from x into a scratch buffer right before
+  its GEMM (and gathered again in backward for its weight gradient), so the Function saves only the pre-activation
+  ``h`` [N, I] (plus x, which the caller holds anyway). The unfused autograd path saves the permuted input [N, D],
+  ``h``, the activation and, for SwiGLU, ``silu(gate)``.
+- **The gating weight is applied to the activation, before the down projection** (``(w * a) @ W_down^T``, a
+  row scaling of cache-hot [n, F] data), so the combine is a plain sum of K gathered rows and its backward is one
+  gather per expert into scratch. The weight's gradient is ``<dL/d(w a), a>`` over F, from the same tiles.
+- **Scratch buffers are allocated once per call** at the largest expert's size and reused by every expert; a
+  fresh multi-MiB tensor per op costs page faults on CPU (glibc maps large blocks anew each time).
+- **The activation is recomputed in backward** from ``h`` (two elementwise passes over cache-hot rows).
+- **Every combine accumulates in fp32 in k order** (deterministic, no atomics): outputs and input gradients.
+
+Precision: in bf16 the gating weight is rounded to bf16 once and multiplied into the bf16 activation (relative
+error 2^-9, the same as the bf16 rounding the activation already had); the unfused path multiplies the bf16 expert
+output by the fp32 weight.
+
+Execution: ``tiles`` mode runs one ``torch.mm`` per expert and projection into slices of preallocated outputs
+(CPU; the counts are read on the host once, which is free there). ``grouped`` mode runs each projection as one
+``torch.nn.functional.grouped_mm`` with device offsets (no host sync; the mode used on CUDA in bf16); both modes
+run the same maths and are tested against the unfused layer on CPU (tests/test_perf_experts.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from moetrain.moe.fast_experts import (
+    _act_forward,
+    _act_grad,
+    _act_recompute,
+    _compute_dtype,
+    _grouped_ok,
+    _zero_idle,
+)
+
+
+def route_dropless(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The dropless grouped layout of moe/dispatch.py (stable sort by expert: token order within an expert).
+
+    Args:
+        topk_ids: [T, K] int64 expert of each assignment.
+        num_experts: E.
+    Returns:
+        (token_ids [N] token of each row, rows_of [T, K] row of each assignment, tokens_per_expert [E] int64).
+    """
+    t, k = topk_ids.shape
+    flat = topk_ids.reshape(-1)
+    order = torch.sort(flat, stable=True).indices  # [N]
+    rows_of = torch.empty_like(order).scatter_(0, order, torch.arange(t * k, device=flat.device)).view(t, k)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat,
+                                                                                        torch.ones_like(flat))
+    return order // k, rows_of, counts
+
+
+def _sum_k(rows: torch.Tensor, rows_of: torch.Tensor) -> torch.Tensor:
+    """out[t] = sum_k rows[rows_of[t, k]], accumulated in fp32 in k order; [N, D] -> [T, D] in rows' dtype."""
+    t, k = rows_of.shape
+    acc = torch.promote_types(rows.dtype, torch.float32)  # fp32, or fp64 for fp64 rows
+    if rows.dtype == acc:
+        out = rows.index_select(0, rows_of[:, 0])
+    else:
+        out = torch.zeros(t, rows.shape[1], dtype=acc, device=rows.device)
+        out.add_(rows.index_select(0, rows_of[:, 0]))
+    for j in range(1, k):
+        out.add_(rows.index_select(0, rows_of[:, j]))
+    return out.to(rows.dtype)
+
+
+def _groups(counts: list[int]) -> list[tuple[int, int, int]]:
+    """(expert, first row, rows) of every expert with rows."""
+    out, start = [], 0
+    for e, n in enumerate(counts):
+        if n:
+            out.append((e, start, n))
+        start += n
+    return out
+
+
+def _forward_tiles(x, w_in, w_out, token_ids, w_rows, counts, activation):
+    n_rows, hidden = token_ids.numel(), x.shape[1]
+    ffn = w_out.shape[2]
+    most = max(max(counts, default=0), 1)
+    h = x.new_empty(n_rows, w_in.shape[1])  # [N, I], saved
+    y = x.new_empty(n_rows, hidden)  # [N, D] gated expert outputs, combined then freed
+    xs = x.new_empty(most, hidden)  # [n, D] scratch: this expert's input rows
+    a = x.new_empty(most, ffn)  # [n, F] scratch: its activation
+    for e, s, n in _groups(counts):
+        torch.index_select(x, 0, token_ids[s : s + n], out=xs[:n])
+        he = h[s : s + n]
+        torch.mm(xs[:n], w_in[e].T, out=he)
+        _act_forward(he, a[:n], activation)
+        a[:n].mul_(w_rows[s : s + n, None])
+        torch.mm(a[:n], w_out[e].T, out=y[s : s + n])
+    return y, h
+
+
+def _backward_tiles(dout, x, w_in, w_out, h, token_ids, w_rows, counts, activation, needs):
+    need_x, need_w, need_in, need_out = needs
+    n_rows, hidden = token_ids.numel(), x.shape[1]
+    ffn = w_out.shape[2]
+    most = max(max(counts, default=0), 1)
+    dx_rows = x.new_empty(n_rows, hidden) if need_x else None  # [N, D] input gradient per row
+    acc = torch.promote_types(x.dtype, torch.float32)
+    dw_rows = torch.empty(n_rows, dtype=acc, device=x.device) if need_w else None  # [N]
+    d_in = torch.empty_like(w_in) if need_in else None
+    d_out = torch.empty_like(w_out) if need_out else None
+    for e, count in enumerate(counts):
+        if count == 0:  # took no part in the output: exact zeros
+            for grad in (d_in, d_out):
+                if grad is not None:
+                    grad[e].zero_()
+    g = x.new_empty(most, hidden)  # [n, D] dL/dy for this expert's rows
+    xs = x.new_empty(most, hidden) if need_in else None  # [n, D] its input rows, gathered again
+    dz = x.new_empty(most, ffn)  # [n, F] dL/d(w a), then dL/da
+    a = x.new_empty(most, ffn) if need_w or need_out else None  # [n, F] recomputed activation
+    sg = x.new_empty(most, ffn) if activation == "swiglu" else None  # [n, F] silu(gate)
+    prod = x.new_empty(most, ffn) if need_w else None  # [n, F] dz * a, summed over F
+    dh = x.new_empty(most, w_in.shape[1])  # [n, I] dL/dh
+    for e, s, n in _groups(counts):
+        tok, he, we = token_ids[s : s + n], h[s : s + n], w_rows[s : s + n, None]
+        torch.index_select(dout, 0, tok, out=g[:n])
+        torch.mm(g[:n], w_out[e], out=dz[:n])
+        _act_recompute(he, a[:n] if a is not None else None, sg[:n] if sg is not None else None, activation)
+        if need_w:
+            torch.mul(dz[:n], a[:n], out=prod[:n])
+            torch.sum(prod[:n], dim=1, dtype=acc, out=dw_rows[s : s + n])
+        if need_out:
+            a[:n].mul_(we)
+            torch.mm(g[:n].T, a[:n], out=d_out[e])
+        dz[:n].mul_(we)
+        _act_grad(dz[:n], he, dh[:n], sg[:n] if sg is not None else None, activation)
+        if need_x:
+            torch.mm(dh[:n], w_in[e], out=dx_rows[s : s + n])
+        if need_in:
+            torch.index_select(x, 0, tok, out=xs[:n])
+            torch.mm(dh[:n].T, xs[:n], out=d_in[e])
+    return dx_rows, dw_rows, d_in, d_out
+
+
+def _forward_grouped(x, w_in, w_out, token_ids, w_rows, offs, activation):
+    x_rows = x.index_select(0, token_ids)  # [N, D]
+    h = F.grouped_mm(x_rows, w_in.transpose(-2, -1), offs=offs)  # [N, I]
+    a = x.new_empty(h.shape[0], w_out.shape[2])
+    _act_forward(h, a, activation)
+    a.mul_(w_rows[:, None])
+    return F.grouped_mm(a, w_out.transpose(-2, -1), offs=offs), h  # [N, D]
+
+
+def _backward_grouped(dout, x, w_in, w_out, h, token_ids, w_rows, offs, activation, needs):
+    need_x, need_w, need_in, need_out = needs
+    g = dout.index_select(0, token_ids)  # [N, D]
+    dz = F.grouped_mm(g, w_out, offs=offs)  # [N, F]
+    a = torch.empty_like(dz) if need_w or need_out else None
+    sg = torch.empty_like(dz) if activation == "swiglu" else None
+    _act_recompute(h, a, sg, activation)
+    dx_rows = dw_rows = d_in = d_out = None
+    if need_w:
+        dw_rows = (dz * a).sum(dim=1, dtype=torch.promote_types(x.dtype, torch.float32))
+    if need_out:
+        a.mul_(w_rows[:, None])
+        d_out = _zero_idle(F.grouped_mm(g.T, a, offs=offs), offs)  # [E, D, F]
+    dz.mul_(w_rows[:, None])
+    dh = torch.empty_like(h)
+    _act_grad(dz, h, dh, sg, activation)
+    if need_x:
+        dx_rows = F.grouped_mm(dh, w_in, offs=offs)  # [N, D]
+    if need_in:
+        d_in = _zero_idle(F.grouped_mm(dh.T, x.index_select(0, token_ids), offs=offs), offs)  # [E, I, D]
+    return dx_rows, dw_rows, d_in, d_out
+
+
+class _FusedMoE(torch.autograd.Function):
+    """out = sum_k w_k * expert_k(x); ``groups`` is a list of host counts (tiles) or device offsets (grouped)."""
+
+    @staticmethod
+    def forward(ctx, x, weights, w_in, w_out, token_ids, rows_of, groups, activation):  # noqa: D102
+        w_rows = torch.empty(token_ids.numel(), dtype=weights.dtype, device=x.device)
+        w_rows.scatter_(0, rows_of.reshape(-1), weights.reshape(-1))  # [N] gating weight of each row
+        w_rows_c = w_rows.to(x.dtype)
+        if isinstance(groups, list):
+            y, h = _forward_tiles(x, w_in, w_out, token_ids, w_rows_c, groups, activation)
+            ctx.save_for_backward(x, w_in, w_out, h, token_ids, rows_of, w_rows_c)
+        else:
+            y, h = _forward_grouped(x, w_in, w_out, token_ids, w_rows_c, groups, activation)
+            ctx.save_for_backward(x, w_in, w_out, h, token_ids, rows_of, w_rows_c, groups)
+        ctx.counts = groups if isinstance(groups, list) else None
+        ctx.activation = activation
+        ctx.weights_dtype = weights.dtype
+        return _sum_k(y, rows_of)
+
+    @staticmethod
+    def backward(ctx, dout):  # noqa: D102
+        needs = tuple(ctx.needs_input_grad[:4])
+        dout = dout.contiguous()
+        if ctx.counts is not None:
+            x, w_in, w_out, h, token_ids, rows_of, w_rows = ctx.saved_tensors
+            dx_rows, dw_rows, d_in, d_out = _backward_tiles(dout, x, w_in, w_out, h, token_ids, w_rows, ctx.counts,
+                                                            ctx.activation, needs)
+        else:
+            x, w_in, w_out, h, token_ids, rows_of, w_rows, offs = ctx.saved_tensors
+            dx_rows, dw_rows, d_in, d_out = _backward_grouped(dout, x, w_in, w_out, h, token_ids, w_rows, offs,
+                                                              ctx.activation, needs)
+        dx = _sum_k(dx_rows, rows_of) if dx_rows is not None else None
+        dw = None
+        if dw_rows is not None:
+            dw = dw_rows.index_select(0, rows_of.reshape(-1)).view(rows_of.shape).to(ctx.weights_dtype)
+        return dx, dw, d_in, d_out, None, None, None, None
+
+
+def fused_moe(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w_in: torch.Tensor,
+    w_out: torch.Tensor,
+    activation: str = "swiglu",
+    *,
+    mode: str = "auto",
+) -> torch.Tensor:
+    """Dropless routed-expert FFN of one MoE layer, fused (see the module docstring).
+
+    Args:
+        x: [T, D] tokens.
+        topk_ids: [T, K] int64 experts of each token (distinct per token).
+        topk_weights: [T, K] fp32 gating weights (differentiable).
+        w_in: [E, 2F, D] (swiglu, gate half first) or [E, F, D] (gelu).
+        w_out: [E, D, F].
+        activation: ``swiglu`` or ``gelu``.
+        mode: ``tiles`` (per-expert ``torch.mm``; reads the counts on the host), ``grouped`` (one ``grouped_mm``
+            per projection, no host sync; needs 16-byte aligned rows) or ``auto`` (grouped on CUDA in bf16, else
+            tiles).
+    Returns:
+        [T, D] in the compute dtype (the autocast dtype under autocast, else the weights' dtype).
+    Raises:
+        ValueError: unknown mode or activation, or mismatched shapes.
+    """
+    if mode not in ("auto", "tiles", "grouped"):
+        raise ValueError(f"mode: unknown mode {mode!r}; choose 'auto', 'tiles' or 'grouped'")
+    if activation not in ("swiglu", "gelu"):
+        raise ValueError(f"activation: unknown activation {activation!r}; choose 'swiglu' or 'gelu'")
+    e, width, hidden = w_in.shape
+    ffn = w_out.shape[2]
+    if (x.dim() != 2 or x.shape[1] != hidden or w_out.shape != (e, hidden, ffn) or topk_ids.shape != topk_weights.shape
+            or topk_ids.shape[0] != x.shape[0] or width != (2 * ffn if activation == "swiglu" else ffn)):
+        raise ValueError(f"fused_moe: shapes do not match: x {tuple(x.shape)}, topk_ids {tuple(topk_ids.shape)}, "
+                         f"topk_weights {tuple(topk_weights.shape)}, w_in {tuple(w_in.shape)}, "
+                         f"w_out {tuple(w_out.shape)}")
+    dtype = _compute_dtype(x, w_in)
+    x, w_in, w_out = x.to(dtype).contiguous(), w_in.to(dtype), w_out.to(dtype)
+    token_ids, rows_of, counts = route_dropless(topk_ids, e)
+    if mode == "auto":
+        mode = "grouped" if x.device.type == "cuda" and _grouped_ok(x, w_in, w_out) else "tiles"
+    groups = torch.cumsum(counts, 0).to(torch.int32) if mode == "grouped" else [int(c) for c in counts.tolist()]
+    return _FusedMoE.apply(x, topk_weights, w_in, w_out, token_ids, rows_of, groups, activation)
