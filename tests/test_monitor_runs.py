@@ -216,3 +216,16 @@ def test_report_html_has_no_console_errors_in_headless_chromium(report_dir, tmp_
                    '<script>console.error("deliberate")</script><img src="missing.png"></body></html>')
     errors, _ = page_errors(chrome, bad.as_uri())
     assert any("deliberate" in e for e in errors) and any("missing.png" in e for e in errors)
+
+
+def test_counts_exclude_the_global_aux_loss_routing_prepass(tmp_path, corpus, cache_dir):
+    """With the global-batch aux loss and gradient accumulation, the trainer runs a no-grad routing pre-pass over
+    the step's micro-batches; the monitor must count each training token once, not twice."""
+    cfg = tiny_config(corpus, cache_dir, train={"steps": 5, "grad_accum": 2, "log_every": 5, "eval_every": 0},
+                      model={"moe": {"num_experts": 4, "top_k": 2, "expert_ffn_hidden": 64,
+                                     "global_aux_loss_coeff": 0.01}})
+    run_dir = tmp_path / "global"
+    Trainer(cfg, run_dir, log=lambda m: None, progress=False).run()
+    (r,) = [r for r in records(run_dir) if "moe/layer0/tokens" in r]
+    want = 5 * 2 * cfg.train.batch_size * cfg.data.seq_len * cfg.model.moe.top_k
+    assert sum(r["moe/layer0/tokens"]) == want

@@ -112,8 +112,9 @@ class RoutingMonitor:
 
     def _hook(self, pos: int):
         def hook(module: torch.nn.Module, inputs: Any, output: Any) -> None:
-            # Training forwards only: evaluation (model.eval()) and generation must not count.
-            if module.training and isinstance(output, tuple):
+            # Training forwards with gradients only: evaluation (model.eval()), generation, and the no-grad routing
+            # pre-pass of the global-batch aux loss (MoETransformer.moe_counts) must not count.
+            if module.training and torch.is_grad_enabled() and isinstance(output, tuple):
                 self.stats.observe(pos, output[-1])
 
         return hook
