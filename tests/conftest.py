@@ -12,6 +12,25 @@ SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinysha
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
+def sample_text(n_bytes: int) -> bytes:
+    """The first ``n_bytes`` of ``../shared/data/tinyshakespeare.txt`` when it is present (it lies beside the repo on
+    the developers' and CI machines), else deterministic generated English-like text of that size, so that no test
+    depends on the file."""
+    if SHAKESPEARE.is_file():
+        return SHAKESPEARE.read_bytes()[:n_bytes]
+    import random
+
+    rng = random.Random(0)
+    words = ["the", "king", "lord", "thou", "art", "my", "good", "sweet", "love", "night", "day", "speak", "hath",
+             "noble", "heart", "shall", "come", "away", "friend", "death", "life", "crown", "war", "peace"]
+    out, size = [], 0
+    while size < n_bytes:
+        line = " ".join(rng.choice(words) for _ in range(rng.randint(4, 12))).capitalize() + ".\n"
+        out.append(line)
+        size += len(line)
+    return "".join(out).encode()[:n_bytes]
+
+
 @pytest.fixture
 def code_corpus(tmp_path: Path) -> Path:
     """A small directory of Python-like text (about 200 KB), generated locally."""

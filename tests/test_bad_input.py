@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from _crash_util import run_cli, tree_digest
-from conftest import SHAKESPEARE
+from conftest import sample_text
 from moetrain.cli import main
 from moetrain.errors import MoetrainError
 
@@ -29,7 +29,7 @@ def env(tmp_path_factory):
     """Inputs for the cases: a corpus, a finished tiny run (2 steps, with checkpoints), bad corpora and configs."""
     root = tmp_path_factory.mktemp("bad")
     corpus = root / "corpus.txt"
-    corpus.write_bytes(SHAKESPEARE.read_bytes()[:50_000])
+    corpus.write_bytes(sample_text(50_000))
     cache = root / "cache"
     run = root / "run"
     assert main(["train", "--preset", "tiny", "--data", str(corpus), "--out", str(run), "--no-progress",

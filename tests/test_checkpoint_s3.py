@@ -17,7 +17,7 @@ pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
 
 from _crash_util import losses_by_step  # noqa: E402
-from conftest import SHAKESPEARE  # noqa: E402
+from conftest import sample_text  # noqa: E402
 from moetrain.cli import main  # noqa: E402
 from moetrain.train.checkpoint import MANIFEST, MODEL_FILE, STATE_FILE, CheckpointStore  # noqa: E402
 
@@ -118,7 +118,7 @@ def test_round_trip_fallback_and_prune_through_s3(s3_env, request):
 
 def test_training_resumes_exactly_from_s3_checkpoints(s3_env, tmp_path, request):
     corpus = tmp_path / "corpus.txt"
-    corpus.write_bytes(SHAKESPEARE.read_bytes()[:60_000])
+    corpus.write_bytes(sample_text(60_000))
     common = ["--data", str(corpus), "--no-progress", "--steps", "6", f"data.cache_dir={tmp_path / 'cache'}",
               "data.seq_len=32", "train.batch_size=2", "train.log_every=1", "train.ckpt_every=2",
               "train.eval_batches=1", "monitor.tb_heatmap=false", "monitor.tb_histograms=false"]

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from _crash_util import last_logged_step, losses_by_step, metrics, run_cli, start_cli, val_by_step, wait_for
-from conftest import SHAKESPEARE
+from conftest import sample_text
 from moetrain.train.checkpoint import CheckpointStore
 
 STEPS = 30
@@ -27,7 +27,7 @@ def setup(tmp_path_factory):
     """A small corpus, a shared data cache, and the uninterrupted reference run."""
     root = tmp_path_factory.mktemp("preempt")
     corpus = root / "corpus.txt"
-    corpus.write_bytes(SHAKESPEARE.read_bytes()[:120_000])
+    corpus.write_bytes(sample_text(120_000))
     ref = root / "reference"
     args = _args(corpus, root / "cache", ref)
     assert run_cli(args, root / "reference.log") == 0, (root / "reference.log").read_text()
@@ -196,7 +196,7 @@ def test_sigkill_while_building_the_data_cache_leaves_nothing_trusted(tmp_path):
     """A kill in the middle of tokenizing: the cache entry is not marked complete, the run directory was never
     created (data comes first), and the next run rebuilds exactly what an undisturbed build produces."""
     big = tmp_path / "big.txt"
-    big.write_bytes(SHAKESPEARE.read_bytes())  # ~1 MB: a few seconds of tokenizer training and tokenizing
+    big.write_bytes(sample_text(1_115_394))  # ~1 MB: a few seconds of tokenizer training and tokenizing
 
     def args(cache: Path, out: Path) -> list[str]:
         return ["train", "--preset", "tiny", "--data", str(big), "--out", str(out), "--no-progress", "--steps", "1",

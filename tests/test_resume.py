@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from _crash_util import losses_by_step, metrics, val_by_step
-from conftest import SHAKESPEARE
+from conftest import sample_text
 from moetrain.cli import main
 from moetrain.errors import MoetrainError
 from moetrain.train.checkpoint import MODEL_FILE, STATE_FILE, CheckpointStore
@@ -42,7 +42,7 @@ def _args(corpus: Path, cache: Path, out: Path, *extra: str, preset: bool = True
 def ref(tmp_path_factory):
     root = tmp_path_factory.mktemp("resume")
     corpus = root / "corpus.txt"
-    corpus.write_bytes(SHAKESPEARE.read_bytes()[:100_000])
+    corpus.write_bytes(sample_text(100_000))
     assert main(_args(corpus, root / "cache", root / "ref")) == 0
     return root, corpus
 
