@@ -19,7 +19,8 @@ from _crash_util import last_logged_step, losses_by_step, metrics, run_cli, star
 from conftest import sample_text
 from moetrain.train.checkpoint import CheckpointStore
 
-STEPS = 30
+# Enough steps that ten kills, each after at most 5 steps past the newest checkpoint, cannot reach the end of the run.
+STEPS = 60
 
 
 @pytest.fixture(scope="module")
@@ -101,8 +102,10 @@ def _kill_test(setup, kills: int, seed: int, tmp_path: Path) -> None:
     args = _args(corpus, root / "cache", run)
     # Kill points: some in the middle of a checkpoint write (the write is slowed down so the kill lands between two
     # files), one during start-up, the rest a random number of steps after the last checkpoint.
-    plan = ["during_write"] * 3 + ["startup"] + ["steps"] * (kills - 4)
-    rng.shuffle(plan)
+    # The start-up kill comes first: later, a resumed run on a fast machine could finish before it lands.
+    rest = ["during_write"] * 3 + ["steps"] * (kills - 4)
+    rng.shuffle(rest)
+    plan = ["startup", *rest]
     resumed_from: list[int] = []
     mid_write_kills = 0
     for attempt, mode in enumerate(plan):
@@ -138,7 +141,7 @@ def _kill_test(setup, kills: int, seed: int, tmp_path: Path) -> None:
     assert mid_write_kills >= 1, "no kill landed inside a checkpoint write"
     print(f"kill plan {plan}; resumed from steps {resumed_from}; {mid_write_kills} kills inside a checkpoint write")
     final_log = tmp_path / "final.log"
-    assert run_cli(_resume(args), final_log) == 0, final__read(log)
+    assert run_cli(_resume(args), final_log) == 0, _read(final_log)
     _assert_same_as_reference(run, ref)
 
 
