@@ -155,8 +155,8 @@ def _unfused_moe(ids, activation, x, w, w_in, w_out):
 
 @pytest.mark.parametrize("activation", ["swiglu", "gelu"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("mode", ["tiles", "grouped"])
-def test_fused_moe_equals_unfused_layer_path(activation, dtype, mode):
+@pytest.mark.parametrize("mode,block_rows", [("tiles", None), ("tiles", 1), ("tiles", 7), ("grouped", None)])
+def test_fused_moe_equals_unfused_layer_path(activation, dtype, mode, block_rows):
     ids, inputs = _moe_case(activation, dtype)
     up = torch.randn(inputs[0].shape, generator=torch.Generator().manual_seed(4)).to(dtype)
 
@@ -166,7 +166,7 @@ def test_fused_moe_equals_unfused_layer_path(activation, dtype, mode):
         (y.float() * up.float()).sum().backward()
         return [y.detach()] + [t.grad for t in leaves]
 
-    got = run(lambda x, w, a, b: fused_moe(x, ids, w, a, b, activation, mode=mode))
+    got = run(lambda x, w, a, b: fused_moe(x, ids, w, a, b, activation, mode=mode, block_rows=block_rows))
     ref = run(lambda x, w, a, b: _unfused_moe(ids, activation, x, w, a, b))
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     for name, a, b in zip(["y", "dx", "dw", "dw_in", "dw_out"], got, ref):
@@ -179,7 +179,7 @@ def test_fused_moe_equals_unfused_layer_path(activation, dtype, mode):
 @pytest.mark.parametrize("activation", ["swiglu", "gelu"])
 def test_fused_moe_gradcheck(activation):
     ids, inputs = _moe_case(activation, torch.float64, t=5, d=4, f=3, e=4)
-    assert torch.autograd.gradcheck(lambda *a: fused_moe(a[0], ids, *a[1:], activation, mode="tiles"),
+    assert torch.autograd.gradcheck(lambda *a: fused_moe(a[0], ids, *a[1:], activation, mode="tiles", block_rows=3),
                                     [t.requires_grad_() for t in inputs])
 
 

@@ -1,22 +1,26 @@
 """Dropless MoE FFN as one autograd Function: dispatch, experts and combine fused, with a hand-written backward.
 
 Legend: T = tokens, D = hidden, E = experts, K = top-k, N = T * K rows (assignments, grouped by expert), F = expert
-FFN hidden, I = input-projection width (2F for SwiGLU, F for GELU), n = rows of one expert.
+FFN hidden, I = input-projection width (2F for SwiGLU, F for GELU), n = rows of one block of experts.
 
 Computes exactly what the layer's unfused path computes (LocalDispatcher dropless dispatch -> routed experts ->
 gating-weighted combine; same stable sort, same row order), ``out[t] = sum_k w[t, k] * expert_{e(t,k)}(x[t])``, but:
 
-- **No [N, D] copy of the input is kept.** Each expert's rows are gathered from x into a scratch buffer right before
-  its GEMM (and gathered again in backward for its weight gradient), so the Function saves only the pre-activation
-  ``h`` [N, I] (plus x, which the caller holds anyway). The unfused autograd path saves the permuted input [N, D],
-  ``h``, the activation and, for SwiGLU, ``silu(gate)``.
+- **No [N, D] copy of the input is kept.** Rows are processed in blocks of consecutive experts (about
+  :data:`BLOCK_ELEMENTS` scratch elements each): a block's rows are gathered from x into a scratch buffer right
+  before its GEMMs (and gathered again in backward for the weight gradients), so the Function saves only the
+  pre-activation ``h`` [N, I] (plus x, which the caller holds anyway). The unfused autograd path saves the permuted
+  input [N, D], ``h``, the activation and, for SwiGLU, ``silu(gate)``. GEMMs run per expert; gathers, activation
+  and scaling once per block (per-expert elementwise ops would cost more in call overhead than arithmetic at
+  E = 64-128).
 - **The gating weight is applied to the activation, before the down projection** (``(w * a) @ W_down^T``, a
   row scaling of cache-hot [n, F] data), so the combine is a plain sum of K gathered rows and its backward is one
-  gather per expert into scratch. The weight's gradient is ``<dL/d(w a), a>`` over F, from the same tiles.
-- **Scratch buffers are allocated once per call** at the largest expert's size and reused by every expert; a
+  gather per block into scratch. The weight's gradient is ``<dL/d(w a), a>`` over F, from the same tiles.
+- **Scratch buffers are allocated once per call** at the largest block's size and reused by every block; a
   fresh multi-MiB tensor per op costs page faults on CPU (glibc maps large blocks anew each time).
 - **The activation is recomputed in backward** from ``h`` (two elementwise passes over cache-hot rows).
-- **Every combine accumulates in fp32 in k order** (deterministic, no atomics): outputs and input gradients.
+- **The combines (output, input gradient) are gathers and adds in a fixed order** (deterministic, no atomics);
+  see :func:`_sum_k` for the rounding in bf16.
 
 Precision: in bf16 the gating weight is rounded to bf16 once and multiplied into the bf16 activation (relative
 error 2^-9, the same as the bf16 rounding the activation already had); the unfused path multiplies the bf16 expert
@@ -43,6 +47,13 @@ from moetrain.moe.fast_experts import (
 )
 
 
+# Size of a block of the tiles mode (see _blocks), in elements of its widest [rows, max(I, D)] scratch buffer:
+# 4M elements (8 MiB in bf16) gave the best times on a 2-core Sapphire Rapids at E = 8 (2048 rows per block) and
+# E = 64 (8192 rows); whole-layer blocks (full-size temporaries) and per-expert blocks (op-call overhead at large
+# E) were both slower.
+BLOCK_ELEMENTS = 1 << 22
+
+
 def route_dropless(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The dropless grouped layout of moe/dispatch.py (stable sort by expert: token order within an expert).
 
@@ -62,52 +73,81 @@ def route_dropless(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tens
 
 
 def _sum_k(rows: torch.Tensor, rows_of: torch.Tensor) -> torch.Tensor:
-    """out[t] = sum_k rows[rows_of[t, k]], accumulated in fp32 in k order; [N, D] -> [T, D] in rows' dtype."""
-    t, k = rows_of.shape
-    acc = torch.promote_types(rows.dtype, torch.float32)  # fp32, or fp64 for fp64 rows
-    if rows.dtype == acc:
+    """out[t] = sum_k rows[rows_of[t, k]]: [N, D] -> [T, D] in rows' dtype, in a fixed order (deterministic).
+
+    fp32 / fp64 accumulate in k order. bf16 / fp16 add the K gathered [T, D] slices pairwise (a tree): each add
+    computes in fp32 and rounds once, so K <= 2 rounds exactly once, as an fp32 accumulation would, and larger K
+    ceil(log2 K) times. (An fp32 accumulator would need a converted copy of every operand, and a reduction over
+    a [T, K, D] view runs ~3x slower than these adds on CPU.)
+    """
+    k = rows_of.shape[1]
+    buf = rows.new_empty(rows_of.shape[0], rows.shape[1]) if k > 1 else None  # [T, D], reused by every gather
+
+    def gather_add(out: torch.Tensor, j: int) -> torch.Tensor:
+        torch.index_select(rows, 0, rows_of[:, j], out=buf)
+        return out.add_(buf)
+
+    if rows.dtype in (torch.float32, torch.float64):
         out = rows.index_select(0, rows_of[:, 0])
-    else:
-        out = torch.zeros(t, rows.shape[1], dtype=acc, device=rows.device)
-        out.add_(rows.index_select(0, rows_of[:, 0]))
-    for j in range(1, k):
-        out.add_(rows.index_select(0, rows_of[:, j]))
-    return out.to(rows.dtype)
+        for j in range(1, k):
+            gather_add(out, j)
+        return out
+    parts = []  # pairs first, then a tree over the pair sums
+    for j in range(0, k, 2):
+        part = rows.index_select(0, rows_of[:, j])
+        parts.append(gather_add(part, j + 1) if j + 1 < k else part)
+    while len(parts) > 1:
+        parts = [parts[i].add_(parts[i + 1]) if i + 1 < len(parts) else parts[i] for i in range(0, len(parts), 2)]
+    return parts[0]
 
 
-def _groups(counts: list[int]) -> list[tuple[int, int, int]]:
-    """(expert, first row, rows) of every expert with rows."""
-    out, start = [], 0
+def _blocks(counts: list[int], block_rows: int) -> list[tuple[int, int, list[tuple[int, int, int]]]]:
+    """Consecutive experts packed into blocks of about ``block_rows`` rows (at least one expert each).
+
+    Returns (first row, rows, [(expert, first row within the block, rows)]) per block, experts with rows only.
+    GEMMs run per expert, everything else (gathers, activation, scaling) once per block: at E = 64-128 a per-expert
+    elementwise op would cost more in call overhead than in arithmetic.
+    """
+    blocks, start, cur, cur_rows = [], 0, [], 0
     for e, n in enumerate(counts):
-        if n:
-            out.append((e, start, n))
-        start += n
-    return out
+        if n == 0:
+            continue
+        if cur and cur_rows + n > block_rows:
+            blocks.append((start, cur_rows, cur))
+            start, cur, cur_rows = start + cur_rows, [], 0
+        cur.append((e, cur_rows, n))
+        cur_rows += n
+    if cur:
+        blocks.append((start, cur_rows, cur))
+    return blocks
 
 
-def _forward_tiles(x, w_in, w_out, token_ids, w_rows, counts, activation):
+def _forward_tiles(x, w_in, w_out, token_ids, w_rows, counts, activation, block_rows):
     n_rows, hidden = token_ids.numel(), x.shape[1]
     ffn = w_out.shape[2]
-    most = max(max(counts, default=0), 1)
+    blocks = _blocks(counts, block_rows)
+    most = max([rows for _, rows, _ in blocks], default=1)
     h = x.new_empty(n_rows, w_in.shape[1])  # [N, I], saved
     y = x.new_empty(n_rows, hidden)  # [N, D] gated expert outputs, combined then freed
-    xs = x.new_empty(most, hidden)  # [n, D] scratch: this expert's input rows
-    a = x.new_empty(most, ffn)  # [n, F] scratch: its activation
-    for e, s, n in _groups(counts):
+    xs = x.new_empty(most, hidden)  # [n, D] scratch: this block's input rows
+    a = x.new_empty(most, ffn)  # [n, F] scratch: their activation
+    for s, n, experts in blocks:
         torch.index_select(x, 0, token_ids[s : s + n], out=xs[:n])
-        he = h[s : s + n]
-        torch.mm(xs[:n], w_in[e].T, out=he)
-        _act_forward(he, a[:n], activation)
+        for e, r, m in experts:
+            torch.mm(xs[r : r + m], w_in[e].T, out=h[s + r : s + r + m])
+        _act_forward(h[s : s + n], a[:n], activation)
         a[:n].mul_(w_rows[s : s + n, None])
-        torch.mm(a[:n], w_out[e].T, out=y[s : s + n])
+        for e, r, m in experts:
+            torch.mm(a[r : r + m], w_out[e].T, out=y[s + r : s + r + m])
     return y, h
 
 
-def _backward_tiles(dout, x, w_in, w_out, h, token_ids, w_rows, counts, activation, needs):
+def _backward_tiles(dout, x, w_in, w_out, h, token_ids, w_rows, counts, activation, needs, block_rows):
     need_x, need_w, need_in, need_out = needs
     n_rows, hidden = token_ids.numel(), x.shape[1]
     ffn = w_out.shape[2]
-    most = max(max(counts, default=0), 1)
+    blocks = _blocks(counts, block_rows)
+    most = max([rows for _, rows, _ in blocks], default=1)
     dx_rows = x.new_empty(n_rows, hidden) if need_x else None  # [N, D] input gradient per row
     acc = torch.promote_types(x.dtype, torch.float32)
     dw_rows = torch.empty(n_rows, dtype=acc, device=x.device) if need_w else None  # [N]
@@ -118,31 +158,35 @@ def _backward_tiles(dout, x, w_in, w_out, h, token_ids, w_rows, counts, activati
             for grad in (d_in, d_out):
                 if grad is not None:
                     grad[e].zero_()
-    g = x.new_empty(most, hidden)  # [n, D] dL/dy for this expert's rows
-    xs = x.new_empty(most, hidden) if need_in else None  # [n, D] its input rows, gathered again
+    g = x.new_empty(most, hidden)  # [n, D] dL/dy for this block's rows
+    xs = x.new_empty(most, hidden) if need_in else None  # [n, D] their input rows, gathered again
     dz = x.new_empty(most, ffn)  # [n, F] dL/d(w a), then dL/da
     a = x.new_empty(most, ffn) if need_w or need_out else None  # [n, F] recomputed activation
     sg = x.new_empty(most, ffn) if activation == "swiglu" else None  # [n, F] silu(gate)
     prod = x.new_empty(most, ffn) if need_w else None  # [n, F] dz * a, summed over F
     dh = x.new_empty(most, w_in.shape[1])  # [n, I] dL/dh
-    for e, s, n in _groups(counts):
-        tok, he, we = token_ids[s : s + n], h[s : s + n], w_rows[s : s + n, None]
-        torch.index_select(dout, 0, tok, out=g[:n])
-        torch.mm(g[:n], w_out[e], out=dz[:n])
+    for s, n, experts in blocks:
+        he, we = h[s : s + n], w_rows[s : s + n, None]
+        torch.index_select(dout, 0, token_ids[s : s + n], out=g[:n])
+        for e, r, m in experts:
+            torch.mm(g[r : r + m], w_out[e], out=dz[r : r + m])
         _act_recompute(he, a[:n] if a is not None else None, sg[:n] if sg is not None else None, activation)
         if need_w:
             torch.mul(dz[:n], a[:n], out=prod[:n])
             torch.sum(prod[:n], dim=1, dtype=acc, out=dw_rows[s : s + n])
         if need_out:
             a[:n].mul_(we)
-            torch.mm(g[:n].T, a[:n], out=d_out[e])
+            for e, r, m in experts:
+                torch.mm(g[r : r + m].T, a[r : r + m], out=d_out[e])
         dz[:n].mul_(we)
         _act_grad(dz[:n], he, dh[:n], sg[:n] if sg is not None else None, activation)
         if need_x:
-            torch.mm(dh[:n], w_in[e], out=dx_rows[s : s + n])
+            for e, r, m in experts:
+                torch.mm(dh[r : r + m], w_in[e], out=dx_rows[s + r : s + r + m])
         if need_in:
-            torch.index_select(x, 0, tok, out=xs[:n])
-            torch.mm(dh[:n].T, xs[:n], out=d_in[e])
+            torch.index_select(x, 0, token_ids[s : s + n], out=xs[:n])
+            for e, r, m in experts:
+                torch.mm(dh[r : r + m].T, xs[r : r + m], out=d_in[e])
     return dx_rows, dw_rows, d_in, d_out
 
 
@@ -182,18 +226,19 @@ class _FusedMoE(torch.autograd.Function):
     """out = sum_k w_k * expert_k(x); ``groups`` is a list of host counts (tiles) or device offsets (grouped)."""
 
     @staticmethod
-    def forward(ctx, x, weights, w_in, w_out, token_ids, rows_of, groups, activation):  # noqa: D102
+    def forward(ctx, x, weights, w_in, w_out, token_ids, rows_of, groups, activation, block_rows):  # noqa: D102
         w_rows = torch.empty(token_ids.numel(), dtype=weights.dtype, device=x.device)
         w_rows.scatter_(0, rows_of.reshape(-1), weights.reshape(-1))  # [N] gating weight of each row
         w_rows_c = w_rows.to(x.dtype)
         if isinstance(groups, list):
-            y, h = _forward_tiles(x, w_in, w_out, token_ids, w_rows_c, groups, activation)
+            y, h = _forward_tiles(x, w_in, w_out, token_ids, w_rows_c, groups, activation, block_rows)
             ctx.save_for_backward(x, w_in, w_out, h, token_ids, rows_of, w_rows_c)
         else:
             y, h = _forward_grouped(x, w_in, w_out, token_ids, w_rows_c, groups, activation)
             ctx.save_for_backward(x, w_in, w_out, h, token_ids, rows_of, w_rows_c, groups)
         ctx.counts = groups if isinstance(groups, list) else None
         ctx.activation = activation
+        ctx.block_rows = block_rows
         ctx.weights_dtype = weights.dtype
         return _sum_k(y, rows_of)
 
@@ -204,7 +249,7 @@ class _FusedMoE(torch.autograd.Function):
         if ctx.counts is not None:
             x, w_in, w_out, h, token_ids, rows_of, w_rows = ctx.saved_tensors
             dx_rows, dw_rows, d_in, d_out = _backward_tiles(dout, x, w_in, w_out, h, token_ids, w_rows, ctx.counts,
-                                                            ctx.activation, needs)
+                                                            ctx.activation, needs, ctx.block_rows)
         else:
             x, w_in, w_out, h, token_ids, rows_of, w_rows, offs = ctx.saved_tensors
             dx_rows, dw_rows, d_in, d_out = _backward_grouped(dout, x, w_in, w_out, h, token_ids, w_rows, offs,
@@ -213,7 +258,7 @@ class _FusedMoE(torch.autograd.Function):
         dw = None
         if dw_rows is not None:
             dw = dw_rows.index_select(0, rows_of.reshape(-1)).view(rows_of.shape).to(ctx.weights_dtype)
-        return dx, dw, d_in, d_out, None, None, None, None
+        return dx, dw, d_in, d_out, None, None, None, None, None
 
 
 def fused_moe(
@@ -225,6 +270,7 @@ def fused_moe(
     activation: str = "swiglu",
     *,
     mode: str = "auto",
+    block_rows: int | None = None,
 ) -> torch.Tensor:
     """Dropless routed-expert FFN of one MoE layer, fused (see the module docstring).
 
@@ -238,6 +284,8 @@ def fused_moe(
         mode: ``tiles`` (per-expert ``torch.mm``; reads the counts on the host), ``grouped`` (one ``grouped_mm``
             per projection, no host sync; needs 16-byte aligned rows) or ``auto`` (grouped on CUDA in bf16, else
             tiles).
+        block_rows: tiles mode: consecutive experts are packed into blocks of about this many rows for the
+            non-GEMM work (see :func:`_blocks`); ``None``: :data:`BLOCK_ELEMENTS` / max(I, D).
     Returns:
         [T, D] in the compute dtype (the autocast dtype under autocast, else the weights' dtype).
     Raises:
@@ -260,4 +308,6 @@ def fused_moe(
     if mode == "auto":
         mode = "grouped" if x.device.type == "cuda" and _grouped_ok(x, w_in, w_out) else "tiles"
     groups = torch.cumsum(counts, 0).to(torch.int32) if mode == "grouped" else [int(c) for c in counts.tolist()]
-    return _FusedMoE.apply(x, topk_weights, w_in, w_out, token_ids, rows_of, groups, activation)
+    if block_rows is None:
+        block_rows = BLOCK_ELEMENTS // max(width, hidden)
+    return _FusedMoE.apply(x, topk_weights, w_in, w_out, token_ids, rows_of, groups, activation, max(1, block_rows))
