@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-BENCHES = ["bta"]
+BENCHES = ["bta", "moe", "train"]
 
 
 def add_parser(sub) -> None:

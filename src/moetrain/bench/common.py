@@ -1,0 +1,116 @@
+"""Shared measurement helpers of the issue-9 benchmarks (``bench moe``, ``bench train``): interleaved timing and
+peak tensor memory.
+
+Timing: every round runs each candidate once, in an order rotated by one each round, so that a busy machine (other
+processes, frequency changes) slows all candidates alike and none always runs first after another's cache
+pollution; the tables report the median over rounds and the min-max range.
+
+Memory: CPU has no allocator statistics in PyTorch (``tracemalloc`` sees only Python objects), so
+:func:`peak_tensor_bytes` replays one call under ``torch.profiler`` with ``profile_memory=True`` and takes the
+peak of the running sum of its allocation events: the most bytes of torch tensors alive at once during the call,
+above the level at its start (so weights and inputs allocated before are not counted; saved activations,
+temporaries and gradients are). It counts what PyTorch's CPU allocator hands out, not what the C library keeps
+mapped (RSS). On CUDA it uses ``torch.cuda.max_memory_allocated`` the same way (peak minus start).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def interleaved_times(candidates: dict[str, Callable[[], None]], rounds: int, warmup: int,
+                      sync: Callable[[], None] | None = None, clock: str = "wall") -> dict[str, list[float]]:
+    """Seconds per call of each candidate over ``rounds`` timed rounds, after ``warmup`` untimed ones.
+
+    Args:
+        candidates: name -> a callable that does one unit of work (e.g. forward + backward).
+        rounds: timed rounds (>= 1). warmup: untimed rounds first (>= 0).
+        sync: called before each clock read (``torch.cuda.synchronize`` on GPU).
+        clock: ``wall`` (elapsed time) or ``cpu`` (this process's CPU time, all threads: on a machine that other
+            processes keep busy it counts only the time the work actually ran; meaningful with one thread, since
+            with more it also counts threads waiting at barriers).
+    Returns:
+        name -> list of ``rounds`` durations in seconds.
+    """
+    now = CLOCKS[clock]
+    names = list(candidates)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(warmup + rounds):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            if sync:
+                sync()
+            t0 = now()
+            candidates[name]()
+            if sync:
+                sync()
+            if r >= warmup:
+                times[name].append(now() - t0)
+    return times
+
+
+def summary(seconds: list[float]) -> dict[str, float]:
+    """Median, min and max of a list of durations (seconds)."""
+    return {"median_s": statistics.median(seconds), "min_s": min(seconds), "max_s": max(seconds)}
+
+
+def peak_tensor_bytes(fn: Callable[[], None], device: torch.device | str = "cpu") -> int:
+    """Most bytes of torch tensors alive at once while ``fn()`` runs, above the level at its start (module
+    docstring). Runs ``fn`` once more (untimed)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return max(0, torch.cuda.max_memory_allocated(device) - start)
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children)
+        size = getattr(node.extra_fields, "alloc_size", None)
+        if size is not None and getattr(node.extra_fields, "device", device).type == "cpu":
+            events.append((node.start_time_ns, size))
+    live = peak = 0
+    for _, size in sorted(events, key=lambda e: e[0]):
+        live += size
+        peak = max(peak, live)
+    return peak
+
+
+def machine_info() -> dict:
+    """What the numbers were measured on, including the load average at the time."""
+    info = {
+        "platform": platform.platform(),
+        "processor": platform.processor(),
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
+    try:
+        info["load_avg_1_5_15min"] = [round(v, 2) for v in os.getloadavg()]
+    except OSError:
+        info["load_avg_1_5_15min"] = None
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        info["transformers"] = None
+    return info

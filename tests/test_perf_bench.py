@@ -1,0 +1,59 @@
+"""Issue 9: CI-safe smoke runs of ``moetrain bench moe`` and ``moetrain bench train`` (tiny shapes, one round).
+
+They check the harness, never the timings: every candidate runs, gets the same weights and input (so in fp32 every
+MoE implementation's output equals the ``loop`` reference, and both models' initial loss is the same), and the JSON
+report holds what the README table is built from.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from moetrain.cli import main
+
+
+def test_bench_moe_smoke(tmp_path, capsys):
+    out = tmp_path / "moe.json"
+    assert main(["bench", "moe", "--grid", "smoke", "--reps", "1", "--warmup", "0", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["benchmark"] == "moe" and report["machine"]["threads"] >= 1
+    assert [(r["label"], r["dtype"]) for r in report["results"]] == [
+        ("E=4 K=2 D=32 F=16 T=64", "fp32"), ("E=4 K=2 D=32 F=16 T=64", "bf16"),
+        ("E=8 K=3 D=32 F=8 T=48", "fp32"), ("E=8 K=3 D=32 F=8 T=48", "bf16")]
+    for rec in report["results"]:
+        cands = rec["candidates"]
+        assert list(cands) == ["dense", "hf-eager", "hf-grouped_mm", "loop", "padded", "grouped_mm", "fused"]
+        assert cands["dense"]["ratio_to_dense"] == 1.0
+        shape = rec["shape"]
+        assert rec["active_gflop"] == pytest.approx(
+            18 * shape["tokens"] * shape["top_k"] * shape["hidden"] * shape["ffn"] / 1e9)
+        for name, c in cands.items():
+            assert c["min_s"] <= c["median_s"] <= c["max_s"] and len(c["times_s"]) == 1
+            assert c["peak_bytes"] >= 0
+            if name != "dense" and rec["dtype"] == "fp32":
+                assert c["max_rel_err_vs_loop"] < 1e-5, name  # same weights, same routing, same answer
+        assert cands["loop"]["peak_bytes"] > 0  # at least the saved activations are seen
+    assert "wrote" in capsys.readouterr().out
+
+
+def test_bench_moe_rejects_bad_shape(capsys):
+    assert main(["bench", "moe", "--shape", "8,2,512"]) == 2
+    assert "--shape" in capsys.readouterr().err
+
+
+def test_bench_train_smoke(tmp_path):
+    out = tmp_path / "train.json"
+    assert main(["bench", "train", "--preset", "tiny", "--batch", "2", "--seq", "16", "--steps", "1",
+                 "--warmup", "0", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    cands = report["candidates"]
+    assert list(cands) == ["moetrain-fused", "moetrain-grouped_mm", "hf-grouped_mm", "hf-eager"]
+    assert report["tokens_per_step"] == 32
+    static = {c["weights_and_adam_bytes"] for c in cands.values()}
+    assert len(static) == 1  # identical models: same weights, same AdamW state
+    for name, c in cands.items():
+        assert c["lm_loss_diff"] < 1e-4, name  # the same weights give the same initial cross-entropy
+        assert c["tokens_per_s"] > 0 and c["peak_bytes"] > 0
+    assert cands["hf-grouped_mm"]["speedup_vs_best_hf"] <= 1.0 or cands["hf-eager"]["speedup_vs_best_hf"] <= 1.0
