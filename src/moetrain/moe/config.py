@@ -27,11 +27,11 @@ class MoEConfig:
         expert_activation: ``swiglu`` (``down(silu(gate x) * up x)``, weights ``gate_up_proj`` [E, 2F, D] and
             ``down_proj`` [E, D, F]) or ``gelu`` (the classic two-matrix FFN ``down(gelu(up x))``, exact erf GELU,
             no biases; weights ``up_proj`` [E, F, D] and ``down_proj`` [E, D, F]).
-        backend: ``grouped_mm`` (default: one grouped GEMM per projection, no host sync), ``padded`` (capacity
-            buffers [E, C, D] and batched matmuls; dropless it sizes C to the busiest expert, one host sync),
-            ``loop`` (plain per-expert loop, the reference) or ``fused`` (hand-written backward; dropless on one
-            device, dispatch + experts + combine run as one autograd Function that saves only the pre-activation:
-            per-expert GEMMs on CPU, grouped_mm on CUDA bf16; moe/fast_moe.py, moe/fast_experts.py).
+        backend: ``fused`` (default: hand-written backward; dropless on one device, dispatch + experts + combine
+            run as one autograd Function that saves only the pre-activation; per-expert GEMMs on CPU, grouped_mm
+            on CUDA bf16; moe/fast_moe.py, moe/fast_experts.py), ``grouped_mm`` (autograd around one grouped GEMM
+            per projection, no host sync), ``padded`` (capacity buffers [E, C, D] and batched matmuls; dropless it
+            sizes C to the busiest expert, one host sync) or ``loop`` (plain per-expert loop, the reference).
         shared_expert_ffn_hidden: width of an always-on dense shared expert with the same activation (Qwen2-MoE's
             ``shared_expert_intermediate_size``; DeepSeek's ``n_shared_experts * moe_intermediate_size``); 0 = none.
         shared_expert_gate: scale the shared expert's output by ``sigmoid(x @ w)``, ``w`` [1, D] (Qwen2-MoE).
@@ -76,7 +76,7 @@ class MoEConfig:
     top_k: int = 2
     expert_ffn_hidden: int = 512
     expert_activation: Literal["swiglu", "gelu"] = "swiglu"
-    backend: Literal["grouped_mm", "padded", "loop", "fused"] = "grouped_mm"
+    backend: Literal["fused", "grouped_mm", "padded", "loop"] = "fused"
     shared_expert_ffn_hidden: int = 0
     shared_expert_gate: bool = False
 

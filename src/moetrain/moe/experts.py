@@ -162,7 +162,7 @@ class RoutedExperts(nn.Module):
     """
 
     def __init__(self, num_experts: int, hidden: int, ffn_hidden: int, activation: str = "swiglu",
-                 backend: str = "grouped_mm"):
+                 backend: str = "fused"):
         super().__init__()
         if backend not in BACKENDS:
             raise ValueError(f"model.moe.backend: unknown backend {backend!r}; choose one of {sorted(BACKENDS)}")
