@@ -114,7 +114,9 @@ def _kill_test(setup, kills: int, seed: int, tmp_path: Path) -> None:
         env = {"MOETRAIN_CKPT_WRITE_DELAY": "0.15"} if mode == "during_write" else {}
         proc = start_cli((_resume(args) if attempt else args), log, env)
         if mode == "startup":
-            wait_for(lambda: False, rng.uniform(0.0, 0.5), proc)
+            # Killed while starting (after the run directory's config is written, so `--resume` knows the run).
+            assert wait_for(lambda: (run / "config.json").exists(), 120, proc), _read(log)
+            wait_for(lambda: False, rng.uniform(0.0, 0.3), proc)
         elif mode == "during_write":
             assert wait_for(lambda: bool(_tmp_dirs(run)), 120, proc), _read(log)
             wait_for(lambda: False, rng.uniform(0.0, 0.6), proc)  # somewhere among the 5 files of 0.15 s each
