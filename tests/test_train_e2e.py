@@ -80,3 +80,46 @@ def test_entry_point_exit_code(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == ["moetrain: error: --preset nope: unknown preset; choose one of "
                                                 "['cpu-small', 'mixtral-8x7b', 'olmoe-1b-7b', 'qwen3-30b-a3b', 'tiny']"]
+
+
+def test_overwrite_only_replaces_a_run_and_checks_data_first(tmp_path, capsys, code_corpus):
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "thesis.tex").write_text("important")
+    base = ["train", "--preset", "tiny", "--no-progress", "--data", str(code_corpus), f"data.cache_dir={tmp_path / 'c'}"]
+    msg = _error(capsys, [*base, "--out", str(precious), "--overwrite"])
+    assert "not a moetrain run directory" in msg and (precious / "thesis.tex").read_text() == "important"
+    run = _train(tmp_path, code_corpus, "train.steps=2", "train.eval_every=0")
+    before = sorted(p.name for p in run.rglob("*"))
+    msg = _error(capsys, ["train", "--preset", "tiny", "--out", str(run), "--overwrite", "--data",
+                          str(tmp_path / "typo.txt")])
+    assert "does not exist" in msg and sorted(p.name for p in run.rglob("*")) == before
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    assert "not a directory" in _error(capsys, [*base, "--out", str(a_file)])
+    assert "not a directory" in _error(capsys, [*base, "--out", str(a_file / "sub")])
+
+
+def test_more_bad_inputs_are_one_line(tmp_path, capsys, code_corpus):
+    base = ["train", "--preset", "tiny", "--no-progress", "--data", str(code_corpus), "--out", str(tmp_path / "r")]
+    assert "train.seed" in _error(capsys, [*base, "train.seed=-1"])
+    cfg = tmp_path / "c.json"
+    cfg.write_text("[1, 2]")
+    assert "JSON object" in _error(capsys, [*base, "--config", str(cfg)])
+
+
+def test_generate_defaults_fit_the_context_and_bad_sampling_values(tmp_path, capsys, code_corpus):
+    run = _train(tmp_path, code_corpus, "train.steps=2", "train.eval_every=0")
+    capsys.readouterr()
+    assert main(["generate", str(run), "--prompt", "def "]) == 0  # tiny's context is 128 < the default 200
+    assert capsys.readouterr().out.startswith("def ")
+    assert "--temperature" in _error(capsys, ["generate", str(run), "--prompt", "x", "--temperature", "nan"])
+    assert "--max-new-tokens" in _error(capsys, ["generate", str(run), "--prompt", "x", "--max-new-tokens", "-1"])
+    assert "--batches" in _error(capsys, ["eval", str(run), "--batches", "0"])
+
+
+def test_final_val_line_names_the_step_it_was_computed_at(tmp_path, code_corpus, capsys):
+    capsys.readouterr()
+    _train(tmp_path, code_corpus, "train.steps=7", "train.eval_every=5", "--stop-at-step", "6")
+    out = capsys.readouterr().out
+    assert "step 5: val_loss" in out and "step 6: val_loss" not in out

@@ -184,7 +184,10 @@ def load_file(path: str | Path) -> dict[str, Any]:
         if p.suffix == ".toml":
             return tomllib.loads(p.read_text())
         if p.suffix == ".json":
-            return json.loads(p.read_text())
+            data = json.loads(p.read_text())
+            if not isinstance(data, dict):
+                raise ConfigError(f"--config {p}: expected a JSON object of config fields, got {type(data).__name__}")
+            return data
     except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"--config {p}: cannot parse: {e}") from None
     raise ConfigError(f"--config {p}: expected a .toml or .json file")

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 from moetrain.commands.run_dir import load_run
+from moetrain.errors import MoetrainError
 
 
 def add_parser(sub) -> None:
@@ -23,6 +24,8 @@ def run(args) -> int:
     from moetrain.data.dataset import TokenWindows, eval_batches, prepare_data
     from moetrain.train.trainer import TOKENIZER_FILE, evaluate
 
+    if args.batches < 1:
+        raise MoetrainError(f"--batches must be >= 1, got {args.batches}")
     config, _, model = load_run(args.run_dir)
     data_cfg = config.data if args.data is None else dataclasses.replace(config.data, path=args.data)
     data = prepare_data(data_cfg, config.model.vocab_size, tokenizer_path=Path(args.run_dir) / TOKENIZER_FILE,

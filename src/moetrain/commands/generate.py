@@ -10,7 +10,8 @@ def add_parser(sub) -> None:
     g = sub.add_parser("generate", help="sample text from a trained run")
     g.add_argument("run_dir")
     g.add_argument("--prompt", required=True)
-    g.add_argument("--max-new-tokens", type=int, default=200)
+    g.add_argument("--max-new-tokens", type=int, default=None,
+                   help="tokens to add (default: 200, capped at the room left in the model's context)")
     g.add_argument("--temperature", type=float, default=0.8)
     g.add_argument("--top-p", type=float, default=0.95)
     g.add_argument("--seed", type=int, default=0)
@@ -28,8 +29,11 @@ def run(args) -> int:
     if not ids:
         raise MoetrainError("--prompt: empty prompt")
     gen = torch.Generator().manual_seed(args.seed)
+    max_new = args.max_new_tokens
+    if max_new is None:
+        max_new = max(0, min(200, config.model.max_seq_len - len(ids)))
     try:
-        out = generate(model, torch.tensor([ids]), args.max_new_tokens, args.temperature, args.top_p,
+        out = generate(model, torch.tensor([ids]), max_new, args.temperature, args.top_p,
                        eos_id=tokenizer.token_to_id(EOS_TOKEN), generator=gen)
     except ValueError as e:
         raise MoetrainError(str(e)) from None

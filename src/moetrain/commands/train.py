@@ -69,6 +69,10 @@ def run(args) -> int:
         else:
             config = init.config(args.preset, file_data, overrides)
         run_dir = Path(args.out) if args.out else Path("runs") / f"{config.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
+        if run_dir.exists() and not run_dir.is_dir():
+            raise MoetrainError(f"--out {run_dir}: exists and is not a directory")
+        if any(p.exists() and not p.is_dir() for p in run_dir.parents):
+            raise MoetrainError(f"--out {run_dir}: a parent path is a file, not a directory")
         # Under torchrun only rank 0 owns the run directory (the others never write it).
         if os.environ.get("RANK", "0") == "0" and run_dir.exists() and any(run_dir.iterdir()):
             if not args.overwrite:
@@ -76,6 +80,13 @@ def run(args) -> int:
                     f"run directory '{run_dir}' already exists; pass --resume to continue it, --overwrite to "
                     "replace it, or choose another --out"
                 )
+            if not (run_dir / "config.json").is_file():
+                raise MoetrainError(f"--overwrite: '{run_dir}' is not a moetrain run directory (no config.json); "
+                                    "refusing to delete it")
+            # Check the data before deleting anything, so a mistyped --data cannot cost the old run.
+            from moetrain.data.corpus import discover_files
+
+            discover_files(config.data.path)
             shutil.rmtree(run_dir)
     from moetrain.parallel.comm import CollectiveError
     from moetrain.parallel.launch import start

@@ -28,9 +28,11 @@ def generate(
         ValueError: the prompt plus new tokens exceed ``model.config.max_seq_len``, or temperature < 0, or top_p not
             in (0, 1].
     """
-    if temperature < 0:
+    if not temperature >= 0:  # also rejects NaN
         raise ValueError(f"--temperature must be >= 0, got {temperature}")
-    if not 0 < top_p <= 1:
+    if max_new_tokens < 0:
+        raise ValueError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
+    if not 0 < top_p <= 1:  # also rejects NaN
         raise ValueError(f"--top-p must be in (0, 1], got {top_p}")
     if input_ids.shape[1] + max_new_tokens > model.config.max_seq_len:
         raise ValueError(

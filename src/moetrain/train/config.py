@@ -67,6 +67,7 @@ class TrainConfig:
             value = getattr(self, name)
             require(value >= 0, name, f"must be >= 0, got {value}")
         require(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
+        require(0 <= self.seed < 2**32, "seed", f"must be in [0, 2**32), got {self.seed}")
         require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
         require(0 <= self.beta1 < 1, "beta1", f"must be in [0, 1), got {self.beta1}")
         require(0 <= self.beta2 < 1, "beta2", f"must be in [0, 1), got {self.beta2}")

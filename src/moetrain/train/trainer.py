@@ -257,7 +257,7 @@ class Trainer:
         end = t.steps if stop_at_step is None else min(t.steps, stop_at_step)
         tokens_per_step = t.batch_size * t.grad_accum * cfg.data.seq_len
         losses: list[float] = []
-        val_loss = None
+        val_loss, val_step = None, None
         bar = tqdm(total=t.steps, initial=step, disable=not self.progress, unit="step", dynamic_ncols=True)
         model.train()
         next_batch = self.hooks.local_batch(sampler.next_batch)  # this rank's rows of each global batch
@@ -294,7 +294,7 @@ class Trainer:
                                   "aux_loss": float(result.aux_loss), "z_loss": float(result.z_loss),
                                   "grad_norm": float(result.grad_norm)}
                         if (t.eval_every and step % t.eval_every == 0) or step == t.steps:
-                            val_loss = evaluate(model, val_set, self.device, t.dtype)
+                            val_loss, val_step = evaluate(model, val_set, self.device, t.dtype), step
                             record["val_loss"] = val_loss
                         bar.set_postfix(loss=f"{loss_value:.3f}", lr=f"{lr:.2e}", tok_s=f"{tps:.0f}")
                         record.update(monitor.flush(step, metrics.writer))
@@ -303,7 +303,7 @@ class Trainer:
                         # monitor.fatal alarms: checkpoint, then one-line error
                         self.hooks.raise_if_fatal(monitor, checkpoint)
                     elif (t.eval_every and step % t.eval_every == 0) or step == t.steps:
-                        val_loss = evaluate(model, val_set, self.device, t.dtype)
+                        val_loss, val_step = evaluate(model, val_set, self.device, t.dtype), step
                         metrics.log({"step": step, "val_loss": val_loss})
                     saved = (t.ckpt_every and step % t.ckpt_every == 0) or step == end
                     if saved:
@@ -329,5 +329,5 @@ class Trainer:
                 monitor.close()
                 metrics.close()
         if val_loss is not None:
-            self.log(f"step {step}: val_loss {val_loss:.4f} (before training: {initial_val:.4f})")
+            self.log(f"step {val_step}: val_loss {val_loss:.4f} (before training: {initial_val:.4f})")
         return TrainResult(self.run_dir, step, initial_val, val_loss, losses, preempted, skips_total)
