@@ -4,7 +4,8 @@ transformers' ``MixtralForCausalLM`` with the identical configuration, batch and
 Legend: B = batch (sequences), S = sequence length, L = layers, E = experts, K = top-k.
 
 One training step = forward with the loss, backward, ``AdamW.step()``, ``zero_grad(set_to_none=True)``; the same
-batch every step. The transformers model is built from the same config through the HF interop
+batch every step. moetrain's model is called as its trainer calls it (``return_logits=False``: LM head and loss
+fused, moetrain/model/fused_ce.py); transformers' with ``labels``. The transformers model is built from the same config through the HF interop
 (:func:`moetrain.interop.families.hf_config_dict`), gets moetrain's initial weights (renamed by
 :func:`moetrain.interop.hf.hf_state_dict`, copied) and computes its load-balancing aux loss
 (``output_router_logits=True``), as moetrain's model computes its aux and z losses. Before timing, the
@@ -134,8 +135,8 @@ def run(args) -> int:
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.dtype == "bf16")
 
     def loss_of(name, model):
-        if name.startswith("moetrain"):
-            out = model(ids, targets)
+        if name.startswith("moetrain"):  # as the trainer calls it (moetrain/train/step.py)
+            out = model(ids, targets, return_logits=False)
             return out.loss, out.lm_loss
         out = model(input_ids=ids, labels=ids)
         return out.loss, out.loss - model.config.router_aux_loss_coef * out.aux_loss

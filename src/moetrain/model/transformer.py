@@ -15,6 +15,7 @@ from torch import nn
 from moetrain.model.attention import KVCache
 from moetrain.model.block import Block
 from moetrain.model.config import ModelConfig
+from moetrain.model.fused_ce import linear_cross_entropy
 from moetrain.moe.balancing import CountReducer
 from moetrain.moe.config import MoEConfig
 from moetrain.moe.layer import MoEAux, MoELayer
@@ -29,7 +30,7 @@ class ModelOutput:
     dense model; ``moe_loss`` holds their weighted sum (coefficients from ``config.moe``).
 
     Attributes:
-        logits: [B, S, V] in the compute dtype.
+        logits: [B, S, V] in the compute dtype; ``None`` after ``forward(..., return_logits=False)``.
         loss: scalar fp32 ``lm_loss + moe_loss`` (``None`` without targets).
         lm_loss: scalar fp32 mean cross-entropy over targets != -100 (``None`` without targets).
         aux_loss: Switch loss per layer (balanced = 1.0), ``aux_loss_coeff``.
@@ -43,7 +44,7 @@ class ModelOutput:
         moe: one :class:`MoEAux` per MoE block, in block order.
     """
 
-    logits: torch.Tensor
+    logits: torch.Tensor | None
     loss: torch.Tensor | None = None
     lm_loss: torch.Tensor | None = None
     aux_loss: torch.Tensor | None = None
@@ -65,6 +66,7 @@ def assemble_moe_losses(
     config: MoEConfig,
     global_counts: torch.Tensor | None = None,
     count_reducer: CountReducer | None = None,
+    device: torch.device | None = None,
 ) -> None:
     """Fill ``out``'s MoE loss fields from its per-layer records ``out.moe``.
 
@@ -80,9 +82,10 @@ def assemble_moe_losses(
             micro-batches and data-parallel ranks (``MoETransformer.moe_counts``); ``None``: this micro-batch's.
         count_reducer: sums [L, E] counts over data-parallel ranks; used (in training with gradients) on this
             micro-batch's counts when ``global_counts`` is ``None`` and the global-batch loss is on.
+        device: where the losses live; ``None``: the logits' device.
     """
     records = out.moe
-    device = out.logits.device
+    device = out.logits.device if device is None else device
     zero = torch.zeros((), device=device)
     if not records:
         for name in MOE_LOSS_TERMS:
@@ -146,6 +149,7 @@ class MoETransformer(nn.Module):
         kv_cache: KVCache | None = None,
         global_counts: torch.Tensor | None = None,
         count_reducer: CountReducer | None = None,
+        return_logits: bool = True,
     ) -> ModelOutput:
         """Args:
             input_ids: [B, S] int64.
@@ -155,15 +159,23 @@ class MoETransformer(nn.Module):
             global_counts: [L, E] the optimizer step's expert counts for the global-batch aux loss (see
                 :func:`assemble_moe_losses` and :meth:`moe_counts`); ``None``: this batch's own.
             count_reducer: sums counts over data-parallel ranks (see :func:`assemble_moe_losses`).
+            return_logits: with ``False`` and ``targets``, the LM head and the cross-entropy run fused, chunk by
+                chunk, without materialising [B, S, V] logits (model/fused_ce.py: same loss and gradients, less
+                time and memory); ``out.logits`` is then ``None``.
         """
         x, records = self._trunk(input_ids, padding_mask, kv_cache)
-        logits = self.lm_head(self.norm(x))  # [B, S, V]
+        h = self.norm(x)  # [B, S, D]
+        fused_loss = targets is not None and not return_logits
+        logits = None if fused_loss else self.lm_head(h)  # [B, S, V]
         out = ModelOutput(logits=logits, moe=records)
-        assemble_moe_losses(out, self.config.moe, global_counts, count_reducer)
-        if targets is not None:
+        assemble_moe_losses(out, self.config.moe, global_counts, count_reducer, device=x.device)
+        if fused_loss:
+            out.lm_loss = linear_cross_entropy(h.reshape(-1, h.shape[-1]), self.lm_head.weight, targets.reshape(-1))
+        elif targets is not None:
             out.lm_loss = F.cross_entropy(
                 logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX
             )
+        if targets is not None:
             out.loss = out.lm_loss + out.moe_loss
         return out
 

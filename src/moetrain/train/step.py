@@ -126,7 +126,8 @@ def accumulate_gradients(
     for inputs, targets in batches:
         with autocast_context(device, dtype):
             out = model(inputs, targets, global_counts=global_counts,
-                        count_reducer=count_reducer if global_counts is None else None)
+                        count_reducer=count_reducer if global_counts is None else None,
+                        return_logits=False)  # fused LM head + loss: no [B, S, V] logits (model/fused_ce.py)
         (out.loss / g).backward()
         lm += out.lm_loss.detach() / g
         for name in MOE_TERMS:
