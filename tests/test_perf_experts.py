@@ -207,3 +207,52 @@ def test_layer_fused_backend_equals_loop(dtype, capacity_factor):
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     for a, b in zip(outs["fused"], outs["loop"]):
         assert (a - b).abs().max() <= tol * b.abs().max().clamp(min=1.0)
+
+
+def test_split_balanced_keeps_order_and_balances():
+    from moetrain.moe.cpu_workers import split_balanced
+
+    groups = split_balanced(list("abcde"), [5, 1, 4, 2, 3], 2)
+    assert sorted(x for g in groups for x in g) == list("abcde")
+    assert all(g == sorted(g) for g in groups)  # original order inside a group
+    sizes = dict(zip("abcde", [5, 1, 4, 2, 3]))
+    assert sorted(sum(sizes[x] for x in g) for g in groups) == [7, 8]
+    assert split_balanced(["a"], [3], 4) == [["a"]]
+
+
+def test_run_groups_restores_threads_and_reraises():
+    from moetrain.moe.cpu_workers import run_groups
+
+    threads = torch.get_num_threads()
+    seen = []
+
+    def fn(group):
+        if group == "bad":
+            raise RuntimeError("boom")
+        seen.append((group, torch.get_num_threads(), torch.is_grad_enabled()))
+
+    run_groups(fn, ["a", "b"])
+    assert sorted(g for g, _, _ in seen) == ["a", "b"] and not any(grad for _, _, grad in seen)
+    if threads > 1:
+        assert all(n == 1 for _, n, _ in seen)  # single-threaded workers
+    with pytest.raises(RuntimeError, match="boom"):
+        run_groups(fn, ["a", "bad"])
+    assert torch.get_num_threads() == threads
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_moe_same_result_with_one_or_several_workers(dtype):
+    ids, inputs = _moe_case("swiglu", dtype, t=40, d=16, f=8, k=2, e=6)
+    threads = torch.get_num_threads()
+    results = []
+    for n in (1, max(threads, 2)):
+        torch.set_num_threads(n)
+        try:
+            leaves = [t.clone().requires_grad_() for t in inputs]
+            y = fused_moe(leaves[0], ids, *leaves[1:], "swiglu", mode="tiles", block_rows=9)
+            y.float().square().sum().backward()
+            results.append([y.detach()] + [t.grad for t in leaves])
+        finally:
+            torch.set_num_threads(threads)
+    for a, b in zip(*results):
+        torch.testing.assert_close(a.float(), b.float(), atol=1e-6 if dtype == torch.float32 else 1e-2, rtol=1e-5)

@@ -27,7 +27,9 @@ error 2^-9, the same as the bf16 rounding the activation already had); the unfus
 output by the fp32 weight.
 
 Execution: ``tiles`` mode runs one ``torch.mm`` per expert and projection into slices of preallocated outputs
-(CPU; the counts are read on the host once, which is free there). ``grouped`` mode runs each projection as one
+(CPU; the counts are read on the host once, which is free there); with several intra-op threads the blocks are
+split between single-threaded workers, one per thread (moe/cpu_workers.py: expert-level instead of op-level
+parallelism, measured faster at E = 64). ``grouped`` mode runs each projection as one
 ``torch.nn.functional.grouped_mm`` with device offsets (no host sync; the mode used on CUDA in bf16); both modes
 run the same maths and are tested against the unfused layer on CPU (tests/test_perf_experts.py).
 """
@@ -37,6 +39,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from moetrain.moe.cpu_workers import run_groups, split_balanced, workers_for
 from moetrain.moe.fast_experts import (
     _act_forward,
     _act_grad,
@@ -122,23 +125,32 @@ def _blocks(counts: list[int], block_rows: int) -> list[tuple[int, int, list[tup
     return blocks
 
 
+def _groups_of_blocks(counts: list[int], block_rows: int, device: torch.device) -> list[list]:
+    """The blocks split into one group per CPU worker, balanced by rows (moe/cpu_workers.py)."""
+    blocks = _blocks(counts, block_rows)
+    return split_balanced(blocks, [rows for _, rows, _ in blocks], workers_for(device))
+
+
 def _forward_tiles(x, w_in, w_out, token_ids, w_rows, counts, activation, block_rows):
     n_rows, hidden = token_ids.numel(), x.shape[1]
     ffn = w_out.shape[2]
-    blocks = _blocks(counts, block_rows)
-    most = max([rows for _, rows, _ in blocks], default=1)
     h = x.new_empty(n_rows, w_in.shape[1])  # [N, I], saved
     y = x.new_empty(n_rows, hidden)  # [N, D] gated expert outputs, combined then freed
-    xs = x.new_empty(most, hidden)  # [n, D] scratch: this block's input rows
-    a = x.new_empty(most, ffn)  # [n, F] scratch: their activation
-    for s, n, experts in blocks:
-        torch.index_select(x, 0, token_ids[s : s + n], out=xs[:n])
-        for e, r, m in experts:
-            torch.mm(xs[r : r + m], w_in[e].T, out=h[s + r : s + r + m])
-        _act_forward(h[s : s + n], a[:n], activation)
-        a[:n].mul_(w_rows[s : s + n, None])
-        for e, r, m in experts:
-            torch.mm(a[r : r + m], w_out[e].T, out=y[s + r : s + r + m])
+
+    def run(blocks):  # one worker's blocks, with its own scratch buffers
+        most = max(rows for _, rows, _ in blocks)
+        xs = x.new_empty(most, hidden)  # [n, D] this block's input rows
+        a = x.new_empty(most, ffn)  # [n, F] their activation
+        for s, n, experts in blocks:
+            torch.index_select(x, 0, token_ids[s : s + n], out=xs[:n])
+            for e, r, m in experts:
+                torch.mm(xs[r : r + m], w_in[e].T, out=h[s + r : s + r + m])
+            _act_forward(h[s : s + n], a[:n], activation)
+            a[:n].mul_(w_rows[s : s + n, None])
+            for e, r, m in experts:
+                torch.mm(a[r : r + m], w_out[e].T, out=y[s + r : s + r + m])
+
+    run_groups(run, _groups_of_blocks(counts, block_rows, x.device))
     return y, h
 
 
@@ -146,8 +158,6 @@ def _backward_tiles(dout, x, w_in, w_out, h, token_ids, w_rows, counts, activati
     need_x, need_w, need_in, need_out = needs
     n_rows, hidden = token_ids.numel(), x.shape[1]
     ffn = w_out.shape[2]
-    blocks = _blocks(counts, block_rows)
-    most = max([rows for _, rows, _ in blocks], default=1)
     dx_rows = x.new_empty(n_rows, hidden) if need_x else None  # [N, D] input gradient per row
     acc = torch.promote_types(x.dtype, torch.float32)
     dw_rows = torch.empty(n_rows, dtype=acc, device=x.device) if need_w else None  # [N]
@@ -158,35 +168,40 @@ def _backward_tiles(dout, x, w_in, w_out, h, token_ids, w_rows, counts, activati
             for grad in (d_in, d_out):
                 if grad is not None:
                     grad[e].zero_()
-    g = x.new_empty(most, hidden)  # [n, D] dL/dy for this block's rows
-    xs = x.new_empty(most, hidden) if need_in else None  # [n, D] their input rows, gathered again
-    dz = x.new_empty(most, ffn)  # [n, F] dL/d(w a), then dL/da
-    a = x.new_empty(most, ffn) if need_w or need_out else None  # [n, F] recomputed activation
-    sg = x.new_empty(most, ffn) if activation == "swiglu" else None  # [n, F] silu(gate)
-    prod = x.new_empty(most, ffn) if need_w else None  # [n, F] dz * a, summed over F
-    dh = x.new_empty(most, w_in.shape[1])  # [n, I] dL/dh
-    for s, n, experts in blocks:
-        he, we = h[s : s + n], w_rows[s : s + n, None]
-        torch.index_select(dout, 0, token_ids[s : s + n], out=g[:n])
-        for e, r, m in experts:
-            torch.mm(g[r : r + m], w_out[e], out=dz[r : r + m])
-        _act_recompute(he, a[:n] if a is not None else None, sg[:n] if sg is not None else None, activation)
-        if need_w:
-            torch.mul(dz[:n], a[:n], out=prod[:n])
-            torch.sum(prod[:n], dim=1, dtype=acc, out=dw_rows[s : s + n])
-        if need_out:
-            a[:n].mul_(we)
+
+    def run(blocks):  # one worker's blocks, with its own scratch buffers
+        most = max(rows for _, rows, _ in blocks)
+        g = x.new_empty(most, hidden)  # [n, D] dL/dy for this block's rows
+        xs = x.new_empty(most, hidden) if need_in else None  # [n, D] their input rows, gathered again
+        dz = x.new_empty(most, ffn)  # [n, F] dL/d(w a), then dL/da
+        a = x.new_empty(most, ffn) if need_w or need_out else None  # [n, F] recomputed activation
+        sg = x.new_empty(most, ffn) if activation == "swiglu" else None  # [n, F] silu(gate)
+        prod = x.new_empty(most, ffn) if need_w else None  # [n, F] dz * a, summed over F
+        dh = x.new_empty(most, w_in.shape[1])  # [n, I] dL/dh
+        for s, n, experts in blocks:
+            he, we = h[s : s + n], w_rows[s : s + n, None]
+            torch.index_select(dout, 0, token_ids[s : s + n], out=g[:n])
             for e, r, m in experts:
-                torch.mm(g[r : r + m].T, a[r : r + m], out=d_out[e])
-        dz[:n].mul_(we)
-        _act_grad(dz[:n], he, dh[:n], sg[:n] if sg is not None else None, activation)
-        if need_x:
-            for e, r, m in experts:
-                torch.mm(dh[r : r + m], w_in[e], out=dx_rows[s + r : s + r + m])
-        if need_in:
-            torch.index_select(x, 0, token_ids[s : s + n], out=xs[:n])
-            for e, r, m in experts:
-                torch.mm(dh[r : r + m].T, xs[r : r + m], out=d_in[e])
+                torch.mm(g[r : r + m], w_out[e], out=dz[r : r + m])
+            _act_recompute(he, a[:n] if a is not None else None, sg[:n] if sg is not None else None, activation)
+            if need_w:
+                torch.mul(dz[:n], a[:n], out=prod[:n])
+                torch.sum(prod[:n], dim=1, dtype=acc, out=dw_rows[s : s + n])
+            if need_out:
+                a[:n].mul_(we)
+                for e, r, m in experts:
+                    torch.mm(g[r : r + m].T, a[r : r + m], out=d_out[e])
+            dz[:n].mul_(we)
+            _act_grad(dz[:n], he, dh[:n], sg[:n] if sg is not None else None, activation)
+            if need_x:
+                for e, r, m in experts:
+                    torch.mm(dh[r : r + m], w_in[e], out=dx_rows[s + r : s + r + m])
+            if need_in:
+                torch.index_select(x, 0, token_ids[s : s + n], out=xs[:n])
+                for e, r, m in experts:
+                    torch.mm(dh[r : r + m].T, xs[r : r + m], out=d_in[e])
+
+    run_groups(run, _groups_of_blocks(counts, block_rows, x.device))
     return dx_rows, dw_rows, d_in, d_out
 
 
