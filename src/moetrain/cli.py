@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from moetrain.errors import MoetrainError
@@ -25,9 +26,19 @@ class OneLineArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} --help)\n")
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("moetrain")
+    except PackageNotFoundError:  # running from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineArgumentParser(prog="moetrain", description="Train and run Mixture-of-Experts language models.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    parser.add_argument("--version", action="version", version=f"moetrain {_version()}")
     sub = parser.add_subparsers(dest="command")
     for name in COMMANDS:
         importlib.import_module(f"moetrain.commands.{name}").add_parser(sub)
@@ -48,7 +59,15 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides = [*args.overrides, *extra]
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # a closed pipe shows up here rather than as an "Exception ignored" at exit
+        return code
+    except BrokenPipeError:
+        # `moetrain stats RUN | head -1`: the reader left. Python's recipe: point stdout at devnull so the flush at
+        # exit cannot fail again, and exit quietly with the status of a process killed by SIGPIPE (128 + 13).
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
     except MoetrainError as e:
         if getattr(args, "debug", False):
             raise

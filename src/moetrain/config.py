@@ -11,6 +11,7 @@ from typing import Any
 
 from moetrain.configlib import from_dict, merge, require, to_dict
 from moetrain.data.config import DataConfig
+from moetrain.errors import ConfigError
 from moetrain.model.config import ModelConfig
 from moetrain.parallel.config import ParallelConfig
 from moetrain.train.config import TrainConfig
@@ -55,15 +56,40 @@ class Config:
         return from_dict(cls, data)
 
 
-def build_config(preset: str | None = None, file_data: dict | None = None, overrides: dict | None = None) -> Config:
-    """Preset (default ``cpu-small``), then file values, then overrides.
+def choose_preset(preset: str | None = None, file_data: dict | None = None, overrides: dict | None = None) -> str:
+    """The preset a run starts from: ``--preset``, else a ``preset`` key of the ``--config`` file, else a
+    ``preset=NAME`` override, else ``cpu-small``. A ``preset`` key applies that preset's values (then the file's
+    other fields on top), it is not only a label.
 
     Raises:
-        ConfigError: unknown preset, unknown keys, wrong types, invalid values (the message names the field path).
+        ConfigError: two of them name different presets, or a preset that is not a string.
+    """
+    given = [(src, value) for src, value in (("--preset", preset), ("--config file's preset", (file_data or {}).get(
+        "preset")), ("override preset", (overrides or {}).get("preset"))) if value is not None]
+    from moetrain.presets import PRESETS
+
+    for src, value in given:
+        if not isinstance(value, str):
+            raise ConfigError(f"preset: {src} must be a preset name (a string), got {value!r}")
+        if src != "--preset" and value not in PRESETS:  # preset_dict's message names --preset
+            raise ConfigError(f"preset: {src} {value!r} is not a preset; choose one of {sorted(PRESETS)}")
+    names = {value for _, value in given}
+    if len(names) > 1:
+        raise ConfigError("preset: " + " and ".join(f"{src} {value!r}" for src, value in given)
+                          + " disagree; give one preset")
+    return given[0][1] if given else "cpu-small"
+
+
+def build_config(preset: str | None = None, file_data: dict | None = None, overrides: dict | None = None) -> Config:
+    """Preset (see :func:`choose_preset`; default ``cpu-small``), then file values, then overrides.
+
+    Raises:
+        ConfigError: unknown or conflicting presets, unknown keys, wrong types, invalid values (the message names
+            the field path).
     """
     from moetrain.presets import preset_dict
 
-    data = preset_dict(preset or "cpu-small")
+    data = preset_dict(choose_preset(preset, file_data, overrides))
     if file_data:
         data = merge(data, file_data)
     if overrides:

@@ -154,7 +154,7 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
     """``["model.moe.top_k=1", "train.lr=3e-3"]`` -> nested dict.
 
     Raises:
-        ConfigError: an item without ``=``.
+        ConfigError: an item without ``=``, or with an empty field name (``=3``, ``model..top_k=1``).
     """
     out: dict[str, Any] = {}
     for item in items:
@@ -162,6 +162,9 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
             raise ConfigError(f"override '{item}': expected FIELD=VALUE, e.g. model.moe.top_k=1")
         key, _, raw = item.partition("=")
         parts = key.strip().split(".")
+        if not all(part.strip() for part in parts):
+            raise ConfigError(f"override '{item}': empty field name before '='; expected FIELD=VALUE, "
+                              "e.g. model.moe.top_k=1")
         node = out
         for part in parts[:-1]:
             node = node.setdefault(part, {})
@@ -178,6 +181,8 @@ def load_file(path: str | Path) -> dict[str, Any]:
         ConfigError: missing file, unknown suffix, or a syntax error (with the file name).
     """
     p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"--config {p}: is a directory; expected a .toml or .json file")
     if not p.is_file():
         raise ConfigError(f"--config {p}: no such file")
     try:

@@ -13,7 +13,8 @@ def add_parser(sub) -> None:
     p.add_argument("--devices", type=int, required=True, help="number of devices N")
     p.add_argument("--device", default="h100",
                    help="h100 | h200 | trn1 | cpu (calibrated now) | a .json/.toml hardware file (default h100)")
-    p.add_argument("--seq", type=int, default=4096, help="tokens per sequence (default 4096)")
+    p.add_argument("--seq", type=int, default=None,
+                   help="tokens per sequence (default: 4096, or the model's context length if shorter)")
     p.add_argument("--global-batch", type=int, default=1024, help="sequences per optimizer step (default 1024)")
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="compute dtype (default bf16)")
     p.add_argument("--all", action="store_true", help="show every candidate, not only the best per family")
@@ -31,11 +32,13 @@ def run(args) -> int:
     from moetrain.configlib import load_file, parse_overrides
 
     for name in ("devices", "seq", "global_batch"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
     file_data = load_file(args.config) if args.config else None
     config = build_config(args.preset, file_data, parse_overrides(args.overrides))
     model = config.model
+    if args.seq is None:
+        args.seq = min(4096, model.max_seq_len)
     if args.seq > model.max_seq_len:
         raise ConfigError(f"--seq: {args.seq} exceeds model.max_seq_len={model.max_seq_len}")
     hw = get_hardware(args.device)

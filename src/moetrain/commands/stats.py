@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from moetrain.errors import MoetrainError
+
 
 def add_parser(sub) -> None:
     s = sub.add_parser("stats", help="latest per-layer routing statistics of a run (finished or in progress)")
@@ -14,6 +16,8 @@ def run(args) -> int:
     from moetrain.report.runlog import load_run_log
     from moetrain.report.table import HEADER, format_table, layer_rows, run_summary
 
+    if args.alarms < 0:
+        raise MoetrainError(f"--alarms: must be >= 0 (0 lists none), got {args.alarms}")
     log = load_run_log(args.run_dir)
     print(f"run: {log.run_dir}")
     for label, value in run_summary(log):

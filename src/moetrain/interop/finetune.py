@@ -43,10 +43,10 @@ class InitFrom:
         Raises:
             ConfigError: an override that changes the imported architecture (the field is named).
         """
-        from moetrain.config import Config
+        from moetrain.config import Config, choose_preset
         from moetrain.presets import preset_dict
 
-        data = merge(preset_dict(preset or "cpu-small"), file_data or {})
+        data = merge(preset_dict(choose_preset(preset, file_data, overrides)), file_data or {})
         data["model"] = to_dict(self.model)
         config = Config.from_dict(merge(data, overrides))
         _check_same_architecture(self.model, config.model)
