@@ -127,3 +127,97 @@ def test_version_comes_from_the_package_metadata(capsys):
         main(["--version"])
     assert e.value.code == 0
     assert capsys.readouterr().out.strip() == f"moetrain {version('moetrain')}"
+
+
+# -- 6, 7: export: validated before writing, written whole or not at all, --overwrite replaces only an export -----
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_export_bad_shard_size_writes_nothing(env, tmp_path, capsys):
+    pytest.importorskip("transformers")
+    out = tmp_path / "hf"
+    for size in ("banana", "5XB", "0", "-1GB", ""):
+        one_line_error(capsys, ["export", env["run"], out, f"--max-shard-size={size}"], "--max-shard-size",
+                       repr(size))
+    one_line_error(capsys, ["upcycle", tmp_path / "dense", tmp_path / "moe", "--experts", "4", "--top-k", "2",
+                            "--max-shard-size", "banana"], "--max-shard-size 'banana'")
+    assert list(tmp_path.iterdir()) == []  # no OUT_DIR, no temporary directory
+
+
+def test_export_overwrite_replaces_only_a_previous_export(env, tmp_path, capsys):
+    pytest.importorskip("transformers")
+    first = tmp_path / "first"
+    # A small shard size gives several shards; the second export (one file) must not leave stale shards behind.
+    assert main(["export", str(env["run"]), str(first), "--max-shard-size", "100KB"]) == 0
+    assert len(list(first.glob("model-*-of-*.safetensors"))) > 1
+    fresh = tmp_path / "fresh"
+    assert main(["export", str(env["run"]), str(fresh)]) == 0
+    (first / "config.json").write_text("{}")  # mark the old export
+    one_line_error(capsys, ["export", env["run"], first], "exists and is not empty", "--overwrite")
+    assert main(["export", str(env["run"]), str(first), "--overwrite"]) == 0
+    assert _tree(first) == _tree(fresh)  # replaced as a whole: no stale shard, no stale config
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["first", "fresh"]  # no temporary directories left
+
+    # A directory that is not an export, or an export with the user's own files in it, is never deleted.
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "precious.txt").write_text("keep me")
+    one_line_error(capsys, ["export", env["run"], other, "--overwrite"], "does not look like a previous export",
+                   "refusing to delete")
+    (first / "NOTES.md").write_text("mine")
+    before = _tree(first)
+    one_line_error(capsys, ["export", env["run"], first, "--overwrite"], "NOTES.md", "refusing to delete")
+    assert (other / "precious.txt").read_text() == "keep me" and _tree(first) == before
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    one_line_error(capsys, ["export", env["run"], afile, "--overwrite"], "exists and is not a directory")
+    assert afile.read_text() == "x"
+
+
+# -- 6: report --out -----------------------------------------------------------------------------------------------
+
+def test_report_out_is_not_overwritten_without_overwrite(env, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "rep"
+    out.mkdir()
+    (out / "report.html").write_text("an earlier report")
+    (out / "mine.txt").write_text("keep me")
+    one_line_error(capsys, ["report", env["run"], "--out", out], f"--out {out}: exists and is not empty", "--overwrite")
+    assert (out / "report.html").read_text() == "an earlier report"
+    assert main(["report", str(env["run"]), "--out", str(out), "--overwrite"]) == 0
+    assert (out / "report.html").read_text() != "an earlier report" and (out / "mine.txt").read_text() == "keep me"
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    one_line_error(capsys, ["report", env["run"], "--out", afile], "exists and is not a directory")
+
+
+# -- 6, 8: bench arguments are checked before the benchmark starts -------------------------------------------------
+
+@pytest.mark.parametrize("argv, words", [
+    (["bta", "--threads", "-1"], ["--threads", "-1"]),
+    (["moe", "--threads", "-2"], ["--threads", "-2"]),
+    (["train", "--batch", "0"], ["--batch: must be >= 1, got 0"]),
+    (["train", "--seq", "1"], ["--seq: must be >= 2", "got 1"]),
+    (["train", "--preset", "tiny", "--seq", "{too_long}"], ["--seq: {too_long} exceeds", "preset tiny"]),
+    (["moe", "--json", "{tmp}"], ["--json {tmp}: is a directory"]),
+    (["bta", "--json", "{tmp}/earlier.json"], ["--json {tmp}/earlier.json: exists", "--overwrite"]),
+    (["train", "--json", "{tmp}/earlier.json/x.json"], ["a parent path is a file"]),
+], ids=["bta-threads", "moe-threads", "train-batch", "train-seq", "train-seq-context", "json-dir", "json-exists",
+        "json-parent"])
+def test_bench_argument_errors(tmp_path, capsys, argv, words):
+    (tmp_path / "earlier.json").write_text("{}")
+    fill = {"tmp": tmp_path, "too_long": build_config("tiny").model.max_seq_len + 1}
+    one_line_error(capsys, ["bench", *[a.format(**fill) for a in argv]], *[w.format(**fill) for w in words])
+    assert (tmp_path / "earlier.json").read_text() == "{}"
+
+
+def test_bench_overwrite_replaces_the_json(tmp_path, capsys):
+    out = tmp_path / "bta.json"
+    out.write_text("{}")
+    tiny = ["bench", "bta", "--experts", "4", "--top-k", "2", "--hidden", "16", "--expert-ffn", "8", "--heads", "2",
+            "--layers", "1", "--vocab", "32", "--seq", "8", "--batch", "4", "--tiles", "2", "--steps", "1",
+            "--warmup", "0", "--json", str(out)]
+    assert main([*tiny, "--overwrite"]) == 0
+    assert "modes" in out.read_text()

@@ -23,7 +23,6 @@ temporaries; the weights and AdamW states, allocated before and equal for both m
 from __future__ import annotations
 
 import json
-import statistics
 from pathlib import Path
 
 from moetrain.errors import ConfigError

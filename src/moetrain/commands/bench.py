@@ -1,13 +1,19 @@
 """``moetrain bench NAME ...``: benchmarks that print a table and write JSON.
 
 Each benchmark lives in ``moetrain.bench.<name>`` and defines ``add_parser(sub)`` (which calls
-``set_defaults(func=run)``); add one by adding its name to :data:`BENCHES`.
+``set_defaults(func=run)``); add one by adding its name to :data:`BENCHES`. The arguments every benchmark shares
+(``--threads``, ``--json``, ``--overwrite``, and ``bench train``'s ``--batch`` / ``--seq``) are checked here before
+the benchmark starts, so a bad value is a one-line error rather than a traceback minutes later.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
+from pathlib import Path
+
+from moetrain.errors import ConfigError, MoetrainError
 
 BENCHES = ["bta", "moe", "train"]
 
@@ -19,3 +25,43 @@ def add_parser(sub) -> None:
         importlib.import_module(f"moetrain.bench.{name}").add_parser(inner)
     for command in inner.choices.values():  # `moetrain bench NAME ... --debug`, as for the other commands
         command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        command.add_argument("--overwrite", action="store_true", help="replace an existing --json file")
+        # None marks "--json not given": the default file is replaced (with a note), a named one only with
+        # --overwrite.
+        default_json = command.get_default("json")
+        command.set_defaults(json=None, func=functools.partial(_checked, command.get_default("func"), default_json))
+
+
+def _checked(func, default_json: str | None, args) -> int:
+    threads = getattr(args, "threads", None)
+    if threads is not None and threads < 0:
+        raise ConfigError(f"--threads: must be >= 1 (or 0 for PyTorch's default), got {threads}")
+    if args.bench == "train":
+        _check_train(args)
+    if args.json is None:
+        args.json = default_json
+        if args.json is not None and Path(args.json).is_file():
+            print(f"note: replacing the earlier {args.json} (the default output; give --json PATH to keep it)")
+    elif Path(args.json).exists() and not Path(args.json).is_dir() and not args.overwrite:
+        raise MoetrainError(f"--json {args.json}: exists; pass --overwrite to replace it or choose another file")
+    if args.json is not None:
+        path = Path(args.json)
+        if path.is_dir():
+            raise MoetrainError(f"--json {path}: is a directory; give a file name such as {path / 'bench.json'}")
+        if any(p.exists() and not p.is_dir() for p in path.parents):
+            raise MoetrainError(f"--json {path}: a parent path is a file, not a directory")
+    return func(args)
+
+
+def _check_train(args) -> None:
+    from moetrain.config import build_config
+
+    if args.batch is not None and args.batch < 1:
+        raise ConfigError(f"--batch: must be >= 1, got {args.batch}")
+    if args.seq is not None:
+        if args.seq < 2:
+            raise ConfigError(f"--seq: must be >= 2 (inputs and shifted targets), got {args.seq}")
+        context = build_config(args.preset).model.max_seq_len  # ConfigError for an unknown preset
+        if args.seq > context:
+            raise ConfigError(f"--seq: {args.seq} exceeds the context of preset {args.preset} "
+                              f"(model.max_seq_len={context})")

@@ -1,11 +1,42 @@
-"""``moetrain export RUN_DIR --format hf OUT_DIR``: write a trained run as a Hugging Face checkpoint directory."""
+"""``moetrain export RUN_DIR --format hf OUT_DIR``: write a trained run as a Hugging Face checkpoint directory.
+
+The checkpoint is written into a temporary sibling directory and renamed to ``OUT_DIR`` at the end, so a failure
+leaves no half-written ``OUT_DIR``; ``--overwrite`` replaces only a directory that holds a previous export and
+nothing else.
+"""
 
 from __future__ import annotations
 
+import os
+import re
 import shutil
+import uuid
 from pathlib import Path
 
-from moetrain.errors import MoetrainError
+from moetrain.errors import ConfigError, MoetrainError
+
+# What an export writes (transformers' save_pretrained, the generation config and the tokenizer files).
+_EXPORT_FILES = {"config.json", "generation_config.json", "model.safetensors.index.json", "tokenizer.json",
+                 "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"}
+_SHARD = re.compile(r"model(-\d+-of-\d+)?\.safetensors")
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_shard_size(text: str, flag: str = "--max-shard-size") -> int:
+    """``"5GB"`` / ``"500MB"`` / ``"1.5GiB"`` / ``"1000000"`` (bytes) -> bytes (decimal KB/MB/GB/TB, binary KiB/MiB/GiB).
+
+    Raises:
+        ConfigError: anything else, or a size below one byte (the message names ``flag`` and the value).
+    """
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*", str(text))
+    unit = m.group(2).upper() if m else None
+    if m is None or unit not in _UNITS:
+        raise ConfigError(f"{flag} {text!r}: expected a size such as 5GB, 500MB, 2GiB or a number of bytes")
+    size = int(float(m.group(1)) * _UNITS[unit])
+    if size < 1:
+        raise ConfigError(f"{flag} {text!r}: must be at least 1 byte")
+    return size
 
 
 def add_parser(sub) -> None:
@@ -15,8 +46,25 @@ def add_parser(sub) -> None:
                    "Qwen3-MoE / OLMoE / dots.llm1, chosen from the model's configuration (default)")
     p.add_argument("out_dir", help="output directory (created; must be empty unless --overwrite)")
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard, e.g. 5GB or 500MB")
-    p.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace OUT_DIR if it holds a previous export (and nothing else)")
     p.set_defaults(func=run)
+
+
+def _check_previous_export(out: Path, entries: list[Path]) -> None:
+    """Refuse to replace ``out`` unless it looks like an export: config.json and safetensors weights, and no file
+    an export does not write (so --overwrite cannot delete anything else)."""
+    names = {e.name for e in entries}
+    has_weights = any(_SHARD.fullmatch(n) for n in names) or "model.safetensors.index.json" in names
+    if "config.json" not in names or not has_weights:
+        raise MoetrainError(f"--overwrite: {out} does not look like a previous export (no config.json and "
+                            "safetensors weights); refusing to delete it")
+    other = sorted(e.name + ("/" if e.is_dir() else "") for e in entries
+                   if not e.is_file() or not (e.name in _EXPORT_FILES or _SHARD.fullmatch(e.name)))
+    if other:
+        shown = ", ".join(other[:3]) + (f" and {len(other) - 3} more" if len(other) > 3 else "")
+        raise MoetrainError(f"--overwrite: {out} holds files an export does not write ({shown}); refusing to "
+                            "delete them: move them away or choose another OUT_DIR")
 
 
 def run(args) -> int:
@@ -25,13 +73,36 @@ def run(args) -> int:
     from moetrain.interop.hf import to_hf
 
     out = Path(args.out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.overwrite:
-        raise MoetrainError(f"{out}: exists and is not empty; pass --overwrite to replace it")
+    shard_bytes = parse_shard_size(args.max_shard_size)
+    if out.exists() and not out.is_dir():
+        raise MoetrainError(f"{out}: exists and is not a directory; choose another OUT_DIR")
+    if any(p.exists() and not p.is_dir() for p in out.parents):
+        raise MoetrainError(f"{out}: a parent path is a file, not a directory")
+    entries = list(out.iterdir()) if out.is_dir() else []
+    if entries:
+        if not args.overwrite:
+            raise MoetrainError(f"{out}: exists and is not empty; pass --overwrite to replace it")
+        _check_previous_export(out, entries)
     config, tokenizer, model = load_run(args.run_dir)
     family = family_for(config.model)  # refuse before touching OUT_DIR
-    if out.exists() and args.overwrite:
-        shutil.rmtree(out) if out.is_dir() else out.unlink()
-    to_hf(model, out, tokenizer=tokenizer, max_shard_size=args.max_shard_size)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        to_hf(model, tmp, tokenizer=tokenizer, max_shard_size=shard_bytes)
+        if entries:  # the previous export goes only once the new one is complete
+            old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+            os.rename(out, old)
+            os.rename(tmp, out)
+            shutil.rmtree(old)
+        else:
+            if out.is_dir():
+                out.rmdir()  # empty
+            os.rename(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
     print(f"exported {args.run_dir} as {family.architecture} to {out}; load it with "
           f"transformers.AutoModelForCausalLM.from_pretrained('{out}')")
     return 0

@@ -2,17 +2,31 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from moetrain.errors import MoetrainError
+
 
 def add_parser(sub) -> None:
     r = sub.add_parser("report", help="PNG figures and a self-contained HTML page of a run (finished or in progress)")
     r.add_argument("run_dir")
-    r.add_argument("--out", help="output directory (default: RUN_DIR/report)")
+    r.add_argument("--out", help="output directory (default: RUN_DIR/report, rewritten on every call); must be "
+                   "new or empty unless --overwrite")
+    r.add_argument("--overwrite", action="store_true",
+                   help="write into a non-empty --out (replaces files named like the report's; deletes nothing)")
     r.set_defaults(func=run)
 
 
 def run(args) -> int:
     from moetrain.report import build_report
 
+    if args.out is not None:  # the default RUN_DIR/report is the report's own: regenerated from the kept logs
+        out = Path(args.out)
+        if out.exists() and not out.is_dir():
+            raise MoetrainError(f"--out {out}: exists and is not a directory")
+        if out.is_dir() and any(out.iterdir()) and not args.overwrite:
+            raise MoetrainError(f"--out {out}: exists and is not empty; pass --overwrite to write the report into it "
+                                "(files named like the report's are replaced) or choose another --out")
     report = build_report(args.run_dir, args.out)
     for path in report.figures:
         print(f"figure: {path}")
