@@ -148,12 +148,14 @@ def test_trainer_callback_logs_router_choices(tmp_path):
             assert len(forwards) == 1
             logits, ids = forwards[0]
             expected = torch.bincount(ids.reshape(-1), minlength=4).tolist()
-            got = [logs[f"moe/layer_{layer}/expert_{e}_tokens"] for e in range(4)]
+            got = [logs[f"moe/layer{layer}/expert_{e}_tokens"] for e in range(4)]
             assert got == expected, (layer, got, expected)
+            # the trainer's stat name and definition (moe/layerL/overload = max / mean load)
+            assert logs[f"moe/layer{layer}/overload"] == pytest.approx(max(expected) / (sum(expected) / 4))
             # Switch loss by hand: E * sum_e (share of assignments to e) * (mean router probability of e).
             probs = torch.softmax(logits.float(), dim=-1)
             share = torch.tensor(expected, dtype=torch.float32) / ids.numel()
             aux = 4 * float((share * probs.mean(dim=0)).sum())
-            assert abs(logs[f"moe/layer_{layer}/aux_loss"] - aux) < 1e-5
+            assert abs(logs[f"moe/layer{layer}/aux_loss"] - aux) < 1e-5
     history = [h for h in trainer.state.log_history if "loss" in h]
     assert all("moe/aux_loss" in h for h in history)

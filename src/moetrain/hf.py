@@ -95,8 +95,8 @@ class RoutingStats:
         return self._sums[layer].tokens_per_expert.clone() if layer in self._sums else torch.zeros(0)
 
     def summary(self, per_expert: bool = True, prefix: str = "moe") -> dict[str, float]:
-        """Plain floats for loggers: per layer ``{prefix}/layer_{i}/aux_loss`` and ``z_loss`` (means over the
-        recorded forwards; Switch convention, balanced = 1.0), ``imbalance`` (max / mean tokens per expert) and,
+        """Plain floats for loggers: per layer ``{prefix}/layer{i}/aux_loss`` and ``z_loss`` (means over the
+        recorded forwards; Switch convention, balanced = 1.0), ``overload`` (max / mean tokens per expert) and,
         with ``per_expert``, ``expert_{e}_tokens`` (assignment counts); plus ``{prefix}/aux_loss`` and
         ``{prefix}/z_loss`` averaged over layers."""
         out: dict[str, float] = {}
@@ -109,10 +109,10 @@ class RoutingStats:
             aux, z = float(s.aux_loss) / s.forwards, float(s.z_loss) / s.forwards
             auxes.append(aux)
             zs.append(z)
-            p = f"{prefix}/layer_{layer}"
+            p = f"{prefix}/layer{layer}"  # the trainer's names (moe/layerL/<stat>, README)
             out[f"{p}/aux_loss"], out[f"{p}/z_loss"] = aux, z
             mean = sum(counts) / len(counts)
-            out[f"{p}/imbalance"] = max(counts) / mean if mean > 0 else 0.0
+            out[f"{p}/overload"] = max(counts) / mean if mean > 0 else 0.0
             if per_expert:
                 for e, c in enumerate(counts):
                     out[f"{p}/expert_{e}_tokens"] = c
