@@ -19,6 +19,7 @@ from conftest import sample_text
 from moetrain.cli import main
 from moetrain.config import build_config
 from moetrain.configlib import load_file
+from moetrain.errors import MoetrainError
 
 TINY = ["--no-progress", "train.eval_batches=1", "monitor.tb_heatmap=false"]
 
@@ -221,3 +222,223 @@ def test_bench_overwrite_replaces_the_json(tmp_path, capsys):
             "--warmup", "0", "--json", str(out)]
     assert main([*tiny, "--overwrite"]) == 0
     assert "modes" in out.read_text()
+
+
+# -- 1: one trainer per run directory ------------------------------------------------------------------------------
+
+def _train(env, run: Path, *extra: str) -> list[str]:
+    return ["train", "--preset", "tiny", "--data", str(env["corpus"]), "--out", str(run), f"data.cache_dir={env['cache']}",
+            *TINY, *extra]
+
+
+def test_a_second_trainer_on_a_busy_run_directory_exits_2(env, tmp_path, capsys):
+    from _crash_util import start_cli, tree_digest, wait_for
+
+    from moetrain.train.run_lock import RunLock
+
+    run = tmp_path / "busy"
+    # Long enough to still be running when the others try (killed below); no checkpoint until the end.
+    proc = start_cli(_train(env, run, "--steps", "100000", "train.ckpt_every=0", "train.eval_every=0"),
+                     tmp_path / "first.log")
+    try:
+        assert wait_for(lambda: (run / "metrics.jsonl").exists(), 120, proc), (tmp_path / "first.log").read_text()
+        for extra in (["--resume"], ["--overwrite"], []):
+            argv = _train(env, run, *extra)
+            line = one_line_error(capsys, argv, f"run directory '{run}' is in use by another moetrain train",
+                                  f"lock {run / 'train.lock'}")
+            assert "--out" in line
+        assert proc.is_alive()  # the first trainer was not disturbed, and nothing deleted its directory
+        assert (run / "config.json").is_file() and (run / "train.lock").is_file()
+    finally:
+        proc.kill()
+        proc.join()
+    before = tree_digest(run)
+    with RunLock(run):  # the kernel released the killed holder's lock: a stale lock file blocks nothing
+        pass
+    assert tree_digest(run) == before
+
+
+def test_a_killed_lock_holder_does_not_block(tmp_path):
+    """A separate process takes the lock and is SIGKILLed: the lock file stays, the lock does not."""
+    from moetrain.train.run_lock import RunLock
+
+    run = tmp_path / "run"
+    code = ("import time\nfrom moetrain.train.run_lock import RunLock\n"
+            f"with RunLock({str(run)!r}):\n    print('locked', flush=True)\n    time.sleep(600)\n")
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(MoetrainError, match="is in use by another moetrain train"), RunLock(run):
+            pass
+    finally:
+        holder.kill()  # SIGKILL: no cleanup ran in the holder
+        holder.wait()
+    assert (run / "train.lock").exists()
+    with RunLock(run):
+        pass
+
+
+def test_a_lock_on_a_new_directory_is_removed_when_the_run_fails(env, tmp_path, capsys):
+    run = tmp_path / "new" / "run"
+    one_line_error(capsys, ["train", "--preset", "tiny", "--data", tmp_path / "nowhere", "--out", run, *TINY],
+                   "does not exist")
+    assert list(tmp_path.iterdir()) == []  # neither the run directory nor its new parent remain
+
+
+# -- 2: what --resume may change -----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def stopped(env):
+    """A tiny run of 8 steps stopped after step 4 (warm-up 5 steps, so the schedule is still rising)."""
+    run = env["root"] / "stopped"
+    assert main(_train(env, run, "--steps", "8", "--stop-at-step", "4", "train.log_every=1")) == 0
+    return run
+
+
+def _lr_by_step(run: Path) -> dict[int, float]:
+    from _crash_util import metrics
+
+    return {r["step"]: r["lr"] for r in metrics(run) if "lr" in r}
+
+
+def _hand_lr(step: int, lr: float, warmup: int, total: int, lo: float) -> float:
+    """The documented schedule by hand for 1-based step ``step``: linear warm-up, then cosine to lo * lr."""
+    import math
+
+    i = step - 1
+    if i < warmup:
+        return lr * (i + 1) / warmup
+    return lr * (lo + (1 - lo) * 0.5 * (1 + math.cos(math.pi * min(1.0, (i - warmup) / (total - warmup)))))
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["model.hidden=128"], ["model.hidden: cannot change when resuming", "64", "128"]),
+    (["data.seq_len=32"], ["data.seq_len: cannot change when resuming", "64", "32"]),
+    (["train.batch_size=4"], ["train.batch_size: cannot change when resuming", "8", "4"]),
+    (["train.seed=1"], ["train.seed: cannot change", "0", "1"]),
+    (["--steps", "3"], ["train.steps: 3 is below the step of the checkpoint to resume (4"]),
+    (["--preset", "cpu-small"], ["--preset cpu-small cannot be combined with --resume", "'tiny'"]),
+    (["--config", "{root}/other_preset.toml"], ["preset: cannot change when resuming", "'tiny'", "'cpu-small'"]),
+], ids=["model", "data", "batch", "seed", "steps-below", "preset-flag", "preset-in-file"])
+def test_resume_refuses_fixed_fields_and_touches_nothing(env, stopped, capsys, argv, words):
+    from _crash_util import tree_digest
+
+    (env["root"] / "other_preset.toml").write_text('preset = "cpu-small"\n')
+    before = tree_digest(stopped)
+    one_line_error(capsys, ["train", "--out", stopped, "--resume", "--no-progress",
+                            *[a.format(root=env["root"]) for a in argv]], *words)
+    assert tree_digest(stopped) == before
+
+
+def test_resume_with_allowed_changes_prints_them_and_the_new_schedule_applies(env, stopped, tmp_path, capsys):
+    import json
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(stopped, run)
+    saved = json.loads((run / "config.json").read_text())
+    capsys.readouterr()
+    assert main(["train", "--out", str(run), "--resume", "--no-progress", "--steps", "12", "train.lr=0.001",
+                 "train.eval_every=3", "--stop-at-step", "10"]) == 0
+    out = capsys.readouterr().out
+    changed = [line for line in out.splitlines() if line.startswith("resuming with a changed config")]
+    assert changed == [("resuming with a changed config: train.eval_every 15 -> 3, train.lr 0.003 -> 0.001, "
+                        "train.steps 8 -> 12 (config.json is rewritten with them)")]
+    now = json.loads((run / "config.json").read_text())
+    assert now["train"]["steps"] == 12 and now["train"]["lr"] == 0.001 and now["train"]["eval_every"] == 3
+    now["train"].update(steps=8, lr=0.003, eval_every=15)
+    assert now == saved  # nothing else changed
+    t = saved["train"]
+    lrs = _lr_by_step(run)
+    for step in range(1, 5):  # before the resume: the old schedule
+        assert lrs[step] == pytest.approx(_hand_lr(step, 0.003, t["warmup_steps"], 8, t["min_lr_ratio"]), rel=1e-12)
+    for step in range(5, 11):  # after: the new lr and the cosine stretched over 12 steps, from the first step on
+        assert lrs[step] == pytest.approx(_hand_lr(step, 0.001, t["warmup_steps"], 12, t["min_lr_ratio"]), rel=1e-12)
+    assert "stopped after step 10 of 12 (--stop-at-step)" in out
+
+
+def test_resume_without_changes_rewrites_nothing_and_prints_no_change(env, stopped, tmp_path, capsys):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(stopped, run)
+    config_bytes = (run / "config.json").read_bytes()
+    capsys.readouterr()
+    assert main(["train", "--out", str(run), "--resume", "--no-progress", "--preset", "tiny", "--stop-at-step",
+                 "5"]) == 0
+    assert "changed config" not in capsys.readouterr().out
+    assert (run / "config.json").read_bytes() == config_bytes
+
+
+# -- 3: --resume of a run that stopped before writing config.json --------------------------------------------------
+
+def test_resume_of_a_run_killed_before_its_config_starts_it_fresh(env, tmp_path, capsys):
+    from _crash_util import losses_by_step
+
+    run = tmp_path / "early"
+    run.mkdir()
+    # What a run killed between taking its lock and writing config.json leaves (the tokenizer is written first).
+    (run / "train.lock").write_bytes(b"")
+    (run / "tokenizer.json").write_bytes((env["run"] / "tokenizer.json").read_bytes())
+    (run / ".config.json.tmp-12345").write_bytes(b"{")
+    capsys.readouterr()
+    assert main(_train(env, run, "--resume", "--steps", "2")) == 0
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:")]
+    assert len(notes) == 1 and "has no config.json" in notes[0] and "from step 0" in notes[0]
+    assert not (run / ".config.json.tmp-12345").exists()
+    straight = tmp_path / "straight"
+    assert main(_train(env, straight, "--steps", "2")) == 0
+    assert losses_by_step(run) == losses_by_step(straight)  # the same as a run started there from scratch
+    # A directory holding anything else is not taken for a run: the error stays.
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    one_line_error(capsys, _train(env, other, "--resume"), f"--resume: {other / 'config.json'} not found")
+    assert sorted(p.name for p in other.iterdir()) == ["notes.txt"]
+
+
+# -- 4, 11, 12, 13: shape-only presets, --stop-at-step, closing hints, train.threads --------------------------------
+
+def test_shape_only_presets_are_not_trained(env, tmp_path, capsys):
+    from moetrain.presets import PRESETS, SHAPE_ONLY
+
+    trainable = ", ".join(sorted(set(PRESETS) - set(SHAPE_ONLY)))
+    for name in SHAPE_ONLY:
+        one_line_error(capsys, ["train", "--preset", name, "--out", tmp_path / "x"], f"preset {name}: a shape-only",
+                       f"trainable presets: {trainable}")
+    cfg = tmp_path / "big.toml"
+    cfg.write_text('preset = "mixtral-8x7b"\n')
+    one_line_error(capsys, ["train", "--config", cfg, "--out", tmp_path / "x"], "preset mixtral-8x7b: a shape-only")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.toml"]
+
+
+@pytest.mark.parametrize("value", ["0", "-3"])
+def test_stop_at_step_must_be_positive(env, tmp_path, capsys, value):
+    one_line_error(capsys, _train(env, tmp_path / "r", f"--stop-at-step={value}"), "--stop-at-step: must be >= 1",
+                   value)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_closing_hints(env, tmp_path, capsys):
+    from moetrain.train.trainer import resume_hint
+
+    assert resume_hint(tmp_path, distributed=True).startswith("the same torchrun command with --resume (torchrun")
+    assert resume_hint(tmp_path) == f"moetrain train --out {tmp_path} --resume"
+    capsys.readouterr()
+    assert main(_train(env, tmp_path / "r", "--steps", "1")) == 0
+    done = capsys.readouterr().out.strip().splitlines()[-1]
+    assert done.startswith("done: 1 steps") and "'def '" not in done  # the corpus is English, not Python
+
+
+def test_train_threads_sets_the_intra_op_threads(env, tmp_path, capsys):
+    from moetrain.train.config import TrainConfig
+
+    with pytest.raises(Exception, match="threads: must be >= 0, got -1"):
+        TrainConfig(threads=-1)
+    one_line_error(capsys, _train(env, tmp_path / "bad", "train.threads=-1"), "train.threads: must be >= 0, got -1")
+    torch.set_num_threads(2)
+    try:
+        assert main(_train(env, tmp_path / "r", "--steps", "1", "train.threads=1")) == 0
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(1)

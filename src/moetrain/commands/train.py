@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -11,16 +13,19 @@ from pathlib import Path
 
 from moetrain.configlib import load_file, merge, parse_overrides
 from moetrain.errors import MoetrainError
+from moetrain.train.run_lock import LOCK_FILE, RunLock
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("train", help="train a model (default: the cpu-small preset on the Python stdlib corpus)")
-    p.add_argument("--preset", help="tiny | cpu-small (default) | mixtral-8x7b | qwen3-30b-a3b | olmoe-1b-7b")
+    p.add_argument("--preset", help="tiny | cpu-small (default); the shape-only mixtral-8x7b, qwen3-30b-a3b and "
+                   "olmoe-1b-7b are for plan, not training")
     p.add_argument("--config", help="a .toml or .json file of config fields (applied over the preset)")
     p.add_argument("--data", help="text file, directory, glob or .jsonl; default: the Python standard library")
     p.add_argument("--out", help="run directory (default: runs/PRESET-TIMESTAMP)")
     p.add_argument("--steps", type=int, help="optimizer steps (train.steps)")
-    p.add_argument("--resume", action="store_true", help="continue the run in --out from its newest checkpoint")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --out from its newest checkpoint (model.* and data.* stay fixed)")
     p.add_argument("--overwrite", action="store_true", help="delete an existing --out directory first")
     p.add_argument("--stop-at-step", type=int, help="stop (with a checkpoint) after this step; --resume continues")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -30,10 +35,59 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def run(args) -> int:
-    from moetrain.config import Config, build_config
-    from moetrain.train.trainer import CONFIG_FILE, Trainer
+# What a run directory holds before its config.json: the lock, the tokenizer and their temporary files.
+_EARLY_FILES = re.compile(rf"{re.escape(LOCK_FILE)}|tokenizer\.json|\.(tokenizer|config)\.json\.tmp-\d+")
 
+
+def _started_but_empty(run_dir: Path) -> bool:
+    """Whether ``run_dir`` is a run whose first process stopped before writing config.json (so before any
+    checkpoint or metric): it holds only files of :data:`_EARLY_FILES`, nothing a new start could lose."""
+    if not run_dir.is_dir() or (run_dir / "config.json").exists():
+        return False
+    names = os.listdir(run_dir)
+    return bool(names) and all(_EARLY_FILES.fullmatch(n) for n in names)
+
+
+def _clear(run_dir: Path, keep: str = LOCK_FILE) -> None:
+    """Delete everything in ``run_dir`` but ``keep`` (the lock this process holds)."""
+    for p in run_dir.iterdir():
+        if p.name != keep:
+            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+
+
+def _resumed_config(run_dir: Path, args, file_data: dict | None, overrides: dict):
+    """The run's saved config with the --config file and overrides on top, and the fields that changed.
+
+    Raises:
+        MoetrainError: an unreadable config.json, a --preset other than the run's, or a change to a field fixed for
+            the run (:mod:`moetrain.train.resume_config`).
+    """
+    from moetrain.config import Config
+    from moetrain.train.resume_config import resume_changes
+    from moetrain.train.trainer import CONFIG_FILE
+
+    saved_path = run_dir / CONFIG_FILE
+    try:
+        data = json.loads(saved_path.read_text())
+    except (OSError, ValueError) as e:
+        raise MoetrainError(f"--resume: cannot read {saved_path}: {e}") from None
+    if not isinstance(data, dict):
+        raise MoetrainError(f"--resume: {saved_path} is not a JSON object of config fields")
+    saved = Config.from_dict(data)
+    if args.preset is not None and args.preset != saved.preset:
+        raise MoetrainError(f"--preset {args.preset} cannot be combined with --resume of a run started from preset "
+                            f"'{saved.preset}' (the run keeps its own config; change fields with FIELD=VALUE)")
+    config = Config.from_dict(merge(merge(data, file_data or {}), overrides))
+    return config, resume_changes(saved, config)
+
+
+def run(args) -> int:
+    from moetrain.config import build_config
+    from moetrain.presets import PRESETS, SHAPE_ONLY
+    from moetrain.train.trainer import CONFIG_FILE
+
+    if args.stop_at_step is not None and args.stop_at_step < 1:
+        raise MoetrainError(f"--stop-at-step: must be >= 1, got {args.stop_at_step}")
     overrides = parse_overrides(args.overrides)
     if args.data is not None:
         overrides = merge(overrides, {"data": {"path": args.data}})
@@ -45,58 +99,79 @@ def run(args) -> int:
         from moetrain.interop.finetune import load_init
 
         init = load_init(args.init_from)
+    # Under torchrun only rank 0 owns the run directory (the others never write it): it alone locks and checks it.
+    owner = os.environ.get("RANK", "0") == "0"
 
-    if args.resume:
+    resume, notes, changes = args.resume, [], []
+    if resume:
         if not args.out:
             raise MoetrainError("--resume needs --out RUN_DIR (the run to continue)")
         run_dir = Path(args.out)
-        saved = run_dir / CONFIG_FILE
-        if not saved.is_file():
-            raise MoetrainError(f"--resume: {saved} not found; is '{run_dir}' a moetrain run directory?")
-        if args.preset:
-            raise MoetrainError("--preset cannot be combined with --resume (the run keeps its own config)")
-        try:
-            data = json.loads(saved.read_text())
-        except (OSError, ValueError) as e:
-            raise MoetrainError(f"--resume: cannot read {saved}: {e}") from None
-        if not isinstance(data, dict):
-            raise MoetrainError(f"--resume: {saved} is not a JSON object of config fields")
-        data = merge(data, file_data or {})
-        config = Config.from_dict(merge(data, overrides))
-    else:
+        if _started_but_empty(run_dir):
+            resume = False
+            notes.append(f"note: {run_dir} has no {CONFIG_FILE} (its first run stopped before writing it, so there is "
+                         "nothing to resume): starting it from step 0 with this command's settings")
+        elif not (run_dir / CONFIG_FILE).is_file():
+            raise MoetrainError(f"--resume: {run_dir / CONFIG_FILE} not found; is '{run_dir}' a moetrain run "
+                                "directory?")
+        else:
+            config, changes = _resumed_config(run_dir, args, file_data, overrides)
+    if not resume:
         if init is None:
             config = build_config(args.preset, file_data, overrides)
         else:
             config = init.config(args.preset, file_data, overrides)
+        if config.preset in SHAPE_ONLY:
+            trainable = sorted(set(PRESETS) - set(SHAPE_ONLY))
+            raise MoetrainError(f"preset {config.preset}: a shape-only preset (the published architecture, for "
+                                f"moetrain plan and parameter counts) is far too large to train here; trainable "
+                                f"presets: {', '.join(trainable)}")
         run_dir = Path(args.out) if args.out else Path("runs") / f"{config.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
         if run_dir.exists() and not run_dir.is_dir():
             raise MoetrainError(f"--out {run_dir}: exists and is not a directory")
         if any(p.exists() and not p.is_dir() for p in run_dir.parents):
             raise MoetrainError(f"--out {run_dir}: a parent path is a file, not a directory")
-        # Under torchrun only rank 0 owns the run directory (the others never write it).
-        if os.environ.get("RANK", "0") == "0" and run_dir.exists() and any(run_dir.iterdir()):
-            if not args.overwrite:
-                raise MoetrainError(
-                    f"run directory '{run_dir}' already exists; pass --resume to continue it, --overwrite to "
-                    "replace it, or choose another --out"
-                )
-            if not (run_dir / "config.json").is_file():
-                raise MoetrainError(f"--overwrite: '{run_dir}' is not a moetrain run directory (no config.json); "
-                                    "refusing to delete it")
-            # Check the data before deleting anything, so a mistyped --data cannot cost the old run.
-            from moetrain.data.corpus import discover_files
 
-            discover_files(config.data.path)
-            shutil.rmtree(run_dir)
+    with RunLock(run_dir) if owner else contextlib.nullcontext():
+        if not resume and owner and run_dir.exists():
+            if _started_but_empty(run_dir):
+                if not notes:
+                    notes.append(f"note: {run_dir} holds only the start of a run that stopped before writing its "
+                                 f"{CONFIG_FILE}: starting it again")
+                _clear(run_dir)
+            elif set(os.listdir(run_dir)) - {LOCK_FILE}:
+                if not args.overwrite:
+                    raise MoetrainError(
+                        f"run directory '{run_dir}' already exists; pass --resume to continue it, --overwrite to "
+                        "replace it, or choose another --out"
+                    )
+                if not (run_dir / CONFIG_FILE).is_file():
+                    raise MoetrainError(f"--overwrite: '{run_dir}' is not a moetrain run directory (no config.json); "
+                                        "refusing to delete it")
+                # Check the data before deleting anything, so a mistyped --data cannot cost the old run.
+                from moetrain.data.corpus import discover_files
+
+                discover_files(config.data.path)
+                _clear(run_dir)
+        return _train(args, config, run_dir, resume, init, notes, changes)
+
+
+def _train(args, config, run_dir: Path, resume: bool, init, notes: list[str], changes: list) -> int:
+    """Join the job (torchrun) and run the trainer; prints the notes, the config changes and the closing line."""
     from moetrain.parallel.comm import CollectiveError
     from moetrain.parallel.launch import start
-    from moetrain.train.trainer import resolve_device
+    from moetrain.train.resume_config import describe
+    from moetrain.train.trainer import Trainer, resolve_device, resume_hint
 
     hooks = start(config, resolve_device(config.train.device).type)  # joins torchrun's job when WORLD_SIZE > 1
     say = print if hooks.is_main else (lambda *a, **k: None)
     say(f"run directory: {run_dir}")
+    for note in notes:
+        say(note)
+    if changes:
+        say(f"resuming with a changed config: {describe(changes)} (config.json is rewritten with them)")
     try:
-        result = Trainer(config, run_dir, resume=args.resume, progress=not args.no_progress and hooks.is_main,
+        result = Trainer(config, run_dir, resume=resume, progress=not args.no_progress and hooks.is_main,
                          init_weights=init.weights if init else None,
                          init_tokenizer=init.tokenizer if init else None, log=say, hooks=hooks).run(args.stop_at_step)
     except CollectiveError as e:  # a peer died or hung: every surviving rank says which collective, exit 1
@@ -104,9 +179,15 @@ def run(args) -> int:
         return 1
     finally:
         hooks.close()
+    again = resume_hint(run_dir, hooks.distributed)
     if result.preempted:
-        say(f"stopped by {result.preempted} after step {result.steps} with a checkpoint; continue with: "
-            f"moetrain train --out {run_dir} --resume")
+        say(f"stopped by {result.preempted} after step {result.steps} with a checkpoint; continue with: {again}")
         return 0
-    say(f"done: {result.steps} steps; try: moetrain generate {run_dir} --prompt 'def '")
+    if result.steps < config.train.steps:
+        say(f"stopped after step {result.steps} of {config.train.steps} (--stop-at-step) with a checkpoint; "
+            f"continue with: {again}")
+        return 0
+    # The default corpus is Python source; any other corpus gets a placeholder rather than a guess.
+    prompt = "'def '" if config.data.path is None else "'YOUR TEXT'"
+    say(f"done: {result.steps} steps; try: moetrain generate {run_dir} --prompt {prompt}")
     return 0

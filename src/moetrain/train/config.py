@@ -32,6 +32,8 @@ class TrainConfig:
             as ``s3://bucket/prefix`` (needs s3fs; endpoint and credentials from the AWS environment variables).
         max_nonfinite_skips: a step with a non-finite loss or gradient norm is skipped (no update); this many
             consecutive skips stop the run with an error after a checkpoint of the last good state.
+        threads: ``torch.set_num_threads`` at the start of training (0: PyTorch's default, one per core); fewer
+            intra-op threads avoid oversubscribing a machine shared with other jobs.
     """
 
     steps: int = 300
@@ -57,13 +59,15 @@ class TrainConfig:
     milestone_every: int = 0
     checkpoint_url: str | None = None
     max_nonfinite_skips: int = 5
+    threads: int = 0
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "grad_accum", "log_every", "keep_checkpoints", "eval_batches",
                      "max_nonfinite_skips"):
             value = getattr(self, name)
             require(value >= 1, name, f"must be >= 1, got {value}")
-        for name in ("warmup_steps", "eval_every", "ckpt_every", "weight_decay", "grad_clip", "milestone_every"):
+        for name in ("warmup_steps", "eval_every", "ckpt_every", "weight_decay", "grad_clip", "milestone_every",
+                     "threads"):
             value = getattr(self, name)
             require(value >= 0, name, f"must be >= 0, got {value}")
         require(self.lr > 0, "lr", f"must be > 0, got {self.lr}")

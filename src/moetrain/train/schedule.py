@@ -25,3 +25,22 @@ def lr_factor(step: int, config: TrainConfig) -> float:
 
 def build_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, config))
+
+
+def retarget_schedule(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR,
+                      config: TrainConfig) -> None:
+    """After ``scheduler.load_state_dict`` on resume: follow the schedule ``config`` describes from here on.
+
+    LambdaLR's state holds its position (``last_epoch``, the optimizer steps taken) and the base LR it was built with,
+    and the optimizer's state the LR of the next step; both would silently keep the old ``train.lr``. This sets the
+    base LR to ``config.lr`` and the next step's LR to ``config.lr * lr_factor(last_epoch, config)``, so a resume
+    with a changed ``lr`` / ``warmup_steps`` / ``min_lr_ratio`` / ``steps`` continues on the new curve at the same
+    position (with an extended ``steps`` the cosine is stretched over the new total). With an unchanged config this
+    recomputes exactly the restored values (the same product LambdaLR computes), so an exact resume stays exact.
+    """
+    lr = config.lr * lr_factor(scheduler.last_epoch, config)
+    scheduler.base_lrs = [config.lr for _ in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["initial_lr"] = config.lr
+        group["lr"] = lr
+    scheduler._last_lr = [lr for _ in optimizer.param_groups]  # what get_last_lr() reports for the next step

@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from moetrain.config import Config
 from moetrain.data.dataset import BatchSampler, PreparedData, TokenWindows, eval_batches, prepare_data
-from moetrain.errors import CheckpointError, MoetrainError
+from moetrain.errors import CheckpointError, ConfigError, MoetrainError
 from moetrain.model.transformer import MoETransformer, count_parameters
 from moetrain.parallel.launch import ParallelHooks
 from moetrain.train.checkpoint import (
@@ -39,7 +39,7 @@ from moetrain.train.checkpoint import (
 from moetrain.train.metrics import MetricsLogger
 from moetrain.train.monitor import RoutingMonitor
 from moetrain.train.preemption import GracefulStop
-from moetrain.train.schedule import build_scheduler
+from moetrain.train.schedule import build_scheduler, retarget_schedule
 from moetrain.train.step import autocast_context, train_step
 
 CONFIG_FILE = "config.json"
@@ -57,6 +57,13 @@ def resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise MoetrainError("train.device: 'cuda' requested but CUDA is not available on this machine")
     return torch.device(name)
+
+
+def resume_hint(run_dir: Path, distributed: bool = False) -> str:
+    """The command that continues a stopped run (what the stop messages suggest)."""
+    if distributed:
+        return f"the same torchrun command with --resume (torchrun ... -m moetrain train --out {run_dir} --resume)"
+    return f"moetrain train --out {run_dir} --resume"
 
 
 def build_optimizer(model: torch.nn.Module, config: Config) -> torch.optim.AdamW:
@@ -170,6 +177,8 @@ class Trainer:
 
     def run(self, stop_at_step: int | None = None) -> TrainResult:
         cfg, t = self.config, self.config.train
+        if t.threads:  # process-wide; on a shared machine fewer intra-op threads than cores avoid oversubscription
+            torch.set_num_threads(t.threads)
         torch.use_deterministic_algorithms(t.deterministic, warn_only=True)
         seed_everything(t.seed)
         store = CheckpointStore(t.checkpoint_url or self.run_dir / "checkpoints")
@@ -215,6 +224,10 @@ class Trainer:
                 raise CheckpointError(f"{ckpt.location}/{STATE_FILE}: does not fit this run: "
                                       f"{e.__class__.__name__}: {str(e).splitlines()[0]}") from None
             step, initial_val = state["step"], state.get("initial_val_loss")
+            if t.steps < step:
+                raise ConfigError(f"train.steps: {t.steps} is below the step of the checkpoint to resume "
+                                  f"({step}, {ckpt.location}); give at least {step}")
+            retarget_schedule(optimizer, scheduler, t)
             skips_total, skips_in_a_row = state.get("nonfinite_skips", (0, 0))
 
         # Everything that can reject the input has run: from here on the run directory is written (by rank 0).
@@ -322,7 +335,7 @@ class Trainer:
                         where = where if saved else checkpoint()
                         preempted = signal
                         self.log(f"{preempted}: stopped after step {step} with checkpoint {where}; continue with: "
-                                 f"moetrain train --out {self.run_dir} --resume")
+                                 f"{resume_hint(self.run_dir, self.hooks.distributed)}")
                         break
             finally:
                 bar.close()

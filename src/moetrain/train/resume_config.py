@@ -1,0 +1,65 @@
+"""Which config fields a resumed run may change (``moetrain train --out RUN --resume FIELD=VALUE``).
+
+A checkpoint fixes what it was trained with: the model (its tensors' shapes and the function they compute), the
+data (the tokenizer, the token stream and the sampler's position in it) and the optimizer's AdamW settings and
+batching (restored from the checkpoint's state, so a new value would be ignored while ``config.json`` claimed it).
+Changing one of those on resume is refused, naming the field, the run's value and the new one. The rest may change
+and takes effect: ``train.steps`` (not below the checkpoint's step, checked by the trainer), the schedule
+(``lr``, ``warmup_steps``, ``min_lr_ratio``: the LR continues on the schedule the new values describe),
+logging / evaluation / checkpoint cadence, precision, device, threads, ``monitor.*`` and ``parallel.*``
+(checkpoints reshard to another expert-parallel size).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from moetrain.config import Config
+from moetrain.errors import ConfigError
+
+# Fields under model.* / data.* that do not change what was trained: the expert implementation (every backend
+# computes the same function) and where the token cache lives.
+CHANGEABLE_MODEL_DATA = {"model.moe.backend", "data.cache_dir"}
+FIXED_TRAIN = {"batch_size", "grad_accum", "seed", "weight_decay", "beta1", "beta2", "eps", "checkpoint_url"}
+
+
+def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(_flatten(value, path + "."))
+        else:
+            out[path] = value
+    return out
+
+
+def is_fixed(path: str) -> bool:
+    """Whether the field ``path`` (``model.hidden``) must keep its value when a run is resumed."""
+    if path == "preset":
+        return True
+    if path.startswith(("model.", "data.")):
+        return path not in CHANGEABLE_MODEL_DATA
+    section, _, name = path.partition(".")
+    return section == "train" and name in FIXED_TRAIN
+
+
+def resume_changes(saved: Config, new: Config) -> list[tuple[str, Any, Any]]:
+    """The fields that differ, as ``(path, saved value, new value)`` sorted by path.
+
+    Raises:
+        ConfigError: a change to a field fixed for the run (the message names the field and both values).
+    """
+    before, after = _flatten(saved.to_dict()), _flatten(new.to_dict())
+    changes = [(k, before.get(k), after.get(k)) for k in sorted(set(before) | set(after))
+               if before.get(k) != after.get(k)]
+    for path, was, now in changes:
+        if is_fixed(path):
+            raise ConfigError(f"{path}: cannot change when resuming (the run was trained with {was!r}, got {now!r}); "
+                              "start a new run with another --out to change it")
+    return changes
+
+
+def describe(changes: list[tuple[str, Any, Any]]) -> str:
+    """``train.steps 300 -> 600, train.log_every 10 -> 5``."""
+    return ", ".join(f"{path} {was!r} -> {now!r}" for path, was, now in changes)
