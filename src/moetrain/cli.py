@@ -2,7 +2,8 @@
 
 User errors (:class:`~moetrain.errors.MoetrainError`) and command-line syntax errors print one line
 ``moetrain: error: ...`` and exit with status 2; ``--debug`` (before or after the subcommand) shows the traceback
-instead.
+instead. A reader that closes the pipe early (``moetrain stats RUN | head -1``) ends the command quietly with
+status 141, as SIGPIPE would.
 """
 
 from __future__ import annotations
