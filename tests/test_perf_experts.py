@@ -156,7 +156,8 @@ def _unfused_moe(ids, activation, x, w, w_in, w_out):
 @pytest.mark.parametrize("activation", ["swiglu", "gelu"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("mode,block_rows", [("tiles", None), ("tiles", 1), ("tiles", 7), ("grouped", None)])
-def test_fused_moe_equals_unfused_layer_path(activation, dtype, mode, block_rows):
+@pytest.mark.parametrize("recompute", [False, True])
+def test_fused_moe_equals_unfused_layer_path(activation, dtype, mode, block_rows, recompute):
     ids, inputs = _moe_case(activation, dtype)
     up = torch.randn(inputs[0].shape, generator=torch.Generator().manual_seed(4)).to(dtype)
 
@@ -166,7 +167,8 @@ def test_fused_moe_equals_unfused_layer_path(activation, dtype, mode, block_rows
         (y.float() * up.float()).sum().backward()
         return [y.detach()] + [t.grad for t in leaves]
 
-    got = run(lambda x, w, a, b: fused_moe(x, ids, w, a, b, activation, mode=mode, block_rows=block_rows))
+    got = run(lambda x, w, a, b: fused_moe(x, ids, w, a, b, activation, mode=mode, block_rows=block_rows,
+                                           recompute=recompute))
     ref = run(lambda x, w, a, b: _unfused_moe(ids, activation, x, w, a, b))
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     for name, a, b in zip(["y", "dx", "dw", "dw_in", "dw_out"], got, ref):
@@ -177,10 +179,50 @@ def test_fused_moe_equals_unfused_layer_path(activation, dtype, mode, block_rows
 
 
 @pytest.mark.parametrize("activation", ["swiglu", "gelu"])
-def test_fused_moe_gradcheck(activation):
+@pytest.mark.parametrize("recompute", [False, True])
+def test_fused_moe_gradcheck(activation, recompute):
     ids, inputs = _moe_case(activation, torch.float64, t=5, d=4, f=3, e=4)
-    assert torch.autograd.gradcheck(lambda *a: fused_moe(a[0], ids, *a[1:], activation, mode="tiles", block_rows=3),
+    assert torch.autograd.gradcheck(lambda *a: fused_moe(a[0], ids, *a[1:], activation, mode="tiles", block_rows=3,
+                                                         recompute=recompute),
                                     [t.requires_grad_() for t in inputs])
+
+
+@pytest.mark.parametrize("mode", ["tiles", "grouped"])
+def test_fused_moe_recompute_saves_no_pre_activation(mode):
+    # Saved bytes counted with saved_tensors_hooks: recompute drops exactly h = [N, I] (N = T * K rows).
+    from moetrain.analysis.saved import SavedTensorCounter
+
+    ids, inputs = _moe_case("swiglu", torch.float32)
+    x, w, w_in, w_out = [t.clone().requires_grad_() for t in inputs]
+    saved = {}
+    for recompute in (False, True):
+        with SavedTensorCounter(exclude=[x, w_in, w_out]) as counter:
+            fused_moe(x, ids, w, w_in, w_out, "swiglu", mode=mode, recompute=recompute)
+        saved[recompute] = counter.total
+    n_rows, width = ids.numel(), w_in.shape[1]
+    assert saved[False] - saved[True] == n_rows * width * 4
+
+
+@pytest.mark.parametrize("backend,capacity_factor", [("fused", None), ("fused", 0.8), ("loop", None),
+                                                     ("grouped_mm", None), ("padded", 1.0)])
+def test_layer_recompute_experts_changes_nothing(backend, capacity_factor):
+    # Same outputs and gradients with and without recomputation, for the fused Function and the checkpointed
+    # unfused paths (capacity drops go through the unfused dispatcher).
+    d = 16
+    outs = {}
+    for recompute in (False, True):
+        torch.manual_seed(0)
+        layer = MoELayer(d, MoEConfig(num_experts=6, top_k=2, expert_ffn_hidden=12, backend=backend,
+                                      capacity_factor=capacity_factor, recompute_experts=recompute))
+        with torch.no_grad():
+            for p in layer.parameters():
+                p.normal_(0, 0.3)
+        x = torch.randn(3, 7, d, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        y, aux = layer(x)
+        (y.square().sum() + aux.aux_loss).backward()
+        outs[recompute] = [y.detach(), x.grad] + [p.grad for p in layer.parameters()]
+    for a, b in zip(outs[True], outs[False]):
+        assert (a - b).abs().max() <= 1e-6 * b.abs().max().clamp(min=1.0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -241,7 +283,8 @@ def test_run_groups_restores_threads_and_reraises():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_moe_same_result_with_one_or_several_workers(dtype):
+@pytest.mark.parametrize("recompute", [False, True])
+def test_fused_moe_same_result_with_one_or_several_workers(dtype, recompute):
     ids, inputs = _moe_case("swiglu", dtype, t=40, d=16, f=8, k=2, e=6)
     threads = torch.get_num_threads()
     results = []
@@ -249,7 +292,7 @@ def test_fused_moe_same_result_with_one_or_several_workers(dtype):
         torch.set_num_threads(n)
         try:
             leaves = [t.clone().requires_grad_() for t in inputs]
-            y = fused_moe(leaves[0], ids, *leaves[1:], "swiglu", mode="tiles", block_rows=9)
+            y = fused_moe(leaves[0], ids, *leaves[1:], "swiglu", mode="tiles", block_rows=9, recompute=recompute)
             y.float().square().sum().backward()
             results.append([y.detach()] + [t.grad for t in leaves])
         finally:

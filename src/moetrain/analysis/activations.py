@@ -7,17 +7,21 @@ E = experts, K = top-k, F = expert FFN hidden, Fd = dense FFN hidden, V = vocabu
 Element counts per token follow what moetrain's own modules save (checked against
 ``torch.autograd.graph.saved_tensors_hooks`` by tests/test_analysis_memory.py, within 10% in fp32):
 
-- input RMSNorm: its input x, ``x * rstd`` and the normed output (``D`` each) and rstd (1);
+- input RMSNorm (model/norm.py): its input x and the normed output (``D`` each) and rstd (1);
 - attention (fused SDPA, flash or memory-efficient, never the S x S matrix): q, k, v after RoPE, the output and
   the log-sum-exp (``2 q + 2 kv + H``); q/k RMSNorm adds their inputs and ``x * rstd`` (fp32); RoPE keeps [S, Hd]
   cos/sin tables per call. ``attention_kernel="math"`` adds the H x S attention probabilities per token (unfused
   attention, the case the BTA paper addresses: attention memory quadratic in S);
-- post-attention RMSNorm: ``3 D + 1``;
+- post-attention RMSNorm: ``2 D + 1``;
 - MoE: per routed row the dispatched input and the gathered output (``2 D``) and the expert FFN internals (SwiGLU:
   gate/up output 2F, SiLU output F, product F; GELU: 2F), per token the router's probabilities and logits
-  (2E, fp32) and a few index / weight vectors; a shared expert adds the same FFN internals per token;
+  (2E, fp32) and a few index / weight vectors; a shared expert adds the same FFN internals per token. The
+  ``fused`` backend (dropless) keeps only the pre-activation (``I`` = 2F SwiGLU, F GELU, per row) and, under
+  autocast, the bf16 copy of its input (``D`` per token); ``recompute_experts`` drops the FFN internals (and the
+  fused path's pre-activation);
 - dense SwiGLU FFN: ``4 Fd``;
-- outside the blocks: the final norm (``3 D + 1``) and the fp32 log-softmax of the logits (V) for the loss.
+- outside the blocks: the final norm (``2 D + 1``) and the fp32 log-softmax of the logits (V) for the loss, or
+  the fused loss's gradients (``D`` per token and the V x D weight gradient).
 
 Under bf16 autocast (``act_bytes=2``) GEMM inputs and outputs take 2 bytes; the residual stream and the norms'
 internals, the router and the loss stay fp32; autocast's bf16 copies of the weights are saved too.
@@ -33,9 +37,9 @@ from moetrain.analysis.shape import ModelShape
 
 # Per routed row: the dispatched input copy and the gathered output copy (moe/dispatch.py).
 _DISPATCH_COPIES = 2
-# Per token of an MoE layer, in 4-byte units: E-sized: the router logits and probabilities (fp32) and the full
-# [T, E] int64 sort whose top-k slice is kept; K-sized: expert ids and row orders (int64), gating weights; loss terms.
-_ROUTING_PER_EXPERT = 4
+# Per token of an MoE layer, in 4-byte units: E-sized: the router logits and probabilities (fp32); K-sized: expert
+# ids and row orders (int64), gating weights; loss terms.
+_ROUTING_PER_EXPERT = 2
 _ROUTING_PER_K = 6
 _ROUTING_SMALL = 6
 
@@ -81,7 +85,7 @@ def block_activations(
     d, q, kv, h = shape.hidden, shape.q_width, shape.kv_width, shape.n_heads
     # Autocast casts the fp32 normed input once per consuming GEMM (q, k, v; gate, up); fp32 shares one tensor.
     autocast = ab < fp
-    attn = (1 + d) * fp + d * ab * (3 if autocast else 1) + (2 * q + 2 * kv) * ab + h * fp  # norm; q k v out; lse
+    attn = fp + d * ab * (3 if autocast else 1) + (2 * q + 2 * kv) * ab + h * fp  # norm; q k v out; lse
     # q/k RMSNorm keeps its input and x * rstd in fp32 (a bf16 input is upcast first) and rstd per head.
     if shape.qk_norm == "head":
         attn += (2 * q + 2 * kv + h + shape.n_kv_heads) * fp
@@ -94,7 +98,12 @@ def block_activations(
         internals = 4 if shape.expert_mats == 3 else 2
         rows = shape.expert_rows(t)
         # The router reads the normed input in fp32, so the post-attention norm's output stays fp32.
-        ffn = t * (3 * d + 1) * fp + rows * (_DISPATCH_COPIES * d + internals * shape.expert_ffn) * ab
+        ffn = t * (2 * d + 1) * fp
+        if shape.fused_experts:  # moe/fast_moe.py saves the pre-activation h [rows, I] unless it recomputes it
+            width = (2 if shape.expert_mats == 3 else 1) * shape.expert_ffn
+            ffn += (0 if shape.recompute_experts else rows * width * ab) + (t * d * ab if autocast else 0)
+        else:  # the recomputed experts (under a checkpoint) save nothing of their own
+            ffn += rows * (_DISPATCH_COPIES * d + (0 if shape.recompute_experts else internals * shape.expert_ffn)) * ab
         ffn += t * (_ROUTING_PER_EXPERT * shape.num_experts + _ROUTING_PER_K * shape.top_k + _ROUTING_SMALL) * fp
         if shape.shared_ffn:
             ffn += t * internals * shape.shared_ffn * ab
@@ -103,7 +112,7 @@ def block_activations(
             if shape.shared_gate:  # sigmoid(gate) * shared: the shared output and the gate's logit / sigmoid
                 ffn += t * (d * ab + 2 * fp)
     else:
-        ffn = t * ((2 * d + 1) * fp + d * ab * (2 if autocast else 1) + 4 * shape.dense_ffn * ab)
+        ffn = t * ((d + 1) * fp + d * ab * (2 if autocast else 1) + 4 * shape.dense_ffn * ab)
     return BlockActivations(block_input=t * d * fp, attention=attention, ffn=ffn)
 
 
@@ -155,9 +164,12 @@ def model_activations(
     act_bytes: int = 4,
     attention_kernel: Literal["fused", "math"] = "fused",
     lm_head: bool = True,
+    fused_loss: bool = False,
 ) -> ActivationMemory:
     """Activation memory of the blocks flagged in ``moe_layer_flags`` (True = MoE block; pass a pipeline stage's
-    slice for one stage) plus, with ``lm_head``, the final norm and loss.
+    slice for one stage) plus, with ``lm_head``, the final norm and loss: the logits path (fp32 log-softmax, V per
+    token) or, with ``fused_loss`` (how the trainer calls the model: model/fused_ce.py), the loss's gradients
+    computed in forward (d_hidden in the compute dtype, D per token, and an fp32 d_weight, V x D once).
 
     BTA (``bta_tiles`` = G > 1): a block keeps its input and its FFN / MoE tensors; one tile's attention
     (``batch / G`` sequences) is alive while it is recomputed. Full activation checkpointing: a block keeps only
@@ -181,8 +193,10 @@ def model_activations(
         else:
             blocks.append(full.total + attn_copy + ffn_copy)
     other = 0.0
-    if lm_head:  # final norm (fp32 internals), the LM head's input, the fp32 log-softmax for the loss
-        d = shape.hidden
-        other = t * ((2 * d + 1) * 4 + d * act_bytes + shape.vocab * 4)
+    d = shape.hidden
+    if lm_head and fused_loss:  # final norm (fp32 internals), d_hidden, d_weight
+        other = t * ((d + 1) * 4 + d * act_bytes) + shape.vocab * d * 4
+    elif lm_head:  # final norm (fp32 internals), the LM head's input, the fp32 log-softmax for the loss
+        other = t * ((d + 1) * 4 + d * act_bytes + shape.vocab * 4)
         other += weight_copy_bytes(shape, "lm_head", act_bytes)
     return ActivationMemory(blocks=blocks, other=other, transient=transient)

@@ -97,9 +97,11 @@ class SavedBytes:
         return sum(self.blocks) + self.other + self.tile_recompute
 
 
-def saved_bytes_per_block(model: nn.Module, input_ids: torch.Tensor, targets: torch.Tensor) -> SavedBytes:
+def saved_bytes_per_block(model: nn.Module, input_ids: torch.Tensor, targets: torch.Tensor,
+                          return_logits: bool = True) -> SavedBytes:
     """Run one training forward of ``model`` (an MoETransformer) on [B, S] int64 ids and targets and count the bytes
-    saved for backward, per block. Backward is not run; the graph is freed on return.
+    saved for backward, per block. Backward is not run; the graph is freed on return. ``return_logits=False``
+    runs the fused LM head + loss, as the trainer does.
 
     Returns:
         :class:`SavedBytes`.
@@ -129,7 +131,7 @@ def saved_bytes_per_block(model: nn.Module, input_ids: torch.Tensor, targets: to
         handles.append(block.register_forward_hook(leave))
     try:
         with counter:
-            out = model(input_ids, targets)
+            out = model(input_ids, targets, return_logits=return_logits)
     finally:
         for h in handles:
             h.remove()

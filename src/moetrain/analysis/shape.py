@@ -27,6 +27,9 @@ class ModelShape:
         shared_ffn: Fs (0 = no shared expert); shared_gate: a [1, D] sigmoid gate on it.
         capacity_factor: ``None`` = dropless; else the expert capacity factor.
         pad_to_capacity: every expert computes exactly C rows.
+        fused_experts: dispatch, experts and combine run as moe/fast_moe.py's one Function (the ``fused`` backend,
+            dropless; what it saves for backward differs from the unfused path's).
+        recompute_experts: the experts' intermediates are recomputed in backward (``moe.recompute_experts``).
     """
 
     vocab: int
@@ -49,6 +52,8 @@ class ModelShape:
     shared_gate: bool = False
     capacity_factor: float | None = None
     pad_to_capacity: bool = False
+    fused_experts: bool = False
+    recompute_experts: bool = False
 
     @classmethod
     def from_config(cls, config: ModelConfig) -> "ModelShape":
@@ -68,6 +73,8 @@ class ModelShape:
             shared_gate=getattr(moe, "shared_expert_gate", False),
             capacity_factor=getattr(moe, "capacity_factor", None),
             pad_to_capacity=getattr(moe, "pad_to_capacity", False),
+            fused_experts=moe.backend == "fused" and moe.capacity_factor is None,
+            recompute_experts=moe.recompute_experts,
         )
 
     @property

@@ -17,6 +17,7 @@ recomputed attention.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import platform
@@ -35,22 +36,26 @@ def add_parser(sub) -> None:
     p.add_argument("--experts", type=int, default=64, help="E (default 64)")
     p.add_argument("--top-k", type=int, default=2, help="K (default 2)")
     p.add_argument("--hidden", type=int, default=128, help="D (default 128)")
-    p.add_argument("--expert-ffn", type=int, default=256, help="F, each expert's FFN hidden (default 256)")
-    p.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
+    p.add_argument("--expert-ffn", type=int, default=2048, help="F, each expert's FFN hidden (default 2048)")
+    p.add_argument("--heads", type=int, default=8, help="attention heads (default 8)")
     p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default: = heads)")
     p.add_argument("--head-dim", type=int, default=None, help="per-head width (default: hidden / heads)")
     p.add_argument("--qk-norm", choices=["none", "head", "full"], default="none", help="model.qk_norm")
     p.add_argument("--layers", type=int, default=2, help="blocks, all MoE (default 2)")
     p.add_argument("--vocab", type=int, default=512, help="vocabulary (default 512)")
-    p.add_argument("--seq", type=int, default=64, help="S (default 64)")
-    p.add_argument("--batch", type=int, default=32, help="global batch B in sequences (default 32)")
-    p.add_argument("--tiles", type=int, default=8, help="G: micro-batches in (b), tiles in (c) (default 8)")
+    p.add_argument("--seq", type=int, default=512, help="S (default 512)")
+    p.add_argument("--batch", type=int, default=4, help="global batch B in sequences (default 4)")
+    p.add_argument("--tiles", type=int, default=4, help="G: micro-batches in (b), tiles in (c) (default 4)")
     p.add_argument("--steps", type=int, default=6, help="timed rounds (default 6)")
     p.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default 2)")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
-    p.add_argument("--backend", default="grouped_mm", help="model.moe.backend (default grouped_mm)")
-    p.add_argument("--attention", choices=["fused", "math"], default="fused",
-                   help="SDPA kernel: fused (PyTorch's choice: flash on CPU) or math (materialises S x S scores)")
+    p.add_argument("--backend", default="fused", help="model.moe.backend (default fused)")
+    p.add_argument("--recompute-experts", action=argparse.BooleanOptionalAction, default=True,
+                   help="model.moe.recompute_experts in all modes: the experts keep no intermediates for backward "
+                        "(default on)")
+    p.add_argument("--attention", choices=["fused", "math"], default="math",
+                   help="SDPA kernel: math (default: materialises the S x S scores, attention memory quadratic in S, "
+                        "the BTA paper's setting) or fused (PyTorch's choice: flash on CPU)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch.set_num_threads (default 1: one core measures the same on an idle or a shared "
                         "machine; 0 keeps PyTorch's default)")
@@ -91,7 +96,7 @@ def run(args) -> int:
         "vocab_size": args.vocab, "hidden": args.hidden, "n_layers": args.layers, "n_heads": args.heads,
         "n_kv_heads": args.kv_heads or args.heads, "head_dim": args.head_dim, "qk_norm": args.qk_norm, "ffn_hidden": 4 * args.hidden, "max_seq_len": args.seq,
         "moe": {"num_experts": args.experts, "top_k": args.top_k, "expert_ffn_hidden": args.expert_ffn,
-                "backend": args.backend},
+                "backend": args.backend, "recompute_experts": args.recompute_experts},
     }
     base = from_dict(ModelConfig, model_dict, "model")
     tiled = from_dict(ModelConfig, {**model_dict, "bta_tiles": g}, "model")
@@ -113,7 +118,7 @@ def run(args) -> int:
         model, n = models[mode], micro[mode]
         for i, t in zip(ids.chunk(n), tgt.chunk(n)):
             with autocast:
-                loss = model(i, t).loss
+                loss = model(i, t, return_logits=False).loss  # as the trainer calls it
             (loss / n).backward()
         opts[mode].step()
         opts[mode].zero_grad(set_to_none=True)
@@ -128,20 +133,21 @@ def run(args) -> int:
                     times[mode].append(time.perf_counter() - t0)
         saved = {}
         with autocast:
-            saved["a"] = saved_bytes_per_block(models["a"], ids, tgt)
-            saved["b"] = saved_bytes_per_block(models["b"], ids[: args.batch // g], tgt[: args.batch // g])
-            saved["c"] = saved_bytes_per_block(models["c"], ids, tgt)
+            saved["a"] = saved_bytes_per_block(models["a"], ids, tgt, return_logits=False)
+            saved["b"] = saved_bytes_per_block(models["b"], ids[: args.batch // g], tgt[: args.batch // g],
+                                               return_logits=False)
+            saved["c"] = saved_bytes_per_block(models["c"], ids, tgt, return_logits=False)
 
     shape = ModelShape.from_config(base)
     flags = [base.is_moe_layer(i) for i in range(base.n_layers)]
     act_bytes = 2 if args.dtype == "bf16" else 4
     predicted = {
         "a": model_activations(shape, flags, args.batch, args.seq, 1, act_bytes=act_bytes,
-                               attention_kernel=args.attention).peak,
+                               attention_kernel=args.attention, fused_loss=True).peak,
         "b": model_activations(shape, flags, args.batch // g, args.seq, 1, act_bytes=act_bytes,
-                               attention_kernel=args.attention).peak,
+                               attention_kernel=args.attention, fused_loss=True).peak,
         "c": model_activations(shape, flags, args.batch, args.seq, g, act_bytes=act_bytes,
-                               attention_kernel=args.attention).peak,
+                               attention_kernel=args.attention, fused_loss=True).peak,
     }
     tokens = args.batch * args.seq
     cpu = calibrate_cpu()
@@ -189,7 +195,8 @@ def _print_table(args, rows, ratios, ridge: float) -> None:
     print(f"bench bta: E={args.experts} top-{args.top_k}, D={args.hidden}, F={args.expert_ffn}, H={args.heads}, "
           f"Hd={args.head_dim or args.hidden // args.heads}, "
           f"L={args.layers}, S={args.seq}, global batch B={args.batch} ({args.batch * args.seq} tokens), G={g}, "
-          f"{args.dtype}, {args.backend}, {args.attention} attention; {args.steps} timed rounds")
+          f"{args.dtype}, {args.backend}{' + recompute_experts' if args.recompute_experts else ''}, {args.attention} "
+          f"attention; {args.steps} timed rounds")
     label = {"a": f"(a) whole batch, B={args.batch}", "b": f"(b) grad accum {g} x {args.batch // g}",
              "c": f"(c) BTA, {g} tiles of {args.batch // g}"}
     print(f"{'mode':<30} {'tok/s':>8} {'best':>8} {'step ms':>8} {'saved MB':>9} {'attn MB':>8} {'moe MB':>8} "

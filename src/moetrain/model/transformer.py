@@ -16,6 +16,7 @@ from moetrain.model.attention import KVCache
 from moetrain.model.block import Block
 from moetrain.model.config import ModelConfig
 from moetrain.model.fused_ce import linear_cross_entropy
+from moetrain.model.norm import RMSNorm
 from moetrain.moe.balancing import CountReducer
 from moetrain.moe.config import MoEConfig
 from moetrain.moe.layer import MoEAux, MoELayer
@@ -119,7 +120,7 @@ class MoETransformer(nn.Module):
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden)
         self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
-        self.norm = nn.RMSNorm(config.hidden, eps=config.norm_eps)
+        self.norm = RMSNorm(config.hidden, eps=config.norm_eps)
         self.lm_head = nn.Linear(config.hidden, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight

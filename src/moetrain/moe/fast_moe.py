@@ -131,21 +131,23 @@ def _groups_of_blocks(counts: list[int], block_rows: int, device: torch.device) 
     return split_balanced(blocks, [rows for _, rows, _ in blocks], workers_for(device))
 
 
-def _forward_tiles(x, w_in, w_out, token_ids, w_rows, counts, activation, block_rows):
+def _forward_tiles(x, w_in, w_out, token_ids, w_rows, counts, activation, block_rows, keep_h=True):
     n_rows, hidden = token_ids.numel(), x.shape[1]
     ffn = w_out.shape[2]
-    h = x.new_empty(n_rows, w_in.shape[1])  # [N, I], saved
+    h = x.new_empty(n_rows, w_in.shape[1]) if keep_h else None  # [N, I], saved (unless recomputed in backward)
     y = x.new_empty(n_rows, hidden)  # [N, D] gated expert outputs, combined then freed
 
     def run(blocks):  # one worker's blocks, with its own scratch buffers
         most = max(rows for _, rows, _ in blocks)
         xs = x.new_empty(most, hidden)  # [n, D] this block's input rows
         a = x.new_empty(most, ffn)  # [n, F] their activation
+        hs = None if keep_h else x.new_empty(most, w_in.shape[1])  # [n, I] scratch pre-activation
         for s, n, experts in blocks:
+            hb = h[s : s + n] if keep_h else hs[:n]
             torch.index_select(x, 0, token_ids[s : s + n], out=xs[:n])
             for e, r, m in experts:
-                torch.mm(xs[r : r + m], w_in[e].T, out=h[s + r : s + r + m])
-            _act_forward(h[s : s + n], a[:n], activation)
+                torch.mm(xs[r : r + m], w_in[e].T, out=hb[r : r + m])
+            _act_forward(hb, a[:n], activation)
             a[:n].mul_(w_rows[s : s + n, None])
             for e, r, m in experts:
                 torch.mm(a[r : r + m], w_out[e].T, out=y[s + r : s + r + m])
@@ -172,14 +174,22 @@ def _backward_tiles(dout, x, w_in, w_out, h, token_ids, w_rows, counts, activati
     def run(blocks):  # one worker's blocks, with its own scratch buffers
         most = max(rows for _, rows, _ in blocks)
         g = x.new_empty(most, hidden)  # [n, D] dL/dy for this block's rows
-        xs = x.new_empty(most, hidden) if need_in else None  # [n, D] their input rows, gathered again
+        xs = x.new_empty(most, hidden) if need_in or h is None else None  # [n, D] their input rows, gathered again
+        hs = x.new_empty(most, w_in.shape[1]) if h is None else None  # [n, I] recomputed pre-activation
         dz = x.new_empty(most, ffn)  # [n, F] dL/d(w a), then dL/da
         a = x.new_empty(most, ffn) if need_w or need_out else None  # [n, F] recomputed activation
         sg = x.new_empty(most, ffn) if activation == "swiglu" else None  # [n, F] silu(gate)
         prod = x.new_empty(most, ffn) if need_w else None  # [n, F] dz * a, summed over F
         dh = x.new_empty(most, w_in.shape[1])  # [n, I] dL/dh
         for s, n, experts in blocks:
-            he, we = h[s : s + n], w_rows[s : s + n, None]
+            we = w_rows[s : s + n, None]
+            if h is None:  # recompute: gather the rows again and rerun the input projection
+                he = hs[:n]
+                torch.index_select(x, 0, token_ids[s : s + n], out=xs[:n])
+                for e, r, m in experts:
+                    torch.mm(xs[r : r + m], w_in[e].T, out=he[r : r + m])
+            else:
+                he = h[s : s + n]
             torch.index_select(dout, 0, token_ids[s : s + n], out=g[:n])
             for e, r, m in experts:
                 torch.mm(g[r : r + m], w_out[e], out=dz[r : r + m])
@@ -197,7 +207,8 @@ def _backward_tiles(dout, x, w_in, w_out, h, token_ids, w_rows, counts, activati
                 for e, r, m in experts:
                     torch.mm(dh[r : r + m], w_in[e], out=dx_rows[s + r : s + r + m])
             if need_in:
-                torch.index_select(x, 0, token_ids[s : s + n], out=xs[:n])
+                if h is not None:
+                    torch.index_select(x, 0, token_ids[s : s + n], out=xs[:n])
                 for e, r, m in experts:
                     torch.mm(dh[r : r + m].T, xs[r : r + m], out=d_in[e])
 
@@ -216,6 +227,8 @@ def _forward_grouped(x, w_in, w_out, token_ids, w_rows, offs, activation):
 
 def _backward_grouped(dout, x, w_in, w_out, h, token_ids, w_rows, offs, activation, needs):
     need_x, need_w, need_in, need_out = needs
+    if h is None:  # recompute the pre-activation (one more grouped GEMM)
+        h = F.grouped_mm(x.index_select(0, token_ids), w_in.transpose(-2, -1), offs=offs)
     g = dout.index_select(0, token_ids)  # [N, D]
     dz = F.grouped_mm(g, w_out, offs=offs)  # [N, F]
     a = torch.empty_like(dz) if need_w or need_out else None
@@ -241,16 +254,17 @@ class _FusedMoE(torch.autograd.Function):
     """out = sum_k w_k * expert_k(x); ``groups`` is a list of host counts (tiles) or device offsets (grouped)."""
 
     @staticmethod
-    def forward(ctx, x, weights, w_in, w_out, token_ids, rows_of, groups, activation, block_rows):  # noqa: D102
+    def forward(ctx, x, weights, w_in, w_out, token_ids, rows_of, groups, activation, block_rows, recompute):  # noqa: D102
         w_rows = torch.empty(token_ids.numel(), dtype=weights.dtype, device=x.device)
         w_rows.scatter_(0, rows_of.reshape(-1), weights.reshape(-1))  # [N] gating weight of each row
         w_rows_c = w_rows.to(x.dtype)
         if isinstance(groups, list):
-            y, h = _forward_tiles(x, w_in, w_out, token_ids, w_rows_c, groups, activation, block_rows)
+            y, h = _forward_tiles(x, w_in, w_out, token_ids, w_rows_c, groups, activation, block_rows,
+                                  keep_h=not recompute)
             ctx.save_for_backward(x, w_in, w_out, h, token_ids, rows_of, w_rows_c)
         else:
             y, h = _forward_grouped(x, w_in, w_out, token_ids, w_rows_c, groups, activation)
-            ctx.save_for_backward(x, w_in, w_out, h, token_ids, rows_of, w_rows_c, groups)
+            ctx.save_for_backward(x, w_in, w_out, None if recompute else h, token_ids, rows_of, w_rows_c, groups)
         ctx.counts = groups if isinstance(groups, list) else None
         ctx.activation = activation
         ctx.block_rows = block_rows
@@ -273,7 +287,7 @@ class _FusedMoE(torch.autograd.Function):
         dw = None
         if dw_rows is not None:
             dw = dw_rows.index_select(0, rows_of.reshape(-1)).view(rows_of.shape).to(ctx.weights_dtype)
-        return dx, dw, d_in, d_out, None, None, None, None, None
+        return dx, dw, d_in, d_out, None, None, None, None, None, None
 
 
 def fused_moe(
@@ -286,6 +300,7 @@ def fused_moe(
     *,
     mode: str = "auto",
     block_rows: int | None = None,
+    recompute: bool = False,
 ) -> torch.Tensor:
     """Dropless routed-expert FFN of one MoE layer, fused (see the module docstring).
 
@@ -301,6 +316,9 @@ def fused_moe(
             tiles).
         block_rows: tiles mode: consecutive experts are packed into blocks of about this many rows for the
             non-GEMM work (see :func:`_blocks`); ``None``: :data:`BLOCK_ELEMENTS` / max(I, D).
+        recompute: save nothing of the experts' own for backward (not even ``h`` [N, I]): backward gathers each
+            block's rows again and reruns the input projection (Megatron-Core's ``--recompute-modules moe``
+            trade, for the experts: +1 GEMM of 2 N D I FLOPs; saves N I elements).
     Returns:
         [T, D] in the compute dtype (the autocast dtype under autocast, else the weights' dtype).
     Raises:
@@ -325,4 +343,5 @@ def fused_moe(
     groups = torch.cumsum(counts, 0).to(torch.int32) if mode == "grouped" else [int(c) for c in counts.tolist()]
     if block_rows is None:
         block_rows = BLOCK_ELEMENTS // max(width, hidden)
-    return _FusedMoE.apply(x, topk_weights, w_in, w_out, token_ids, rows_of, groups, activation, max(1, block_rows))
+    return _FusedMoE.apply(x, topk_weights, w_in, w_out, token_ids, rows_of, groups, activation, max(1, block_rows),
+                           recompute)

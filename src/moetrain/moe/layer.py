@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from moetrain.errors import ConfigError
 from moetrain.moe.capacity import capacity_keep, expert_capacity
@@ -127,7 +128,7 @@ class MoELayer(nn.Module):
         fused = keep is None and layout is None and c.backend == "fused" and type(self.dispatcher) is LocalDispatcher
         if fused:  # dropless on one device: dispatch, experts and combine as one Function (moe/fast_moe.py)
             y = fused_moe(tokens, routing.topk_ids, routing.topk_weights, self.experts.w_in, self.experts.down_proj,
-                          self.experts.activation).to(x.dtype)
+                          self.experts.activation, recompute=c.recompute_experts).to(x.dtype)
         elif keep is None and layout is None:
             x_rows, tokens_per_expert, meta = self.dispatcher.dispatch(tokens, routing.topk_ids, routing.topk_weights)
         else:
@@ -138,7 +139,11 @@ class MoELayer(nn.Module):
             x_rows, tokens_per_expert, meta = self.dispatcher.dispatch(
                 tokens, routing.topk_ids, routing.topk_weights, keep=keep, capacity=layout)
         if not fused:
-            y = self.dispatcher.combine(self.experts(x_rows, tokens_per_expert), meta).to(x.dtype)  # [T, D]
+            if c.recompute_experts and torch.is_grad_enabled():
+                expert_out = checkpoint(self.experts, x_rows, tokens_per_expert, use_reentrant=False)
+            else:
+                expert_out = self.experts(x_rows, tokens_per_expert)
+            y = self.dispatcher.combine(expert_out, meta).to(x.dtype)  # [T, D]
 
         if self.shared_expert is not None:
             shared = self.shared_expert(tokens)

@@ -59,7 +59,9 @@ def topk_stable(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
         (values [..., K], indices [..., K] int64), best first.
     """
     values, indices = torch.sort(scores, dim=-1, descending=True, stable=True)
-    return values[..., :k], indices[..., :k]
+    # Copies, not views: a view would keep the whole [..., E] int64 sort alive wherever the ids are saved for
+    # backward (the gather of the gating weights), 8 E bytes per token instead of 8 K.
+    return values[..., :k].contiguous(), indices[..., :k].contiguous()
 
 
 def group_limited_mask(selection: torch.Tensor, num_groups: int, topk_groups: int) -> torch.Tensor:

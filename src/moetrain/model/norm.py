@@ -1,0 +1,70 @@
+"""RMSNorm (Zhang & Sennrich, 2019) with a hand-written backward that saves only the input and 1 / rms.
+
+``y = x / sqrt(mean(x^2) + eps) * weight``, computed in fp32 (a bf16 input is upcast, the output cast back), as
+``torch.nn.RMSNorm`` and transformers' ``MixtralRMSNorm`` / ``LlamaRMSNorm``. The parameter is named ``weight``,
+so state dicts are interchangeable with ``nn.RMSNorm``.
+
+Why not ``nn.RMSNorm``: on CPU it runs as a chain of autograd ops that together save the input, ``x * rstd`` and
+``rstd`` (2 D + 1 elements per token in fp32, measured with ``saved_tensors_hooks``), and backward walks that chain
+op by op. This Function saves ``x`` (held by the caller anyway: the residual stream) and ``rstd`` (1 per token)
+and recomputes ``x * rstd`` in backward: D elements per token less for every norm, which is what BTA's memory
+balance (docs/bta.md) and activation memory in general are made of.
+
+Backward (``r = rstd``, ``gw = dL/dy * weight``):
+    dL/dx = r * gw - x * r^3 * mean(gw * x)
+    dL/dweight = sum over tokens of dL/dy * x * r
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):  # noqa: D102
+        acc = torch.promote_types(x.dtype, torch.float32)
+        xf = x.to(acc)
+        rstd = torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)  # [..., 1] fp32 (fp64 for fp64)
+        ctx.save_for_backward(x, weight, rstd)
+        return (xf * rstd * weight.to(acc)).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: D102
+        x, weight, rstd = ctx.saved_tensors
+        xhat = x.to(rstd.dtype) * rstd  # recomputed [..., D]
+        gf = grad.to(rstd.dtype)
+        dx = dw = None
+        if ctx.needs_input_grad[1]:
+            dw = (gf * xhat).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+        if ctx.needs_input_grad[0]:
+            gw = gf * weight.to(rstd.dtype)
+            dx = (rstd * (gw - xhat * (gw * xhat).mean(dim=-1, keepdim=True))).to(x.dtype)
+        return dx, dw, None
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm over the last dim with a learned scale, fp32 internals.
+
+    Args:
+        dim: D, the normalised (last) dimension.
+        eps: added to the mean square.
+    Shapes:
+        x: [..., D] fp32 or bf16 -> same shape and dtype.
+    Source: the formula of ``torch.nn.RMSNorm`` / transformers' ``LlamaRMSNorm`` (equal within fp32 rounding,
+    tests/test_norm.py); the backward is derived in the module docstring.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Under autocast the norm runs in fp32 regardless (as nn.RMSNorm, on autocast's fp32 list).
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            return _RMSNormFunction.apply(x, self.weight, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
