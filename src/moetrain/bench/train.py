@@ -4,7 +4,8 @@ transformers' ``MixtralForCausalLM`` with the identical configuration, batch and
 Legend: B = batch (sequences), S = sequence length, L = layers, E = experts, K = top-k.
 
 One training step = forward with the loss, backward, ``AdamW.step()``, ``zero_grad(set_to_none=True)``; the same
-batch every step. moetrain's model is called as its trainer calls it (``return_logits=False``: LM head and loss
+batch every step. Both models get PyTorch's fused AdamW (``fused=True``): moetrain's trainer uses it, and so does
+transformers' ``Trainer`` by default (``optim="adamw_torch_fused"``). moetrain's model is called as its trainer calls it (``return_logits=False``: LM head and loss
 fused, moetrain/model/fused_ce.py); transformers' with ``labels``. The transformers model is built from the same config through the HF interop
 (:func:`moetrain.interop.families.hf_config_dict`), gets moetrain's initial weights (renamed by
 :func:`moetrain.interop.hf.hf_state_dict`, copied) and computes its load-balancing aux loss
@@ -145,7 +146,7 @@ def run(args) -> int:
         for name, model in models.items():
             model.train()
             lm_loss[name] = float(loss_of(name, model)[1])
-    opts = {n: torch.optim.AdamW(m.parameters(), lr=args.lr) for n, m in models.items()}
+    opts = {n: torch.optim.AdamW(m.parameters(), lr=args.lr, fused=True) for n, m in models.items()}
 
     def stepper(name):
         model, opt = models[name], opts[name]
@@ -200,7 +201,7 @@ def _print(report: dict) -> None:
     m, a = report["model"], report["args"]
     print(f"bench train: preset {m['preset']} (L={m['layers']}, D={m['hidden']}, E={m['experts']}, K={m['top_k']}, "
           f"F={m['expert_ffn']}, V={m['vocab']}), batch {report['batch']} x {report['seq']} = "
-          f"{report['tokens_per_step']} tokens, {a['dtype']}, AdamW; {a['steps']} timed rounds interleaved; "
+          f"{report['tokens_per_step']} tokens, {a['dtype']}, fused AdamW; {a['steps']} timed rounds interleaved; "
           f"{report['machine']['threads']} threads, {a['clock']} clock; load average "
           f"{report['machine']['load_avg_1_5_15min']}")
     print(f"  {'candidate':<22} {'tok/s':>8} {'step ms':>8} {'min-max ms':>17} {'vs best HF':>10} {'peak MB':>8} "

