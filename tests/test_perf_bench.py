@@ -57,3 +57,20 @@ def test_bench_train_smoke(tmp_path):
         assert c["lm_loss_diff"] < 1e-4, name  # the same weights give the same initial cross-entropy
         assert c["tokens_per_s"] > 0 and c["peak_bytes"] > 0
     assert cands["hf-grouped_mm"]["speedup_vs_best_hf"] <= 1.0 or cands["hf-eager"]["speedup_vs_best_hf"] <= 1.0
+
+
+def test_bench_train_expert_overrides(tmp_path):
+    # --experts / --top-k / --expert-ffn reshape the preset's MoE for both models; weights still map one to one
+    # (the same initial cross-entropy) and the parameter count follows E * 3 * D * F per layer.
+    out = tmp_path / "train.json"
+    assert main(["bench", "train", "--preset", "tiny", "--batch", "2", "--seq", "16", "--steps", "1", "--warmup",
+                 "0", "--backends", "fused", "--hf", "eager", "--experts", "6", "--top-k", "3", "--expert-ffn", "8",
+                 "--no-memory", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert (report["model"]["experts"], report["model"]["top_k"], report["model"]["expert_ffn"]) == (6, 3, 8)
+    assert report["candidates"]["hf-eager"]["lm_loss_diff"] < 1e-4
+
+
+def test_bench_train_rejects_bad_expert_override(capsys):
+    assert main(["bench", "train", "--preset", "tiny", "--experts", "2", "--top-k", "3"]) == 2
+    assert "top_k" in capsys.readouterr().err

@@ -37,6 +37,11 @@ def add_parser(sub) -> None:
     p.add_argument("--preset", default="cpu-small", help="model preset (default cpu-small; Mixtral-style)")
     p.add_argument("--batch", type=int, default=None, help="B sequences per step (default: the preset's)")
     p.add_argument("--seq", type=int, default=None, help="S tokens per sequence (default: the preset's)")
+    p.add_argument("--experts", type=int, default=None, help="override model.moe.num_experts (E)")
+    p.add_argument("--top-k", type=int, default=None, help="override model.moe.top_k (K)")
+    p.add_argument("--expert-ffn", type=int, default=None,
+                   help="override model.moe.expert_ffn_hidden (F); e.g. --experts 64 --top-k 8 --expert-ffn 128 "
+                        "is cpu-small's fine-grained twin (same K * F active expert width)")
     p.add_argument("--backends", default="fused,grouped_mm",
                    help=f"moetrain expert backends to run, comma-separated from {','.join(OURS_BACKENDS)}")
     p.add_argument("--hf", default="grouped_mm,eager",
@@ -84,6 +89,9 @@ def build_models(args):
     if batch < 1 or seq < 2:
         raise ConfigError(f"--batch must be >= 1 and --seq >= 2, got {batch} and {seq}")
     model_dict = preset["model"]
+    for flag, field in (("experts", "num_experts"), ("top_k", "top_k"), ("expert_ffn", "expert_ffn_hidden")):
+        if getattr(args, flag, None) is not None:
+            model_dict["moe"] = {**model_dict["moe"], field: getattr(args, flag)}  # validated by ModelConfig
     model_dict["max_seq_len"] = max(model_dict.get("max_seq_len", seq), seq)
     models = {}
     ref_cfg = None
