@@ -155,3 +155,46 @@ def test_plan_command_errors(capsys):
     assert main(["plan", "--preset", "tiny", "--devices", "0"]) == 2
     assert "--devices" in capsys.readouterr().err
     assert main(["plan", "--preset", "tiny", "--devices", "2", "--device", "nope"]) == 2
+
+
+def test_recompute_experts_trades_the_pre_activation_for_one_input_projection():
+    """Hand-derived: recomputed (fused, dropless) experts keep N x 2F fewer elements per MoE layer (N = T * K rows,
+    SwiGLU pre-activation) and cost the input projections' forward once more (2 N D 2F FLOPs per layer)."""
+    from moetrain.analysis.step import Layout, Workload, estimate
+
+    s = _shape(experts=8, layers=4, hidden=256, ffn=512, top_k=2)
+    assert s.fused_experts and not s.recompute_experts
+    hw = _hw(mem_bw=1e18)  # compute-bound expert GEMMs: time = FLOPs / (peak * efficiency)
+    work = dict(seq=128, global_batch=8, micro_batch=4, act_bytes=2)
+    base = estimate(s, [True] * 4, Layout(), Workload(**work), hw)
+    rexp = estimate(s, [True] * 4, Layout(), Workload(**work, recompute_experts=True), hw)
+    rows = 4 * 128 * 2
+    assert base.activation_bytes - rexp.activation_bytes == 4 * rows * 2 * 512 * 2
+    extra_flops = 2 * 4 * (2 * rows * 256 * 2 * 512)  # 2 micro-batches x 4 layers x input projections
+    assert rexp.compute_s - base.compute_s == pytest.approx(extra_flops / (100e12 * 0.5), rel=1e-9)
+
+
+def test_plan_uses_recomputed_experts_when_moe_activations_fill_memory():
+    """Wide experts, narrow attention: the MoE layer's activations dominate, so BTA cannot help; with memory for
+    the state plus about half of the whole batch's activations, recomputing the experts lets the whole batch fit as
+    one micro-batch."""
+    s = _shape(experts=8, hidden=128, ffn=2048, heads=2, layers=2, top_k=2)
+    hw = dict(peak_flops=100e12, mem_bw=1e12)
+    ample = plan(s, [True, True], devices=1, hw=_hw(mem_gb=1000, **hw), seq=128, global_batch=16)
+    whole = ample.recommended.best
+    assert (whole.workload.micro_batch, whole.workload.recompute_experts, whole.workload.checkpoint) == (16, False, False)
+    mem = (whole.state_bytes + 0.55 * whole.activation_bytes) / 0.9
+    tight = plan(s, [True, True], devices=1, hw=_hw(mem_gb=mem / 1e9, **hw), seq=128, global_batch=16)
+    best = tight.recommended.best
+    assert best.workload.recompute_experts and not best.workload.checkpoint, best.workload
+    assert best.workload.micro_batch == 16 and best.fits
+    assert best.step_s < whole.step_s * 1.5
+    from moetrain.analysis.step import Layout, Workload, estimate
+
+    ckpt = estimate(s, [True, True], Layout(), dataclasses.replace(best.workload, recompute_experts=False,
+                                                                   checkpoint=True), _hw(mem_gb=mem / 1e9, **hw))
+    # Full checkpointing is no better: its recomputation holds a whole block's MoE activations again, and it
+    # reruns whole blocks.
+    assert not ckpt.fits or ckpt.step_s > best.step_s
+    assert not estimate(s, [True, True], Layout(), dataclasses.replace(best.workload, recompute_experts=False),
+                        _hw(mem_gb=mem / 1e9, **hw)).fits

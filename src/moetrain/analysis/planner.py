@@ -7,9 +7,12 @@ pipeline (EP x PP). The preferred family is tried first; if none of its layouts 
 sharding is tried (DP -> EP x DP -> EP x PP), and only then smaller ones (e.g. one device: DP). Within a family the
 fastest fitting layout wins (analysis/step.py).
 
-BTA: for each layout the micro-batch (a power of two dividing the per-rank batch) and G are searched; G > 1 is
-recommended when it lets a larger micro-batch fit (more tokens per expert GEMM) and that is faster than the best
-untiled option, by at least ``BTA_MIN_GAIN``.
+BTA: for each layout the micro-batch (a power of two dividing the per-rank batch), G, full activation
+checkpointing and recomputed experts (``model.moe.recompute_experts``) are searched; G > 1 is recommended when it
+lets a larger micro-batch fit (more tokens per expert GEMM) and that is faster than the best untiled option, by at
+least ``BTA_MIN_GAIN``. Recomputed experts are the cheaper memory lever (one more input projection of the experts,
+against a whole block forward for checkpointing); they are what makes BTA's memory balance reachable when the
+MoE layer's activations, which BTA does not tile, are what fills memory (docs/bta.md).
 """
 
 from __future__ import annotations
@@ -84,9 +87,10 @@ def plan_layout(
         if per_rank % mb:
             continue
         for g in _powers_of_two(min(mb, max_tiles)):
-            for ckpt in (False, True):
+            # Checkpointed blocks recompute the experts anyway; recomputing them alone is a lever without it.
+            for ckpt, rexp in ((False, False), (False, True), (True, False)):
                 work = Workload(seq=seq, global_batch=global_batch, micro_batch=mb, bta_tiles=g, checkpoint=ckpt,
-                                act_bytes=act_bytes)
+                                recompute_experts=rexp, act_bytes=act_bytes)
                 est = estimate(shape, moe_flags, layout, work, hw, counts)
                 if smallest is None or est.memory < smallest.memory:
                     smallest = est

@@ -18,7 +18,7 @@ Model (stated assumptions, not measurements):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from moetrain.analysis.activations import model_activations
 from moetrain.analysis.comm import (
@@ -73,13 +73,16 @@ class Layout:
 @dataclass(frozen=True)
 class Workload:
     """What one step trains: ``global_batch`` sequences of ``seq`` tokens, in micro-batches of ``micro_batch``
-    sequences per data-parallel rank, with G = ``bta_tiles`` and optional full activation checkpointing."""
+    sequences per data-parallel rank, with G = ``bta_tiles``, optional full activation checkpointing, and optional
+    recomputed experts (``model.moe.recompute_experts``: the experts save nothing for backward, which reruns their
+    input projections)."""
 
     seq: int
     global_batch: int
     micro_batch: int
     bta_tiles: int = 1
     checkpoint: bool = False
+    recompute_experts: bool = False
     act_bytes: int = 2
     state: StateBytes = StateBytes()
 
@@ -163,7 +166,11 @@ def estimate(
     wb = work.act_bytes
     inten = expert_intensity(shape, tpe, act_bytes=wb, weight_bytes=wb)
     local_experts = shape.num_experts / layout.ep * n_moe
+    # Forward, backward (2x), plus a whole forward again under full checkpointing, or the input projections'
+    # share of one (2 of 3 SwiGLU matrices, 1 of 2 GELU) when only the experts are recomputed.
     passes = 3 + (1 if work.checkpoint else 0)
+    if work.recompute_experts and not work.checkpoint:
+        passes += (shape.expert_mats - 1) / shape.expert_mats
     exp_flops = inten.flops * local_experts * passes
     exp_bytes = (3 * inten.weight_bytes + passes * inten.act_bytes) * local_experts
     t_experts = max(exp_flops / eff_flops, exp_bytes / (hw.mem_bw * hw.efficiency))
@@ -187,6 +194,8 @@ def estimate(
     # Memory of the busiest device.
     state = state_memory(counts, shape.n_layers, layout.ep, layout.pp, layout.data_parallel, layout.dp,
                          layout.zero1, work.state)
+    if work.recompute_experts:
+        shape = replace(shape, recompute_experts=True)
     acts = 0.0  # with autocast this includes each in-flight micro-batch's compute-dtype weight copies
     for i, flags in enumerate(stages):
         last = i == len(stages) - 1

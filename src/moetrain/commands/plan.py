@@ -70,7 +70,7 @@ def run(args) -> int:
         mark = "*" if c is result.recommended else " "
         print(f"{mark}{c.layout.label:<17} {c.layout.family:<6} {'yes' if c.fits else 'no':<4} "
               f"{e.memory / 1e9:>7.1f} {e.workload.micro_batch:>5} {e.workload.bta_tiles:>3} "
-              f"{'on' if e.workload.checkpoint else 'off':>4} {e.tokens_per_expert:>8.0f} {e.expert_intensity:>6.0f} "
+              f"{_ckpt(e.workload):>4} {e.tokens_per_expert:>8.0f} {e.expert_intensity:>6.0f} "
               f"{e.step_s:>8.2f} {e.comm_share:>5.0%}")
     print()
     if result.recommended is None:
@@ -78,7 +78,7 @@ def run(args) -> int:
         return 0
     r = result.recommended.best
     print(f"recommended: {result.recommended.layout.label}, micro-batch {r.workload.micro_batch} x "
-          f"{r.grad_accum} accumulation steps, activation checkpointing {'on' if r.workload.checkpoint else 'off'}: "
+          f"{r.grad_accum} accumulation steps, activation checkpointing {_ckpt_words(r.workload)}: "
           f"{r.memory / 1e9:.1f} GB/device, ~{r.step_s:.2f} s/step, {r.comm_share:.0%} communication")
     print(f"  why: {result.reason}")
     print(f"  {result.bta_reason}")
@@ -97,3 +97,15 @@ def _best_per_family(cands):
             out.append(c)
             seen[c.layout.family] = n + 1
     return out
+
+
+def _ckpt(work) -> str:
+    """The table's ckpt column: ``on`` (every block), ``exp`` (only the experts: model.moe.recompute_experts) or
+    ``off``."""
+    return "on" if work.checkpoint else "exp" if work.recompute_experts else "off"
+
+
+def _ckpt_words(work) -> str:
+    if work.checkpoint:
+        return "on"
+    return "off, experts recomputed (model.moe.recompute_experts=true)" if work.recompute_experts else "off"
