@@ -15,8 +15,10 @@ mapped (RSS). On CUDA it uses ``torch.cuda.max_memory_allocated`` the same way (
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
+import sys
 import statistics
 import time
 from collections.abc import Callable
@@ -63,6 +65,24 @@ def summary(seconds: list[float]) -> dict[str, float]:
     return {"median_s": statistics.median(seconds), "min_s": min(seconds), "max_s": max(seconds)}
 
 
+@contextlib.contextmanager
+def _quiet_native_stderr():
+    """Send file descriptor 2 to /dev/null for the block: kineto prints a ``USDT: ... profiler_start`` /
+    ``profiler_stop`` line (and the CPU allocator a warning about blocks allocated before profiling) from C++ for
+    every profiled call, which would interleave with the benchmark's table. Python exceptions still propagate."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
 def peak_tensor_bytes(fn: Callable[[], None], device: torch.device | str = "cpu") -> int:
     """Most bytes of torch tensors alive at once while ``fn()`` runs, above the level at its start (module
     docstring). Runs ``fn`` once more (untimed)."""
@@ -76,7 +96,7 @@ def peak_tensor_bytes(fn: Callable[[], None], device: torch.device | str = "cpu"
         return max(0, torch.cuda.max_memory_allocated(device) - start)
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _quiet_native_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     events = []
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
