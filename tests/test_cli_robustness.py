@@ -442,3 +442,29 @@ def test_train_threads_sets_the_intra_op_threads(env, tmp_path, capsys):
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(1)
+
+
+def test_resume_may_switch_execution_choices_that_keep_the_maths(env, stopped, tmp_path, capsys):
+    # Recomputed experts, BTA tiles and the expert backend change memory and speed, not the result: a resumed run
+    # may switch them (e.g. to fit memory), and the losses equal a run resumed without the switch.
+    import json
+    import shutil
+
+    losses = {}
+    for name, extra in (("same", []), ("switched", ["model.moe.recompute_experts=true", "model.bta_tiles=2",
+                                                    "model.moe.backend=loop"])):
+        run = tmp_path / name
+        shutil.copytree(stopped, run)
+        capsys.readouterr()
+        assert main(["train", "--out", str(run), "--resume", "--no-progress", "--stop-at-step", "6", *extra]) == 0
+        out = capsys.readouterr().out
+        assert ("resuming with a changed config" in out) == bool(extra)
+        losses[name] = [r["train_loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+                        if r.get("step", 0) > 4 and "train_loss" in r]
+    assert losses["same"] and losses["switched"] == pytest.approx(losses["same"], rel=1e-5)
+
+
+def test_a_fresh_run_directory_gets_no_restart_note(env, tmp_path, capsys):
+    run = tmp_path / "fresh"
+    assert main([*_train(env, run), "--no-progress", "--steps", "1"]) == 0
+    assert "stopped before writing" not in capsys.readouterr().out

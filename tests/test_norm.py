@@ -64,3 +64,13 @@ def test_rmsnorm_saves_input_and_rstd_only():
         counts[name] = counter.total
     assert counts["ours"] == 8 * 4  # rstd [8, 1] fp32; x itself is the caller's
     assert counts["torch"] >= 8 * 32 * 4  # at least x * rstd on top
+
+
+def test_rmsnorm_second_derivative_raises_and_meta_device_works():
+    norm = RMSNorm(4)
+    x = torch.randn(3, 4, requires_grad=True)
+    (g,) = torch.autograd.grad(norm(x).square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError):
+        g.sum().backward()  # once_differentiable: no silently wrong double backward
+    meta = RMSNorm(8).to("meta")
+    assert meta(torch.empty(2, 8, device="meta")).shape == (2, 8)

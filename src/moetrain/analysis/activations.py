@@ -10,7 +10,8 @@ Element counts per token follow what moetrain's own modules save (checked agains
 - input RMSNorm (model/norm.py): its input x and the normed output (``D`` each) and rstd (1);
 - attention (fused SDPA, flash or memory-efficient, never the S x S matrix): q, k, v after RoPE, the output and
   the log-sum-exp (``2 q + 2 kv + H``); q/k RMSNorm adds their inputs and ``x * rstd`` (fp32); RoPE keeps [S, Hd]
-  cos/sin tables per call. ``attention_kernel="math"`` adds the H x S attention probabilities per token (unfused
+  cos/sin tables per call. ``attention_kernel="math"`` adds the H x S attention probabilities per token in fp32, and
+  under autocast fp32 copies of q, k, v, and drops the log-sum-exp (unfused
   attention, the case the BTA paper addresses: attention memory quadratic in S);
 - post-attention RMSNorm: ``2 D + 1``;
 - MoE: per routed row the dispatched input and the gathered output (``2 D``) and the expert FFN internals (SwiGLU:
@@ -92,7 +93,9 @@ def block_activations(
     elif shape.qk_norm == "full":
         attn += (2 * q + 2 * kv + 2) * fp
     if attention_kernel == "math":
-        attn += h * seq * ab
+        # The unfused kernel keeps the H x S probabilities in fp32, and under autocast fp32 copies of q, k, v
+        # (it upcasts them), instead of the fused kernel's log-sum-exp.
+        attn += h * seq * fp + (q + 2 * kv) * (fp - ab) - h * fp
     attention = t * attn + 2 * seq * shape.head_size * fp  # + the RoPE cos/sin tables
     if moe:
         internals = 4 if shape.expert_mats == 3 else 2

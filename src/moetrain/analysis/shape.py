@@ -28,7 +28,8 @@ class ModelShape:
         capacity_factor: ``None`` = dropless; else the expert capacity factor.
         pad_to_capacity: every expert computes exactly C rows.
         fused_experts: dispatch, experts and combine run as moe/fast_moe.py's one Function (the ``fused`` backend,
-            dropless; what it saves for backward differs from the unfused path's).
+            dropless, on one device: under expert parallelism the layer takes the unfused all-to-all path, which
+            analysis/step.py accounts for; what it saves for backward differs from the unfused path's).
         recompute_experts: the experts' intermediates are recomputed in backward (``moe.recompute_experts``).
     """
 

@@ -196,12 +196,14 @@ def estimate(
                          layout.zero1, work.state)
     if work.recompute_experts:
         shape = replace(shape, recompute_experts=True)
+    if layout.ep > 1:  # the fused Function is the single-device path; EP dispatches through the all-to-all
+        shape = replace(shape, fused_experts=False)
     acts = 0.0  # with autocast this includes each in-flight micro-batch's compute-dtype weight copies
     for i, flags in enumerate(stages):
         last = i == len(stages) - 1
         in_flight = min(layout.pp - i, m) if layout.pp > 1 else 1
         a = model_activations(shape, flags, work.micro_batch, work.seq, work.bta_tiles, work.checkpoint,
-                              work.act_bytes, lm_head=last)
+                              work.act_bytes, lm_head=last, fused_loss=True)  # as the trainer runs the loss
         acts = max(acts, (sum(a.blocks) + a.other) * in_flight + a.transient)
     return Estimate(
         layout=layout, workload=work, grad_accum=m, state_bytes=state.total,

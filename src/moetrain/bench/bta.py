@@ -71,6 +71,10 @@ def _check(args) -> None:
             raise ConfigError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
     if args.warmup < 0:
         raise ConfigError(f"--warmup: must be >= 0, got {args.warmup}")
+    if args.kv_heads is not None and args.kv_heads < 1:
+        raise ConfigError(f"--kv-heads: must be >= 1 (or left out: = --heads), got {args.kv_heads}")
+    if args.tiles < 2:
+        raise ConfigError(f"--tiles: must be >= 2 (G = 1 is mode (a) itself), got {args.tiles}")
     if args.batch % args.tiles:
         raise ConfigError(f"--tiles: {args.tiles} does not divide --batch {args.batch}")
 
@@ -94,7 +98,7 @@ def run(args) -> int:
     g = args.tiles
     model_dict = {
         "vocab_size": args.vocab, "hidden": args.hidden, "n_layers": args.layers, "n_heads": args.heads,
-        "n_kv_heads": args.kv_heads or args.heads, "head_dim": args.head_dim, "qk_norm": args.qk_norm, "ffn_hidden": 4 * args.hidden, "max_seq_len": args.seq,
+        "n_kv_heads": args.heads if args.kv_heads is None else args.kv_heads, "head_dim": args.head_dim, "qk_norm": args.qk_norm, "ffn_hidden": 4 * args.hidden, "max_seq_len": args.seq,
         "moe": {"num_experts": args.experts, "top_k": args.top_k, "expert_ffn_hidden": args.expert_ffn,
                 "backend": args.backend, "recompute_experts": args.recompute_experts},
     }
@@ -106,7 +110,7 @@ def run(args) -> int:
     for m in models.values():
         m.load_state_dict(ref.state_dict())
         m.train()
-    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
+    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True) for k, m in models.items()}  # as the trainer
     gen = torch.Generator().manual_seed(args.seed)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen)
     tgt = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen)

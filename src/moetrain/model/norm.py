@@ -17,8 +17,11 @@ Backward (``r = rstd``, ``gw = dL/dy * weight``):
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 
 class _RMSNormFunction(torch.autograd.Function):
@@ -31,6 +34,7 @@ class _RMSNormFunction(torch.autograd.Function):
         return (xf * rstd * weight.to(acc)).to(x.dtype)
 
     @staticmethod
+    @once_differentiable  # a second derivative raises instead of being silently wrong
     def backward(ctx, grad):  # noqa: D102
         x, weight, rstd = ctx.saved_tensors
         xhat = x.to(rstd.dtype) * rstd  # recomputed [..., D]
@@ -62,8 +66,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Under autocast the norm runs in fp32 regardless (as nn.RMSNorm, on autocast's fp32 list).
-        with torch.autocast(device_type=x.device.type, enabled=False):
+        # Under autocast the norm runs in fp32 regardless (as nn.RMSNorm, on autocast's fp32 list). Devices without
+        # autocast (meta: shape-only runs) take it as is.
+        no_autocast = (torch.autocast(device_type=x.device.type, enabled=False) if x.device.type in ("cpu", "cuda")
+                       else contextlib.nullcontext())
+        with no_autocast:
             return _RMSNormFunction.apply(x, self.weight, self.eps)
 
     def extra_repr(self) -> str:

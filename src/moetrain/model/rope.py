@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch.autograd.function import once_differentiable
 
 
 def rope_cos_sin(positions: torch.Tensor, head_size: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,6 +69,7 @@ class _Rope(torch.autograd.Function):
         return _rotate(x, c, s)
 
     @staticmethod
+    @once_differentiable  # written with out= kernels: a second derivative raises instead of being wrong
     def backward(ctx, grad):  # noqa: D102
         c, s = ctx.saved_tensors
         return _rotate(grad, c, -s), None, None  # the inverse rotation

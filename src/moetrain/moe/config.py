@@ -34,9 +34,10 @@ class MoEConfig:
             sizes C to the busiest expert, one host sync) or ``loop`` (plain per-expert loop, the reference).
         recompute_experts: keep none of the routed experts' intermediate activations for backward; backward
             recomputes them (Megatron-Core's ``--recompute-modules moe`` for the experts). The fused backend reruns
-            the input projection block by block in its backward (+1 GEMM of the expert's 3 per token and
-            assignment; saves the [T * K, I] pre-activation), the others run the experts under
-            ``torch.utils.checkpoint`` (saving their [T * K, D] input rows). Outputs and gradients are unchanged.
+            the input projection block by block in its backward (for SwiGLU 2 of the expert's 3 weight matrices'
+            forward FLOPs, i.e. +2/9 of its forward + backward; saves the [T * K, I] pre-activation), the others
+            run the experts under ``torch.utils.checkpoint`` (their [T * K, D] dispatched rows stay saved).
+            Outputs and gradients are unchanged.
         shared_expert_ffn_hidden: width of an always-on dense shared expert with the same activation (Qwen2-MoE's
             ``shared_expert_intermediate_size``; DeepSeek's ``n_shared_experts * moe_intermediate_size``); 0 = none.
         shared_expert_gate: scale the shared expert's output by ``sigmoid(x @ w)``, ``w`` [1, D] (Qwen2-MoE).

@@ -19,7 +19,9 @@ from moetrain.errors import ConfigError
 
 # Fields under model.* / data.* that do not change what was trained: the expert implementation (every backend
 # computes the same function) and where the token cache lives.
-CHANGEABLE_MODEL_DATA = {"model.moe.backend", "data.cache_dir"}
+# Execution choices that change neither the maths nor the weights (tested equal: backends, recomputed experts, BTA
+# tiles), and where the data cache lives: a resumed run may switch them, e.g. to fit memory.
+CHANGEABLE_MODEL_DATA = {"model.moe.backend", "model.moe.recompute_experts", "model.bta_tiles", "data.cache_dir"}
 FIXED_TRAIN = {"batch_size", "grad_accum", "seed", "weight_decay", "beta1", "beta2", "eps", "checkpoint_url"}
 
 
