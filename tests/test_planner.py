@@ -198,3 +198,12 @@ def test_plan_uses_recomputed_experts_when_moe_activations_fill_memory():
     assert not ckpt.fits or ckpt.step_s > best.step_s
     assert not estimate(s, [True, True], Layout(), dataclasses.replace(best.workload, recompute_experts=False),
                         _hw(mem_gb=mem / 1e9, **hw)).fits
+
+
+def test_autocast_weight_copies_count_only_the_local_experts_under_ep():
+    from moetrain.analysis.activations import weight_copy_bytes
+
+    s = dataclasses.replace(_shape(experts=8, hidden=64, ffn=32), shared_ffn=16)
+    assert weight_copy_bytes(s, "moe", 2) == (8 * 3 * 64 * 32 + 3 * 64 * 16) * 2
+    assert weight_copy_bytes(s, "moe", 2, ep=4) == (2 * 3 * 64 * 32 + 3 * 64 * 16) * 2
+    assert weight_copy_bytes(s, "moe", 4, ep=4) == 0.0  # fp32: the parameters themselves are saved

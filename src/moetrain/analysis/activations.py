@@ -120,7 +120,7 @@ def block_activations(
 
 
 def weight_copy_bytes(
-    shape: ModelShape, part: Literal["attention", "moe", "dense", "lm_head"], act_bytes: int = 4
+    shape: ModelShape, part: Literal["attention", "moe", "dense", "lm_head"], act_bytes: int = 4, ep: int = 1
 ) -> float:
     """Bytes of autocast's compute-dtype copies of one block part's GEMM weights (or of the LM head), saved for
     backward under autocast (``act_bytes`` < 4); 0 in fp32, where the saved weights are the parameters themselves.
@@ -130,7 +130,9 @@ def weight_copy_bytes(
     d = shape.hidden
     n = {
         "attention": 2 * d * shape.q_width + 2 * d * shape.kv_width,
-        "moe": shape.num_experts * shape.expert_mats * d * shape.expert_ffn + shape.expert_mats * d * shape.shared_ffn,
+        # under expert parallelism a rank casts only its E / ep experts
+        "moe": shape.num_experts / ep * shape.expert_mats * d * shape.expert_ffn
+        + shape.expert_mats * d * shape.shared_ffn,
         "dense": 3 * d * shape.dense_ffn,
         "lm_head": shape.vocab * d,
     }[part]
@@ -168,11 +170,13 @@ def model_activations(
     attention_kernel: Literal["fused", "math"] = "fused",
     lm_head: bool = True,
     fused_loss: bool = False,
+    ep: int = 1,
 ) -> ActivationMemory:
     """Activation memory of the blocks flagged in ``moe_layer_flags`` (True = MoE block; pass a pipeline stage's
     slice for one stage) plus, with ``lm_head``, the final norm and loss: the logits path (fp32 log-softmax, V per
     token) or, with ``fused_loss`` (how the trainer calls the model: model/fused_ce.py), the loss's gradients
-    computed in forward (d_hidden in the compute dtype, D per token, and an fp32 d_weight, V x D once).
+    computed in forward (d_hidden in the compute dtype, D per token, and an fp32 d_weight, V x D once). ``ep``:
+    expert-parallel degree (a rank casts only its E / ep experts' weights under autocast).
 
     BTA (``bta_tiles`` = G > 1): a block keeps its input and its FFN / MoE tensors; one tile's attention
     (``batch / G`` sequences) is alive while it is recomputed. Full activation checkpointing: a block keeps only
@@ -186,7 +190,7 @@ def model_activations(
         full = block_activations(shape, batch, seq, is_moe, act_bytes, attention_kernel)
         tile = block_activations(shape, tile_batch, seq, is_moe, act_bytes, attention_kernel)
         attn_copy = weight_copy_bytes(shape, "attention", act_bytes)
-        ffn_copy = weight_copy_bytes(shape, "moe" if is_moe else "dense", act_bytes)
+        ffn_copy = weight_copy_bytes(shape, "moe" if is_moe else "dense", act_bytes, ep)
         if checkpoint:
             blocks.append(full.block_input)
             transient = max(transient, full.ffn + ffn_copy + tile.attention + attn_copy)

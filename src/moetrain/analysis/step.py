@@ -203,7 +203,7 @@ def estimate(
         last = i == len(stages) - 1
         in_flight = min(layout.pp - i, m) if layout.pp > 1 else 1
         a = model_activations(shape, flags, work.micro_batch, work.seq, work.bta_tiles, work.checkpoint,
-                              work.act_bytes, lm_head=last, fused_loss=True)  # as the trainer runs the loss
+                              work.act_bytes, lm_head=last, fused_loss=True, ep=layout.ep)  # as the trainer runs
         acts = max(acts, (sum(a.blocks) + a.other) * in_flight + a.transient)
     return Estimate(
         layout=layout, workload=work, grad_accum=m, state_bytes=state.total,
