@@ -33,6 +33,7 @@ import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from moetrain.bench import add_measurement_args
 from moetrain.errors import ConfigError
 
 CANDIDATES = ("dense", "hf-eager", "hf-grouped_mm", "loop", "padded", "grouped_mm", "fused")
@@ -80,13 +81,7 @@ def add_parser(sub) -> None:
                    help=f"comma-separated subset of {','.join(CANDIDATES)} (dense is always run)")
     p.add_argument("--reps", type=int, default=5, help="timed rounds (default 5)")
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds first (default 1)")
-    p.add_argument("--no-memory", action="store_true", help="skip the peak-memory pass")
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: PyTorch's)")
-    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
-                   help="wall: elapsed time (default); cpu: process CPU time (steadier on a busy machine with "
-                        "--threads 1)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default="bench_moe.json", help="output file (default bench_moe.json)")
+    add_measurement_args(p, "bench_moe.json")
     p.set_defaults(func=run)
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from moetrain.bench import add_measurement_args
 from moetrain.errors import ConfigError
 
 OURS_BACKENDS = ("fused", "grouped_mm", "loop", "padded")
@@ -51,13 +52,7 @@ def add_parser(sub) -> None:
     p.add_argument("--steps", type=int, default=5, help="timed rounds (default 5)")
     p.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default 2)")
     p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--no-memory", action="store_true", help="skip the peak-memory pass")
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: PyTorch's)")
-    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
-                   help="wall: elapsed time (default); cpu: process CPU time (steadier on a busy machine with "
-                        "--threads 1)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default="bench_train.json", help="output file (default bench_train.json)")
+    add_measurement_args(p, "bench_train.json")
     p.set_defaults(func=run)
 
 
