@@ -29,7 +29,6 @@ import torch
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
-
 def interleaved_times(candidates: dict[str, Callable[[], None]], rounds: int, warmup: int,
                       sync: Callable[[], None] | None = None, clock: str = "wall") -> dict[str, list[float]]:
     """Seconds per call of each candidate over ``rounds`` timed rounds, after ``warmup`` untimed ones.
