@@ -299,3 +299,48 @@ def test_fused_moe_same_result_with_one_or_several_workers(dtype, recompute):
             torch.set_num_threads(threads)
     for a, b in zip(*results):
         torch.testing.assert_close(a.float(), b.float(), atol=1e-6 if dtype == torch.float32 else 1e-2, rtol=1e-5)
+
+
+@pytest.mark.parametrize("m", [5, 64, 130, 200])
+def test_shape_stable_expert_gemms_equal_one_gemm(m):
+    # bf16 expert GEMMs split their varying row count into a multiple of 64 and a remainder (oneDNN compiles a
+    # kernel per shape): same result as one GEMM up to bf16 rounding (the reduction form rounds once more).
+    from moetrain.moe.fast_moe import _mm_reduce, _mm_rows
+
+    g = torch.Generator().manual_seed(m)
+    a = torch.randn(m, 48, generator=g).to(torch.bfloat16)
+    b = torch.randn(48, 40, generator=g).to(torch.bfloat16)
+    c = torch.randn(m, 40, generator=g).to(torch.bfloat16)
+    out = torch.empty(m, 40, dtype=torch.bfloat16)
+    _mm_rows(a, b, out)
+    torch.testing.assert_close(out.float(), a.float() @ b.float(), atol=0.05, rtol=1e-2)
+    red = torch.empty(48, 40, dtype=torch.bfloat16)
+    _mm_reduce(a, c, red)
+    torch.testing.assert_close(red.float(), a.float().T @ c.float(), atol=0.15, rtol=2e-2)
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_fused_moe_bf16_with_experts_above_the_row_quantum_equals_loop(recompute):
+    ids, inputs = _moe_case("swiglu", torch.bfloat16, t=150, d=16, f=8, k=2, e=5)  # ~100 rows per busy expert
+    up = torch.randn(inputs[0].shape, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+
+    def run(fn):
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        y = fn(*leaves)
+        (y.float() * up.float()).sum().backward()
+        return [y.detach()] + [t.grad for t in leaves]
+
+    got = run(lambda x, w, a, b: fused_moe(x, ids, w, a, b, "swiglu", mode="tiles", recompute=recompute))
+    ref = run(lambda x, w, a, b: _unfused_moe(ids, "swiglu", x, w, a, b))
+    for name, a, b in zip(["y", "dx", "dw", "dw_in", "dw_out"], got, ref):
+        assert (a.float() - b.float()).abs().max() <= 3e-2 * b.float().abs().max().clamp(min=1.0), name
+
+
+def test_expert_tiles_cut_partial_tiles_to_stable_shapes():
+    from moetrain.moe.fast_experts import _tiles
+
+    tiles = _tiles([150, 0, 64, 3000], 2048)
+    assert [(e, n, first) for e, _, n, first in tiles] == [
+        (0, 128, True), (0, 22, False), (2, 64, True), (3, 2048, True), (3, 896, False), (3, 56, False)]
+    starts = [s for _, s, _, _ in tiles]
+    assert starts == [0, 128, 150, 214, 2262, 3158]  # contiguous, in row order

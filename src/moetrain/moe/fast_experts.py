@@ -43,6 +43,8 @@ _gelu_backward_out = torch.ops.aten.gelu_backward.grad_input
 # efficiency than they gain in cache hits, most in bf16, where oneDNN packs the weight on every call; 1024 rows
 # and whole experts time the same. The bound keeps the scratch buffers small when one expert gets many rows.
 DEFAULT_TILE_ROWS = 2048
+# Rows of the shape-stable part of an expert's GEMMs (tile_rows must be a multiple; see _tiles).
+ROW_QUANTUM = 64
 MODES = ("auto", "tiles", "grouped")
 
 
@@ -98,12 +100,22 @@ def _compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
 
 
 def _tiles(counts: list[int], tile_rows: int) -> list[tuple[int, int, int, bool]]:
-    """(expert, first row, rows, first tile of its expert) of every non-empty tile, in row order."""
+    """(expert, first row, rows, first tile of its expert) of every non-empty tile, in row order.
+
+    An expert's last, partial tile is cut into a multiple of :data:`ROW_QUANTUM` rows and a remainder, so that the
+    GEMM shapes repeat from step to step (oneDNN, PyTorch's CPU bf16 GEMM, compiles a kernel per new shape: see
+    moe/fast_moe.py ``_mm_rows``).
+    """
     out = []
     start = 0
     for e, n in enumerate(counts):
-        for off in range(0, n, tile_rows):
-            out.append((e, start + off, min(tile_rows, n - off), off == 0))
+        off = 0
+        while off < n:
+            rows = min(tile_rows, n - off)
+            if rows < tile_rows and rows > ROW_QUANTUM and rows % ROW_QUANTUM:
+                rows -= rows % ROW_QUANTUM
+            out.append((e, start + off, rows, off == 0))
+            off += rows
         start += n
     return out
 
