@@ -27,7 +27,8 @@ error 2^-9, the same as the bf16 rounding the activation already had); the unfus
 output by the fp32 weight.
 
 Execution: ``tiles`` mode runs one ``torch.mm`` per expert and projection into slices of preallocated outputs
-(CPU; the counts are read on the host once, which is free there); with several intra-op threads the blocks are
+(CPU; the counts are read on the host once, which is free there; in bf16 two, with shape-stable row counts:
+:func:`_mm_rows`); with several intra-op threads the blocks are
 split between single-threaded workers, one per thread (moe/cpu_workers.py: expert-level instead of op-level
 parallelism, measured faster at E = 64). ``grouped`` mode runs each projection as one
 ``torch.nn.functional.grouped_mm`` with device offsets (no host sync; the mode used on CUDA in bf16); both modes
