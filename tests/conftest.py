@@ -45,3 +45,14 @@ def code_corpus(tmp_path: Path) -> Path:
             lines.append("    return result\n")
         (root / f"module_{i:02d}.py").write_text("\n".join(lines))
     return root
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a test module (``pytestmark = pytest.mark.usefixtures("one_thread")``): on a shared
+    2-core machine two OpenMP threads per process can be ~30x slower (both spin while the other is descheduled);
+    results are compared within one thread setting only."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -11,7 +11,6 @@ import time
 import urllib.request
 
 import pytest
-import torch
 
 pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
@@ -24,14 +23,7 @@ from moetrain.train.checkpoint import MANIFEST, MODEL_FILE, STATE_FILE, Checkpoi
 BUCKET = "moetrain-test"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One intra-op thread: on a shared 2-core machine two OpenMP threads per process can be ~30x slower (both spin
-    while the other is descheduled); results are compared within one thread setting only."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _free_port() -> int:

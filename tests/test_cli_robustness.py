@@ -24,13 +24,7 @@ from moetrain.errors import MoetrainError
 TINY = ["--no-progress", "train.eval_batches=1", "monitor.tb_heatmap=false"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One intra-op thread (see test_resume.py)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -21,14 +21,7 @@ from moetrain.train.checkpoint import MODEL_FILE, STATE_FILE, CheckpointStore
 STEPS = 40
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One intra-op thread: on a shared 2-core machine two OpenMP threads per process can be ~30x slower (both spin
-    while the other is descheduled); results are compared within one thread setting only."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _args(corpus: Path, cache: Path, out: Path, *extra: str, preset: bool = True) -> list[str]:
