@@ -189,7 +189,7 @@ def test_plan_uses_recomputed_experts_when_moe_activations_fill_memory():
     assert best.workload.recompute_experts and not best.workload.checkpoint, best.workload
     assert best.workload.micro_batch == 16 and best.fits
     assert best.step_s < whole.step_s * 1.5
-    from moetrain.analysis.step import Layout, Workload, estimate
+    from moetrain.analysis.step import Layout, estimate
 
     ckpt = estimate(s, [True, True], Layout(), dataclasses.replace(best.workload, recompute_experts=False,
                                                                    checkpoint=True), _hw(mem_gb=mem / 1e9, **hw))
