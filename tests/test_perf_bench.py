@@ -74,3 +74,27 @@ def test_bench_train_expert_overrides(tmp_path):
 def test_bench_train_rejects_bad_expert_override(capsys):
     assert main(["bench", "train", "--preset", "tiny", "--experts", "2", "--top-k", "3"]) == 2
     assert "top_k" in capsys.readouterr().err
+
+
+def test_bench_moe_vary_routing_feeds_new_tokens_every_call(tmp_path, capsys):
+    # --vary-routing: every step overwrites the candidate's input with new tokens (same sequence for every
+    # candidate), so routing and the per-expert GEMM shapes change from call to call, as in training.
+    import torch
+
+    from moetrain.bench.moe import Shape, _build
+
+    built = _build(Shape(4, 2, 16, 8, 32), torch.float32, ["dense", "fused", "loop"], seed=0, vary_routing=True)
+    outputs = {}
+    for name in ("fused", "loop"):
+        step, output = built[name]
+        first = output().detach().clone()
+        step()
+        outputs[name] = (first, output().detach().clone())
+    for first, after in outputs.values():
+        assert not torch.equal(first, after)  # new tokens were fed by the step
+    torch.testing.assert_close(outputs["fused"][1], outputs["loop"][1], atol=1e-5, rtol=1e-5)  # the same new tokens
+    out = tmp_path / "moe.json"
+    assert main(["bench", "moe", "--grid", "smoke", "--reps", "1", "--warmup", "0", "--vary-routing",
+                 "--candidates", "fused", "--no-memory", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["args"]["vary_routing"] is True
+    assert "new tokens every call" in capsys.readouterr().out

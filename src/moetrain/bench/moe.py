@@ -81,6 +81,9 @@ def add_parser(sub) -> None:
                    help=f"comma-separated subset of {','.join(CANDIDATES)} (dense is always run)")
     p.add_argument("--reps", type=int, default=5, help="timed rounds (default 5)")
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds first (default 1)")
+    p.add_argument("--vary-routing", action="store_true",
+                   help="new random tokens every call (as in training: routing, hence the per-expert GEMM shapes, "
+                        "change each step); default: the same tokens every round")
     add_measurement_args(p, "bench_moe.json")
     p.set_defaults(func=run)
 
@@ -108,8 +111,10 @@ def _candidates(args) -> list[str]:
     return ["dense"] + [n for n in CANDIDATES if n in names and n != "dense"]
 
 
-def _build(shape: Shape, dtype, names: list[str], seed: int):
-    """name -> (step() doing forward + backward, output() returning the [T, D] output), sharing weights."""
+def _build(shape: Shape, dtype, names: list[str], seed: int, vary_routing: bool = False):
+    """name -> (step() doing forward + backward, output() returning the [T, D] output), sharing weights. With
+    ``vary_routing`` every step first overwrites its input with new random tokens (a generator per candidate, same
+    seed, so the candidates see the same sequence of inputs)."""
     import torch
     import torch.nn.functional as F
 
@@ -134,7 +139,8 @@ def _build(shape: Shape, dtype, names: list[str], seed: int):
             gate, up = F.linear(x_rows, dense_w[0]).chunk(2, dim=-1)
             return F.linear(F.silu(gate) * up, dense_w[1])
 
-        built["dense"] = (_stepper(dense_forward, grad_rows, [x_rows, *dense_w]), None)
+        refresh = _refresher(x_rows, seed, vary_routing)
+        built["dense"] = (_stepper(dense_forward, grad_rows, [x_rows, *dense_w], refresh), None)
 
     for impl in ("eager", "grouped_mm"):
         if f"hf-{impl}" not in names:
@@ -155,7 +161,8 @@ def _build(shape: Shape, dtype, names: list[str], seed: int):
         def hf_forward(block=block, xin=xin):
             return block(xin).view(t, d)
 
-        built[f"hf-{impl}"] = (_stepper(hf_forward, grad_out, [xin, *block.parameters()]), hf_forward)
+        built[f"hf-{impl}"] = (_stepper(hf_forward, grad_out, [xin, *block.parameters()],
+                                        _refresher(xin, seed, vary_routing)), hf_forward)
 
     for backend in ("loop", "padded", "grouped_mm", "fused"):
         if backend not in names:
@@ -171,12 +178,30 @@ def _build(shape: Shape, dtype, names: list[str], seed: int):
         def ours_forward(layer=layer, xin=xin):
             return layer(xin)[0]
 
-        built[backend] = (_stepper(ours_forward, grad_out, [xin, *layer.parameters()]), ours_forward)
+        built[backend] = (_stepper(ours_forward, grad_out, [xin, *layer.parameters()],
+                                   _refresher(xin, seed, vary_routing)), ours_forward)
     return built
 
 
-def _stepper(forward, grad, leaves):
+def _refresher(leaf, seed: int, enabled: bool):
+    """With ``enabled``: a function writing new N(0, 1) values into ``leaf`` (in place), else ``None``."""
+    if not enabled:
+        return None
+    import torch
+
+    gen = torch.Generator().manual_seed(seed + 1)
+
+    def refresh():
+        with torch.no_grad():
+            leaf.copy_(torch.randn(leaf.shape, generator=gen))
+
+    return refresh
+
+
+def _stepper(forward, grad, leaves, refresh=None):
     def step():
+        if refresh is not None:
+            refresh()
         for leaf in leaves:
             leaf.grad = None
         forward().backward(grad)
@@ -189,14 +214,14 @@ def _rel_err(a, b) -> float:
 
 
 def bench_shape(shape: Shape, dtype_name: str, names: list[str], reps: int, warmup: int, memory: bool,
-                seed: int, clock: str = "wall") -> dict:
+                seed: int, clock: str = "wall", vary_routing: bool = False) -> dict:
     """Time (and measure) every candidate on one shape and dtype; returns the JSON-ready record."""
     import torch
 
     from moetrain.bench.common import interleaved_times, peak_tensor_bytes, summary
 
     dtype = torch.float32 if dtype_name == "fp32" else torch.bfloat16
-    built = _build(shape, dtype, names, seed)
+    built = _build(shape, dtype, names, seed, vary_routing)
     errors = {}
     if "loop" in built:
         with torch.no_grad():
@@ -261,14 +286,15 @@ def run(args) -> int:
     dtypes = DTYPES if args.dtype == "both" else (args.dtype,)
     info = machine_info()
     print(f"bench moe: {len(shapes)} shapes x {list(dtypes)}, {args.reps} timed rounds (+{args.warmup} warm-up), "
-          f"candidates interleaved; {info['threads']} threads, {args.clock} clock; load average "
+          f"candidates interleaved, {'new tokens every call' if args.vary_routing else 'the same tokens every round'}"
+          f"; {info['threads']} threads, {args.clock} clock; load average "
           f"{info['load_avg_1_5_15min']} on {info['cpus']} CPUs")
     _warn_if_busy(info)
     records = []
     for shape in shapes:
         for dtype_name in dtypes:
             rec = bench_shape(shape, dtype_name, names, args.reps, args.warmup, not args.no_memory, args.seed,
-                              args.clock)
+                              args.clock, args.vary_routing)
             print_record(rec)
             records.append(rec)
     info_end = machine_info()
