@@ -113,8 +113,8 @@ def _candidates(args) -> list[str]:
 
 def _build(shape: Shape, dtype, names: list[str], seed: int, vary_routing: bool = False):
     """name -> (step() doing forward + backward, output() returning the [T, D] output), sharing weights. With
-    ``vary_routing`` every step first overwrites its input with new random tokens (a generator per candidate, same
-    seed, so the candidates see the same sequence of inputs)."""
+    ``vary_routing`` every MoE step first overwrites its input with the next of a pool of random token batches (the
+    same sequence for every candidate; the dense limit has no routing and keeps its input)."""
     import torch
     import torch.nn.functional as F
 
@@ -139,8 +139,7 @@ def _build(shape: Shape, dtype, names: list[str], seed: int, vary_routing: bool 
             gate, up = F.linear(x_rows, dense_w[0]).chunk(2, dim=-1)
             return F.linear(F.silu(gate) * up, dense_w[1])
 
-        refresh = _refresher(x_rows, seed, vary_routing)
-        built["dense"] = (_stepper(dense_forward, grad_rows, [x_rows, *dense_w], refresh), None)
+        built["dense"] = (_stepper(dense_forward, grad_rows, [x_rows, *dense_w]), None)  # no routing to vary
 
     for impl in ("eager", "grouped_mm"):
         if f"hf-{impl}" not in names:
@@ -183,17 +182,24 @@ def _build(shape: Shape, dtype, names: list[str], seed: int, vary_routing: bool 
     return built
 
 
+VARY_POOL = 16  # distinct token batches cycled through by --vary-routing
+
+
 def _refresher(leaf, seed: int, enabled: bool):
-    """With ``enabled``: a function writing new N(0, 1) values into ``leaf`` (in place), else ``None``."""
+    """With ``enabled``: a function copying the next of :data:`VARY_POOL` pre-drawn N(0, 1) batches into ``leaf``
+    (in place; drawn up front so that the timed step only pays a copy), else ``None``."""
     if not enabled:
         return None
     import torch
 
     gen = torch.Generator().manual_seed(seed + 1)
+    pool = [torch.randn(leaf.shape, generator=gen).to(leaf.dtype) for _ in range(VARY_POOL)]
+    calls = [0]
 
     def refresh():
         with torch.no_grad():
-            leaf.copy_(torch.randn(leaf.shape, generator=gen))
+            leaf.copy_(pool[calls[0] % VARY_POOL])
+        calls[0] += 1
 
     return refresh
 
