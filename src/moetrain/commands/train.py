@@ -132,7 +132,7 @@ def run(args) -> int:
         if any(p.exists() and not p.is_dir() for p in run_dir.parents):
             raise MoetrainError(f"--out {run_dir}: a parent path is a file, not a directory")
 
-    had_files = run_dir.is_dir() and any(os.scandir(run_dir))  # before the lock creates the directory and its file
+    had_files = run_dir.is_dir() and bool(os.listdir(run_dir))  # before the lock creates the directory and its file
     with RunLock(run_dir) if owner else contextlib.nullcontext():
         if not resume and owner and run_dir.exists():
             if _started_but_empty(run_dir):
