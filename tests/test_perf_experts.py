@@ -301,22 +301,42 @@ def test_fused_moe_same_result_with_one_or_several_workers(dtype, recompute):
         torch.testing.assert_close(a.float(), b.float(), atol=1e-6 if dtype == torch.float32 else 1e-2, rtol=1e-5)
 
 
-@pytest.mark.parametrize("m", [5, 64, 130, 200])
-def test_shape_stable_expert_gemms_equal_one_gemm(m):
-    # bf16 expert GEMMs split their varying row count into a multiple of 64 and a remainder (oneDNN compiles a
-    # kernel per shape): same result as one GEMM up to bf16 rounding (the reduction form rounds once more).
-    from moetrain.moe.fast_moe import _mm_reduce, _mm_rows
+def test_pad_groups_hand_derived_layout():
+    # bf16 CPU groups are padded to a multiple of the quantum (oneDNN compiles a kernel per GEMM shape). Hand-derived:
+    # ids -> sorted rows: expert 0: tokens 0, 1, 2; expert 1: token 3; expert 2: tokens 0, 1, 2, 3. Quantum 2 pads
+    # expert 0 with its first token (0) and expert 1 with its only one (3); the rows shift by 0, 1, 2 per expert.
+    from moetrain.moe.fast_moe import pad_groups, route_dropless
 
-    g = torch.Generator().manual_seed(m)
-    a = torch.randn(m, 48, generator=g).to(torch.bfloat16)
-    b = torch.randn(48, 40, generator=g).to(torch.bfloat16)
-    c = torch.randn(m, 40, generator=g).to(torch.bfloat16)
-    out = torch.empty(m, 40, dtype=torch.bfloat16)
-    _mm_rows(a, b, out)
-    torch.testing.assert_close(out.float(), a.float() @ b.float(), atol=0.05, rtol=1e-2)
-    red = torch.empty(48, 40, dtype=torch.bfloat16)
-    _mm_reduce(a, c, red)
-    torch.testing.assert_close(red.float(), a.float().T @ c.float(), atol=0.15, rtol=2e-2)
+    ids = torch.tensor([[0, 2], [2, 0], [0, 2], [2, 1]])
+    token_ids, rows_of, counts = route_dropless(ids, 3)
+    assert token_ids.tolist() == [0, 1, 2, 3, 0, 1, 2, 3] and counts.tolist() == [3, 1, 4]
+    tok_pad, rows_pad, counts_pad = pad_groups(token_ids, rows_of, ids, counts, 2)
+    assert counts_pad.tolist() == [4, 2, 4]
+    assert tok_pad.tolist() == [0, 1, 2, 0, 3, 3, 0, 1, 2, 3]
+    assert rows_pad.tolist() == [[0, 6], [7, 1], [2, 8], [9, 4]]
+    assert (tok_pad[rows_pad] == torch.arange(4)[:, None]).all()  # every assignment still finds its token
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_fused_moe_bf16_padding_changes_nothing(monkeypatch, recompute):
+    # The same bf16 layer with and without padded groups: padding rows carry gating weight 0, so outputs and all
+    # gradients agree (up to the GEMM's own blocking, which may differ with the row count).
+    import moetrain.moe.fast_moe as fm
+
+    ids, inputs = _moe_case("swiglu", torch.bfloat16, t=150, d=16, f=8, k=2, e=5)
+    up = torch.randn(inputs[0].shape, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+
+    def run():
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        y = fused_moe(leaves[0], ids, *leaves[1:], "swiglu", mode="tiles", recompute=recompute)
+        (y.float() * up.float()).sum().backward()
+        return [y.detach()] + [t.grad for t in leaves]
+
+    padded = run()
+    monkeypatch.setattr(fm, "_shape_stable", lambda x: False)
+    plain = run()
+    for name, a, b in zip(["y", "dx", "dw", "dw_in", "dw_out"], padded, plain):
+        torch.testing.assert_close(a.float(), b.float(), atol=1e-2, rtol=1e-2, msg=name)
 
 
 @pytest.mark.parametrize("recompute", [False, True])

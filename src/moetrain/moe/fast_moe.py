@@ -16,8 +16,9 @@ gating-weighted combine; same stable sort, same row order), ``out[t] = sum_k w[t
 - **The gating weight is applied to the activation, before the down projection** (``(w * a) @ W_down^T``, a
   row scaling of cache-hot [n, F] data), so the combine is a plain sum of K gathered rows and its backward is one
   gather per block into scratch. The weight's gradient is ``<dL/d(w a), a>`` over F, from the same tiles.
-- **Scratch buffers are allocated once per call** at the largest block's size and reused by every block; a
-  fresh multi-MiB tensor per op costs page faults on CPU (glibc maps large blocks anew each time).
+- **Scratch buffers are reused**: by every block of a call, and on CPU from call to call (moe/workspace.py, with
+  the [N, D] expert outputs and input-gradient rows): a fresh multi-MiB tensor costs page faults on CPU (glibc
+  maps large blocks anew each time; measured ~1/3 of a bf16 forward at E = 64).
 - **The activation is recomputed in backward** from ``h`` (two elementwise passes over cache-hot rows).
 - **The combines (output, input gradient) are gathers and adds in a fixed order** (deterministic, no atomics);
   see :func:`_sum_k` for the rounding in bf16.
@@ -27,8 +28,8 @@ error 2^-9, the same as the bf16 rounding the activation already had); the unfus
 output by the fp32 weight.
 
 Execution: ``tiles`` mode runs one ``torch.mm`` per expert and projection into slices of preallocated outputs
-(CPU; the counts are read on the host once, which is free there; in bf16 two, with shape-stable row counts:
-:func:`_mm_rows`); with several intra-op threads the blocks are
+(CPU; the counts are read on the host once, which is free there; in bf16 / fp16 each expert's rows are padded to
+a multiple of 64 so that the GEMM shapes repeat: :func:`pad_groups`); with several intra-op threads the blocks are
 split between single-threaded workers, one per thread (moe/cpu_workers.py: expert-level instead of op-level
 parallelism, measured faster at E = 64). ``grouped`` mode runs each projection as one
 ``torch.nn.functional.grouped_mm`` with device offsets (no host sync; the mode used on CUDA in bf16); both modes
@@ -41,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from moetrain.moe.cpu_workers import run_groups, split_balanced, workers_for
+from moetrain.moe.workspace import scratch
 from moetrain.moe.fast_experts import (
     ROW_QUANTUM,
     _act_forward,
@@ -86,7 +88,7 @@ def _sum_k(rows: torch.Tensor, rows_of: torch.Tensor) -> torch.Tensor:
     a [T, K, D] view runs ~3x slower than these adds on CPU.)
     """
     k = rows_of.shape[1]
-    buf = rows.new_empty(rows_of.shape[0], rows.shape[1]) if k > 1 else None  # [T, D], reused by every gather
+    buf = scratch("sum_k", (rows_of.shape[0], rows.shape[1]), rows.dtype, rows.device) if k > 1 else None  # [T, D]
 
     def gather_add(out: torch.Tensor, j: int) -> torch.Tensor:
         torch.index_select(rows, 0, rows_of[:, j], out=buf)
@@ -106,34 +108,44 @@ def _sum_k(rows: torch.Tensor, rows_of: torch.Tensor) -> torch.Tensor:
     return parts[0]
 
 
-def _mm_rows(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
-    """``out = a @ b`` for ``a`` [m, k] whose row count m is an expert's (it changes from step to step).
+def pad_groups(token_ids: torch.Tensor, rows_of: torch.Tensor, topk_ids: torch.Tensor, counts: torch.Tensor,
+               quantum: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The dropless layout with each expert's group padded to a multiple of ``quantum`` rows.
 
-    In bf16 / fp16 on CPU PyTorch's GEMM is oneDNN's, which JIT-compiles a kernel for every new shape and caches it:
-    with a fresh m per expert per step almost every call compiled (measured: ~8 ms for a 1024 x 256 x 1024 bf16 GEMM
-    that takes ~1 ms with a cached shape; in a cpu-small bf16 training step the GEMMs took 3x as long once routing
-    changed between steps). Splitting m into a multiple of :data:`ROW_QUANTUM` and a remainder keeps the shapes to a
-    few dozen, all compiled once. fp32 (MKL, no JIT) runs as one call.
+    Why: in bf16 / fp16 PyTorch's CPU GEMM is oneDNN's, which JIT-compiles a kernel for every new shape. Per-expert
+    row counts change every training step, so almost every expert GEMM compiled one (measured: ~8 ms for a
+    1024 x 256 x 1024 bf16 GEMM that takes ~1 ms with a cached shape). With padded groups every GEMM has a row
+    count that is a multiple of ``quantum``: a few dozen shapes, compiled once, one call per expert and projection.
+    (Splitting each expert's rows into a multiple of ``quantum`` and a remainder instead costs a second, badly
+    shaped GEMM per expert and projection: measured 1.4x slower GEMMs at E = 64, ~512 rows per expert.)
+
+    A padding row repeats its expert's first token and gets gating weight 0 (the caller scatters the real weights
+    into zeros): its pre-activation and outputs are finite whenever the expert's real rows are, its activation
+    gradient is exactly zero, so it adds exactly nothing to either weight gradient, and no combine reads it. Costs
+    at most ``quantum - 1`` extra GEMM rows per expert (at E = 64, T * K = 32768: ~6% more expert FLOPs).
+
+    Args:
+        token_ids: [N] int64 token of each row (from :func:`route_dropless`).
+        rows_of: [T, K] int64 row of each assignment.
+        topk_ids: [T, K] int64 expert of each assignment.
+        counts: [E] int64 rows per expert.
+        quantum: rows per padding unit (>= 1).
+    Returns:
+        (token_ids [N_pad], rows_of [T, K] into the padded rows, padded counts [E]).
     """
-    m = a.shape[0]
-    cut = m - m % ROW_QUANTUM
-    if a.dtype in (torch.float32, torch.float64) or cut in (0, m) or a.device.type != "cpu":
-        torch.mm(a, b, out=out)
-        return
-    torch.mm(a[:cut], b, out=out[:cut])
-    torch.mm(a[cut:], b, out=out[cut:])
+    padded = (counts + quantum - 1) // quantum * quantum
+    start = torch.cumsum(counts, 0) - counts
+    pad_start = torch.cumsum(padded, 0) - padded
+    n_pad = int(padded.sum())
+    expert = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), padded, output_size=n_pad)
+    local = torch.arange(n_pad, device=counts.device) - pad_start[expert]
+    src = start[expert] + torch.where(local < counts[expert], local, 0)
+    return token_ids[src], rows_of + (pad_start - start)[topk_ids], padded
 
 
-def _mm_reduce(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
-    """``out = a.T @ b`` for ``a`` [m, p], ``b`` [m, q]: a weight gradient, summed over an expert's m rows; m split
-    as in :func:`_mm_rows` (the remainder accumulated into ``out``: one more rounding in bf16)."""
-    m = a.shape[0]
-    cut = m - m % ROW_QUANTUM
-    if a.dtype in (torch.float32, torch.float64) or cut in (0, m) or a.device.type != "cpu":
-        torch.mm(a.T, b, out=out)
-        return
-    torch.mm(a[:cut].T, b[:cut], out=out)
-    out.addmm_(a[cut:].T, b[cut:])
+def _shape_stable(x: torch.Tensor) -> bool:
+    """Whether GEMM shapes must repeat from step to step (oneDNN's JIT: CPU bf16 / fp16); see :func:`pad_groups`."""
+    return x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16)
 
 
 def _blocks(counts: list[int], block_rows: int) -> list[tuple[int, int, list[tuple[int, int, int]]]]:
@@ -167,22 +179,22 @@ def _forward_tiles(x, w_in, w_out, token_ids, w_rows, counts, activation, block_
     n_rows, hidden = token_ids.numel(), x.shape[1]
     ffn = w_out.shape[2]
     h = x.new_empty(n_rows, w_in.shape[1]) if keep_h else None  # [N, I], saved (unless recomputed in backward)
-    y = x.new_empty(n_rows, hidden)  # [N, D] gated expert outputs, combined then freed
+    y = scratch("fwd.y", (n_rows, hidden), x.dtype, x.device)  # [N, D] gated expert outputs, combined in the caller
 
-    def run(blocks):  # one worker's blocks, with its own scratch buffers
+    def run(blocks):  # one worker's blocks, with its own scratch buffers (workspace.py: per thread)
         most = max(rows for _, rows, _ in blocks)
-        xs = x.new_empty(most, hidden)  # [n, D] this block's input rows
-        a = x.new_empty(most, ffn)  # [n, F] their activation
-        hs = None if keep_h else x.new_empty(most, w_in.shape[1])  # [n, I] scratch pre-activation
+        xs = scratch("fwd.xs", (most, hidden), x.dtype, x.device)  # [n, D] this block's input rows
+        a = scratch("fwd.a", (most, ffn), x.dtype, x.device)  # [n, F] their activation
+        hs = None if keep_h else scratch("fwd.h", (most, w_in.shape[1]), x.dtype, x.device)  # [n, I]
         for s, n, experts in blocks:
             hb = h[s : s + n] if keep_h else hs[:n]
             torch.index_select(x, 0, token_ids[s : s + n], out=xs[:n])
             for e, r, m in experts:
-                _mm_rows(xs[r : r + m], w_in[e].T, hb[r : r + m])
+                torch.mm(xs[r : r + m], w_in[e].T, out=hb[r : r + m])
             _act_forward(hb, a[:n], activation)
             a[:n].mul_(w_rows[s : s + n, None])
             for e, r, m in experts:
-                _mm_rows(a[r : r + m], w_out[e].T, y[s + r : s + r + m])
+                torch.mm(a[r : r + m], w_out[e].T, out=y[s + r : s + r + m])
 
     run_groups(run, _groups_of_blocks(counts, block_rows, x.device))
     return y, h
@@ -192,7 +204,7 @@ def _backward_tiles(dout, x, w_in, w_out, h, token_ids, w_rows, counts, activati
     need_x, need_w, need_in, need_out = needs
     n_rows, hidden = token_ids.numel(), x.shape[1]
     ffn = w_out.shape[2]
-    dx_rows = x.new_empty(n_rows, hidden) if need_x else None  # [N, D] input gradient per row
+    dx_rows = scratch("bwd.dx", (n_rows, hidden), x.dtype, x.device) if need_x else None  # [N, D], combined by caller
     acc = torch.promote_types(x.dtype, torch.float32)
     dw_rows = torch.empty(n_rows, dtype=acc, device=x.device) if need_w else None  # [N]
     d_in = torch.empty_like(w_in) if need_in else None
@@ -203,28 +215,32 @@ def _backward_tiles(dout, x, w_in, w_out, h, token_ids, w_rows, counts, activati
                 if grad is not None:
                     grad[e].zero_()
 
-    def run(blocks):  # one worker's blocks, with its own scratch buffers
+    def run(blocks):  # one worker's blocks, with its own scratch buffers (workspace.py: per thread)
         most = max(rows for _, rows, _ in blocks)
-        g = x.new_empty(most, hidden)  # [n, D] dL/dy for this block's rows
-        xs = x.new_empty(most, hidden) if need_in or h is None else None  # [n, D] their input rows, gathered again
-        hs = x.new_empty(most, w_in.shape[1]) if h is None else None  # [n, I] recomputed pre-activation
-        dz = x.new_empty(most, ffn)  # [n, F] dL/d(w a), then dL/da
-        a = x.new_empty(most, ffn) if need_w or need_out else None  # [n, F] recomputed activation
-        sg = x.new_empty(most, ffn) if activation == "swiglu" else None  # [n, F] silu(gate)
-        prod = x.new_empty(most, ffn) if need_w else None  # [n, F] dz * a, summed over F
-        dh = x.new_empty(most, w_in.shape[1])  # [n, I] dL/dh
+
+        def buf(name, width):
+            return scratch("bwd." + name, (most, width), x.dtype, x.device)
+
+        g = buf("g", hidden)  # [n, D] dL/dy for this block's rows
+        xs = buf("xs", hidden) if need_in or h is None else None  # [n, D] their input rows, gathered again
+        hs = buf("h", w_in.shape[1]) if h is None else None  # [n, I] recomputed pre-activation
+        dz = buf("dz", ffn)  # [n, F] dL/d(w a), then dL/da
+        a = buf("a", ffn) if need_w or need_out else None  # [n, F] recomputed activation
+        sg = buf("sg", ffn) if activation == "swiglu" else None  # [n, F] silu(gate)
+        prod = buf("prod", ffn) if need_w else None  # [n, F] dz * a, summed over F
+        dh = buf("dh", w_in.shape[1])  # [n, I] dL/dh
         for s, n, experts in blocks:
             we = w_rows[s : s + n, None]
             if h is None:  # recompute: gather the rows again and rerun the input projection
                 he = hs[:n]
                 torch.index_select(x, 0, token_ids[s : s + n], out=xs[:n])
                 for e, r, m in experts:
-                    _mm_rows(xs[r : r + m], w_in[e].T, he[r : r + m])
+                    torch.mm(xs[r : r + m], w_in[e].T, out=he[r : r + m])
             else:
                 he = h[s : s + n]
             torch.index_select(dout, 0, token_ids[s : s + n], out=g[:n])
             for e, r, m in experts:
-                _mm_rows(g[r : r + m], w_out[e], dz[r : r + m])
+                torch.mm(g[r : r + m], w_out[e], out=dz[r : r + m])
             _act_recompute(he, a[:n] if a is not None else None, sg[:n] if sg is not None else None, activation)
             if need_w:
                 torch.mul(dz[:n], a[:n], out=prod[:n])
@@ -232,17 +248,17 @@ def _backward_tiles(dout, x, w_in, w_out, h, token_ids, w_rows, counts, activati
             if need_out:
                 a[:n].mul_(we)
                 for e, r, m in experts:
-                    _mm_reduce(g[r : r + m], a[r : r + m], d_out[e])
+                    torch.mm(g[r : r + m].T, a[r : r + m], out=d_out[e])
             dz[:n].mul_(we)
             _act_grad(dz[:n], he, dh[:n], sg[:n] if sg is not None else None, activation)
             if need_x:
                 for e, r, m in experts:
-                    _mm_rows(dh[r : r + m], w_in[e], dx_rows[s + r : s + r + m])
+                    torch.mm(dh[r : r + m], w_in[e], out=dx_rows[s + r : s + r + m])
             if need_in:
                 if h is not None:
                     torch.index_select(x, 0, token_ids[s : s + n], out=xs[:n])
                 for e, r, m in experts:
-                    _mm_reduce(dh[r : r + m], xs[r : r + m], d_in[e])
+                    torch.mm(dh[r : r + m].T, xs[r : r + m], out=d_in[e])
 
     run_groups(run, _groups_of_blocks(counts, block_rows, x.device))
     return dx_rows, dw_rows, d_in, d_out
@@ -287,8 +303,8 @@ class _FusedMoE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weights, w_in, w_out, token_ids, rows_of, groups, activation, block_rows, recompute):  # noqa: D102
-        w_rows = torch.empty(token_ids.numel(), dtype=weights.dtype, device=x.device)
-        w_rows.scatter_(0, rows_of.reshape(-1), weights.reshape(-1))  # [N] gating weight of each row
+        w_rows = torch.zeros(token_ids.numel(), dtype=weights.dtype, device=x.device)
+        w_rows.scatter_(0, rows_of.reshape(-1), weights.reshape(-1))  # [N] gating weight of each row (0: padding)
         w_rows_c = w_rows.to(x.dtype)
         if isinstance(groups, list):
             y, h = _forward_tiles(x, w_in, w_out, token_ids, w_rows_c, groups, activation, block_rows,
@@ -372,6 +388,8 @@ def fused_moe(
     token_ids, rows_of, counts = route_dropless(topk_ids, e)
     if mode == "auto":
         mode = "grouped" if x.device.type == "cuda" and _grouped_ok(x, w_in, w_out) else "tiles"
+    if mode == "tiles" and _shape_stable(x):
+        token_ids, rows_of, counts = pad_groups(token_ids, rows_of, topk_ids, counts, ROW_QUANTUM)
     groups = torch.cumsum(counts, 0).to(torch.int32) if mode == "grouped" else [int(c) for c in counts.tolist()]
     if block_rows is None:
         block_rows = BLOCK_ELEMENTS // max(width, hidden)
