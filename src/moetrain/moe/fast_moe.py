@@ -42,7 +42,6 @@ import torch
 import torch.nn.functional as F
 
 from moetrain.moe.cpu_workers import run_groups, split_balanced, workers_for
-from moetrain.moe.workspace import scratch
 from moetrain.moe.fast_experts import (
     ROW_QUANTUM,
     _act_forward,
@@ -52,7 +51,7 @@ from moetrain.moe.fast_experts import (
     _grouped_ok,
     _zero_idle,
 )
-
+from moetrain.moe.workspace import scratch
 
 # Size of a block of the tiles mode (see _blocks), in elements of its widest [rows, max(I, D)] scratch buffer:
 # 4M elements (8 MiB in bf16) gave the best times on a 2-core Sapphire Rapids at E = 8 (2048 rows per block) and
