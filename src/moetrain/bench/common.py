@@ -9,7 +9,8 @@ Memory: CPU has no allocator statistics in PyTorch (``tracemalloc`` sees only Py
 :func:`peak_tensor_bytes` replays one call under ``torch.profiler`` with ``profile_memory=True`` and takes the
 peak of the running sum of its allocation events: the most bytes of torch tensors alive at once during the call,
 above the level at its start (so weights and inputs allocated before are not counted; saved activations,
-temporaries and gradients are). It counts what PyTorch's CPU allocator hands out, not what the C library keeps
+temporaries and gradients are; the scratch the fused MoE path keeps between calls, moe/workspace.py, is released
+first so that it is counted too). It counts what PyTorch's CPU allocator hands out, not what the C library keeps
 mapped (RSS). On CUDA it uses ``torch.cuda.max_memory_allocated`` the same way (peak minus start).
 """
 
@@ -96,6 +97,9 @@ def peak_tensor_bytes(fn: Callable[[], None], device: torch.device | str = "cpu"
         return max(0, torch.cuda.max_memory_allocated(device) - start)
     from torch.profiler import ProfilerActivity, profile
 
+    from moetrain.moe import workspace
+
+    workspace.clear()  # the fused MoE path's kept scratch is then allocated (and counted) inside the call
     with _quiet_native_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     events = []
