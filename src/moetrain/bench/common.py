@@ -19,13 +19,12 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
-import sys
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
 import torch
-
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
