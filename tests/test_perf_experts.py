@@ -251,35 +251,31 @@ def test_layer_fused_backend_equals_loop(dtype, capacity_factor):
         assert (a - b).abs().max() <= tol * b.abs().max().clamp(min=1.0)
 
 
-def test_split_balanced_keeps_order_and_balances():
-    from moetrain.moe.cpu_workers import split_balanced
-
-    groups = split_balanced(list("abcde"), [5, 1, 4, 2, 3], 2)
-    assert sorted(x for g in groups for x in g) == list("abcde")
-    assert all(g == sorted(g) for g in groups)  # original order inside a group
-    sizes = dict(zip("abcde", [5, 1, 4, 2, 3]))
-    assert sorted(sum(sizes[x] for x in g) for g in groups) == [7, 8]
-    assert split_balanced(["a"], [3], 4) == [["a"]]
-
-
-def test_run_groups_restores_threads_and_reraises():
-    from moetrain.moe.cpu_workers import run_groups
+def test_run_largest_first_runs_every_item_restores_threads_and_reraises():
+    from moetrain.moe.cpu_workers import run_largest_first
 
     threads = torch.get_num_threads()
     seen = []
 
-    def fn(group):
-        if group == "bad":
+    def fn(item):
+        if item == "bad":
             raise RuntimeError("boom")
-        seen.append((group, torch.get_num_threads(), torch.is_grad_enabled()))
+        seen.append((item, torch.get_num_threads(), torch.is_grad_enabled()))
 
-    run_groups(fn, ["a", "b"])
-    assert sorted(g for g, _, _ in seen) == ["a", "b"] and not any(grad for _, _, grad in seen)
-    if threads > 1:
+    torch.set_num_threads(2)
+    try:
+        run_largest_first(fn, list("abcde"), [1, 5, 2, 4, 3])
+        assert sorted(i for i, _, _ in seen) == list("abcde") and not any(grad for _, _, grad in seen)
         assert all(n == 1 for _, n, _ in seen)  # single-threaded workers
-    with pytest.raises(RuntimeError, match="boom"):
-        run_groups(fn, ["a", "bad"])
-    assert torch.get_num_threads() == threads
+        with pytest.raises(RuntimeError, match="boom"):
+            run_largest_first(fn, ["a", "bad", "c"], [1, 2, 3])
+        assert torch.get_num_threads() == 2
+        torch.set_num_threads(1)
+        seen.clear()
+        run_largest_first(fn, list("abc"), [1, 3, 2])  # inline: largest first
+        assert [i for i, _, _ in seen] == ["b", "c", "a"]
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

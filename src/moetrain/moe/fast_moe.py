@@ -41,7 +41,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moetrain.moe.cpu_workers import run_groups, split_balanced, workers_for
+from moetrain.moe.cpu_workers import run_largest_first, workers_for
 from moetrain.moe.fast_experts import (
     ROW_QUANTUM,
     _act_forward,
@@ -58,6 +58,10 @@ from moetrain.moe.workspace import scratch
 # E = 64 (8192 rows); whole-layer blocks (full-size temporaries) and per-expert blocks (op-call overhead at large
 # E) were both slower.
 BLOCK_ELEMENTS = 1 << 22
+# With several CPU workers, blocks are also cut to about 1 / (BLOCKS_PER_WORKER * workers) of the rows (but not below
+# MIN_BLOCK_ROWS), so that each worker takes several and none waits long for the last one (moe/cpu_workers.py).
+BLOCKS_PER_WORKER = 4
+MIN_BLOCK_ROWS = 256
 
 
 def route_dropless(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -168,10 +172,13 @@ def _blocks(counts: list[int], block_rows: int) -> list[tuple[int, int, list[tup
     return blocks
 
 
-def _groups_of_blocks(counts: list[int], block_rows: int, device: torch.device) -> list[list]:
-    """The blocks split into one group per CPU worker, balanced by rows (moe/cpu_workers.py)."""
+def _run_blocks(fn, counts: list[int], block_rows: int) -> None:
+    """``fn(first row, rows, experts, most)`` for every block (:func:`_blocks`) on the CPU workers
+    (moe/cpu_workers.py), ``most`` being the largest block's rows (every worker's scratch size)."""
     blocks = _blocks(counts, block_rows)
-    return split_balanced(blocks, [rows for _, rows, _ in blocks], workers_for(device))
+    sizes = [rows for _, rows, _ in blocks]
+    most = max(sizes, default=0)
+    run_largest_first(lambda block: fn(*block, most), blocks, sizes)
 
 
 def _forward_tiles(x, w_in, w_out, token_ids, w_rows, counts, activation, block_rows, keep_h=True):
@@ -180,22 +187,19 @@ def _forward_tiles(x, w_in, w_out, token_ids, w_rows, counts, activation, block_
     h = x.new_empty(n_rows, w_in.shape[1]) if keep_h else None  # [N, I], saved (unless recomputed in backward)
     y = scratch("fwd.y", (n_rows, hidden), x.dtype, x.device)  # [N, D] gated expert outputs, combined in the caller
 
-    def run(blocks):  # one worker's blocks, with its own scratch buffers (workspace.py: per thread)
-        most = max(rows for _, rows, _ in blocks)
+    def run(s, n, experts, most):  # one block, with the worker's own scratch buffers (workspace.py: per thread)
         xs = scratch("fwd.xs", (most, hidden), x.dtype, x.device)  # [n, D] this block's input rows
         a = scratch("fwd.a", (most, ffn), x.dtype, x.device)  # [n, F] their activation
-        hs = None if keep_h else scratch("fwd.h", (most, w_in.shape[1]), x.dtype, x.device)  # [n, I]
-        for s, n, experts in blocks:
-            hb = h[s : s + n] if keep_h else hs[:n]
-            torch.index_select(x, 0, token_ids[s : s + n], out=xs[:n])
-            for e, r, m in experts:
-                torch.mm(xs[r : r + m], w_in[e].T, out=hb[r : r + m])
-            _act_forward(hb, a[:n], activation)
-            a[:n].mul_(w_rows[s : s + n, None])
-            for e, r, m in experts:
-                torch.mm(a[r : r + m], w_out[e].T, out=y[s + r : s + r + m])
+        hb = h[s : s + n] if keep_h else scratch("fwd.h", (most, w_in.shape[1]), x.dtype, x.device)[:n]  # [n, I]
+        torch.index_select(x, 0, token_ids[s : s + n], out=xs[:n])
+        for e, r, m in experts:
+            torch.mm(xs[r : r + m], w_in[e].T, out=hb[r : r + m])
+        _act_forward(hb, a[:n], activation)
+        a[:n].mul_(w_rows[s : s + n, None])
+        for e, r, m in experts:
+            torch.mm(a[r : r + m], w_out[e].T, out=y[s + r : s + r + m])
 
-    run_groups(run, _groups_of_blocks(counts, block_rows, x.device))
+    _run_blocks(run, counts, block_rows)
     return y, h
 
 
@@ -214,9 +218,7 @@ def _backward_tiles(dout, x, w_in, w_out, h, token_ids, w_rows, counts, activati
                 if grad is not None:
                     grad[e].zero_()
 
-    def run(blocks):  # one worker's blocks, with its own scratch buffers (workspace.py: per thread)
-        most = max(rows for _, rows, _ in blocks)
-
+    def run(s, n, experts, most):  # one block, with the worker's own scratch buffers (workspace.py: per thread)
         def buf(name, width):
             return scratch("bwd." + name, (most, width), x.dtype, x.device)
 
@@ -228,38 +230,37 @@ def _backward_tiles(dout, x, w_in, w_out, h, token_ids, w_rows, counts, activati
         sg = buf("sg", ffn) if activation == "swiglu" else None  # [n, F] silu(gate)
         prod = buf("prod", ffn) if need_w else None  # [n, F] dz * a, summed over F
         dh = buf("dh", w_in.shape[1])  # [n, I] dL/dh
-        for s, n, experts in blocks:
-            we = w_rows[s : s + n, None]
-            if h is None:  # recompute: gather the rows again and rerun the input projection
-                he = hs[:n]
-                torch.index_select(x, 0, token_ids[s : s + n], out=xs[:n])
-                for e, r, m in experts:
-                    torch.mm(xs[r : r + m], w_in[e].T, out=he[r : r + m])
-            else:
-                he = h[s : s + n]
-            torch.index_select(dout, 0, token_ids[s : s + n], out=g[:n])
+        we = w_rows[s : s + n, None]
+        if h is None:  # recompute: gather the rows again and rerun the input projection
+            he = hs[:n]
+            torch.index_select(x, 0, token_ids[s : s + n], out=xs[:n])
             for e, r, m in experts:
-                torch.mm(g[r : r + m], w_out[e], out=dz[r : r + m])
-            _act_recompute(he, a[:n] if a is not None else None, sg[:n] if sg is not None else None, activation)
-            if need_w:
-                torch.mul(dz[:n], a[:n], out=prod[:n])
-                torch.sum(prod[:n], dim=1, dtype=acc, out=dw_rows[s : s + n])
-            if need_out:
-                a[:n].mul_(we)
-                for e, r, m in experts:
-                    torch.mm(g[r : r + m].T, a[r : r + m], out=d_out[e])
-            dz[:n].mul_(we)
-            _act_grad(dz[:n], he, dh[:n], sg[:n] if sg is not None else None, activation)
-            if need_x:
-                for e, r, m in experts:
-                    torch.mm(dh[r : r + m], w_in[e], out=dx_rows[s + r : s + r + m])
-            if need_in:
-                if h is not None:
-                    torch.index_select(x, 0, token_ids[s : s + n], out=xs[:n])
-                for e, r, m in experts:
-                    torch.mm(dh[r : r + m].T, xs[r : r + m], out=d_in[e])
+                torch.mm(xs[r : r + m], w_in[e].T, out=he[r : r + m])
+        else:
+            he = h[s : s + n]
+        torch.index_select(dout, 0, token_ids[s : s + n], out=g[:n])
+        for e, r, m in experts:
+            torch.mm(g[r : r + m], w_out[e], out=dz[r : r + m])
+        _act_recompute(he, a[:n] if a is not None else None, sg[:n] if sg is not None else None, activation)
+        if need_w:
+            torch.mul(dz[:n], a[:n], out=prod[:n])
+            torch.sum(prod[:n], dim=1, dtype=acc, out=dw_rows[s : s + n])
+        if need_out:
+            a[:n].mul_(we)
+            for e, r, m in experts:
+                torch.mm(g[r : r + m].T, a[r : r + m], out=d_out[e])
+        dz[:n].mul_(we)
+        _act_grad(dz[:n], he, dh[:n], sg[:n] if sg is not None else None, activation)
+        if need_x:
+            for e, r, m in experts:
+                torch.mm(dh[r : r + m], w_in[e], out=dx_rows[s + r : s + r + m])
+        if need_in:
+            if h is not None:
+                torch.index_select(x, 0, token_ids[s : s + n], out=xs[:n])
+            for e, r, m in experts:
+                torch.mm(dh[r : r + m].T, xs[r : r + m], out=d_in[e])
 
-    run_groups(run, _groups_of_blocks(counts, block_rows, x.device))
+    _run_blocks(run, counts, block_rows)
     return dx_rows, dw_rows, d_in, d_out
 
 
@@ -362,7 +363,8 @@ def fused_moe(
             per projection, no host sync; needs 16-byte aligned rows) or ``auto`` (grouped on CUDA in bf16, else
             tiles).
         block_rows: tiles mode: consecutive experts are packed into blocks of about this many rows for the
-            non-GEMM work (see :func:`_blocks`); ``None``: :data:`BLOCK_ELEMENTS` / max(I, D).
+            non-GEMM work (see :func:`_blocks`); ``None``: :data:`BLOCK_ELEMENTS` / max(I, D), with several CPU
+            workers at most about N / (:data:`BLOCKS_PER_WORKER` x workers).
         recompute: save nothing of the experts' own for backward (not even ``h`` [N, I]): backward gathers each
             block's rows again and reruns the input projection (Megatron-Core's ``--recompute-modules moe``
             trade, for the experts: +1 GEMM of 2 N D I FLOPs; saves N I elements).
@@ -392,5 +394,9 @@ def fused_moe(
     groups = torch.cumsum(counts, 0).to(torch.int32) if mode == "grouped" else [int(c) for c in counts.tolist()]
     if block_rows is None:
         block_rows = BLOCK_ELEMENTS // max(width, hidden)
+        workers = workers_for(x.device) if isinstance(groups, list) else 1
+        if workers > 1:  # a few blocks per worker, so that the largest-first queue evens out the workers' loads
+            per_block = -(-sum(groups) // (BLOCKS_PER_WORKER * workers))
+            block_rows = min(block_rows, max(MIN_BLOCK_ROWS, per_block))
     return _FusedMoE.apply(x, topk_weights, w_in, w_out, token_ids, rows_of, groups, activation, max(1, block_rows),
                            recompute)
