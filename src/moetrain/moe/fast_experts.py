@@ -104,7 +104,7 @@ def _tiles(counts: list[int], tile_rows: int) -> list[tuple[int, int, int, bool]
 
     An expert's last, partial tile is cut into a multiple of :data:`ROW_QUANTUM` rows and a remainder, so that the
     GEMM shapes repeat from step to step (oneDNN, PyTorch's CPU bf16 GEMM, compiles a kernel per new shape: see
-    moe/fast_moe.py ``_mm_rows``).
+    moe/fast_moe.py ``pad_groups``, which pads instead; here the rows come laid out by the dispatcher).
     """
     out = []
     start = 0

@@ -120,7 +120,8 @@ def pad_groups(token_ids: torch.Tensor, rows_of: torch.Tensor, topk_ids: torch.T
     1024 x 256 x 1024 bf16 GEMM that takes ~1 ms with a cached shape). With padded groups every GEMM has a row
     count that is a multiple of ``quantum``: a few dozen shapes, compiled once, one call per expert and projection.
     (Splitting each expert's rows into a multiple of ``quantum`` and a remainder instead costs a second, badly
-    shaped GEMM per expert and projection: measured 1.4x slower GEMMs at E = 64, ~512 rows per expert.)
+    shaped GEMM per expert and projection: at E = 64, ~512 rows per expert, bf16, 2 threads, the layer's forward +
+    backward took ~280 ms split and ~210 ms padded in ``moetrain bench moe``.)
 
     A padding row repeats its expert's first token and gets gating weight 0 (the caller scatters the real weights
     into zeros): its pre-activation and outputs are finite whenever the expert's real rows are, its activation
