@@ -298,19 +298,29 @@ def test_fused_moe_same_result_with_one_or_several_workers(dtype, recompute):
 
 
 def test_pad_groups_hand_derived_layout():
-    # bf16 CPU groups are padded to a multiple of the quantum (oneDNN compiles a kernel per GEMM shape). Hand-derived:
-    # ids -> sorted rows: expert 0: tokens 0, 1, 2; expert 1: token 3; expert 2: tokens 0, 1, 2, 3. Quantum 2 pads
-    # expert 0 with its first token (0) and expert 1 with its only one (3); the rows shift by 0, 1, 2 per expert.
+    # bf16 CPU groups are padded (oneDNN compiles a kernel per GEMM shape). Hand-derived with 1 significant bit:
+    # ids -> sorted rows: expert 0: tokens 0, 1, 2; expert 1: token 3; expert 2: tokens 0, 1, 2, 3. Counts 3, 1, 4
+    # round up to 4, 1, 4: expert 0 is padded with its first token (0); the rows shift by 0, 1, 1 per expert.
     from moetrain.moe.fast_moe import pad_groups, route_dropless
 
     ids = torch.tensor([[0, 2], [2, 0], [0, 2], [2, 1]])
     token_ids, rows_of, counts = route_dropless(ids, 3)
     assert token_ids.tolist() == [0, 1, 2, 3, 0, 1, 2, 3] and counts.tolist() == [3, 1, 4]
-    tok_pad, rows_pad, counts_pad = pad_groups(token_ids, rows_of, ids, counts, 2)
-    assert counts_pad.tolist() == [4, 2, 4]
-    assert tok_pad.tolist() == [0, 1, 2, 0, 3, 3, 0, 1, 2, 3]
-    assert rows_pad.tolist() == [[0, 6], [7, 1], [2, 8], [9, 4]]
+    tok_pad, rows_pad, counts_pad = pad_groups(token_ids, rows_of, ids, counts, bits=1)
+    assert counts_pad.tolist() == [4, 1, 4]
+    assert tok_pad.tolist() == [0, 1, 2, 0, 3, 0, 1, 2, 3]
+    assert rows_pad.tolist() == [[0, 5], [6, 1], [2, 7], [8, 4]]
     assert (tok_pad[rows_pad] == torch.arange(4)[:, None]).all()  # every assignment still finds its token
+
+
+def test_padded_rows_bounds_waste_and_shapes():
+    from moetrain.moe.fast_moe import padded_rows
+
+    assert [padded_rows(c) for c in (0, 1, 15, 16, 17, 33, 100, 511, 513, 1000)] == [
+        0, 1, 15, 16, 18, 36, 104, 512, 576, 1024]  # 4 leading bits: steps of 1, 1, 1, 2, 2, 4, 8, 32, 64, 64
+    sizes = [padded_rows(c) for c in range(1, 8193)]
+    assert all(p >= c and (p - c) * 8 < c for c, p in zip(range(1, 8193), sizes))  # under 1/8 more rows
+    assert len(set(sizes)) <= 16 + 8 * 9  # 1..15, then 8 sizes per octave up to 8192
 
 
 @pytest.mark.parametrize("recompute", [False, True])
@@ -321,6 +331,8 @@ def test_fused_moe_bf16_padding_changes_nothing(monkeypatch, recompute):
 
     ids, inputs = _moe_case("swiglu", torch.bfloat16, t=150, d=16, f=8, k=2, e=5)
     up = torch.randn(inputs[0].shape, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    counts = fm.route_dropless(ids, 5)[2]
+    assert fm.pad_groups(*fm.route_dropless(ids, 5)[:2], ids, counts)[2].sum() > counts.sum()  # padding happens
 
     def run():
         leaves = [t.clone().requires_grad_() for t in inputs]

@@ -29,7 +29,7 @@ output by the fp32 weight.
 
 Execution: ``tiles`` mode runs one ``torch.mm`` per expert and projection into slices of preallocated outputs
 (CPU; the counts are read on the host once, which is free there; in bf16 / fp16 each expert's rows are padded to
-a multiple of 64 so that the GEMM shapes repeat: :func:`pad_groups`); with several intra-op threads the blocks are
+one of a few sizes so that the GEMM shapes repeat: :func:`pad_groups`); with several intra-op threads the blocks are
 split between single-threaded workers, one per thread (moe/cpu_workers.py: expert-level instead of op-level
 parallelism, measured faster at E = 64). ``grouped`` mode runs each projection as one
 ``torch.nn.functional.grouped_mm`` with device offsets (no host sync; the mode used on CUDA in bf16); both modes
@@ -43,7 +43,6 @@ import torch.nn.functional as F
 
 from moetrain.moe.cpu_workers import run_largest_first, workers_for
 from moetrain.moe.fast_experts import (
-    ROW_QUANTUM,
     _act_forward,
     _act_grad,
     _act_recompute,
@@ -111,33 +110,47 @@ def _sum_k(rows: torch.Tensor, rows_of: torch.Tensor) -> torch.Tensor:
     return parts[0]
 
 
+# Significant binary digits kept of each expert's row count on the shape-stable path (see padded_rows): at most 8
+# row counts per octave, so ~100 GEMM shapes up to 8k rows, and at most 1/8 (on average ~1/16) more rows.
+PAD_BITS = 4
+
+
+def padded_rows(count: int, bits: int = PAD_BITS) -> int:
+    """``count`` rounded up to its ``bits`` leading binary digits: a multiple of 2^(bit_length - bits) (no padding
+    below 2^bits rows). Adds fewer than count / 2^(bits - 1) rows; the results form a small set of sizes."""
+    step = 1 << max(0, count.bit_length() - bits)
+    return -(-count // step) * step
+
+
 def pad_groups(token_ids: torch.Tensor, rows_of: torch.Tensor, topk_ids: torch.Tensor, counts: torch.Tensor,
-               quantum: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The dropless layout with each expert's group padded to a multiple of ``quantum`` rows.
+               bits: int = PAD_BITS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The dropless layout with each expert's group padded to :func:`padded_rows` rows.
 
     Why: in bf16 / fp16 PyTorch's CPU GEMM is oneDNN's, which JIT-compiles a kernel for every new shape. Per-expert
     row counts change every training step, so almost every expert GEMM compiled one (measured: ~8 ms for a
-    1024 x 256 x 1024 bf16 GEMM that takes ~1 ms with a cached shape). With padded groups every GEMM has a row
-    count that is a multiple of ``quantum``: a few dozen shapes, compiled once, one call per expert and projection.
-    (Splitting each expert's rows into a multiple of ``quantum`` and a remainder instead costs a second, badly
-    shaped GEMM per expert and projection: at E = 64, ~512 rows per expert, bf16, 2 threads, the layer's forward +
-    backward took ~280 ms split and ~210 ms padded in ``moetrain bench moe``.)
+    1024 x 256 x 1024 bf16 GEMM that takes ~1 ms with a cached shape). With padded groups the row counts come
+    from a small set (8 per octave), each compiled once, and each expert runs one GEMM per projection. (Splitting
+    each expert's rows into a multiple of 64 and a remainder instead costs a second, badly shaped GEMM per expert
+    and projection: at E = 64, ~512 rows per expert, bf16, 2 threads, the layer's forward + backward took ~280 ms
+    split and ~210 ms padded to multiples of 64 in ``moetrain bench moe``.) Rounding relative to the count, not to
+    a fixed multiple, bounds the extra work at any batch size: a fixed 64 would make a 3-row expert (decoding,
+    small batches) run 64 rows.
 
     A padding row repeats its expert's first token and gets gating weight 0 (the caller scatters the real weights
     into zeros): its pre-activation and outputs are finite whenever the expert's real rows are, its activation
-    gradient is exactly zero, so it adds exactly nothing to either weight gradient, and no combine reads it. Costs
-    at most ``quantum - 1`` extra GEMM rows per expert (at E = 64, T * K = 32768: ~6% more expert FLOPs).
+    gradient is exactly zero, so it adds exactly nothing to either weight gradient, and no combine reads it.
 
     Args:
         token_ids: [N] int64 token of each row (from :func:`route_dropless`).
         rows_of: [T, K] int64 row of each assignment.
         topk_ids: [T, K] int64 expert of each assignment.
         counts: [E] int64 rows per expert.
-        quantum: rows per padding unit (>= 1).
+        bits: leading binary digits kept of each count (>= 1).
     Returns:
-        (token_ids [N_pad], rows_of [T, K] into the padded rows, padded counts [E]).
+        (token_ids [N_pad], rows_of [T, K] into the padded rows, padded counts [E] int64).
     """
-    padded = (counts + quantum - 1) // quantum * quantum
+    padded = torch.tensor([padded_rows(int(c), bits) for c in counts.tolist()], dtype=counts.dtype,
+                          device=counts.device)
     start = torch.cumsum(counts, 0) - counts
     pad_start = torch.cumsum(padded, 0) - padded
     n_pad = int(padded.sum())
@@ -391,7 +404,7 @@ def fused_moe(
     if mode == "auto":
         mode = "grouped" if x.device.type == "cuda" and _grouped_ok(x, w_in, w_out) else "tiles"
     if mode == "tiles" and _shape_stable(x):
-        token_ids, rows_of, counts = pad_groups(token_ids, rows_of, topk_ids, counts, ROW_QUANTUM)
+        token_ids, rows_of, counts = pad_groups(token_ids, rows_of, topk_ids, counts)
     groups = torch.cumsum(counts, 0).to(torch.int32) if mode == "grouped" else [int(c) for c in counts.tolist()]
     if block_rows is None:
         block_rows = BLOCK_ELEMENTS // max(width, hidden)
