@@ -81,3 +81,26 @@ def test_peak_memory_counts_the_kept_scratch(monkeypatch):
     assert hidden <= counted - held // 2
     monkeypatch.undo()
     assert peak_tensor_bytes(step) == counted
+
+
+def test_scratch_first_made_in_inference_mode_serves_training_calls():
+    # Evaluation under torch.inference_mode() followed by a training step must work: the kept buffers are normal
+    # tensors, written in place by both.
+    g = torch.Generator().manual_seed(2)
+    t, d, f, e, k = 40, 16, 8, 6, 2
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    leaves = [torch.rand(t, k, generator=g), torch.randn(t, d, generator=g), torch.randn(e, 2 * f, d, generator=g),
+              torch.randn(e, d, f, generator=g)]
+    weights, x, w_in, w_out = [v.requires_grad_() for v in leaves]
+    workspace.clear()
+    with torch.inference_mode():
+        evaluated = fused_moe(x, ids, weights, w_in, w_out, mode="tiles")
+    y = fused_moe(x, ids, weights, w_in, w_out, mode="tiles")
+    y.sum().backward()
+    assert torch.equal(y.detach(), evaluated)
+    with torch.inference_mode():  # and back: a training-made buffer written under inference mode
+        assert torch.equal(fused_moe(x, ids, weights, w_in, w_out, mode="tiles"), evaluated)
+    bf16 = [v.to(torch.bfloat16) for v in (x, w_in, w_out)]  # the padded bf16 path keeps its own buffers
+    with torch.inference_mode():
+        fused_moe(bf16[0], ids, weights, *bf16[1:], mode="tiles")
+    fused_moe(bf16[0], ids, weights, *bf16[1:], mode="tiles").float().sum().backward()

@@ -37,7 +37,10 @@ def scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch
     with _lock:
         buf = _buffers.get(key)
         if buf is None or buf.numel() < numel:
-            buf = torch.empty(numel, dtype=dtype, device=device)
+            # A normal tensor even when first asked for under torch.inference_mode(): an inference tensor could not
+            # be written by a later call outside it (a training step after an evaluation).
+            with torch.inference_mode(False):
+                buf = torch.empty(numel, dtype=dtype, device=device)
             _buffers[key] = buf
     return buf[:numel].view(shape)
 
