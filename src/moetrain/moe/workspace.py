@@ -41,6 +41,8 @@ def scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch
             # be written by a later call outside it (a training step after an evaluation).
             with torch.inference_mode(False):
                 buf = torch.empty(numel, dtype=dtype, device=device)
+            if type(buf) is not torch.Tensor:  # a tensor subclass from a dispatch mode (fake tensors): never kept
+                return buf.view(shape)
             _buffers[key] = buf
     return buf[:numel].view(shape)
 
