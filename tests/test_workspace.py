@@ -104,3 +104,15 @@ def test_scratch_first_made_in_inference_mode_serves_training_calls():
     with torch.inference_mode():
         fused_moe(bf16[0], ids, weights, *bf16[1:], mode="tiles")
     fused_moe(bf16[0], ids, weights, *bf16[1:], mode="tiles").float().sum().backward()
+
+
+def test_fake_tensors_are_never_kept():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    workspace.clear()
+    with FakeTensorMode():
+        fake = workspace.scratch("t.fake", (4, 4), torch.float32, "cpu")
+    assert type(fake) is not torch.Tensor and workspace.held_bytes() == 0
+    real = workspace.scratch("t.fake", (4, 4), torch.float32, "cpu")
+    assert type(real) is torch.Tensor
+    workspace.clear()
