@@ -52,7 +52,8 @@ def workers_for(device: torch.device) -> int:
 def run_largest_first(fn: Callable[[T], None], items: Sequence[T], sizes: Sequence[int]) -> None:
     """``fn(item)`` for every item, on single-threaded workers that each take the largest item left whenever they
     are free (a shared queue), when PyTorch has several intra-op threads; inline otherwise. ``fn`` runs without
-    gradient tracking. Re-raises the first exception (the other workers stop at their next item).
+    gradient tracking. Re-raises the first exception (the other workers stop at their next item), also an
+    interrupt of the wait, and only once every worker has stopped (they write into the caller's buffers).
 
     Why a queue rather than a fixed split: the cores of a shared machine do not run at the same speed from moment
     to moment, and experts' row counts differ; a worker that falls behind takes fewer items instead of holding up
@@ -73,17 +74,17 @@ def run_largest_first(fn: Callable[[T], None], items: Sequence[T], sizes: Sequen
 
     def work() -> None:
         torch.set_num_threads(1)
-        with torch.no_grad():
-            while not failed.is_set():
-                with lock:
-                    i = next(queue, None)
-                if i is None:
-                    return
-                try:
+        try:
+            with torch.no_grad():
+                while not failed.is_set():
+                    with lock:
+                        i = next(queue, None)
+                    if i is None:
+                        return
                     fn(items[i])
-                except BaseException:
-                    failed.set()
-                    raise
+        except BaseException:  # also a KeyboardInterrupt between items: the others stop too
+            failed.set()
+            raise
 
     workers = min(threads, len(items))
     torch.set_num_threads(1)
@@ -94,10 +95,15 @@ def run_largest_first(fn: Callable[[T], None], items: Sequence[T], sizes: Sequen
         finally:
             errors = []
             for future in futures:
-                try:
-                    future.result()
-                except BaseException as exc:  # noqa: BLE001 - re-raised below, after every worker has stopped
-                    errors.append(exc)
+                while True:  # until the worker has stopped: it writes into the caller's (kept) buffers
+                    try:
+                        future.result()
+                        break
+                    except BaseException as exc:  # noqa: BLE001 - re-raised below, after every worker has stopped
+                        errors.append(exc)
+                        if future.done():
+                            break
+                        failed.set()  # the wait itself was interrupted (Ctrl-C): stop the workers, wait again
         if errors:
             raise errors[0]
     finally:

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from moetrain.moe.cpu_workers import run_largest_first, workers_for
 from moetrain.moe.fast_experts import (
@@ -334,6 +335,7 @@ class _FusedMoE(torch.autograd.Function):
         return _sum_k(y, rows_of)
 
     @staticmethod
+    @once_differentiable  # written with out= kernels: a second derivative raises instead of being silently wrong
     def backward(ctx, dout):  # noqa: D102
         needs = tuple(ctx.needs_input_grad[:4])
         dout = dout.contiguous()
@@ -378,7 +380,7 @@ def fused_moe(
             tiles).
         block_rows: tiles mode: consecutive experts are packed into blocks of about this many rows for the
             non-GEMM work (see :func:`_blocks`); ``None``: :data:`BLOCK_ELEMENTS` / max(I, D), with several CPU
-            workers at most about N / (:data:`BLOCKS_PER_WORKER` x workers).
+            workers at most about N / (:data:`BLOCKS_PER_WORKER` x workers) but not below :data:`MIN_BLOCK_ROWS`.
         recompute: save nothing of the experts' own for backward (not even ``h`` [N, I]): backward gathers each
             block's rows again and reruns the input projection (Megatron-Core's ``--recompute-modules moe``
             trade, for the experts: +1 GEMM of 2 N D I FLOPs; saves N I elements).
