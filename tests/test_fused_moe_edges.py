@@ -295,3 +295,17 @@ def test_second_derivative_raises_instead_of_being_silently_incomplete():
     (gx,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable"):
         (y.sum() + gx.square().sum()).backward()
+
+
+def test_fused_experts_second_derivative_raises():
+    # The same for the standalone experts Function (the fused backend's path with a capacity factor).
+    from moetrain.moe.fast_experts import fused_experts
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(12, 8, generator=g, requires_grad=True)
+    w_in = torch.randn(3, 8, 8, generator=g, requires_grad=True)
+    w_out = torch.randn(3, 8, 4, generator=g, requires_grad=True)
+    y = fused_experts(x, w_in, w_out, torch.tensor([5, 0, 7]), mode="tiles")
+    (gx,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        (y.sum() + gx.square().sum()).backward()

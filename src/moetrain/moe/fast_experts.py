@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 _silu_out = torch.ops.aten.silu.out
 _silu_backward_out = torch.ops.aten.silu_backward.grad_input
@@ -226,6 +227,7 @@ class _FusedExperts(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable  # the hand-written backward is not itself differentiable: raise rather than be wrong
     def backward(ctx, dy):  # noqa: D102
         needs = tuple(ctx.needs_input_grad[:3])
         dy = dy.contiguous()
