@@ -30,8 +30,8 @@ output by the fp32 weight.
 Execution: ``tiles`` mode runs one ``torch.mm`` per expert and projection into slices of preallocated outputs
 (CPU; the counts are read on the host once, which is free there; in bf16 / fp16 each expert's rows are padded to
 one of a few sizes so that the GEMM shapes repeat: :func:`pad_groups`); with several intra-op threads the blocks are
-split between single-threaded workers, one per thread (moe/cpu_workers.py: expert-level instead of op-level
-parallelism, measured faster at E = 64). ``grouped`` mode runs each projection as one
+handed largest-first to single-threaded workers, one per thread (moe/cpu_workers.py: expert-level instead of
+op-level parallelism, measured faster at E = 64). ``grouped`` mode runs each projection as one
 ``torch.nn.functional.grouped_mm`` with device offsets (no host sync; the mode used on CUDA in bf16); both modes
 run the same maths and are tested against the unfused layer on CPU (tests/test_perf_experts.py).
 """
