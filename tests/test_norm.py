@@ -74,3 +74,14 @@ def test_rmsnorm_second_derivative_raises_and_meta_device_works():
         g.sum().backward()  # once_differentiable: no silently wrong double backward
     meta = RMSNorm(8).to("meta")
     assert meta(torch.empty(2, 8, device="meta")).shape == (2, 8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rmsnorm_backward_leaves_the_incoming_gradient_alone(dtype):
+    # backward builds dx in place; it must not write into the upstream gradient (another branch may hold it).
+    norm = RMSNorm(16)
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(3)).to(dtype).requires_grad_()
+    up = torch.randn(4, 16, generator=torch.Generator().manual_seed(4)).to(dtype)
+    kept = up.clone()
+    norm(x).backward(up)
+    assert torch.equal(up, kept)
