@@ -19,7 +19,8 @@ Element counts per token follow what moetrain's own modules save (checked agains
   (2E, fp32) and a few index / weight vectors; a shared expert adds the same FFN internals per token. The
   ``fused`` backend (dropless) keeps only the pre-activation (``I`` = 2F SwiGLU, F GELU, per row) and, under
   autocast, the bf16 copy of its input (``D`` per token); ``recompute_experts`` drops the FFN internals (and the
-  fused path's pre-activation);
+  fused path's pre-activation). Not modelled: on CPU in bf16 / fp16 the fused path pads each expert's rows
+  (moe/fast_moe.py ``pad_groups``: under 1/8 more pre-activation rows, ~1/16 on average); CUDA does not pad;
 - dense SwiGLU FFN: ``4 Fd``;
 - outside the blocks: the final norm (``2 D + 1``) and the fp32 log-softmax of the logits (V) for the loss, or
   the fused loss's gradients (``D`` per token and the V x D weight gradient).
