@@ -98,3 +98,32 @@ def test_bench_moe_vary_routing_feeds_new_tokens_every_call(tmp_path, capsys):
                  "--candidates", "fused", "--no-memory", "--json", str(out)]) == 0
     assert json.loads(out.read_text())["args"]["vary_routing"] is True
     assert "new tokens every call" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+@pytest.mark.parametrize("bench", ["moe", "train"])
+def test_bench_device_cuda_without_cuda_is_refused(tmp_path, capsys, bench):
+    out = tmp_path / "x.json"
+    assert main(["bench", bench, "--device", "cuda", "--json", str(out)]) == 2
+    assert "--device cuda" in capsys.readouterr().err and not out.exists()
+
+
+def test_gpu_check_script_is_valid_bash_and_its_bench_commands_parse():
+    # benchmarks/gpu_check.sh is the prepared device check (run on a lent GPU machine, never in CI): it must parse,
+    # and every moetrain command in it must be accepted by moetrain's own argument parser.
+    import shlex
+    import subprocess
+    from pathlib import Path
+
+    from moetrain.cli import build_parser
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.sh"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    text = script.read_text().replace("\\\n", " ")  # join continued lines
+    commands = [line.split("python3 -m moetrain ", 1)[1] for line in text.splitlines()
+                if "python3 -m moetrain " in line and not line.lstrip().startswith("#")]
+    assert len(commands) == 3
+    parser = build_parser()
+    for command in commands:
+        args = parser.parse_args(shlex.split(command.replace('"$out/', '"out/')))
+        assert args.device == "cuda" and args.dtype == "bf16" and args.overwrite

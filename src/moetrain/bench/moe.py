@@ -33,7 +33,7 @@ import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from moetrain.bench import add_measurement_args
+from moetrain.bench import add_measurement_args, check_device
 from moetrain.errors import ConfigError
 
 CANDIDATES = ("dense", "hf-eager", "hf-grouped_mm", "loop", "padded", "grouped_mm", "fused")
@@ -111,10 +111,11 @@ def _candidates(args) -> list[str]:
     return ["dense"] + [n for n in CANDIDATES if n in names and n != "dense"]
 
 
-def _build(shape: Shape, dtype, names: list[str], seed: int, vary_routing: bool = False):
+def _build(shape: Shape, dtype, names: list[str], seed: int, vary_routing: bool = False, device: str = "cpu"):
     """name -> (step() doing forward + backward, output() returning the [T, D] output), sharing weights. With
     ``vary_routing`` every MoE step first overwrites its input with the next of a pool of random token batches (the
-    same sequence for every candidate; the dense limit has no routing and keeps its input)."""
+    same sequence for every candidate; the dense limit has no routing and keeps its input). Everything is drawn on
+    the CPU (the same numbers on every device) and then moved to ``device``."""
     import torch
     import torch.nn.functional as F
 
@@ -126,14 +127,14 @@ def _build(shape: Shape, dtype, names: list[str], seed: int, vary_routing: bool 
     router = torch.randn(e, d, generator=g) * d**-0.5  # logits of O(1): a realistic spread of routing scores
     gate_up = torch.randn(e, 2 * f, d, generator=g) * d**-0.5
     down = torch.randn(e, d, f, generator=g) * f**-0.5
-    x = torch.randn(t, d, generator=g).to(dtype)
-    grad_out = torch.randn(t, d, generator=g).to(dtype)
+    x = torch.randn(t, d, generator=g).to(device, dtype)
+    grad_out = torch.randn(t, d, generator=g).to(device, dtype)
     built = {}
 
     if "dense" in names:
-        dense_w = [gate_up[0].to(dtype).requires_grad_(), down[0].to(dtype).requires_grad_()]
-        x_rows = torch.randn(t * k, d, generator=g).to(dtype).requires_grad_()
-        grad_rows = torch.randn(t * k, d, generator=g).to(dtype)
+        dense_w = [gate_up[0].to(device, dtype).requires_grad_(), down[0].to(device, dtype).requires_grad_()]
+        x_rows = torch.randn(t * k, d, generator=g).to(device, dtype).requires_grad_()
+        grad_rows = torch.randn(t * k, d, generator=g).to(device, dtype)
 
         def dense_forward():
             gate, up = F.linear(x_rows, dense_w[0]).chunk(2, dim=-1)
@@ -154,7 +155,7 @@ def _build(shape: Shape, dtype, names: list[str], seed: int, vary_routing: bool 
             block.gate.weight.copy_(router)
             block.experts.gate_up_proj.copy_(gate_up)
             block.experts.down_proj.copy_(down)
-        block = block.to(dtype).train()
+        block = block.to(device, dtype).train()
         xin = x.clone().view(1, t, d).requires_grad_()
 
         def hf_forward(block=block, xin=xin):
@@ -171,7 +172,7 @@ def _build(shape: Shape, dtype, names: list[str], seed: int, vary_routing: bool 
             layer.router.weight.copy_(router)
             layer.experts.gate_up_proj.copy_(gate_up)
             layer.experts.down_proj.copy_(down)
-        layer = layer.to(dtype).train()
+        layer = layer.to(device, dtype).train()
         xin = x.clone().requires_grad_()
 
         def ours_forward(layer=layer, xin=xin):
@@ -193,7 +194,7 @@ def _refresher(leaf, seed: int, enabled: bool):
     import torch
 
     gen = torch.Generator().manual_seed(seed + 1)
-    pool = [torch.randn(leaf.shape, generator=gen).to(leaf.dtype) for _ in range(VARY_POOL)]
+    pool = [torch.randn(leaf.shape, generator=gen).to(leaf.device, leaf.dtype) for _ in range(VARY_POOL)]
     calls = [0]
 
     def refresh():
@@ -220,14 +221,15 @@ def _rel_err(a, b) -> float:
 
 
 def bench_shape(shape: Shape, dtype_name: str, names: list[str], reps: int, warmup: int, memory: bool,
-                seed: int, clock: str = "wall", vary_routing: bool = False) -> dict:
+                seed: int, clock: str = "wall", vary_routing: bool = False, device: str = "cpu") -> dict:
     """Time (and measure) every candidate on one shape and dtype; returns the JSON-ready record."""
     import torch
 
     from moetrain.bench.common import interleaved_times, peak_tensor_bytes, summary
 
     dtype = torch.float32 if dtype_name == "fp32" else torch.bfloat16
-    built = _build(shape, dtype, names, seed, vary_routing)
+    built = _build(shape, dtype, names, seed, vary_routing, device)
+    sync = torch.cuda.synchronize if device == "cuda" else None
     errors = {}
     if "loop" in built:
         with torch.no_grad():
@@ -235,7 +237,8 @@ def bench_shape(shape: Shape, dtype_name: str, names: list[str], reps: int, warm
             for name, (_, output) in built.items():
                 if output is not None:
                     errors[name] = _rel_err(output(), ref)
-    times = interleaved_times({n: s for n, (s, _) in built.items()}, rounds=reps, warmup=warmup, clock=clock)
+    times = interleaved_times({n: s for n, (s, _) in built.items()}, rounds=reps, warmup=warmup, sync=sync,
+                              clock=clock)
     dense_median = statistics.median(times["dense"])
     rows = {}
     for name in built:
@@ -245,7 +248,7 @@ def bench_shape(shape: Shape, dtype_name: str, names: list[str], reps: int, warm
             "times_s": times[name],
             "ratio_to_dense": s["median_s"] / dense_median,
             "gflops": shape.flops / s["median_s"] / 1e9,
-            "peak_bytes": peak_tensor_bytes(built[name][0]) if memory else None,
+            "peak_bytes": peak_tensor_bytes(built[name][0], device) if memory else None,
             "max_rel_err_vs_loop": errors.get(name),
         }
     hf = [rows[n]["median_s"] for n in ("hf-eager", "hf-grouped_mm") if n in rows]
@@ -287,20 +290,23 @@ def run(args) -> int:
     if args.reps < 1 or args.warmup < 0:
         raise ConfigError(f"--reps must be >= 1 and --warmup >= 0, got {args.reps} and {args.warmup}")
     shapes, names = _shapes(args), _candidates(args)
+    check_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     dtypes = DTYPES if args.dtype == "both" else (args.dtype,)
     info = machine_info()
     print(f"bench moe: {len(shapes)} shapes x {list(dtypes)}, {args.reps} timed rounds (+{args.warmup} warm-up), "
           f"candidates interleaved, {'new tokens every call' if args.vary_routing else 'the same tokens every round'}"
-          f"; {info['threads']} threads, {args.clock} clock; load average "
+          f"; {args.device}{' (' + str(info['cuda']) + ')' if args.device == 'cuda' else ''}, "
+          f"{info['threads']} threads, {args.clock} clock; load average "
           f"{info['load_avg_1_5_15min']} on {info['cpus']} CPUs")
-    _warn_if_busy(info)
+    if args.device == "cpu":
+        _warn_if_busy(info)
     records = []
     for shape in shapes:
         for dtype_name in dtypes:
             rec = bench_shape(shape, dtype_name, names, args.reps, args.warmup, not args.no_memory, args.seed,
-                              args.clock, args.vary_routing)
+                              args.clock, args.vary_routing, args.device)
             print_record(rec)
             records.append(rec)
     info_end = machine_info()

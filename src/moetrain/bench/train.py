@@ -12,7 +12,7 @@ fused, moetrain/model/fused_ce.py); transformers' with ``labels``. The transform
 (``output_router_logits=True``), as moetrain's model computes its aux and z losses. Before timing, the
 cross-entropy of both models on the batch is compared (``lm_loss_diff``): the same weights must give the same loss.
 
-``--dtype bf16`` runs both models under ``torch.autocast(cpu, bfloat16)`` with fp32 master weights (how moetrain's
+``--dtype bf16`` runs both models under ``torch.autocast(device, bfloat16)`` with fp32 master weights (how moetrain's
 trainer runs bf16). Note that transformers' ``grouped_mm`` experts cast their input back to the fp32 weight dtype
 under autocast (``grouped_mm`` has no autocast rule), so its experts then run in fp32; moetrain's run in bf16.
 
@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from moetrain.bench import add_measurement_args
+from moetrain.bench import add_measurement_args, check_device
 from moetrain.errors import ConfigError
 
 OURS_BACKENDS = ("fused", "grouped_mm", "loop", "padded")
@@ -129,13 +129,16 @@ def run(args) -> int:
 
     if args.steps < 1 or args.warmup < 0:
         raise ConfigError(f"--steps must be >= 1 and --warmup >= 0, got {args.steps} and {args.warmup}")
+    check_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg, models, batch, seq = build_models(args)
+    models = {name: model.to(args.device) for name, model in models.items()}
     gen = torch.Generator().manual_seed(args.seed)
     ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen)
     targets = torch.cat([ids[:, 1:], torch.full((batch, 1), -100)], dim=1)  # next token; HF shifts labels itself
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.dtype == "bf16")
+    ids, targets = ids.to(args.device), targets.to(args.device)
+    autocast = torch.autocast(args.device, dtype=torch.bfloat16, enabled=args.dtype == "bf16")
 
     def loss_of(name, model):
         if name.startswith("moetrain"):  # as the trainer calls it (moetrain/train/step.py)
@@ -164,7 +167,8 @@ def run(args) -> int:
         return step
 
     steps = {n: stepper(n) for n in models}
-    times = interleaved_times(steps, rounds=args.steps, warmup=args.warmup, clock=args.clock)
+    sync = torch.cuda.synchronize if args.device == "cuda" else None
+    times = interleaved_times(steps, rounds=args.steps, warmup=args.warmup, sync=sync, clock=args.clock)
     tokens = batch * seq
     rows = {}
     for name, model in models.items():
@@ -174,7 +178,7 @@ def run(args) -> int:
                       if torch.is_tensor(t))
         rows[name] = {**s, "times_s": times[name], "tokens_per_s": tokens / s["median_s"],
                       "tokens_per_s_best": tokens / s["min_s"],
-                      "peak_bytes": None if args.no_memory else peak_tensor_bytes(steps[name]),
+                      "peak_bytes": None if args.no_memory else peak_tensor_bytes(steps[name], args.device),
                       "weights_and_adam_bytes": static, "lm_loss_at_init": lm_loss[name]}
     hf_names = [n for n in rows if n.startswith("hf-")]
     best_hf = min(hf_names, key=lambda n: rows[n]["median_s"]) if hf_names else None
@@ -205,7 +209,7 @@ def _print(report: dict) -> None:
     print(f"bench train: preset {m['preset']} (L={m['layers']}, D={m['hidden']}, E={m['experts']}, K={m['top_k']}, "
           f"F={m['expert_ffn']}, V={m['vocab']}), batch {report['batch']} x {report['seq']} = "
           f"{report['tokens_per_step']} tokens, {a['dtype']}, fused AdamW; {a['steps']} timed rounds interleaved; "
-          f"{report['machine']['threads']} threads, {a['clock']} clock; load average "
+          f"{a.get('device', 'cpu')}, {report['machine']['threads']} threads, {a['clock']} clock; load average "
           f"{report['machine']['load_avg_1_5_15min']}")
     print(f"  {'candidate':<22} {'tok/s':>8} {'step ms':>8} {'min-max ms':>17} {'vs best HF':>10} {'peak MB':>8} "
           f"{'peak/HF':>8} {'lm loss':>8}")
