@@ -5,8 +5,9 @@ Legend: B = batch (sequences), S = sequence length, L = layers, E = experts, K =
 
 One training step = forward with the loss, backward, ``AdamW.step()``, ``zero_grad(set_to_none=True)``; the same
 batch every step. Both models get PyTorch's fused AdamW (``fused=True``): moetrain's trainer uses it, and so does
-transformers' ``Trainer`` by default (``optim="adamw_torch_fused"``). moetrain's model is called as its trainer calls it (``return_logits=False``: LM head and loss
-fused, moetrain/model/fused_ce.py); transformers' with ``labels``. The transformers model is built from the same config through the HF interop
+transformers' ``Trainer`` by default (``optim="adamw_torch_fused"``). moetrain's model is called as its trainer
+calls it (``return_logits=False``: LM head and loss fused, moetrain/model/fused_ce.py); transformers' with
+``labels``. The transformers model is built from the same config through the HF interop
 (:func:`moetrain.interop.families.hf_config_dict`), gets moetrain's initial weights (renamed by
 :func:`moetrain.interop.hf.hf_state_dict`, copied) and computes its load-balancing aux loss
 (``output_router_logits=True``), as moetrain's model computes its aux and z losses. Before timing, the
