@@ -16,6 +16,7 @@ the buffers are counted as allocations inside the measured call (moetrain/bench/
 
 from __future__ import annotations
 
+import math
 import threading
 
 import torch
@@ -28,9 +29,7 @@ def scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch
     """An uninitialised contiguous tensor of ``shape`` that is valid until the calling thread asks for ``name``
     again (same dtype and device). Off the CPU a fresh ``torch.empty`` (device allocators cache already)."""
     device = torch.device(device)
-    numel = 1
-    for size in shape:
-        numel *= size
+    numel = math.prod(shape)
     if device.type != "cpu":
         return torch.empty(shape, dtype=dtype, device=device)
     key = (threading.get_ident(), name, dtype, device)
