@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from moetrain.moe import cpu_kernels
 from moetrain.moe.cpu_workers import run_largest_first, workers_for
 from moetrain.moe.fast_experts import (
     _act_forward,
@@ -196,7 +197,7 @@ def _run_blocks(fn, counts: list[int], block_rows: int) -> None:
     run_largest_first(lambda block: fn(*block, most), blocks, sizes)
 
 
-def _forward_tiles(x, w_in, w_out, token_ids, w_rows, counts, activation, block_rows, keep_h=True):
+def _forward_tiles(x, w_in, w_out, token_ids, w_rows, counts, activation, block_rows, native, keep_h=True):
     n_rows, hidden = token_ids.numel(), x.shape[1]
     ffn = w_out.shape[2]
     h = x.new_empty(n_rows, w_in.shape[1]) if keep_h else None  # [N, I], saved (unless recomputed in backward)
@@ -209,8 +210,11 @@ def _forward_tiles(x, w_in, w_out, token_ids, w_rows, counts, activation, block_
         torch.index_select(x, 0, token_ids[s : s + n], out=xs[:n])
         for e, r, m in experts:
             torch.mm(xs[r : r + m], w_in[e].T, out=hb[r : r + m])
-        _act_forward(hb, a[:n], activation)
-        a[:n].mul_(w_rows[s : s + n, None])
+        if native:  # one pass (moe/cpu_kernels.py)
+            cpu_kernels.swiglu_forward(hb, w_rows[s : s + n], a[:n])
+        else:
+            _act_forward(hb, a[:n], activation)
+            a[:n].mul_(w_rows[s : s + n, None])
         for e, r, m in experts:
             torch.mm(a[r : r + m], w_out[e].T, out=y[s + r : s + r + m])
 
@@ -218,7 +222,7 @@ def _forward_tiles(x, w_in, w_out, token_ids, w_rows, counts, activation, block_
     return y, h
 
 
-def _backward_tiles(dout, x, w_in, w_out, h, token_ids, w_rows, counts, activation, needs, block_rows):
+def _backward_tiles(dout, x, w_in, w_out, h, token_ids, w_rows, counts, activation, needs, block_rows, native):
     need_x, need_w, need_in, need_out = needs
     n_rows, hidden = token_ids.numel(), x.shape[1]
     ffn = w_out.shape[2]
@@ -241,9 +245,9 @@ def _backward_tiles(dout, x, w_in, w_out, h, token_ids, w_rows, counts, activati
         xs = buf("xs", hidden) if need_in or h is None else None  # [n, D] their input rows, gathered again
         hs = buf("h", w_in.shape[1]) if h is None else None  # [n, I] recomputed pre-activation
         dz = buf("dz", ffn)  # [n, F] dL/d(w a), then dL/da
-        a = buf("a", ffn) if need_w or need_out else None  # [n, F] recomputed activation
-        sg = buf("sg", ffn) if activation == "swiglu" else None  # [n, F] silu(gate)
-        prod = buf("prod", ffn) if need_w else None  # [n, F] dz * a, summed over F
+        a = buf("a", ffn) if need_out or (need_w and not native) else None  # [n, F] recomputed activation
+        sg = buf("sg", ffn) if activation == "swiglu" and not native else None  # [n, F] silu(gate)
+        prod = buf("prod", ffn) if need_w and not native else None  # [n, F] dz * a, summed over F
         dh = buf("dh", w_in.shape[1])  # [n, I] dL/dh
         we = w_rows[s : s + n, None]
         if h is None:  # recompute: gather the rows again and rerun the input projection
@@ -256,16 +260,22 @@ def _backward_tiles(dout, x, w_in, w_out, h, token_ids, w_rows, counts, activati
         torch.index_select(dout, 0, token_ids[s : s + n], out=g[:n])
         for e, r, m in experts:
             torch.mm(g[r : r + m], w_out[e], out=dz[r : r + m])
-        _act_recompute(he, a[:n] if a is not None else None, sg[:n] if sg is not None else None, activation)
-        if need_w:
-            torch.mul(dz[:n], a[:n], out=prod[:n])
-            torch.sum(prod[:n], dim=1, dtype=acc, out=dw_rows[s : s + n])
+        if native:  # one pass (moe/cpu_kernels.py): w * a, dL/dh and dL/dw
+            cpu_kernels.swiglu_backward(he, dz[:n], w_rows[s : s + n], a[:n] if need_out else None, dh[:n],
+                                        dw_rows[s : s + n] if need_w else None)
+        else:
+            _act_recompute(he, a[:n] if a is not None else None, sg[:n] if sg is not None else None, activation)
+            if need_w:
+                torch.mul(dz[:n], a[:n], out=prod[:n])
+                torch.sum(prod[:n], dim=1, dtype=acc, out=dw_rows[s : s + n])
+            if need_out:
+                a[:n].mul_(we)
         if need_out:
-            a[:n].mul_(we)
             for e, r, m in experts:
                 torch.mm(g[r : r + m].T, a[r : r + m], out=d_out[e])
-        dz[:n].mul_(we)
-        _act_grad(dz[:n], he, dh[:n], sg[:n] if sg is not None else None, activation)
+        if not native:
+            dz[:n].mul_(we)
+            _act_grad(dz[:n], he, dh[:n], sg[:n] if sg is not None else None, activation)
         if need_x:
             for e, r, m in experts:
                 torch.mm(dh[r : r + m], w_in[e], out=dx_rows[s + r : s + r + m])
@@ -321,8 +331,10 @@ class _FusedMoE(torch.autograd.Function):
         w_rows = torch.zeros(token_ids.numel(), dtype=weights.dtype, device=x.device)
         w_rows.scatter_(0, rows_of.reshape(-1), weights.reshape(-1))  # [N] gating weight of each row (0: padding)
         w_rows_c = w_rows.to(x.dtype)
+        ctx.native = False
         if isinstance(groups, list):
-            y, h = _forward_tiles(x, w_in, w_out, token_ids, w_rows_c, groups, activation, block_rows,
+            ctx.native = cpu_kernels.supports(x, activation)
+            y, h = _forward_tiles(x, w_in, w_out, token_ids, w_rows_c, groups, activation, block_rows, ctx.native,
                                   keep_h=not recompute)
             ctx.save_for_backward(x, w_in, w_out, h, token_ids, rows_of, w_rows_c)
         else:
@@ -342,7 +354,7 @@ class _FusedMoE(torch.autograd.Function):
         if ctx.counts is not None:
             x, w_in, w_out, h, token_ids, rows_of, w_rows = ctx.saved_tensors
             dx_rows, dw_rows, d_in, d_out = _backward_tiles(dout, x, w_in, w_out, h, token_ids, w_rows, ctx.counts,
-                                                            ctx.activation, needs, ctx.block_rows)
+                                                            ctx.activation, needs, ctx.block_rows, ctx.native)
         else:
             x, w_in, w_out, h, token_ids, rows_of, w_rows, offs = ctx.saved_tensors
             dx_rows, dw_rows, d_in, d_out = _backward_grouped(dout, x, w_in, w_out, h, token_ids, w_rows, offs,

@@ -1,0 +1,212 @@
+"""Native CPU kernels for the elementwise work of the fused MoE path (moe/fast_moe.py): the SwiGLU activation, its
+gating-weight scaling, its backward and the gating weight's gradient, each as one pass over a block's rows.
+
+Legend: n = rows of one block, F = expert FFN hidden, h = [gate | up] pre-activation [n, 2F].
+
+Why: in eager PyTorch the block's activation forward is 3 ops and its backward 9 (silu, products, a row sum,
+``silu_backward``), each a full pass over [n, F] arrays, with bf16 converted to fp32 and back in every one. One
+pass each, measured on a 2-core Sapphire Rapids, single thread, n = 1024, F = 512: backward 3.7-4.0 ms -> 0.56 ms
+(fp32) and 3.7 ms -> 1.1 ms (bf16); forward 0.66 -> 0.39 ms. A whole layer's forward + backward (2 threads):
+E = 64, K = 8, D = 512, F = 256 bf16 199 -> 170 ms; E = 8, K = 2, D = 512, F = 1024 fp32 405 -> 382 ms.
+
+What: ``cpu_kernels.c`` beside this file, plain C with GCC / Clang vector extensions, built on first use with the
+system C compiler (``$CC``, else ``cc``, ``gcc`` or ``clang``; ``-O3 -march=native``, retried without
+``-march=native``) and loaded with :mod:`ctypes`. ctypes releases the GIL during the call, so the CPU workers
+(moe/cpu_workers.py) run these kernels in parallel. (``torch.compile`` generates equally fused C++, but its kernels
+hold the GIL, which serialised the two workers: no faster end to end, measured.)
+
+The library is cached in ``kernels/`` under ``$MOETRAIN_CACHE`` (else ``~/.cache/moetrain``), named by a hash of
+the source, the compiler, its flags and the CPU; it is written to a temporary file and renamed into place, so
+concurrent processes never load a partial library. Without a compiler, or if the build fails,
+:func:`available` is ``False``, one warning says why, and moe/fast_moe.py runs the same maths as PyTorch ops.
+``MOETRAIN_CPU_KERNELS=0`` turns the kernels off.
+
+Numerics (the C file's header has the formulas): fp32 arithmetic throughout; bf16 inputs are widened exactly and
+each output is rounded once (the eager ops round after every op); ``exp`` is Cephes' ``expf`` polynomial, NaN
+propagated. tests/test_cpu_kernels.py checks both kernels against an fp64 PyTorch reference (fp32: within 1e-6
+relative; bf16: within half a bf16 ulp), silu over [-120, 120] and at infinities, NaN and the float extremes, and
+the fused layer with and without the kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+FLAGS = ("-O3", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared")
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+
+_lock = threading.Lock()
+_library: ctypes.CDLL | None = None
+_tried = False
+_why_not: str | None = None
+
+
+def enabled() -> bool:
+    """Whether the kernels may be used: ``MOETRAIN_CPU_KERNELS`` is unset or not ``0`` / ``off`` / ``false``."""
+    return os.environ.get("MOETRAIN_CPU_KERNELS", "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+def cache_dir() -> Path:
+    """Where built libraries are kept: ``kernels/`` in moetrain's cache (``$MOETRAIN_CACHE``, else
+    ``~/.cache/moetrain``, as the token cache of data/dataset.py)."""
+    return Path(os.environ.get("MOETRAIN_CACHE") or Path.home() / ".cache" / "moetrain") / "kernels"
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC")
+    if cc:
+        return shutil.which(cc) or cc
+    for name in ("cc", "gcc", "clang"):
+        if shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _cpu_fingerprint() -> str:
+    """The CPU model and feature flags (``-march=native`` code must not be loaded on another CPU)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f.read().splitlines() if ln.startswith(("model name", "flags", "Features"))]
+        return "\n".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def _build() -> ctypes.CDLL:
+    """Compile (or reuse the cached build) and load the library. Raises RuntimeError with the reason."""
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found (set $CC, or install cc / gcc / clang)")
+    source = SOURCE.read_bytes()
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30,
+                                 check=False).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise RuntimeError(f"C compiler {cc!r} does not run: {exc}") from exc
+    errors = []
+    for arch in (("-march=native",), ()):
+        flags = FLAGS + arch
+        key = hashlib.sha256(b"\0".join([source, cc.encode(), version.encode(), " ".join(flags).encode(),
+                                          platform.machine().encode(), _cpu_fingerprint().encode()])).hexdigest()
+        out_dir = cache_dir()
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            out_dir = Path(tempfile.gettempdir()) / f"moetrain-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
+            out_dir.mkdir(parents=True, exist_ok=True)
+        path = out_dir / f"cpu_kernels-{key[:24]}.so"
+        if not path.exists():
+            fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=out_dir)
+            os.close(fd)
+            try:
+                done = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True,
+                                      timeout=300, check=False)
+                if done.returncode != 0:
+                    errors.append(f"{' '.join(flags)}: {done.stderr.strip()[-500:]}")
+                    continue
+                os.replace(tmp, path)  # atomic: another process sees no library or a whole one
+            except (OSError, subprocess.SubprocessError) as exc:
+                errors.append(f"{' '.join(flags)}: {exc}")
+                continue
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+        library = ctypes.CDLL(str(path))
+        for sfx in _SUFFIX.values():
+            fwd = getattr(library, f"moetrain_swiglu_fwd_{sfx}")
+            fwd.argtypes, fwd.restype = [_P, _P, _P, _I, _I], None
+            bwd = getattr(library, f"moetrain_swiglu_bwd_{sfx}")
+            bwd.argtypes, bwd.restype = [_P, _P, _P, _P, _P, _P, _I, _I], None
+        return library
+    raise RuntimeError("the build failed: " + " | ".join(errors))
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, built on the first call (thread-safe); ``None`` if they cannot be built (a warning says
+    why, once)."""
+    global _library, _tried, _why_not
+    with _lock:
+        if not _tried:
+            _tried = True
+            try:
+                _library = _build()
+            except Exception as exc:  # noqa: BLE001 - any failure means: run the PyTorch ops instead
+                _why_not = str(exc)
+                warnings.warn(f"moetrain: native CPU MoE kernels unavailable ({_why_not}); the fused MoE layer "
+                              "runs its activation as PyTorch ops (same results, slower)", RuntimeWarning, stacklevel=2)
+        return _library
+
+
+def available() -> bool:
+    """Whether the kernels are enabled (:func:`enabled`) and built (:func:`library`)."""
+    return enabled() and library() is not None
+
+
+def supports(x: torch.Tensor, activation: str) -> bool:
+    """Whether :func:`swiglu_forward` / :func:`swiglu_backward` serve a layer with input ``x`` and this activation:
+    CPU, fp32 or bf16, SwiGLU, and the kernels :func:`available` (builds them on the first call)."""
+    return x.device.type == "cpu" and x.dtype in _SUFFIX and activation == "swiglu" and available()
+
+
+def _check(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    if t.device.type != "cpu" or t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous CPU {dtype} tensor of shape {shape}, got "
+                         f"{t.dtype} {tuple(t.shape)} on {t.device} (contiguous: {t.is_contiguous()})")
+    return t.data_ptr()
+
+
+def swiglu_forward(h: torch.Tensor, w: torch.Tensor, a: torch.Tensor) -> None:
+    """a = w[:, None] * silu(gate) * up, written in place.
+
+    Args:
+        h: [n, 2F] pre-activation rows, gate half first; fp32 or bf16, contiguous.
+        w: [n] gating weight of each row, h's dtype.
+        a: [n, F] output, h's dtype.
+    Raises:
+        ValueError: shapes, dtypes, devices or layouts that do not match (checked: the kernel reads raw pointers).
+        RuntimeError: the kernels are not available (call :func:`supports` first).
+    """
+    n, f = a.shape
+    ptrs = [_check("h", h, (n, 2 * f), h.dtype), _check("w", w, (n,), h.dtype), _check("a", a, (n, f), h.dtype)]
+    lib = library()
+    if lib is None or h.dtype not in _SUFFIX:
+        raise RuntimeError(f"native SwiGLU kernel unavailable for {h.dtype}: {_why_not}")
+    getattr(lib, f"moetrain_swiglu_fwd_{_SUFFIX[h.dtype]}")(*ptrs, n, f)
+
+
+def swiglu_backward(h: torch.Tensor, dz: torch.Tensor, w: torch.Tensor, aw: torch.Tensor | None, dh: torch.Tensor,
+                    dw: torch.Tensor | None) -> None:
+    """The backward of :func:`swiglu_forward` for one block, written in place.
+
+    Args:
+        h: [n, 2F] pre-activation rows (gate | up); fp32 or bf16, contiguous.
+        dz: [n, F] dL/d(w a), the gradient at the down projection's input; h's dtype.
+        w: [n] gating weights; h's dtype.
+        aw: [n, F] out: w * silu(gate) * up (the down projection's weight-gradient operand), or ``None``.
+        dh: [n, 2F] out: dL/dh = [w dz up silu'(gate) | w dz silu(gate)].
+        dw: [n] fp32 out: dL/dw = sum over F of dz * silu(gate) * up, or ``None``.
+    Raises:
+        ValueError / RuntimeError: as :func:`swiglu_forward`.
+    """
+    n, f = dz.shape
+    dt = h.dtype
+    ptrs = [_check("h", h, (n, 2 * f), dt), _check("dz", dz, (n, f), dt), _check("w", w, (n,), dt),
+            None if aw is None else _check("aw", aw, (n, f), dt), _check("dh", dh, (n, 2 * f), dt),
+            None if dw is None else _check("dw", dw, (n,), torch.float32)]
+    lib = library()
+    if lib is None or dt not in _SUFFIX:
+        raise RuntimeError(f"native SwiGLU kernel unavailable for {dt}: {_why_not}")
+    getattr(lib, f"moetrain_swiglu_bwd_{_SUFFIX[dt]}")(*ptrs, n, f)

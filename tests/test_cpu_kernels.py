@@ -1,0 +1,203 @@
+"""The native CPU SwiGLU kernels (moe/cpu_kernels.py, cpu_kernels.c): against an fp64 PyTorch reference, special
+values, argument checks, the build cache and the fallback, and the fused MoE layer with and without them."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moetrain.moe import cpu_kernels
+from moetrain.moe.fast_moe import fused_moe
+
+HAS_CC = any(shutil.which(c) for c in ("cc", "gcc", "clang"))
+needs_kernels = pytest.mark.skipif(not HAS_CC, reason="no C compiler: the kernels cannot be built here")
+
+
+def _reference(h, dz, w):
+    """fp64: a = w silu(g) u, dh = [w dz u silu'(g) | w dz silu(g)], dw = sum dz silu(g) u; and the magnitude of
+    dh's terms (silu'(g) = s (1 + g (1 - s)) cancels near g = -1.28, in any fp32 evaluation)."""
+    f = h.shape[1] // 2
+    g, u = h.double()[:, :f], h.double()[:, f:]
+    dz, w = dz.double(), w.double()[:, None]
+    s = torch.sigmoid(g)
+    act = g * s * u
+    dg = w * dz * u * s * (1 + g * (1 - s))
+    du = w * dz * g * s
+    mag = (w * dz * u * s).abs() * (1 + g.abs() * (1 - s))
+    return w * act, torch.cat([dg, du], dim=1), (dz * act).sum(dim=1), torch.cat([mag, du.abs()], dim=1)
+
+
+def _inputs(n, f, dtype, seed=0, scale=3.0):
+    gen = torch.Generator().manual_seed(seed)
+    h = (torch.randn(n, 2 * f, generator=gen) * scale).to(dtype)
+    dz = torch.randn(n, f, generator=gen).to(dtype)
+    w = torch.rand(n, generator=gen).to(dtype)
+    if n > 1:
+        w[1] = 0  # a padding row (moe/fast_moe.py: pad_groups)
+    return h, dz, w
+
+
+def _close(got, ref, dtype, what, mag=None):
+    """Relative to ``mag`` (default |ref|): fp32 1e-6 (a few ulp of a handful of fp32 operations); bf16 half a bf16
+    ulp, 2^-8 relative, plus the fp32 error (one rounding of an fp32 result). Values below 1e-30 count as 0 (exp
+    underflows there, in PyTorch's silu as well)."""
+    got, ref = got.double(), ref.double()
+    mag = ref.abs() if mag is None else mag
+    tol = (1e-6 if dtype == torch.float32 else 2.0**-8 * 1.001) * mag + 1e-30
+    bad = (got - ref).abs() > tol
+    assert not bad.any(), f"{what}: {int(bad.sum())} values off, e.g. {got[bad][:3].tolist()} vs {ref[bad][:3].tolist()}"
+
+
+@needs_kernels
+def test_the_kernels_build_where_a_compiler_exists():
+    assert cpu_kernels.available()
+    assert cpu_kernels.supports(torch.zeros(1, dtype=torch.bfloat16), "swiglu")
+    assert not cpu_kernels.supports(torch.zeros(1, dtype=torch.float16), "swiglu")  # fp16: PyTorch ops
+    assert not cpu_kernels.supports(torch.zeros(1), "gelu")
+    assert not cpu_kernels.supports(torch.zeros(1, dtype=torch.float64), "swiglu")
+    assert not cpu_kernels.supports(torch.zeros(1, device="meta"), "swiglu")
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,f", [(0, 16), (1, 1), (3, 15), (5, 16), (7, 17), (4, 40), (64, 512)])
+def test_forward_and_backward_match_fp64(dtype, n, f):
+    h, dz, w = _inputs(n, f, dtype, seed=n * 100 + f)
+    ref_a, ref_dh, ref_dw, mag = _reference(h, dz, w)
+    a = torch.full((n, f), 7.0, dtype=dtype)
+    cpu_kernels.swiglu_forward(h, w, a)
+    _close(a, ref_a, dtype, "forward")
+    aw, dh, dw = torch.empty(n, f, dtype=dtype), torch.empty(n, 2 * f, dtype=dtype), torch.empty(n)
+    cpu_kernels.swiglu_backward(h, dz, w, aw, dh, dw)
+    _close(aw, ref_a, dtype, "w * a")
+    _close(dh, ref_dh, dtype, "dh", mag)
+    # dw: an fp32 sum of F products of (rounded) inputs: bounded by the sum of magnitudes, not the result
+    mag = (dz.double().abs() * (h.double()[:, :f].abs() * h.double()[:, f:].abs())).sum(dim=1)
+    assert ((dw.double() - ref_dw).abs() <= 1e-6 * mag + 1e-30).all()
+    if n > 1:
+        assert (a[1] == 0).all() and (dh[1] == 0).all()  # weight 0: a padding row contributes exactly nothing
+
+
+@needs_kernels
+def test_outputs_left_out_are_not_written_and_inputs_are_not_modified():
+    h, dz, w = _inputs(6, 20, torch.float32)
+    copies = [t.clone() for t in (h, dz, w)]
+    dh = torch.empty(6, 40)
+    cpu_kernels.swiglu_backward(h, dz, w, None, dh, None)
+    ref = _reference(h, dz, w)
+    _close(dh, ref[1], torch.float32, "dh", ref[3])
+    assert all(torch.equal(a, b) for a, b in zip(copies, (h, dz, w), strict=True))
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_special_values_follow_pytorch(dtype):
+    # silu across the whole float range, including where exp over- and underflows, infinities and NaN.
+    g = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 1e-3, 0.5, -0.5, 5.0, -5.0, 20.0, -20.0, 87.0, -87.0, 87.5, -87.5,
+                      88.5, -88.5, 89.0, -89.0, 100.0, -100.0, 1e4, -1e4, 3e38, -3e38, float("inf"), float("-inf"),
+                      float("nan")])
+    g = torch.cat([g, torch.linspace(-120, 120, 4001)]).to(dtype)
+    n = g.numel()
+    h = torch.stack([g, torch.ones_like(g)], dim=1)  # f = 1: up = 1
+    w = torch.ones(n, dtype=dtype)
+    a = torch.empty(n, 1, dtype=dtype)
+    cpu_kernels.swiglu_forward(h, w, a)
+    expected = F.silu(g.double())
+    got = a[:, 0].double()
+    assert torch.equal(got.isnan(), expected.isnan())  # NaN, and -inf * 0 as PyTorch's silu(-inf)
+    finite = ~expected.isnan()
+    assert torch.equal(got[finite].isinf(), expected[finite].isinf())
+    ok = finite & ~expected.isinf()
+    _close(got[ok], expected[ok], dtype, "silu")
+
+
+def test_bad_arguments_raise_before_touching_memory():
+    h, dz, w = _inputs(4, 8, torch.float32)
+    with pytest.raises(ValueError, match="a: expected a contiguous CPU torch.float32 tensor of shape"):
+        cpu_kernels.swiglu_forward(h, w, torch.empty(8, 4).T)  # not contiguous
+    with pytest.raises(ValueError, match=r"h: .*shape \(4, 8\)"):
+        cpu_kernels.swiglu_forward(h, w, torch.empty(4, 4))  # h is [4, 16]: F = 8, not 4
+    with pytest.raises(ValueError, match="w: "):
+        cpu_kernels.swiglu_forward(h, w.double(), torch.empty(4, 8))
+    with pytest.raises(ValueError, match="dw: "):
+        cpu_kernels.swiglu_backward(h, dz, w, None, torch.empty(4, 16), torch.empty(4, dtype=torch.float64))
+
+
+def _fresh_state(monkeypatch, tmp_path):
+    monkeypatch.setenv("MOETRAIN_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_kernels, "_library", None)
+    monkeypatch.setattr(cpu_kernels, "_tried", False)
+    monkeypatch.setattr(cpu_kernels, "_why_not", None)
+
+
+@needs_kernels
+def test_build_is_cached_and_atomic(monkeypatch, tmp_path):
+    _fresh_state(monkeypatch, tmp_path)
+    assert cpu_kernels.library() is not None
+    built = sorted((tmp_path / "kernels").iterdir())
+    assert len(built) == 1 and built[0].suffix == ".so"  # no temporary file left behind
+    stamp = built[0].stat().st_mtime_ns
+    _fresh_state(monkeypatch, tmp_path)  # a new process, in effect: loads the cached build, compiles nothing
+    calls = []
+    real_run = cpu_kernels.subprocess.run
+    monkeypatch.setattr(cpu_kernels.subprocess, "run", lambda cmd, **kw: calls.append(cmd) or real_run(cmd, **kw))
+    assert cpu_kernels.library() is not None
+    assert [c[1:] for c in calls] == [["--version"]] and built[0].stat().st_mtime_ns == stamp
+
+
+def test_without_a_compiler_the_layer_falls_back_with_one_warning(monkeypatch, tmp_path):
+    ids, x, w, w_in, w_out, up = _layer_case(torch.float32)
+    monkeypatch.setenv("MOETRAIN_CPU_KERNELS", "0")
+    expected = _run(ids, x, w, w_in, w_out, up)
+    monkeypatch.delenv("MOETRAIN_CPU_KERNELS")
+    _fresh_state(monkeypatch, tmp_path)
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    with pytest.warns(RuntimeWarning, match="native CPU MoE kernels unavailable"):
+        assert not cpu_kernels.available()
+    assert not cpu_kernels.supports(x, "swiglu")
+    got = _run(ids, x, w, w_in, w_out, up)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))  # the PyTorch-op path, bit for bit
+    assert not (tmp_path / "kernels").exists() or not any((tmp_path / "kernels").iterdir())
+
+
+def _layer_case(dtype, t=300, e=6, k=2, d=24, f=40, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
+    w = torch.rand(t, k, generator=gen)
+    x = torch.randn(t, d, generator=gen).to(dtype)
+    w_in = (torch.randn(e, 2 * f, d, generator=gen) * 0.3).to(dtype)
+    w_out = (torch.randn(e, d, f, generator=gen) * 0.3).to(dtype)
+    up = torch.randn(t, d, generator=gen)
+    return ids, x, w, w_in, w_out, up
+
+
+def _run(ids, x, w, w_in, w_out, up, recompute=False, weights_grad=True):
+    x, w_in, w_out = (p.clone().requires_grad_() for p in (x, w_in, w_out))
+    w = w.clone().requires_grad_(weights_grad)
+    y = fused_moe(x, ids, w, w_in, w_out, mode="tiles", recompute=recompute)
+    (y.float() * up).sum().backward()
+    return [y.detach(), x.grad, w_in.grad, w_out.grad] + ([w.grad] if weights_grad else [])
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("weights_grad", [True, False])
+def test_fused_layer_with_and_without_the_kernels_agree(monkeypatch, dtype, recompute, weights_grad):
+    case = _layer_case(dtype)
+    used = []
+    real = cpu_kernels.swiglu_backward
+    monkeypatch.setattr(cpu_kernels, "swiglu_backward", lambda *a: used.append(1) or real(*a))
+    with_kernels = _run(*case, recompute=recompute, weights_grad=weights_grad)
+    assert used  # the kernels did run
+    monkeypatch.setenv("MOETRAIN_CPU_KERNELS", "0")
+    used.clear()
+    without = _run(*case, recompute=recompute, weights_grad=weights_grad)
+    assert not used
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the PyTorch ops round after every op, the kernels once
+    for a, b in zip(with_kernels, without, strict=True):
+        assert (a.float() - b.float()).abs().max() <= tol * b.float().abs().max().clamp(min=1.0)
+
