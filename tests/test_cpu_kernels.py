@@ -114,6 +114,25 @@ def test_special_values_follow_pytorch(dtype):
     _close(got[ok], expected[ok], dtype, "silu")
 
 
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k,d", [(1, 5), (2, 16), (3, 33), (8, 64)])
+def test_sum_k_is_the_ordered_fp32_sum_of_the_gathered_rows(dtype, k, d):
+    gen = torch.Generator().manual_seed(k * 100 + d)
+    t, n = 37, 150
+    rows = torch.randn(n, d, generator=gen).to(dtype)
+    rows_of = torch.stack([torch.randperm(n, generator=gen)[:k] for _ in range(t)])
+    acc = rows.float()[rows_of[:, 0]]
+    for q in range(1, k):  # a plain loop: gather, add in fp32, k by k
+        acc = acc + rows.float()[rows_of[:, q]]
+    out = torch.full((t, d), 5.0, dtype=dtype)
+    cpu_kernels.sum_k(rows, rows_of, out)
+    assert torch.equal(out, acc.to(dtype))  # fp32: bit for bit; bf16: the fp32 sum rounded once
+    part = torch.full((t, d), 5.0, dtype=dtype)
+    cpu_kernels.sum_k(rows, rows_of, part, 10, 20)  # a worker's share of the tokens: only those rows written
+    assert torch.equal(part[10:20], out[10:20]) and (part[:10] == 5).all() and (part[20:] == 5).all()
+
+
 def test_bad_arguments_raise_before_touching_memory():
     h, dz, w = _inputs(4, 8, torch.float32)
     with pytest.raises(ValueError, match="a: expected a contiguous CPU torch.float32 tensor of shape"):
@@ -124,6 +143,15 @@ def test_bad_arguments_raise_before_touching_memory():
         cpu_kernels.swiglu_forward(h, w.double(), torch.empty(4, 8))
     with pytest.raises(ValueError, match="dw: "):
         cpu_kernels.swiglu_backward(h, dz, w, None, torch.empty(4, 16), torch.empty(4, dtype=torch.float64))
+    rows, out = torch.zeros(6, 3), torch.zeros(2, 3)
+    with pytest.raises(ValueError, match=r"rows outside \[0, 6\)"):
+        cpu_kernels.sum_k(rows, torch.tensor([[0, 6], [1, 2]]), out)
+    with pytest.raises(ValueError, match=r"rows outside"):
+        cpu_kernels.sum_k(rows, torch.tensor([[0, -1], [1, 2]]), out)
+    with pytest.raises(ValueError, match="rows_of: .*int64"):
+        cpu_kernels.sum_k(rows, torch.tensor([[0, 1], [1, 2]], dtype=torch.int32), out)
+    with pytest.raises(ValueError, match="token range"):
+        cpu_kernels.sum_k(rows, torch.tensor([[0, 1], [1, 2]]), out, 1, 3)
 
 
 def _fresh_state(monkeypatch, tmp_path):
@@ -185,14 +213,15 @@ def _run(ids, x, w, w_in, w_out, up, recompute=False, weights_grad=True):
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("recompute", [False, True])
-@pytest.mark.parametrize("weights_grad", [True, False])
-def test_fused_layer_with_and_without_the_kernels_agree(monkeypatch, dtype, recompute, weights_grad):
-    case = _layer_case(dtype)
+@pytest.mark.parametrize("weights_grad,k", [(True, 2), (False, 2), (True, 4)])
+def test_fused_layer_with_and_without_the_kernels_agree(monkeypatch, dtype, recompute, weights_grad, k):
+    case = _layer_case(dtype, k=k)
     used = []
-    real = cpu_kernels.swiglu_backward
-    monkeypatch.setattr(cpu_kernels, "swiglu_backward", lambda *a: used.append(1) or real(*a))
+    for name in ("swiglu_forward", "swiglu_backward", "sum_k"):
+        real = getattr(cpu_kernels, name)
+        monkeypatch.setattr(cpu_kernels, name, lambda *a, _n=name, _f=real: used.append(_n) or _f(*a))
     with_kernels = _run(*case, recompute=recompute, weights_grad=weights_grad)
-    assert used  # the kernels did run
+    assert set(used) == {"swiglu_forward", "swiglu_backward", "sum_k"}  # the kernels did run
     monkeypatch.setenv("MOETRAIN_CPU_KERNELS", "0")
     used.clear()
     without = _run(*case, recompute=recompute, weights_grad=weights_grad)

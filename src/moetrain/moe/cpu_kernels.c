@@ -128,3 +128,23 @@ static inline float scalar_bf16(uint16_t x) {
 
 KERNELS(f32, float)
 KERNELS(bf16, uint16_t)
+
+/* Combine: out[t] = sum_k rows[rows_of[t, k]] for tokens t0 <= t < t1 (rows [N, d], rows_of [T, k] int64, out
+ * [T, d]): an fp32 sum in k order (bitwise what adding the gathered slices one by one in fp32 gives), rounded once
+ * for bf16. */
+#define SUM_K(SFX, T)                                                                                             \
+    void moetrain_sum_k_##SFX(const T* rows, const int64_t* rows_of, T* out, int64_t t0, int64_t t1, int64_t k,  \
+                              int64_t d) {                                                                       \
+        for (int64_t t = t0; t < t1; ++t) {                                                                      \
+            const int64_t* r = rows_of + t * k;                                                                  \
+            for (int64_t j = 0; j < d; j += L) {                                                                 \
+                int64_t m = d - j < L ? d - j : L;                                                               \
+                vf acc = load_part_##SFX(rows + r[0] * d + j, m);                                                \
+                for (int64_t q = 1; q < k; ++q) acc += load_part_##SFX(rows + r[q] * d + j, m);                  \
+                store_part_##SFX(out + t * d + j, acc, m);                                                       \
+            }                                                                                                    \
+        }                                                                                                        \
+    }
+
+SUM_K(f32, float)
+SUM_K(bf16, uint16_t)

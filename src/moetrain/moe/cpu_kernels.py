@@ -130,6 +130,8 @@ def _build() -> ctypes.CDLL:
             fwd.argtypes, fwd.restype = [_P, _P, _P, _I, _I], None
             bwd = getattr(library, f"moetrain_swiglu_bwd_{sfx}")
             bwd.argtypes, bwd.restype = [_P, _P, _P, _P, _P, _P, _I, _I], None
+            comb = getattr(library, f"moetrain_sum_k_{sfx}")
+            comb.argtypes, comb.restype = [_P, _P, _P, _I, _I, _I, _I], None
         return library
     raise RuntimeError("the build failed: " + " | ".join(errors))
 
@@ -155,10 +157,10 @@ def available() -> bool:
     return enabled() and library() is not None
 
 
-def supports(x: torch.Tensor, activation: str) -> bool:
-    """Whether :func:`swiglu_forward` / :func:`swiglu_backward` serve a layer with input ``x`` and this activation:
-    CPU, fp32 or bf16, SwiGLU, and the kernels :func:`available` (builds them on the first call)."""
-    return x.device.type == "cpu" and x.dtype in _SUFFIX and activation == "swiglu" and available()
+def supports(x: torch.Tensor, activation: str | None = None) -> bool:
+    """Whether the kernels serve a layer with input ``x`` (CPU, fp32 or bf16) and, when given, this activation
+    (SwiGLU only; ``None``: the combine, :func:`sum_k`), and are :func:`available` (built on the first call)."""
+    return (x.device.type == "cpu" and x.dtype in _SUFFIX and activation in (None, "swiglu") and available())
 
 
 def _check(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> int:
@@ -210,3 +212,35 @@ def swiglu_backward(h: torch.Tensor, dz: torch.Tensor, w: torch.Tensor, aw: torc
     if lib is None or dt not in _SUFFIX:
         raise RuntimeError(f"native SwiGLU kernel unavailable for {dt}: {_why_not}")
     getattr(lib, f"moetrain_swiglu_bwd_{_SUFFIX[dt]}")(*ptrs, n, f)
+
+
+def sum_k(rows: torch.Tensor, rows_of: torch.Tensor, out: torch.Tensor, first: int = 0, last: int | None = None
+          ) -> None:
+    """out[t] = sum_k rows[rows_of[t, k]] for tokens ``first <= t < last`` (all by default), in place: the MoE
+    combine of K expert-output rows per token in one pass (moe/fast_moe.py: ``_sum_k``).
+
+    An fp32 sum in k order, so in fp32 bit for bit what gathering and adding the K slices one by one gives; bf16
+    operands are widened and the sum rounded once.
+
+    Args:
+        rows: [N, D] fp32 or bf16, contiguous.
+        rows_of: [T, K] int64, contiguous, every value in [0, N) (checked: the kernel reads raw pointers).
+        out: [T, D], rows' dtype, contiguous.
+    Raises:
+        ValueError: shapes, dtypes, layouts or indices that do not match.
+        RuntimeError: the kernels are not available.
+    """
+    n, d = rows.shape
+    t, k = rows_of.shape
+    last = t if last is None else last
+    ptrs = [_check("rows", rows, (n, d), rows.dtype), _check("rows_of", rows_of, (t, k), torch.int64),
+            _check("out", out, (t, d), rows.dtype)]
+    if not 0 <= first <= last <= t or k < 1:
+        raise ValueError(f"sum_k: token range [{first}, {last}) outside [0, {t}] or K = {k} < 1")
+    sel = rows_of[first:last]
+    if sel.numel() and (int(sel.min()) < 0 or int(sel.max()) >= n):
+        raise ValueError(f"sum_k: rows_of has rows outside [0, {n})")
+    lib = library()
+    if lib is None or rows.dtype not in _SUFFIX:
+        raise RuntimeError(f"native combine kernel unavailable for {rows.dtype}: {_why_not}")
+    getattr(lib, f"moetrain_sum_k_{_SUFFIX[rows.dtype]}")(*ptrs, first, last, k, d)

@@ -20,6 +20,9 @@ gating-weighted combine; same stable sort, same row order), ``out[t] = sum_k w[t
   the [N, D] expert outputs and input-gradient rows): a fresh multi-MiB tensor costs page faults on CPU (glibc
   maps large blocks anew each time; measured ~1/3 of a bf16 forward at E = 64).
 - **The activation is recomputed in backward** from ``h`` (two elementwise passes over cache-hot rows).
+- **On CPU in fp32 / bf16 with SwiGLU, the elementwise work is native code** (moe/cpu_kernels.py): one pass for
+  the activation and its gating weight, one for the whole backward (w * a, dL/dh, dL/dw), instead of 3 and 9
+  PyTorch ops; PyTorch ops otherwise (no C compiler, ``MOETRAIN_CPU_KERNELS=0``, GELU, fp16, CUDA).
 - **The combines (output, input gradient) are gathers and adds in a fixed order** (deterministic, no atomics);
   see :func:`_sum_k` for the rounding in bf16.
 
@@ -83,15 +86,27 @@ def route_dropless(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tens
     return order // k, rows_of, counts
 
 
-def _sum_k(rows: torch.Tensor, rows_of: torch.Tensor) -> torch.Tensor:
+def _sum_k(rows: torch.Tensor, rows_of: torch.Tensor, native: bool = False) -> torch.Tensor:
     """out[t] = sum_k rows[rows_of[t, k]]: [N, D] -> [T, D] in rows' dtype, in a fixed order (deterministic).
 
     fp32 / fp64 accumulate in k order. bf16 / fp16 add the K gathered [T, D] slices pairwise (a tree): each add
     computes in fp32 and rounds once, so K <= 2 rounds exactly once, as an fp32 accumulation would, and larger K
     ceil(log2 K) times. (An fp32 accumulator would need a converted copy of every operand, and a reduction over
     a [T, K, D] view runs ~3x slower than these adds on CPU.)
+
+    ``native`` (CPU fp32 / bf16, moe/cpu_kernels.py available): one pass of :func:`cpu_kernels.sum_k` per worker
+    over its share of the tokens, reading K rows and writing one, where the ops above write and read back 2K - 1
+    [T, D] slices. The same bits in fp32; in bf16 one rounding of the fp32 sum for every K.
     """
     k = rows_of.shape[1]
+    if native:
+        out = rows.new_empty(rows_of.shape[0], rows.shape[1])
+        t = rows_of.shape[0]
+        parts = max(1, min(workers_for(rows.device), t))
+        spans = [(t * i // parts, t * (i + 1) // parts) for i in range(parts)]
+        run_largest_first(lambda span: cpu_kernels.sum_k(rows, rows_of, out, *span), spans,
+                          [b - a for a, b in spans])
+        return out
     buf = scratch("sum_k", (rows_of.shape[0], rows.shape[1]), rows.dtype, rows.device) if k > 1 else None  # [T, D]
 
     def gather_add(out: torch.Tensor, j: int) -> torch.Tensor:
@@ -331,9 +346,9 @@ class _FusedMoE(torch.autograd.Function):
         w_rows = torch.zeros(token_ids.numel(), dtype=weights.dtype, device=x.device)
         w_rows.scatter_(0, rows_of.reshape(-1), weights.reshape(-1))  # [N] gating weight of each row (0: padding)
         w_rows_c = w_rows.to(x.dtype)
-        ctx.native = False
+        ctx.native = ctx.native_sum = False  # moe/cpu_kernels.py: the activation's kernels, the combine's
         if isinstance(groups, list):
-            ctx.native = cpu_kernels.supports(x, activation)
+            ctx.native, ctx.native_sum = cpu_kernels.supports(x, activation), cpu_kernels.supports(x)
             y, h = _forward_tiles(x, w_in, w_out, token_ids, w_rows_c, groups, activation, block_rows, ctx.native,
                                   keep_h=not recompute)
             ctx.save_for_backward(x, w_in, w_out, h, token_ids, rows_of, w_rows_c)
@@ -344,7 +359,7 @@ class _FusedMoE(torch.autograd.Function):
         ctx.activation = activation
         ctx.block_rows = block_rows
         ctx.weights_dtype = weights.dtype
-        return _sum_k(y, rows_of)
+        return _sum_k(y, rows_of, ctx.native_sum)
 
     @staticmethod
     @once_differentiable  # written with out= kernels: a second derivative raises instead of being silently wrong
@@ -359,7 +374,7 @@ class _FusedMoE(torch.autograd.Function):
             x, w_in, w_out, h, token_ids, rows_of, w_rows, offs = ctx.saved_tensors
             dx_rows, dw_rows, d_in, d_out = _backward_grouped(dout, x, w_in, w_out, h, token_ids, w_rows, offs,
                                                               ctx.activation, needs)
-        dx = _sum_k(dx_rows, rows_of) if dx_rows is not None else None
+        dx = _sum_k(dx_rows, rows_of, ctx.native_sum) if dx_rows is not None else None
         dw = None
         if dw_rows is not None:
             dw = dw_rows.index_select(0, rows_of.reshape(-1)).view(rows_of.shape).to(ctx.weights_dtype)
