@@ -117,7 +117,10 @@ def peak_tensor_bytes(fn: Callable[[], None], device: torch.device | str = "cpu"
 
 
 def machine_info() -> dict:
-    """What the numbers were measured on, including the load average at the time."""
+    """What the numbers were measured on, including the load average at the time and whether the fused MoE path's
+    native CPU kernels were in use (built here on the first call)."""
+    from moetrain.moe import cpu_kernels
+
     info = {
         "platform": platform.platform(),
         "processor": platform.processor(),
@@ -125,6 +128,7 @@ def machine_info() -> dict:
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "native_cpu_kernels": cpu_kernels.available(),  # the fused MoE path's C kernels (moe/cpu_kernels.py)
     }
     try:
         info["load_avg_1_5_15min"] = [round(v, 2) for v in os.getloadavg()]
