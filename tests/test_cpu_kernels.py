@@ -3,7 +3,14 @@ values, argument checks, the build cache and the fallback, and the fused MoE lay
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -115,6 +122,44 @@ def test_special_values_follow_pytorch(dtype):
 
 
 @needs_kernels
+def test_silu_keeps_fp32_precision_up_to_where_exp_overflows():
+    # exp(-g) in sigmoid stays finite down to g = -88.72 (ln of the largest float); silu(g) there is ~1e-37, a
+    # normal float, which PyTorch's silu gets right. (exp clamped at 88 was up to 2x off below g = -88.)
+    g = torch.cat([torch.linspace(-88.72283, 88.72283, 20001), torch.linspace(-88.72283, -86.0, 2001)])
+    n = g.numel()
+    h = torch.stack([g, torch.ones(n)], dim=1)  # up = 1
+    a, dh = torch.empty(n, 1), torch.empty(n, 2)
+    cpu_kernels.swiglu_forward(h, torch.ones(n), a)
+    cpu_kernels.swiglu_backward(h, torch.ones(n, 1), torch.ones(n), None, dh, None)  # du = dz w silu(g)
+    expected = F.silu(g.double())
+    assert (expected.abs() > 1e-38).sum() > n - 3  # normal floats (all but g = 0)
+    for got in (a[:, 0], dh[:, 1]):
+        assert ((got.double() - expected).abs() <= 1e-6 * expected.abs()).all()
+
+
+@needs_kernels
+def test_bf16_outputs_round_to_nearest_even_like_pytorch():
+    # With gate >= 32, sigmoid is exactly 1 in fp32, so a = gate * up * w, a product of three bf16 values: exact in
+    # fp32 (24 significant bits) and rounded once to bf16 by the kernel. PyTorch's fp32 -> bf16 conversion is the
+    # reference: ties to even, overflow to inf (bf16's largest value times a little over 1 is past the halfway point).
+    gen = torch.Generator().manual_seed(0)
+    n = 20000
+
+    def bf16(lo, hi):  # uniformly random bit patterns in [lo, hi)
+        return torch.randint(lo, hi, (n,), generator=gen, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+
+    gate, up, w = bf16(0x4200, 0x7F80), bf16(0x3580, 0x4980), bf16(0x3580, 0x3F80)  # [32, max], [2^-20, 2^20)
+    up[::2] *= -1
+    gate[:500], up[:500], w[:500] = 3.3895e38, bf16(0x3F80, 0x3F82)[:500], 1.0
+    a = torch.empty(n, 1, dtype=torch.bfloat16)
+    cpu_kernels.swiglu_forward(torch.stack([gate, up], dim=1), w, a)
+    product = gate.float() * up.float() * w.float()
+    exact = (gate.double() * up.double() * w.double()).abs() < 3.4e38  # no fp32 overflow: the product is exact
+    assert exact.sum() > n * 0.9 and a[:500].isinf().any() and a.isfinite().sum() > n * 0.8
+    assert torch.equal(a[exact, 0].view(torch.int16), product[exact].to(torch.bfloat16).view(torch.int16))
+
+
+@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("k,d", [(1, 5), (2, 16), (3, 33), (8, 64)])
 def test_sum_k_is_the_ordered_fp32_sum_of_the_gathered_rows(dtype, k, d):
@@ -165,8 +210,8 @@ def _fresh_state(monkeypatch, tmp_path):
 def test_build_is_cached_and_atomic(monkeypatch, tmp_path):
     _fresh_state(monkeypatch, tmp_path)
     assert cpu_kernels.library() is not None
-    built = sorted((tmp_path / "kernels").iterdir())
-    assert len(built) == 1 and built[0].suffix == ".so"  # no temporary file left behind
+    built = sorted((tmp_path / "kernels").iterdir())  # the library and its digest, no temporary file left behind
+    assert len(built) == 2 and built[0].suffix == ".so" and built[1].name == built[0].name + ".sha256"
     stamp = built[0].stat().st_mtime_ns
     _fresh_state(monkeypatch, tmp_path)  # a new process, in effect: loads the cached build, compiles nothing
     calls = []
@@ -174,6 +219,92 @@ def test_build_is_cached_and_atomic(monkeypatch, tmp_path):
     monkeypatch.setattr(cpu_kernels.subprocess, "run", lambda cmd, **kw: calls.append(cmd) or real_run(cmd, **kw))
     assert cpu_kernels.library() is not None
     assert [c[1:] for c in calls] == [["--version"]] and built[0].stat().st_mtime_ns == stamp
+
+
+@needs_kernels
+def test_cc_may_carry_arguments(monkeypatch, tmp_path):
+    # $CC is a command line by convention (CC="ccache gcc", "gcc -m64"): it was run as one file name.
+    _fresh_state(monkeypatch, tmp_path)
+    cc = next(shutil.which(c) for c in ("cc", "gcc", "clang") if shutil.which(c))
+    monkeypatch.setenv("CC", f"{cc} -DMOETRAIN_CC_ARGUMENT=1")
+    calls = []
+    real_run = cpu_kernels.subprocess.run
+    monkeypatch.setattr(cpu_kernels.subprocess, "run", lambda cmd, **kw: calls.append(cmd) or real_run(cmd, **kw))
+    assert cpu_kernels.library() is not None
+    assert calls[-1][:2] == [cc, "-DMOETRAIN_CC_ARGUMENT=1"] and "-o" in calls[-1]
+
+
+@needs_kernels
+@pytest.mark.parametrize("damage", ["truncated", "empty"])
+def test_a_damaged_cached_library_is_built_anew_not_loaded(monkeypatch, tmp_path, damage):
+    # A crash or power loss can leave the cached library cut short. Loading a truncated library is no mere error:
+    # the dynamic loader maps the segments past its end and the process dies of SIGBUS. A fresh process must rebuild
+    # it instead (run as a subprocess, so that a regression cannot kill the test run).
+    _fresh_state(monkeypatch, tmp_path)
+    assert cpu_kernels.library() is not None
+    (built,) = (tmp_path / "kernels").glob("*.so")
+    whole = built.read_bytes()
+    damaged = tmp_path / "damaged"
+    damaged.write_bytes(whole[: len(whole) // 2] if damage == "truncated" else b"")
+    os.replace(damaged, built)  # a new file: this process has the old one mapped
+    code = "from moetrain.moe import cpu_kernels as c; import sys; sys.exit(0 if c.library() is not None else 3)"
+    env = dict(os.environ, MOETRAIN_CACHE=str(tmp_path), OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-c", code], env=env, capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert cpu_kernels._intact(built) and built.read_bytes() == whole and len(list(built.parent.iterdir())) == 2
+
+
+@needs_kernels
+def test_an_unwritable_cache_falls_back_to_a_private_temporary_directory_only(monkeypatch, tmp_path):
+    # The cache directory exists but cannot be written (read-only; os.access stands in for the file mode, which root
+    # would ignore): build in <tmp>/moetrain-<uid> instead. That directory must be this user's alone: whoever can
+    # write to it could put their own library there, and it would run inside this process.
+    _fresh_state(monkeypatch, tmp_path / "cache")
+    cache = tmp_path / "cache" / "kernels"
+    cache.mkdir(parents=True)
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: Path(p) != cache and real_access(p, mode, **kw))
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(cpu_kernels.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    assert cpu_kernels.library() is not None
+    (private,) = (tmp_path / "tmp").iterdir()
+    assert sorted(p.suffix for p in private.iterdir()) == [".sha256", ".so"] and not any(cache.iterdir())
+    assert private.stat().st_mode & 0o077 == 0
+    _fresh_state(monkeypatch, tmp_path / "cache")
+    os.chmod(private, 0o777)  # as if someone else had made it: the library in it is not loaded
+    with pytest.warns(RuntimeWarning, match="not a private directory"):
+        assert cpu_kernels.library() is None
+
+
+@needs_kernels
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork")
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Python >= 3.12: fork() of a multi-threaded process
+def test_a_child_forked_while_another_thread_builds_does_not_wait_forever(monkeypatch, tmp_path):
+    # Another thread of the parent is building (first call made, lock held) when the process forks: in the child
+    # that thread does not exist, so the lock is never released and the build never finishes.
+    _fresh_state(monkeypatch, tmp_path)
+    monkeypatch.setattr(cpu_kernels, "_tried", True)
+    monkeypatch.setattr(cpu_kernels, "_lock", threading.Lock())
+    cpu_kernels._lock.acquire()
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: build (or load) the kernels itself
+            status = 1
+            try:
+                status = 0 if cpu_kernels.library() is not None else 2
+            finally:
+                os._exit(status)
+        deadline = time.monotonic() + 120
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if done[0] == 0:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child waited for the parent's build lock")
+        assert os.waitstatus_to_exitcode(done[1]) == 0
+    finally:
+        cpu_kernels._lock.release()
 
 
 def test_without_a_compiler_the_layer_falls_back_with_one_warning(monkeypatch, tmp_path):

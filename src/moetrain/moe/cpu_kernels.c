@@ -28,7 +28,7 @@ static inline vf sel(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b 
 
 static inline vf vexp(vf x) {
     vf xc = sel(x < splat(-87.33654f), splat(-87.33654f), x);
-    xc = sel(xc > splat(88.0f), splat(88.0f), xc); /* keeps 2^n a normal float: n <= 127 */
+    xc = sel(xc > splat(88.72283f), splat(88.72283f), xc);
     const vf magic = splat(12582912.0f);           /* 1.5 * 2^23: adding and subtracting it rounds to an integer */
     vf n = (xc * splat(1.44269504088896341f) + magic) - magic;
     vf r = xc - n * splat(0.693359375f) + n * splat(2.12194440e-4f); /* ln 2 = 0.693359375 - 2.12194440e-4 */
@@ -39,8 +39,12 @@ static inline vf vexp(vf x) {
     p = p * r + splat(1.6666665459e-1f);
     p = p * r + splat(5.0000001201e-1f);
     p = p * r * r + r + splat(1.0f);
-    vi scale = (__builtin_convertvector(n, vi) + 127) << 23; /* the bits of the float 2^n */
-    vf y = p * (vf)scale;
+    /* y = p 2^n, built from the bits of the float 2^n; n reaches 128 above 88.38 (exp still finite up to
+     * 88.72), and 2^128 is no float: there, scale by 2^127 and double. */
+    vi ni = __builtin_convertvector(n, vi);
+    vi big = ni > 127;
+    vf y = p * (vf)((ni + big + 127) << 23); /* big is -1 where true */
+    y = sel(big, y * splat(2.0f), y);
     y = sel(x > splat(88.72283f), splat(__builtin_inff()), y);
     y = sel(x < splat(-87.33654f), splat(0.0f), y);
     return sel(x != x, x, y);

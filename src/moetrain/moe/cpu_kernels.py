@@ -15,11 +15,13 @@ system C compiler (``$CC``, else ``cc``, ``gcc`` or ``clang``; ``-O3 -march=nati
 (moe/cpu_workers.py) run these kernels in parallel. (``torch.compile`` generates equally fused C++, but its kernels
 hold the GIL, which serialised the two workers: no faster end to end, measured.)
 
-The library is cached in ``kernels/`` under ``$MOETRAIN_CACHE`` (else ``~/.cache/moetrain``), named by a hash of
-the source, the compiler, its flags and the CPU; it is written to a temporary file and renamed into place, so
-concurrent processes never load a partial library. Without a compiler, or if the build fails,
-:func:`available` is ``False``, one warning says why, and moe/fast_moe.py runs the same maths as PyTorch ops.
-``MOETRAIN_CPU_KERNELS=0`` turns the kernels off.
+The library is cached in ``kernels/`` under ``$MOETRAIN_CACHE`` (else ``~/.cache/moetrain``; if that is not
+writable, a private ``moetrain-<uid>`` in the temporary directory), named by a hash of the source, the compiler
+(``$CC`` may carry arguments), its flags and the CPU; it is written to a temporary file and renamed into place, so
+concurrent processes never load a partial library, and loaded only if its SHA-256 matches the one written beside it
+(a damaged one is built anew: loading a truncated library kills the process). Without a compiler, or if the build
+fails, :func:`available` is ``False``, one warning says why, and moe/fast_moe.py runs the same maths as PyTorch
+ops. ``MOETRAIN_CPU_KERNELS=0`` turns the kernels off.
 
 Numerics (the C file's header has the formulas): fp32 arithmetic throughout; bf16 inputs are widened exactly and
 each output is rounded once (the eager ops round after every op); ``exp`` is Cephes' ``expf`` polynomial, NaN
@@ -34,7 +36,9 @@ import ctypes
 import hashlib
 import os
 import platform
+import shlex
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
@@ -65,13 +69,18 @@ def cache_dir() -> Path:
     return Path(os.environ.get("MOETRAIN_CACHE") or Path.home() / ".cache" / "moetrain") / "kernels"
 
 
-def _compiler() -> str | None:
-    cc = os.environ.get("CC")
+def _compiler() -> list[str] | None:
+    """The compiler's command line: ``$CC`` split as a shell would (``ccache gcc``, ``gcc -m64``), unless it names
+    a file as a whole (a path with spaces); else the first of ``cc``, ``gcc``, ``clang`` found."""
+    cc = os.environ.get("CC", "").strip()
     if cc:
-        return shutil.which(cc) or cc
+        if shutil.which(cc):
+            return [shutil.which(cc)]
+        argv = shlex.split(cc)
+        return [shutil.which(argv[0]) or argv[0], *argv[1:]]
     for name in ("cc", "gcc", "clang"):
         if shutil.which(name):
-            return shutil.which(name)
+            return [shutil.which(name)]
     return None
 
 
@@ -85,6 +94,41 @@ def _cpu_fingerprint() -> str:
         return platform.processor() or platform.machine()
 
 
+def _digest_file(path: Path) -> Path:
+    return path.with_name(path.name + ".sha256")
+
+
+def _intact(path: Path) -> bool:
+    """Whether ``path`` is a whole build: its SHA-256 is the one :func:`_build` wrote beside it (``.sha256``) before
+    moving it into place. A truncated library is no mere load error: the dynamic loader maps its segments past the
+    end of the file, and the process dies of SIGBUS on touching them."""
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest() == _digest_file(path).read_text().strip()
+    except OSError:
+        return False
+
+
+def _build_dir() -> Path:
+    """Where a new build is written: :func:`cache_dir`, else (not writable) ``moetrain-<uid>`` in the temporary
+    directory, used only if it is this user's directory and nobody else can write to it (whoever can replace a
+    library there runs code in this process)."""
+    out_dir = cache_dir()
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        if os.access(out_dir, os.W_OK | os.X_OK):
+            return out_dir
+    except OSError:
+        pass
+    uid = os.getuid() if hasattr(os, "getuid") else None
+    out_dir = Path(tempfile.gettempdir()) / f"moetrain-{'user' if uid is None else uid}"
+    out_dir.mkdir(mode=0o700, exist_ok=True)
+    info = out_dir.lstat()
+    if not stat.S_ISDIR(info.st_mode) or (uid is not None and info.st_uid != uid) or info.st_mode & 0o022:
+        raise RuntimeError(f"{cache_dir()} is not writable, and {out_dir} is not a private directory of this user "
+                           "(set $MOETRAIN_CACHE)")
+    return out_dir
+
+
 def _build() -> ctypes.CDLL:
     """Compile (or reuse the cached build) and load the library. Raises RuntimeError with the reason."""
     cc = _compiler()
@@ -92,31 +136,34 @@ def _build() -> ctypes.CDLL:
         raise RuntimeError("no C compiler found (set $CC, or install cc / gcc / clang)")
     source = SOURCE.read_bytes()
     try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30,
+        version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30,
                                  check=False).stdout
     except (OSError, subprocess.SubprocessError) as exc:
-        raise RuntimeError(f"C compiler {cc!r} does not run: {exc}") from exc
+        raise RuntimeError(f"C compiler {' '.join(cc)!r} does not run: {exc}") from exc
     errors = []
     for arch in (("-march=native",), ()):
         flags = FLAGS + arch
-        key = hashlib.sha256(b"\0".join([source, cc.encode(), version.encode(), " ".join(flags).encode(),
+        key = hashlib.sha256(b"\0".join([source, " ".join(cc).encode(), version.encode(), " ".join(flags).encode(),
                                           platform.machine().encode(), _cpu_fingerprint().encode()])).hexdigest()
-        out_dir = cache_dir()
-        try:
-            out_dir.mkdir(parents=True, exist_ok=True)
-        except OSError:
-            out_dir = Path(tempfile.gettempdir()) / f"moetrain-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
-            out_dir.mkdir(parents=True, exist_ok=True)
-        path = out_dir / f"cpu_kernels-{key[:24]}.so"
-        if not path.exists():
-            fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=out_dir)
+        path = cache_dir() / f"cpu_kernels-{key[:24]}.so"
+        if not _intact(path):  # missing, or damaged (a crash, a copy cut short): build it anew
+            path = _build_dir() / path.name
+        if not _intact(path):
+            fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
             os.close(fd)
             try:
-                done = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True,
+                done = subprocess.run([*cc, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True,
                                       timeout=300, check=False)
                 if done.returncode != 0:
                     errors.append(f"{' '.join(flags)}: {done.stderr.strip()[-500:]}")
                     continue
+                with open(tmp, "rb") as f:  # on disk before the rename: a crash leaves no partial library behind
+                    digest = hashlib.sha256(f.read()).hexdigest()
+                    os.fsync(f.fileno())
+                # Checked by _intact. Written in place: a partial or concurrent write only means a rebuild (the same
+                # inputs build the same bytes).
+                _digest_file(path).write_text(digest + "\n")
+                os.chmod(tmp, 0o755)  # as a plain `cc -o` would make it (mkstemp's 0600 locks out a shared cache)
                 os.replace(tmp, path)  # atomic: another process sees no library or a whole one
             except (OSError, subprocess.SubprocessError) as exc:
                 errors.append(f"{' '.join(flags)}: {exc}")
@@ -150,6 +197,17 @@ def library() -> ctypes.CDLL | None:
                 warnings.warn(f"moetrain: native CPU MoE kernels unavailable ({_why_not}); the fused MoE layer "
                               "runs its activation as PyTorch ops (same results, slower)", RuntimeWarning, stacklevel=2)
         return _library
+
+
+def _after_fork_in_child() -> None:
+    global _lock, _tried
+    _lock = threading.Lock()  # held forever in the child if another thread of the parent was building
+    if _library is None and _why_not is None:
+        _tried = False  # that build does not go on in the child: build (or load the cached one) anew
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def available() -> bool:
