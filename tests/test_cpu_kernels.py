@@ -199,6 +199,33 @@ def test_bad_arguments_raise_before_touching_memory():
         cpu_kernels.sum_k(rows, torch.tensor([[0, 1], [1, 2]]), out, 1, 3)
 
 
+def test_unsupported_dtypes_ranks_and_non_tensors_raise_clear_errors():
+    # They reached the raw-pointer call's dispatch (fp64, fp16: a RuntimeError saying the kernels were
+    # "unavailable: None") or unpacked shapes blindly ("not enough values to unpack", AttributeError).
+    h, dz, w = _inputs(4, 8, torch.float32)
+    for dt in (torch.float64, torch.float16, torch.int32):
+        with pytest.raises(ValueError, match=f"h: the native kernels take torch.float32 or torch.bfloat16, got {dt}"):
+            cpu_kernels.swiglu_forward(h.to(dt), w.to(dt), torch.empty(4, 8, dtype=dt))
+        with pytest.raises(ValueError, match=f"h: .*got {dt}"):
+            cpu_kernels.swiglu_backward(h.to(dt), dz.to(dt), w.to(dt), None, h.to(dt), None)
+        with pytest.raises(ValueError, match=f"rows: .*got {dt}"):
+            cpu_kernels.sum_k(h.to(dt), torch.zeros(2, 1, dtype=torch.long), torch.empty(2, 16, dtype=dt))
+    with pytest.raises(ValueError, match=r"a: expected a 2-D CPU tensor, got torch.float32 \(32,\)"):
+        cpu_kernels.swiglu_forward(h, w, torch.empty(32))
+    with pytest.raises(ValueError, match="dz: expected a 2-D"):
+        cpu_kernels.swiglu_backward(h, dz.reshape(1, 4, 8), w, None, h, None)
+    with pytest.raises(ValueError, match="rows_of: expected a 2-D"):
+        cpu_kernels.sum_k(h, torch.tensor([0, 1]), torch.empty(2, 16))
+    with pytest.raises(TypeError, match="h: expected a CPU tensor, got ndarray"):
+        cpu_kernels.swiglu_forward(h.numpy(), w, torch.empty(4, 8))
+    with pytest.raises(TypeError, match="w: .*got NoneType"):
+        cpu_kernels.swiglu_forward(h, None, torch.empty(4, 8))
+    with pytest.raises(ValueError, match="rows_of: expected K >= 1"):
+        cpu_kernels.sum_k(h, torch.empty(2, 0, dtype=torch.long), torch.empty(2, 16))
+    with pytest.raises(TypeError, match="first / last must be integers"):
+        cpu_kernels.sum_k(h, torch.zeros(2, 1, dtype=torch.long), torch.empty(2, 16), 0.5, 2)
+
+
 def _fresh_state(monkeypatch, tmp_path):
     monkeypatch.setenv("MOETRAIN_CACHE", str(tmp_path))
     monkeypatch.setattr(cpu_kernels, "_library", None)
@@ -320,6 +347,15 @@ def test_without_a_compiler_the_layer_falls_back_with_one_warning(monkeypatch, t
     got = _run(ids, x, w, w_in, w_out, up)
     assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))  # the PyTorch-op path, bit for bit
     assert not (tmp_path / "kernels").exists() or not any((tmp_path / "kernels").iterdir())
+
+
+@pytest.mark.skipif(not shutil.which("false"), reason="no `false` command")
+def test_a_compiler_failing_without_output_still_says_why(monkeypatch, tmp_path):
+    # A failing $CC that prints nothing gave "the build failed: <flags>:  | <flags>: ", with no reason at all.
+    _fresh_state(monkeypatch, tmp_path)
+    monkeypatch.setenv("CC", shutil.which("false"))
+    with pytest.warns(RuntimeWarning, match=r"exit status 1: no output .*MOETRAIN_CPU_KERNELS=0 skips the kernels"):
+        assert not cpu_kernels.available()
 
 
 def _layer_case(dtype, t=300, e=6, k=2, d=24, f=40, seed=0):

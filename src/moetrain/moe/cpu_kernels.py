@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import operator
 import os
 import platform
 import shlex
@@ -158,7 +159,8 @@ def _build() -> ctypes.CDLL:
                 done = subprocess.run([*cc, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True,
                                       timeout=300, check=False)
                 if done.returncode != 0:
-                    errors.append(f"{' '.join(flags)}: {done.stderr.strip()[-500:]}")
+                    said = (done.stderr.strip() or done.stdout.strip())[-500:] or "no output"
+                    errors.append(f"{' '.join(flags)}: exit status {done.returncode}: {said}")
                     continue
                 with open(tmp, "rb") as f:  # on disk before the rename: a crash leaves no partial library behind
                     digest = hashlib.sha256(f.read()).hexdigest()
@@ -198,7 +200,8 @@ def library() -> ctypes.CDLL | None:
             except Exception as exc:  # noqa: BLE001 - any failure means: run the PyTorch ops instead
                 _why_not = str(exc)
                 warnings.warn(f"moetrain: native CPU MoE kernels unavailable ({_why_not}); the fused MoE layer "
-                              "runs its activation as PyTorch ops (same results, slower)", RuntimeWarning, stacklevel=2)
+                              "runs its activation as PyTorch ops (same results, slower; MOETRAIN_CPU_KERNELS=0 "
+                              "skips the kernels and this warning)", RuntimeWarning, stacklevel=2)
         return _library
 
 
@@ -224,7 +227,27 @@ def supports(x: torch.Tensor, activation: str | None = None) -> bool:
     return (x.device.type == "cpu" and x.dtype in _SUFFIX and activation in (None, "swiglu") and available())
 
 
+def _dims(name: str, t: torch.Tensor, ndim: int) -> tuple[int, ...]:
+    """``t``'s shape, checked before it is unpacked: a tensor of ``ndim`` dimensions (else ValueError)."""
+    if not isinstance(t, torch.Tensor) or t.dim() != ndim:
+        got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{name}: expected a {ndim}-D CPU tensor, got {got}")
+    return tuple(t.shape)
+
+
+def _dtype(name: str, t: torch.Tensor) -> torch.dtype:
+    """``t``'s dtype if the kernels have a version for it (fp32, bf16), else ValueError (TypeError: no tensor)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a CPU tensor, got {type(t).__name__}")
+    if t.dtype not in _SUFFIX:
+        raise ValueError(f"{name}: the native kernels take torch.float32 or torch.bfloat16, got {t.dtype}")
+    return t.dtype
+
+
 def _check(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a contiguous CPU {dtype} tensor of shape {shape}, got "
+                        f"{type(t).__name__}")
     if t.device.type != "cpu" or t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous():
         raise ValueError(f"{name}: expected a contiguous CPU {dtype} tensor of shape {shape}, got "
                          f"{t.dtype} {tuple(t.shape)} on {t.device} (contiguous: {t.is_contiguous()})")
@@ -240,13 +263,15 @@ def swiglu_forward(h: torch.Tensor, w: torch.Tensor, a: torch.Tensor) -> None:
         a: [n, F] output, h's dtype.
     Raises:
         ValueError: shapes, dtypes, devices or layouts that do not match (checked: the kernel reads raw pointers).
+        TypeError: an argument that is not a tensor.
         RuntimeError: the kernels are not available (call :func:`supports` first).
     """
-    n, f = a.shape
-    ptrs = [_check("h", h, (n, 2 * f), h.dtype), _check("w", w, (n,), h.dtype), _check("a", a, (n, f), h.dtype)]
+    n, f = _dims("a", a, 2)
+    dt = _dtype("h", h)
+    ptrs = [_check("h", h, (n, 2 * f), dt), _check("w", w, (n,), dt), _check("a", a, (n, f), dt)]
     lib = library()
-    if lib is None or h.dtype not in _SUFFIX:
-        raise RuntimeError(f"native SwiGLU kernel unavailable for {h.dtype}: {_why_not}")
+    if lib is None:
+        raise RuntimeError(f"native SwiGLU kernel unavailable: {_why_not}")
     getattr(lib, f"moetrain_swiglu_fwd_{_SUFFIX[h.dtype]}")(*ptrs, n, f)
 
 
@@ -262,16 +287,16 @@ def swiglu_backward(h: torch.Tensor, dz: torch.Tensor, w: torch.Tensor, aw: torc
         dh: [n, 2F] out: dL/dh = [w dz up silu'(gate) | w dz silu(gate)].
         dw: [n] fp32 out: dL/dw = sum over F of dz * silu(gate) * up, or ``None``.
     Raises:
-        ValueError / RuntimeError: as :func:`swiglu_forward`.
+        ValueError / TypeError / RuntimeError: as :func:`swiglu_forward`.
     """
-    n, f = dz.shape
-    dt = h.dtype
+    n, f = _dims("dz", dz, 2)
+    dt = _dtype("h", h)
     ptrs = [_check("h", h, (n, 2 * f), dt), _check("dz", dz, (n, f), dt), _check("w", w, (n,), dt),
             None if aw is None else _check("aw", aw, (n, f), dt), _check("dh", dh, (n, 2 * f), dt),
             None if dw is None else _check("dw", dw, (n,), torch.float32)]
     lib = library()
-    if lib is None or dt not in _SUFFIX:
-        raise RuntimeError(f"native SwiGLU kernel unavailable for {dt}: {_why_not}")
+    if lib is None:
+        raise RuntimeError(f"native SwiGLU kernel unavailable: {_why_not}")
     getattr(lib, f"moetrain_swiglu_bwd_{_SUFFIX[dt]}")(*ptrs, n, f)
 
 
@@ -288,20 +313,27 @@ def sum_k(rows: torch.Tensor, rows_of: torch.Tensor, out: torch.Tensor, first: i
         rows_of: [T, K] int64, contiguous, every value in [0, N) (checked: the kernel reads raw pointers).
         out: [T, D], rows' dtype, contiguous.
     Raises:
-        ValueError: shapes, dtypes, layouts or indices that do not match.
+        ValueError: shapes, dtypes, layouts, indices or token range that do not match.
+        TypeError: an argument that is not a tensor, or ``first`` / ``last`` not an integer.
         RuntimeError: the kernels are not available.
     """
-    n, d = rows.shape
-    t, k = rows_of.shape
-    last = t if last is None else last
+    n, d = _dims("rows", rows, 2)
+    t, k = _dims("rows_of", rows_of, 2)
+    _dtype("rows", rows)
+    try:  # ints (or tensors holding one): they are slice bounds and C int64 arguments
+        first, last = operator.index(first), t if last is None else operator.index(last)
+    except TypeError as exc:
+        raise TypeError(f"sum_k: first / last must be integers, got {first!r} / {last!r}") from exc
     ptrs = [_check("rows", rows, (n, d), rows.dtype), _check("rows_of", rows_of, (t, k), torch.int64),
             _check("out", out, (t, d), rows.dtype)]
-    if not 0 <= first <= last <= t or k < 1:
-        raise ValueError(f"sum_k: token range [{first}, {last}) outside [0, {t}] or K = {k} < 1")
+    if not 0 <= first <= last <= t:
+        raise ValueError(f"sum_k: token range [{first}, {last}) is not a range within [0, {t}]")
+    if k < 1:
+        raise ValueError(f"rows_of: expected K >= 1 columns, got shape {(t, k)}")
     sel = rows_of[first:last]
     if sel.numel() and (int(sel.min()) < 0 or int(sel.max()) >= n):
         raise ValueError(f"sum_k: rows_of has rows outside [0, {n})")
     lib = library()
-    if lib is None or rows.dtype not in _SUFFIX:
-        raise RuntimeError(f"native combine kernel unavailable for {rows.dtype}: {_why_not}")
+    if lib is None:
+        raise RuntimeError(f"native combine kernel unavailable: {_why_not}")
     getattr(lib, f"moetrain_sum_k_{_SUFFIX[rows.dtype]}")(*ptrs, first, last, k, d)
