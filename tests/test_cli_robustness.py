@@ -418,10 +418,12 @@ def test_closing_hints(env, tmp_path, capsys):
 
     assert resume_hint(tmp_path, distributed=True).startswith("the same torchrun command with --resume (torchrun")
     assert resume_hint(tmp_path) == f"moetrain train --out {tmp_path} --resume"
+    assert resume_hint(tmp_path / "my run") == f"moetrain train --out '{tmp_path}/my run' --resume"  # pasteable
     capsys.readouterr()
-    assert main(_train(env, tmp_path / "r", "--steps", "1")) == 0
+    assert main(_train(env, tmp_path / "r s", "--steps", "1")) == 0
     done = capsys.readouterr().out.strip().splitlines()[-1]
     assert done.startswith("done: 1 steps") and "'def '" not in done  # the corpus is English, not Python
+    assert f"moetrain generate '{tmp_path}/r s' --prompt" in done
 
 
 def test_train_threads_sets_the_intra_op_threads(env, tmp_path, capsys):

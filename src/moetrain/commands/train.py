@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import re
+import shlex
 import shutil
 import sys
 import time
@@ -190,5 +191,5 @@ def _train(args, config, run_dir: Path, resume: bool, init, notes: list[str], ch
         return 0
     # The default corpus is Python source; any other corpus gets a placeholder rather than a guess.
     prompt = "'def '" if config.data.path is None else "'YOUR TEXT'"
-    say(f"done: {result.steps} steps; try: moetrain generate {run_dir} --prompt {prompt}")
+    say(f"done: {result.steps} steps; try: moetrain generate {shlex.quote(str(run_dir))} --prompt {prompt}")
     return 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+import shlex
 import tempfile
 import time
 from dataclasses import dataclass
@@ -60,10 +61,11 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resume_hint(run_dir: Path, distributed: bool = False) -> str:
-    """The command that continues a stopped run (what the stop messages suggest)."""
+    """The command that continues a stopped run (what the stop messages suggest); the path quoted for a shell."""
+    out = shlex.quote(str(run_dir))
     if distributed:
-        return f"the same torchrun command with --resume (torchrun ... -m moetrain train --out {run_dir} --resume)"
-    return f"moetrain train --out {run_dir} --resume"
+        return f"the same torchrun command with --resume (torchrun ... -m moetrain train --out {out} --resume)"
+    return f"moetrain train --out {out} --resume"
 
 
 def build_optimizer(model: torch.nn.Module, config: Config) -> torch.optim.AdamW:
