@@ -397,3 +397,18 @@ def test_fused_layer_with_and_without_the_kernels_agree(monkeypatch, dtype, reco
     for a, b in zip(with_kernels, without, strict=True):
         assert (a.float() - b.float()).abs().max() <= tol * b.float().abs().max().clamp(min=1.0)
 
+
+
+@pytest.mark.skipif(os.name != "posix", reason="a shell-script stand-in for the compiler")
+def test_a_compiler_that_writes_no_library_leaves_nothing_in_the_cache(monkeypatch, tmp_path):
+    # `CC=true`-like: exit status 0, no output file. The empty build used to be cached with its digest, and every
+    # later process then failed to load it ("file too short") and warned again.
+    fake = tmp_path / "fake-cc"
+    fake.write_text("#!/bin/sh\nexit 0\n")
+    fake.chmod(0o755)
+    _fresh_state(monkeypatch, tmp_path / "cache")
+    monkeypatch.setenv("CC", str(fake))
+    with pytest.warns(RuntimeWarning, match="the build does not load"):
+        assert cpu_kernels.library() is None
+    kernels = tmp_path / "cache" / "kernels"
+    assert not kernels.exists() or list(kernels.iterdir()) == []

@@ -162,6 +162,11 @@ def _build() -> ctypes.CDLL:
                     said = (done.stderr.strip() or done.stdout.strip())[-500:] or "no output"
                     errors.append(f"{' '.join(flags)}: exit status {done.returncode}: {said}")
                     continue
+                try:  # a "compiler" that exits 0 but wrote no library fails here, not in every later process
+                    _load(tmp)
+                except (OSError, AttributeError) as exc:
+                    errors.append(f"{' '.join(flags)}: the build does not load: {exc}")
+                    continue
                 with open(tmp, "rb") as f:  # on disk before the rename: a crash leaves no partial library behind
                     digest = hashlib.sha256(f.read()).hexdigest()
                     os.fsync(f.fileno())
@@ -176,16 +181,25 @@ def _build() -> ctypes.CDLL:
             finally:
                 if os.path.exists(tmp):
                     os.unlink(tmp)
-        library = ctypes.CDLL(str(path))
-        for sfx in _SUFFIX.values():
-            fwd = getattr(library, f"moetrain_swiglu_fwd_{sfx}")
-            fwd.argtypes, fwd.restype = [_P, _P, _P, _I, _I], None
-            bwd = getattr(library, f"moetrain_swiglu_bwd_{sfx}")
-            bwd.argtypes, bwd.restype = [_P, _P, _P, _P, _P, _P, _I, _I], None
-            comb = getattr(library, f"moetrain_sum_k_{sfx}")
-            comb.argtypes, comb.restype = [_P, _P, _P, _I, _I, _I, _I], None
-        return library
+        try:
+            return _load(path)
+        except (OSError, AttributeError) as exc:
+            errors.append(f"{' '.join(flags)}: {path} does not load: {exc}")
     raise RuntimeError("the build failed: " + " | ".join(errors))
+
+
+def _load(path: Path | str) -> ctypes.CDLL:
+    """Load a build and declare its functions' argument types. Raises OSError (not a library) or AttributeError
+    (a function missing)."""
+    library = ctypes.CDLL(str(path))
+    for sfx in _SUFFIX.values():
+        fwd = getattr(library, f"moetrain_swiglu_fwd_{sfx}")
+        fwd.argtypes, fwd.restype = [_P, _P, _P, _I, _I], None
+        bwd = getattr(library, f"moetrain_swiglu_bwd_{sfx}")
+        bwd.argtypes, bwd.restype = [_P, _P, _P, _P, _P, _P, _I, _I], None
+        comb = getattr(library, f"moetrain_sum_k_{sfx}")
+        comb.argtypes, comb.restype = [_P, _P, _P, _I, _I, _I, _I], None
+    return library
 
 
 def library() -> ctypes.CDLL | None:
