@@ -258,6 +258,14 @@ def _dtype(name: str, t: torch.Tensor) -> torch.dtype:
     return t.dtype
 
 
+def _function(name: str, dtype: torch.dtype):
+    """The library's ``moetrain_<name>_<f32|bf16>``; RuntimeError when the kernels are not available."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"native CPU kernel {name} unavailable: {_why_not}")
+    return getattr(lib, f"moetrain_{name}_{_SUFFIX[dtype]}")
+
+
 def _check(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> int:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a contiguous CPU {dtype} tensor of shape {shape}, got "
@@ -283,10 +291,7 @@ def swiglu_forward(h: torch.Tensor, w: torch.Tensor, a: torch.Tensor) -> None:
     n, f = _dims("a", a, 2)
     dt = _dtype("h", h)
     ptrs = [_check("h", h, (n, 2 * f), dt), _check("w", w, (n,), dt), _check("a", a, (n, f), dt)]
-    lib = library()
-    if lib is None:
-        raise RuntimeError(f"native SwiGLU kernel unavailable: {_why_not}")
-    getattr(lib, f"moetrain_swiglu_fwd_{_SUFFIX[h.dtype]}")(*ptrs, n, f)
+    _function("swiglu_fwd", dt)(*ptrs, n, f)
 
 
 def swiglu_backward(h: torch.Tensor, dz: torch.Tensor, w: torch.Tensor, aw: torch.Tensor | None, dh: torch.Tensor,
@@ -308,10 +313,7 @@ def swiglu_backward(h: torch.Tensor, dz: torch.Tensor, w: torch.Tensor, aw: torc
     ptrs = [_check("h", h, (n, 2 * f), dt), _check("dz", dz, (n, f), dt), _check("w", w, (n,), dt),
             None if aw is None else _check("aw", aw, (n, f), dt), _check("dh", dh, (n, 2 * f), dt),
             None if dw is None else _check("dw", dw, (n,), torch.float32)]
-    lib = library()
-    if lib is None:
-        raise RuntimeError(f"native SwiGLU kernel unavailable: {_why_not}")
-    getattr(lib, f"moetrain_swiglu_bwd_{_SUFFIX[dt]}")(*ptrs, n, f)
+    _function("swiglu_bwd", dt)(*ptrs, n, f)
 
 
 def sum_k(rows: torch.Tensor, rows_of: torch.Tensor, out: torch.Tensor, first: int = 0, last: int | None = None
@@ -347,7 +349,4 @@ def sum_k(rows: torch.Tensor, rows_of: torch.Tensor, out: torch.Tensor, first: i
     sel = rows_of[first:last]
     if sel.numel() and (int(sel.min()) < 0 or int(sel.max()) >= n):
         raise ValueError(f"sum_k: rows_of has rows outside [0, {n})")
-    lib = library()
-    if lib is None:
-        raise RuntimeError(f"native combine kernel unavailable: {_why_not}")
-    getattr(lib, f"moetrain_sum_k_{_SUFFIX[rows.dtype]}")(*ptrs, first, last, k, d)
+    _function("sum_k", rows.dtype)(*ptrs, first, last, k, d)
