@@ -176,9 +176,17 @@ def test_worker_failure_is_raised_and_leaves_nothing_behind(monkeypatch):
         torch.set_num_threads(2)
         clean = _grads(_fused(ids), inputs, up)
 
+        worker_failed = threading.Event()
+
         def failing(name, *args, **kwargs):  # out of memory in a pool worker's backward scratch
-            if name.startswith("bwd.") and threading.current_thread() is not threading.main_thread():
-                raise RuntimeError("simulated out of memory")
+            if name.startswith("bwd."):
+                if threading.current_thread() is not threading.main_thread():
+                    worker_failed.set()
+                    raise RuntimeError("simulated out of memory")
+                # In a block (not the call's own [N, D] "bwd.dx"), the calling thread waits for the pool worker to
+                # take one: otherwise it can finish every block first (the native kernels make blocks short).
+                if name != "bwd.dx":
+                    worker_failed.wait(timeout=10)
             return real(name, *args, **kwargs)
 
         monkeypatch.setattr(fast_moe, "scratch", failing)
