@@ -15,9 +15,9 @@ with the exact erf GELU; ``down_proj`` [E, D, F]); what changes is the execution
 - **CPU: per-expert GEMMs into preallocated outputs.** Each expert's rows run as ``torch.mm`` calls into slices of
   outputs allocated once (in tiles of at most ``tile_rows`` rows, which bounds the scratch buffers), and the
   elementwise work on a tile runs right after the GEMM that produced it; scratch buffers are allocated once per
-  call and reused (a fresh multi-MiB tensor per op costs page faults on CPU). The counts are read on the host once
-  (free on CPU). Autograd around stock ``grouped_mm`` instead streams [R, I] intermediates through fresh memory
-  between every op.
+  call and reused (a fresh multi-MiB tensor per op costs page faults on CPU), and the large outputs ask for 2 MiB
+  pages (moe/hugepages.py). The counts are read on the host once (free on CPU). Autograd around stock
+  ``grouped_mm`` instead streams [R, I] intermediates through fresh memory between every op.
 - **GPU: grouped GEMM.** On CUDA in bf16 the same Function runs each GEMM as one
   ``torch.nn.functional.grouped_mm`` (the forward and the exact backward calls of torch's own ``grouped_mm``
   derivative: ragged-M for activations, ragged-K for weight gradients) with device offsets, so there is no host
@@ -34,6 +34,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
+
+from moetrain.moe import hugepages
 
 _silu_out = torch.ops.aten.silu.out
 _silu_backward_out = torch.ops.aten.silu_backward.grad_input
@@ -124,8 +126,8 @@ def _tiles(counts: list[int], tile_rows: int) -> list[tuple[int, int, int, bool]
 def _forward_tiles(x, w_in, w_out, counts, activation, tile_rows):
     r, hidden = x.shape
     ffn = w_out.shape[2]
-    h = x.new_empty(r, w_in.shape[1])  # [R, I], saved
-    y = x.new_empty(r, hidden)  # [R, D]
+    h = hugepages.advise(x.new_empty(r, w_in.shape[1]))  # [R, I], saved
+    y = hugepages.advise(x.new_empty(r, hidden))  # [R, D]
     a = x.new_empty(min(tile_rows, max(r, 1)), ffn)  # [n, F] scratch
     used = sum(counts)
     for e, s, n, _ in _tiles(counts, tile_rows):
@@ -143,9 +145,11 @@ def _backward_tiles(dy, x, w_in, w_out, h, counts, activation, tile_rows, needs)
     ffn = w_out.shape[2]
     need_x, need_in, need_out = needs
     tile = min(tile_rows, max(r, 1))
-    dx = x.new_zeros(r, hidden) if need_x and sum(counts) < r else (x.new_empty(r, hidden) if need_x else None)
-    d_in = torch.empty_like(w_in) if need_in else None
-    d_out = torch.empty_like(w_out) if need_out else None
+    dx = hugepages.advise(x.new_empty(r, hidden)) if need_x else None
+    if dx is not None and sum(counts) < r:
+        dx.zero_()
+    d_in = hugepages.advise(torch.empty_like(w_in)) if need_in else None
+    d_out = hugepages.advise(torch.empty_like(w_out)) if need_out else None
     # An expert with no rows took no part in the output: exact zeros. The others are written by their first tile
     # (beta = 0 ignores the uninitialised memory, NaN included) and accumulated by the rest.
     for e, count in enumerate(counts):

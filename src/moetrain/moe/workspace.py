@@ -4,7 +4,8 @@ Why: PyTorch's CPU allocator is the C library's ``malloc``. glibc serves every b
 (at most 32 MiB, 128 KiB to start with) with fresh pages and unmaps them on free, so each call's multi-MiB
 temporaries are faulted in again, page by page, on first touch. Measured on this project's 2-core VM at E = 64,
 K = 8, D = 512, F = 256, T = 4096 in bf16: ~17k page faults per forward at ~2.5 us each, about a third of the
-forward's time. CUDA's caching allocator avoids the same cost on GPUs; this module does it for the few large
+forward's time. Each buffer is also backed by 2 MiB pages where the system allows (moe/hugepages.py).
+CUDA's caching allocator avoids the same cost on GPUs; this module does it for the few large
 buffers whose lifetime is one call of moe/fast_moe.py (scratch, the [N, D] expert outputs before the combine, the
 [N, D] input-gradient rows): never for anything saved for backward or returned.
 
@@ -20,6 +21,8 @@ import math
 import threading
 
 import torch
+
+from moetrain.moe import hugepages
 
 _buffers: dict[tuple[int, str, torch.dtype, torch.device], torch.Tensor] = {}
 _lock = threading.Lock()
@@ -39,7 +42,7 @@ def scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch
             # A normal tensor even when first asked for under torch.inference_mode(): an inference tensor could not
             # be written by a later call outside it (a training step after an evaluation).
             with torch.inference_mode(False):
-                buf = torch.empty(numel, dtype=dtype, device=device)
+                buf = hugepages.advise(torch.empty(numel, dtype=dtype, device=device))
             if type(buf) is not torch.Tensor:  # a tensor subclass from a dispatch mode (fake tensors): never kept
                 return buf.view(shape)
             _buffers[key] = buf

@@ -1,0 +1,74 @@
+"""Transparent huge pages for the fused MoE path's large CPU buffers (Linux ``madvise(MADV_HUGEPAGE)``).
+
+Why: PyTorch's CPU allocator is glibc's ``malloc``, which maps every block above 32 MiB (and most above 128 KiB)
+afresh and unmaps it on free (see moe/workspace.py). A fresh buffer is then faulted in 4 KiB at a time on first
+touch, and every later pass over it walks 512x more page-table entries than with 2 MiB pages. Most Linux systems
+ship transparent huge pages in ``madvise`` mode (``/sys/kernel/mm/transparent_hugepage/enabled``): a region gets
+2 MiB pages only if the program asks. Asking for the fused layer's own buffers (the saved pre-activation, the
+expert weight gradients, the combine's output, the kept scratch) measured on a 2-core Sapphire Rapids VM, fp32,
+E = 64, K = 8, D = 512, F = 256, T = 4096, forward + backward: 429-469 ms against 479-518 ms without, three
+alternating process pairs. The same fault cost measured alone: a copy into a fresh 64 MiB tensor took 36 ms with
+4 KiB pages, 22 ms with huge pages, 13 ms into a reused one.
+
+Same mechanism as PyTorch's own opt-in ``THP_MEM_ALLOC_ENABLE=1`` (c10/core/alloc_cpu.cpp: ``madvise`` on every
+CPU allocation of 2 MiB or more, read once at start-up, so it must be set before ``import torch``); this module
+does it only for buffers the fused path allocates and fills itself, whatever the environment.
+``MOETRAIN_HUGEPAGES=0`` turns it off.
+
+The advice changes nothing but the page size: values, shapes and the memory a tensor owns are the same. Pages
+already touched are not moved (the kernel may merge them later); so advise a buffer right after allocating it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+
+import torch
+
+HUGE_PAGE_BYTES = 2 << 20  # x86-64 / arm64 (4 KiB base pages) transparent huge page size
+_MADV_HUGEPAGE = 14  # <sys/mman.h>, Linux
+
+_madvise = None
+if sys.platform.startswith("linux"):
+    try:
+        _madvise = ctypes.CDLL(None, use_errno=True).madvise
+        _madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        _madvise.restype = ctypes.c_int
+    except (OSError, AttributeError):  # no libc symbol (static or unusual builds): no advice, same results
+        _madvise = None
+
+
+def enabled() -> bool:
+    """Whether advice is given: on Linux, unless ``MOETRAIN_HUGEPAGES`` is ``0`` / ``off`` / ``false`` / ``no``."""
+    return _madvise is not None and os.environ.get("MOETRAIN_HUGEPAGES", "1").strip().lower() not in (
+        "0", "off", "false", "no")
+
+
+def advise(tensor: torch.Tensor) -> torch.Tensor:
+    """Ask the kernel to back ``tensor``'s storage with 2 MiB pages; returns ``tensor`` (for chaining).
+
+    Call it on a freshly allocated tensor, before anything writes it. Only the whole 2 MiB-aligned pages inside the
+    storage are advised (never memory outside it), so a storage that holds no such page (any under 2 MiB, most under
+    4 MiB), non-CPU tensors and tensors without storage (meta, fake) are left alone, as is everything off Linux or
+    with ``MOETRAIN_HUGEPAGES=0``. A refused advice (THP compiled out: ``EINVAL``) is ignored: the pages stay 4 KiB
+    and the results are the same.
+
+    Args:
+        tensor: any tensor; its whole storage is advised, not just the view.
+    Returns:
+        ``tensor`` itself.
+    """
+    if tensor.device.type != "cpu" or not enabled():
+        return tensor
+    try:
+        storage = tensor.untyped_storage()
+        start, nbytes = storage.data_ptr(), storage.nbytes()
+    except (RuntimeError, NotImplementedError):  # tensor subclasses without real storage
+        return tensor
+    first = -(-start // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
+    end = (start + nbytes) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
+    if start and end > first:
+        _madvise(first, end - first, _MADV_HUGEPAGE)
+    return tensor

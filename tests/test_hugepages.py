@@ -1,0 +1,148 @@
+"""moe/hugepages.py: the advice covers only whole 2 MiB pages inside a tensor's storage, the kernel then backs the
+buffer with huge pages (read back from /proc/self/smaps), and nothing else changes."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from moetrain.moe import hugepages
+from moetrain.moe.fast_moe import fused_moe
+
+MiB = 1 << 20
+THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def _thp_mode() -> str | None:
+    """The bracketed mode of /sys/kernel/mm/transparent_hugepage/enabled (always / madvise / never), if any."""
+    try:
+        text = THP_MODE.read_text()
+    except OSError:
+        return None
+    return text[text.index("[") + 1 : text.index("]")] if "[" in text else None
+
+
+def _anon_huge_kib(t: torch.Tensor) -> int:
+    """AnonHugePages (KiB) summed over this process's mappings that overlap ``t``'s storage (/proc/self/smaps; the
+    advice splits a mapping at the advised range)."""
+    lo = t.untyped_storage().data_ptr()
+    hi = lo + t.untyped_storage().nbytes()
+    total, overlaps = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split(maxsplit=1)[0]
+        if "-" in head and ":" not in head:  # a mapping's header: start-end perms offset dev inode path
+            start, end = (int(v, 16) for v in head.split("-"))
+            overlaps = start < hi and lo < end
+        elif overlaps and head == "AnonHugePages:":
+            total += int(line.split()[1])
+    return total
+
+
+def _fault_fallbacks() -> int:
+    for line in Path("/proc/vmstat").read_text().splitlines():
+        if line.startswith("thp_fault_fallback "):
+            return int(line.split()[1])
+    return 0
+
+
+needs_thp = pytest.mark.skipif(not sys.platform.startswith("linux") or _thp_mode() not in ("madvise", "always"),
+                               reason="transparent huge pages unavailable (not Linux, or mode 'never')")
+
+
+def _touched(advise: bool) -> torch.Tensor:
+    t = torch.empty(16 * MiB // 4)  # fp32, 16 MiB: at least 7 whole aligned huge pages
+    if advise:
+        hugepages.advise(t)
+    t.fill_(1.0)
+    return t
+
+
+@needs_thp
+def test_an_advised_buffer_is_backed_by_huge_pages(monkeypatch):
+    monkeypatch.delenv("MOETRAIN_HUGEPAGES", raising=False)
+    before = _fault_fallbacks()
+    t = _touched(advise=True)
+    huge = _anon_huge_kib(t)
+    if huge == 0 and _fault_fallbacks() > before:
+        pytest.skip("the kernel had no free huge page (thp_fault_fallback rose)")
+    assert huge >= 2 * 1024, f"AnonHugePages {huge} kB"
+
+
+@pytest.mark.skipif(_thp_mode() != "madvise", reason="only in madvise mode do pages depend on the advice")
+@pytest.mark.parametrize("switch", [None, "0"])
+def test_without_the_advice_or_switched_off_the_pages_stay_small(monkeypatch, switch):
+    if switch is None:
+        t = _touched(advise=False)
+    else:
+        monkeypatch.setenv("MOETRAIN_HUGEPAGES", switch)
+        assert not hugepages.enabled()
+        t = _touched(advise=True)
+    assert _anon_huge_kib(t) == 0
+
+
+class _Recorder:
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, address, length, advice):
+        self.calls.append((address, length, advice))
+        return 0
+
+
+@pytest.mark.parametrize("nbytes", [4 * MiB, 5 * MiB + 12, 17 * MiB, 64 * MiB + 4096])
+def test_only_whole_aligned_pages_inside_the_storage_are_advised(monkeypatch, nbytes):
+    recorder = _Recorder()
+    monkeypatch.setattr(hugepages, "_madvise", recorder)
+    monkeypatch.delenv("MOETRAIN_HUGEPAGES", raising=False)
+    t = torch.empty(nbytes, dtype=torch.uint8)
+    view = t[3:-5]  # the storage, not the view, is what is advised
+    assert hugepages.advise(view) is view
+    start, end = t.data_ptr(), t.data_ptr() + nbytes
+    page = hugepages.HUGE_PAGE_BYTES
+    first, last = -(-start // page) * page, end // page * page
+    assert recorder.calls == [(first, last - first, 14)]
+    assert start <= first and first + (last - first) <= end and first % page == 0 and (last - first) % page == 0
+
+
+def test_small_non_cpu_and_storageless_tensors_are_left_alone(monkeypatch):
+    recorder = _Recorder()
+    monkeypatch.setattr(hugepages, "_madvise", recorder)
+    for t in (torch.empty(MiB // 4), torch.empty(0), torch.empty(16 * MiB, device="meta")):
+        assert hugepages.advise(t) is t
+    assert recorder.calls == []
+
+
+def test_the_switch_and_a_missing_libc_turn_the_advice_off(monkeypatch):
+    recorder = _Recorder()
+    monkeypatch.setattr(hugepages, "_madvise", recorder)
+    for value in ("0", "off", "False", " no "):
+        monkeypatch.setenv("MOETRAIN_HUGEPAGES", value)
+        hugepages.advise(torch.empty(8 * MiB // 4))
+    assert recorder.calls == []
+    monkeypatch.setenv("MOETRAIN_HUGEPAGES", "1")
+    monkeypatch.setattr(hugepages, "_madvise", None)
+    assert not hugepages.enabled()
+    t = torch.empty(8 * MiB // 4)
+    assert hugepages.advise(t) is t
+
+
+def test_the_fused_layer_gives_the_same_bits_with_and_without_huge_pages(monkeypatch):
+    torch.manual_seed(0)
+    t, d, f, e, k = 1024, 512, 256, 16, 4  # h [4096, 512] fp32 = 8 MiB, weight gradients 8 + 4 MiB: all advised
+    x = torch.randn(t, d)
+    ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)])
+    weights = torch.rand(t, k)
+    w_in, w_out = torch.randn(e, 2 * f, d) * 0.05, torch.randn(e, d, f) * 0.05
+    grad = torch.randn(t, d)
+    results = []
+    for switch in ("1", "0"):
+        monkeypatch.setenv("MOETRAIN_HUGEPAGES", switch)
+        leaves = [v.clone().requires_grad_() for v in (x, weights, w_in, w_out)]
+        out = fused_moe(leaves[0], ids, leaves[1], leaves[2], leaves[3])
+        out.backward(grad)
+        results.append([out.detach(), *(v.grad for v in leaves)])
+    for on, off in zip(*results, strict=True):
+        assert torch.equal(on, off)
