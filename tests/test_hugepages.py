@@ -4,6 +4,7 @@ buffer with huge pages (read back from /proc/self/smaps), and nothing else chang
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -107,11 +108,18 @@ def test_only_whole_aligned_pages_inside_the_storage_are_advised(monkeypatch, nb
     assert start <= first and first + (last - first) <= end and first % page == 0 and (last - first) % page == 0
 
 
-def test_small_non_cpu_and_storageless_tensors_are_left_alone(monkeypatch):
+def test_small_non_cpu_and_fake_tensors_are_left_alone(monkeypatch):
     recorder = _Recorder()
     monkeypatch.setattr(hugepages, "_madvise", recorder)
     for t in (torch.empty(MiB // 4), torch.empty(0), torch.empty(16 * MiB, device="meta")):
         assert hugepages.advise(t) is t
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # reading a fake tensor's data pointer warns (and will raise)
+        with FakeTensorMode():
+            fake = torch.empty(16 * MiB)
+        assert hugepages.advise(fake) is fake
     assert recorder.calls == []
 
 

@@ -51,7 +51,7 @@ def advise(tensor: torch.Tensor) -> torch.Tensor:
 
     Call it on a freshly allocated tensor, before anything writes it. Only the whole 2 MiB-aligned pages inside the
     storage are advised (never memory outside it), so a storage that holds no such page (any under 2 MiB, most under
-    4 MiB), non-CPU tensors and tensors without storage (meta, fake) are left alone, as is everything off Linux or
+    4 MiB), non-CPU tensors and tensor subclasses (fake tensors) are left alone, as is everything off Linux or
     with ``MOETRAIN_HUGEPAGES=0``. A refused advice (THP compiled out: ``EINVAL``) is ignored: the pages stay 4 KiB
     and the results are the same.
 
@@ -60,13 +60,11 @@ def advise(tensor: torch.Tensor) -> torch.Tensor:
     Returns:
         ``tensor`` itself.
     """
-    if tensor.device.type != "cpu" or not enabled():
+    # Tensor subclasses (fake tensors while tracing, wrappers) may have no real memory behind their storage.
+    if type(tensor) not in (torch.Tensor, torch.nn.Parameter) or tensor.device.type != "cpu" or not enabled():
         return tensor
-    try:
-        storage = tensor.untyped_storage()
-        start, nbytes = storage.data_ptr(), storage.nbytes()
-    except (RuntimeError, NotImplementedError):  # tensor subclasses without real storage
-        return tensor
+    storage = tensor.untyped_storage()
+    start, nbytes = storage.data_ptr(), storage.nbytes()
     first = -(-start // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
     end = (start + nbytes) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
     if start and end > first:
