@@ -39,7 +39,7 @@ def test_export_trained_run(tmp_path, code_corpus, capsys):
         assert (out / name).is_file(), name
     assert (out / "model.safetensors").is_file() or (out / "model.safetensors.index.json").is_file()
 
-    _, tok, ours = load_run(str(run))
+    _, tok, ours, _ = load_run(str(run))
     text = "def function_1_2(value, count=2):\n    return value * 2"
     hf_tok = transformers.AutoTokenizer.from_pretrained(out)
     assert hf_tok.encode(text, add_special_tokens=False) == tok.encode(text).ids
@@ -106,7 +106,7 @@ def test_upcycle_then_finetune(tmp_path, code_corpus, capsys):
     losses = [json.loads(line)["train_loss"] for line in (run / "metrics.jsonl").read_text().splitlines()
               if "train_loss" in line]
     assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
-    config, _, trained = load_run(str(run))
+    config, _, trained, _ = load_run(str(run))
     assert config.model == ours.config
     for name, t in ours.state_dict().items():
         torch.testing.assert_close(trained.state_dict()[name], t, atol=1e-6, rtol=0)

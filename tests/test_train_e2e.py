@@ -39,8 +39,14 @@ def test_tiny_run_on_code_corpus(tmp_path, code_corpus, capsys):
     assert main(["generate", str(run), "--prompt", "def ", "--max-new-tokens", "20"]) == 0
     text = capsys.readouterr().out
     assert text.startswith("def ") and len(text) > len("def ")
-    assert main(["eval", str(run), "--batches", "2"]) == 0
-    assert "perplexity" in capsys.readouterr().out
+    assert main(["eval", str(run), "--batches", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "perplexity" in out and "checkpoint step 20" in out and "training logged" not in out  # other batches
+    # By default eval repeats training's last evaluation (same weights, batches and dtype): the same number.
+    assert main(["eval", str(run)]) == 0
+    first, second = capsys.readouterr().out.splitlines()
+    assert f"val_loss {vals[-1]:.4f} " in first and "2 batches of 8 x 64 tokens, fp32, checkpoint step 20" in first
+    assert second == f"training logged val_loss {vals[-1]:.4f} at step 20 on the same batches"
 
 
 @pytest.mark.skipif(not SHAKESPEARE.is_file(), reason="../shared/data/tinyshakespeare.txt not present")

@@ -1,7 +1,13 @@
-"""``moetrain eval RUN_DIR [--data PATH]``: validation loss and perplexity of a trained run."""
+"""``moetrain eval RUN_DIR [--data PATH] [--batches N]``: validation loss and perplexity of a trained run.
+
+By default it evaluates exactly what training's periodic evaluation did (the run's validation split, its
+``train.eval_batches`` batches, its ``train.dtype``), so on the newest checkpoint it reproduces the run's last logged
+``val_loss``, and says so when the run logged one at that checkpoint's step.
+"""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -13,8 +19,26 @@ def add_parser(sub) -> None:
     e = sub.add_parser("eval", help="validation loss and perplexity of a trained run")
     e.add_argument("run_dir")
     e.add_argument("--data", help="evaluate on this data's validation split instead of the run's")
-    e.add_argument("--batches", type=int, default=32, help="validation micro-batches (default 32)")
+    e.add_argument("--batches", type=int, default=None,
+                   help="validation micro-batches (default: the run's train.eval_batches, as during training)")
     e.set_defaults(func=run)
+
+
+def logged_val_loss(run_dir: Path, step: int) -> float | None:
+    """The last ``val_loss`` that ``RUN_DIR/metrics.jsonl`` holds for ``step`` (None if none or unreadable)."""
+    found = None
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:  # a line cut by a crash
+            continue
+        if isinstance(record, dict) and record.get("step") == step and "val_loss" in record:
+            found = record["val_loss"]
+    return found
 
 
 def run(args) -> int:
@@ -22,15 +46,24 @@ def run(args) -> int:
     import math
 
     from moetrain.data.dataset import TokenWindows, eval_batches, prepare_data
+    from moetrain.train.checkpoint import checkpoint_step
     from moetrain.train.trainer import TOKENIZER_FILE, evaluate
 
-    if args.batches < 1:
+    if args.batches is not None and args.batches < 1:
         raise MoetrainError(f"--batches must be >= 1, got {args.batches}")
-    config, _, model = load_run(args.run_dir)
+    config, _, model, location = load_run(args.run_dir)
+    n_batches = config.train.eval_batches if args.batches is None else args.batches
     data_cfg = config.data if args.data is None else dataclasses.replace(config.data, path=args.data)
     data = prepare_data(data_cfg, config.model.vocab_size, tokenizer_path=Path(args.run_dir) / TOKENIZER_FILE,
                         log=lambda m: print(m, file=sys.stderr))
-    batches = eval_batches(TokenWindows(data.val_tokens, data_cfg.seq_len), config.train.batch_size, args.batches)
-    loss = evaluate(model, batches, next(model.parameters()).device, "fp32")
-    print(f"val_loss {loss:.4f}  perplexity {math.exp(loss):.2f}")
+    batches = eval_batches(TokenWindows(data.val_tokens, data_cfg.seq_len), config.train.batch_size, n_batches)
+    dtype = config.train.dtype
+    loss = evaluate(model, batches, next(model.parameters()).device, dtype)
+    step = checkpoint_step(location)
+    shape = f"{len(batches)} batches of {batches[0][0].shape[0]} x {batches[0][0].shape[1]} tokens"
+    print(f"val_loss {loss:.4f}  perplexity {math.exp(loss):.2f}  ({shape}, {dtype}, checkpoint step {step})")
+    same_set = args.data is None and n_batches == config.train.eval_batches
+    logged = logged_val_loss(Path(args.run_dir), step) if same_set and step is not None else None
+    if logged is not None:
+        print(f"training logged val_loss {logged:.4f} at step {step} on the same batches")
     return 0

@@ -83,7 +83,7 @@ def run(args) -> int:
         if not args.overwrite:
             raise MoetrainError(f"{out}: exists and is not empty; pass --overwrite to replace it")
         _check_previous_export(out, entries)
-    config, tokenizer, model = load_run(args.run_dir)
+    config, tokenizer, model, _ = load_run(args.run_dir)
     family = family_for(config.model)  # refuse before touching OUT_DIR
 
     out.parent.mkdir(parents=True, exist_ok=True)

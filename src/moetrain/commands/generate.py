@@ -24,7 +24,7 @@ def run(args) -> int:
     from moetrain.data.tokenizer import EOS_TOKEN
     from moetrain.model.generate import generate
 
-    config, tokenizer, model = load_run(args.run_dir)
+    config, tokenizer, model, _ = load_run(args.run_dir)
     ids = tokenizer.encode(args.prompt).ids
     if not ids:
         raise MoetrainError("--prompt: empty prompt")

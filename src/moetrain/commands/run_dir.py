@@ -5,12 +5,28 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any, NamedTuple
 
 from moetrain.errors import MoetrainError
 
 
-def load_run(run_dir: str):
-    """(config, tokenizer, model with the newest valid checkpoint's weights) of a run directory."""
+class Run(NamedTuple):
+    """A run directory, loaded: its config, tokenizer, and model with the newest valid checkpoint's weights (in eval
+    mode), and that checkpoint's location."""
+
+    config: Any
+    tokenizer: Any
+    model: Any
+    checkpoint: str
+
+
+def load_run(run_dir: str) -> Run:
+    """Load a run directory (:class:`Run`).
+
+    Raises:
+        MoetrainError: not a run directory, or an unparsable config.
+        CheckpointError: no usable checkpoint.
+    """
     from tokenizers import Tokenizer
 
     from moetrain.config import Config
@@ -29,7 +45,7 @@ def load_run(run_dir: str):
             raise
         raise MoetrainError(f"{root / CONFIG_FILE}: cannot parse: {e}") from None
     model = MoETransformer(config.model)
-    latest_model_checkpoint(config.train.checkpoint_url or root / "checkpoints", model,
-                            warn=lambda m: print(m, file=sys.stderr))
+    location = latest_model_checkpoint(config.train.checkpoint_url or root / "checkpoints", model,
+                                       warn=lambda m: print(m, file=sys.stderr))
     model.eval()
-    return config, Tokenizer.from_file(str(root / TOKENIZER_FILE)), model
+    return Run(config, Tokenizer.from_file(str(root / TOKENIZER_FILE)), model, str(location))

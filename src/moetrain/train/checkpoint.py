@@ -54,6 +54,12 @@ def checkpoint_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
+def checkpoint_step(location: str) -> int | None:
+    """The step of a checkpoint from its location's last path component (``.../step_00000300`` -> 300), or None."""
+    match = _NAME.match(str(location).rstrip("/").rsplit("/", 1)[-1])
+    return int(match.group(1)) if match else None
+
+
 def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
