@@ -91,3 +91,24 @@ def test_model_return_logits_false_equals_plain_path(tie):
                        + [p.grad.clone() for p in model.parameters()])
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_kept_chunk_buffers_carry_nothing_between_calls(autocast):
+    """The chunk buffers are kept between calls (moe/workspace.py): a call after a larger one, with a different
+    vocabulary and a last chunk shorter than the others, still equals the plain path, and a repeated call takes no
+    more kept memory."""
+    from moetrain.moe import workspace
+
+    big = _case(n=64, d=16, v=53, seed=1)
+    _loss_and_grads(lambda h, w: linear_cross_entropy(h, w, big[2], 40), *big[:2], autocast=autocast)
+    hidden, weight, targets = _case(n=37, d=12, v=29, seed=2)
+    ref = _loss_and_grads(lambda h, w: F.cross_entropy(F.linear(h, w).float(), targets), hidden, weight,
+                          autocast=autocast)
+    held = None
+    for _ in range(2):
+        got = _loss_and_grads(lambda h, w: linear_cross_entropy(h, w, targets, 16), hidden, weight, autocast=autocast)
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a, b, **({"atol": 2e-2, "rtol": 2e-2} if autocast else {}))
+        assert held is None or workspace.held_bytes() == held
+        held = workspace.held_bytes()

@@ -1,13 +1,15 @@
-"""Scratch memory for the fused MoE path that is kept between calls (CPU): buffers live only inside one call.
+"""Scratch memory kept between calls (CPU) for the fused MoE path and the fused LM-head loss (model/fused_ce.py):
+buffers live only inside one call.
 
 Why: PyTorch's CPU allocator is the C library's ``malloc``. glibc serves every block above its mmap threshold
 (at most 32 MiB, 128 KiB to start with) with fresh pages and unmaps them on free, so each call's multi-MiB
 temporaries are faulted in again, page by page, on first touch. Measured on this project's 2-core VM at E = 64,
 K = 8, D = 512, F = 256, T = 4096 in bf16: ~17k page faults per forward at ~2.5 us each, about a third of the
 forward's time. Each buffer is also backed by 2 MiB pages where the system allows (moe/hugepages.py).
-CUDA's caching allocator avoids the same cost on GPUs; this module does it for the few large
-buffers whose lifetime is one call of moe/fast_moe.py (scratch, the [N, D] expert outputs before the combine, the
-[N, D] input-gradient rows): never for anything saved for backward or returned.
+CUDA's caching allocator avoids the same cost on GPUs; this module does it for the few large buffers whose
+lifetime is one call (moe/fast_moe.py: scratch, the [N, D] expert outputs before the combine, the [N, D]
+input-gradient rows; model/fused_ce.py: one chunk's [c, V] logits): never for anything saved for backward or
+returned.
 
 A buffer is private to a (thread, name, dtype, device); the fused path's workers are threads with their own names,
 so no two users ever share one. A buffer only grows (to the largest size asked for) and is held until
