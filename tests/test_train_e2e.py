@@ -22,7 +22,7 @@ def _train(tmp_path: Path, data: Path, *extra: str) -> Path:
     return out
 
 
-def test_tiny_run_on_code_corpus(tmp_path, code_corpus, capsys):
+def test_tiny_run_on_code_corpus(tmp_path, code_corpus, capsys, monkeypatch):
     run = _train(tmp_path, code_corpus, "train.steps=20", "train.eval_every=10", "train.ckpt_every=10")
     for name in ("config.json", "tokenizer.json", "metrics.jsonl"):
         assert (run / name).is_file()
@@ -47,6 +47,30 @@ def test_tiny_run_on_code_corpus(tmp_path, code_corpus, capsys):
     first, second = capsys.readouterr().out.splitlines()
     assert f"val_loss {vals[-1]:.4f} " in first and "2 batches of 8 x 64 tokens, fp32, checkpoint step 20" in first
     assert second == f"training logged val_loss {vals[-1]:.4f} at step 20 on the same batches"
+    # A crash can leave a torn last line that is not even UTF-8: eval still reports, and reads the good records.
+    with open(run / "metrics.jsonl", "ab") as f:
+        f.write(b'{"step": 20, "val_lo\xff\xfe')
+    assert main(["eval", str(run)]) == 0
+    assert capsys.readouterr().out.splitlines()[1] == second
+    # A diverged model: exp(800) overflows a float, the perplexity is infinite (not an OverflowError).
+    import moetrain.train.trainer as trainer
+
+    monkeypatch.setattr(trainer, "evaluate", lambda *args: 800.0)
+    assert main(["eval", str(run), "--batches", "1"]) == 0
+    assert capsys.readouterr().out.startswith("val_loss 800.0000  perplexity inf  (")
+
+
+def test_logged_val_loss_is_the_last_number_at_the_step(tmp_path):
+    from moetrain.commands.eval import logged_val_loss
+
+    assert logged_val_loss(tmp_path, 20) is None  # no metrics.jsonl
+    lines = [b'{"step": 10, "val_loss": 3.0}', b'{"step": 20, "train_loss": 2.9}', b'{"step": 20, "val_loss": 2.5}',
+             b'{"step": 20, "val_loss": 2.25}',  # logged again after a resume: the later one counts
+             b'{"step": 30, "val_loss": null}',  # non-finite, as MetricsLogger writes it
+             b'{"step": 40, "val_loss": 1.0}', b'{"step": 40, "val_loss": "oops"}', b'[40]', b'{"step": 40, "val\xff']
+    (tmp_path / "metrics.jsonl").write_bytes(b"\n".join(lines))
+    expected = {10: 3.0, 20: 2.25, 30: None, 40: None, 50: None}
+    assert {step: logged_val_loss(tmp_path, step) for step in expected} == expected
 
 
 @pytest.mark.skipif(not SHAKESPEARE.is_file(), reason="../shared/data/tinyshakespeare.txt not present")

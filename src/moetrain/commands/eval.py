@@ -25,10 +25,11 @@ def add_parser(sub) -> None:
 
 
 def logged_val_loss(run_dir: Path, step: int) -> float | None:
-    """The last ``val_loss`` that ``RUN_DIR/metrics.jsonl`` holds for ``step`` (None if none or unreadable)."""
+    """The last ``val_loss`` that ``RUN_DIR/metrics.jsonl`` holds for ``step`` (None if none or unreadable, or if that
+    last one is not a number: training writes a non-finite loss as ``null``)."""
     found = None
-    try:
-        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    try:  # bytes torn by a crash need not be UTF-8 (as in train/metrics.py's truncate_metrics)
+        lines = (run_dir / "metrics.jsonl").read_text(errors="replace").splitlines()
     except OSError:
         return None
     for line in lines:
@@ -38,7 +39,7 @@ def logged_val_loss(run_dir: Path, step: int) -> float | None:
             continue
         if isinstance(record, dict) and record.get("step") == step and "val_loss" in record:
             found = record["val_loss"]
-    return found
+    return float(found) if isinstance(found, (int, float)) and not isinstance(found, bool) else None
 
 
 def run(args) -> int:
@@ -61,7 +62,11 @@ def run(args) -> int:
     loss = evaluate(model, batches, next(model.parameters()).device, dtype)
     step = checkpoint_step(location)
     shape = f"{len(batches)} batches of {batches[0][0].shape[0]} x {batches[0][0].shape[1]} tokens"
-    print(f"val_loss {loss:.4f}  perplexity {math.exp(loss):.2f}  ({shape}, {dtype}, checkpoint step {step})")
+    try:
+        perplexity = math.exp(loss)
+    except OverflowError:  # a diverged model: loss above ~709.8 nats
+        perplexity = math.inf
+    print(f"val_loss {loss:.4f}  perplexity {perplexity:.2f}  ({shape}, {dtype}, checkpoint step {step})")
     same_set = args.data is None and n_batches == config.train.eval_batches
     logged = logged_val_loss(Path(args.run_dir), step) if same_set and step is not None else None
     if logged is not None:
