@@ -3,6 +3,7 @@ buffer with huge pages (read back from /proc/self/smaps), and nothing else chang
 
 from __future__ import annotations
 
+import mmap
 import sys
 import warnings
 from pathlib import Path
@@ -54,7 +55,10 @@ needs_thp = pytest.mark.skipif(not sys.platform.startswith("linux") or _thp_mode
 
 
 def _touched(advise: bool) -> torch.Tensor:
-    t = torch.empty(16 * MiB // 4)  # fp32, 16 MiB: at least 7 whole aligned huge pages
+    """16 MiB of fp32 (at least 7 whole aligned huge pages) on a fresh private mapping of their own. Not from
+    ``torch.empty``: that may return addresses of malloc's heap that an earlier advice in this process (the fused
+    layer's, in a full test run) already covers, and then an unadvised tensor gets huge pages too."""
+    t = torch.frombuffer(mmap.mmap(-1, 16 * MiB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=torch.float32)
     if advise:
         hugepages.advise(t)
     t.fill_(1.0)
@@ -121,6 +125,24 @@ def test_small_non_cpu_and_fake_tensors_are_left_alone(monkeypatch):
             fake = torch.empty(16 * MiB)
         assert hugepages.advise(fake) is fake
     assert recorder.calls == []
+
+
+def test_tensors_without_a_plain_storage_are_left_alone(monkeypatch):
+    """Sparse and mkldnn tensors and functorch's wrappers have no storage to read (untyped_storage() raises)."""
+    recorder = _Recorder()
+    monkeypatch.setattr(hugepages, "_madvise", recorder)
+    monkeypatch.delenv("MOETRAIN_HUGEPAGES", raising=False)
+    dense = torch.zeros(2048, 2048)  # 16 MiB
+    others = [dense.to_sparse()]
+    if torch.backends.mkldnn.is_available():
+        others.append(dense.to_mkldnn())
+    for t in others:
+        assert hugepages.advise(t) is t
+    # Inside the transforms, x * 2 is a wrapper tensor of type torch.Tensor: advise passes it through unchanged.
+    assert torch.equal(torch.func.grad(lambda x: hugepages.advise(x * 2).sum())(dense), torch.full_like(dense, 2))
+    assert torch.equal(torch.func.vmap(lambda row: hugepages.advise(row * 2))(dense), dense * 2)
+    assert recorder.calls == []
+    assert hugepages.advise(dense) is dense and len(recorder.calls) == 1  # the recorder does see a plain tensor
 
 
 def test_the_switch_and_a_missing_libc_turn_the_advice_off(monkeypatch):

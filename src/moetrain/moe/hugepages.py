@@ -17,6 +17,9 @@ does it only for buffers the fused path allocates and fills itself, whatever the
 
 The advice changes nothing but the page size: values, shapes and the memory a tensor owns are the same. Pages
 already touched are not moved (the kernel may merge them later); so advise a buffer right after allocating it.
+The advice belongs to the address range, not to the tensor: when the buffer came from ``malloc``'s heap rather than
+a mapping of its own (glibc raises its mmap threshold up to 32 MiB after freeing a large block), later allocations
+at those addresses get huge pages too, unasked.
 """
 
 from __future__ import annotations
@@ -51,7 +54,8 @@ def advise(tensor: torch.Tensor) -> torch.Tensor:
 
     Call it on a freshly allocated tensor, before anything writes it. Only the whole 2 MiB-aligned pages inside the
     storage are advised (never memory outside it), so a storage that holds no such page (any under 2 MiB, most under
-    4 MiB), non-CPU tensors and tensor subclasses (fake tensors) are left alone, as is everything off Linux or
+    4 MiB), non-CPU tensors, tensor subclasses (fake tensors), non-strided layouts (sparse, mkldnn) and tensors
+    without a storage of their own (functorch's grad / vmap wrappers) are left alone, as is everything off Linux or
     with ``MOETRAIN_HUGEPAGES=0``. A refused advice (THP compiled out: ``EINVAL``) is ignored: the pages stay 4 KiB
     and the results are the same.
 
@@ -61,9 +65,13 @@ def advise(tensor: torch.Tensor) -> torch.Tensor:
         ``tensor`` itself.
     """
     # Tensor subclasses (fake tensors while tracing, wrappers) may have no real memory behind their storage.
-    if type(tensor) not in (torch.Tensor, torch.nn.Parameter) or tensor.device.type != "cpu" or not enabled():
+    if (type(tensor) not in (torch.Tensor, torch.nn.Parameter) or tensor.device.type != "cpu"
+            or tensor.layout != torch.strided or not enabled()):
         return tensor
-    storage = tensor.untyped_storage()
+    try:
+        storage = tensor.untyped_storage()
+    except NotImplementedError:  # no storage of its own (functorch's grad / vmap wrappers)
+        return tensor
     start, nbytes = storage.data_ptr(), storage.nbytes()
     first = -(-start // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
     end = (start + nbytes) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
