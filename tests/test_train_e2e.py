@@ -53,7 +53,7 @@ def test_tiny_run_on_code_corpus(tmp_path, code_corpus, capsys, monkeypatch):
     assert main(["eval", str(run)]) == 0
     assert capsys.readouterr().out.splitlines()[1] == second
     # A diverged model: exp(800) overflows a float, the perplexity is infinite (not an OverflowError).
-    import moetrain.train.trainer as trainer
+    from moetrain.train import trainer
 
     monkeypatch.setattr(trainer, "evaluate", lambda *args: 800.0)
     assert main(["eval", str(run), "--batches", "1"]) == 0
