@@ -60,6 +60,26 @@ def test_tiny_run_on_code_corpus(tmp_path, code_corpus, capsys, monkeypatch):
     assert capsys.readouterr().out.startswith("val_loss 800.0000  perplexity inf  (")
 
 
+def test_eval_names_what_training_logged_only_if_it_evaluated_alike(tmp_path, code_corpus, capsys):
+    """Checkpoints in an fsspec store (memory://, like s3://); then a resume that changes train.eval_batches but runs
+    no step: RUN_DIR/config.json now says 1 batch, while step 10's record and checkpoint were made with 2."""
+    url = f"memory://{tmp_path.name}/checkpoints"
+    run = _train(tmp_path, code_corpus, "train.steps=10", "train.eval_every=10", f"train.checkpoint_url={url}")
+    logged = [r["val_loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+              if r["step"] == 10 and "val_loss" in r]
+    capsys.readouterr()
+    assert main(["eval", str(run)]) == 0
+    first, second = capsys.readouterr().out.splitlines()
+    assert f"val_loss {logged[-1]:.4f} " in first and "2 batches of 8 x 64 tokens, fp32, checkpoint step 10" in first
+    assert second == f"training logged val_loss {logged[-1]:.4f} at step 10 on the same batches"
+
+    assert main(["train", "--out", str(run), "--resume", "--steps", "10", "--no-progress", "train.eval_batches=1"]) == 0
+    capsys.readouterr()
+    assert main(["eval", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "1 batches of 8 x 64 tokens, fp32, checkpoint step 10" in out and "training logged" not in out
+
+
 def test_logged_val_loss_is_the_last_number_at_the_step(tmp_path):
     from moetrain.commands.eval import logged_val_loss
 

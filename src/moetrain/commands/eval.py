@@ -42,6 +42,30 @@ def logged_val_loss(run_dir: Path, step: int) -> float | None:
     return float(found) if isinstance(found, (int, float)) and not isinstance(found, bool) else None
 
 
+def evaluated_alike(location: str, config) -> bool:
+    """Whether the training that wrote the checkpoint at ``location`` evaluated with ``config``'s settings (data,
+    ``train.batch_size``, ``eval_batches``, ``dtype``), by the config.json inside that checkpoint: a later resume
+    with other overrides rewrites RUN_DIR/config.json but not the records and checkpoints written before it."""
+    import fsspec
+
+    from moetrain.train.trainer import CONFIG_FILE
+
+    try:
+        with fsspec.open(f"{location}/{CONFIG_FILE}", "rb") as f:
+            then = json.loads(f.read())
+    except (OSError, ValueError, ImportError):
+        return False
+
+    def settings(c):
+        train = c.get("train") if isinstance(c, dict) else None
+        if not isinstance(train, dict):
+            return None
+        return c.get("data"), train.get("batch_size"), train.get("eval_batches"), train.get("dtype")
+
+    now = settings(json.loads(json.dumps(config.to_dict())))
+    return now is not None and settings(then) == now
+
+
 def run(args) -> int:
     import dataclasses
     import math
@@ -67,7 +91,7 @@ def run(args) -> int:
     except OverflowError:  # a diverged model: loss above ~709.8 nats
         perplexity = math.inf
     print(f"val_loss {loss:.4f}  perplexity {perplexity:.2f}  ({shape}, {dtype}, checkpoint step {step})")
-    same_set = args.data is None and n_batches == config.train.eval_batches
+    same_set = args.data is None and n_batches == config.train.eval_batches and evaluated_alike(location, config)
     logged = logged_val_loss(Path(args.run_dir), step) if same_set and step is not None else None
     if logged is not None:
         print(f"training logged val_loss {logged:.4f} at step {step} on the same batches")
