@@ -60,7 +60,7 @@ def _touched(advise: bool) -> torch.Tensor:
     layer's, in a full test run) already covers, and then an unadvised tensor gets huge pages too."""
     t = torch.frombuffer(mmap.mmap(-1, 16 * MiB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=torch.float32)
     if advise:
-        hugepages.advise(t)
+        hugepages.advise(t, kept=True)
     t.fill_(1.0)
     return t
 
@@ -104,7 +104,7 @@ def test_only_whole_aligned_pages_inside_the_storage_are_advised(monkeypatch, nb
     monkeypatch.delenv("MOETRAIN_HUGEPAGES", raising=False)
     t = torch.empty(nbytes, dtype=torch.uint8)
     view = t[3:-5]  # the storage, not the view, is what is advised
-    assert hugepages.advise(view) is view
+    assert hugepages.advise(view, kept=True) is view
     start, end = t.data_ptr(), t.data_ptr() + nbytes
     page = hugepages.HUGE_PAGE_BYTES
     first, last = -(-start // page) * page, end // page * page
@@ -112,18 +112,34 @@ def test_only_whole_aligned_pages_inside_the_storage_are_advised(monkeypatch, nb
     assert start <= first and first + (last - first) <= end and first % page == 0 and (last - first) % page == 0
 
 
+def test_buffers_freed_after_a_call_are_advised_only_on_a_mapping_of_their_own(monkeypatch):
+    """Below glibc's largest mmap threshold a block may come from the heap, whose addresses later allocations reuse
+    (the advice would outlive the buffer): only kept buffers are advised there."""
+    recorder = _Recorder()
+    monkeypatch.setattr(hugepages, "_madvise", recorder)
+    monkeypatch.delenv("MOETRAIN_HUGEPAGES", raising=False)
+    small = torch.empty(hugepages.OWN_MAPPING_BYTES - 4, dtype=torch.uint8)
+    hugepages.advise(small)
+    assert recorder.calls == []
+    hugepages.advise(small, kept=True)
+    big = torch.empty(hugepages.OWN_MAPPING_BYTES, dtype=torch.uint8)
+    hugepages.advise(big)
+    assert [call[0] // hugepages.HUGE_PAGE_BYTES for call in recorder.calls] == [
+        -(-t.data_ptr() // hugepages.HUGE_PAGE_BYTES) for t in (small, big)]
+
+
 def test_small_non_cpu_and_fake_tensors_are_left_alone(monkeypatch):
     recorder = _Recorder()
     monkeypatch.setattr(hugepages, "_madvise", recorder)
     for t in (torch.empty(MiB // 4), torch.empty(0), torch.empty(16 * MiB, device="meta")):
-        assert hugepages.advise(t) is t
+        assert hugepages.advise(t, kept=True) is t
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # reading a fake tensor's data pointer warns (and will raise)
         with FakeTensorMode():
             fake = torch.empty(16 * MiB)
-        assert hugepages.advise(fake) is fake
+        assert hugepages.advise(fake, kept=True) is fake
     assert recorder.calls == []
 
 
@@ -137,12 +153,13 @@ def test_tensors_without_a_plain_storage_are_left_alone(monkeypatch):
     if torch.backends.mkldnn.is_available():
         others.append(dense.to_mkldnn())
     for t in others:
-        assert hugepages.advise(t) is t
+        assert hugepages.advise(t, kept=True) is t
     # Inside the transforms, x * 2 is a wrapper tensor of type torch.Tensor: advise passes it through unchanged.
-    assert torch.equal(torch.func.grad(lambda x: hugepages.advise(x * 2).sum())(dense), torch.full_like(dense, 2))
-    assert torch.equal(torch.func.vmap(lambda row: hugepages.advise(row * 2))(dense), dense * 2)
+    grad = torch.func.grad(lambda x: hugepages.advise(x * 2, kept=True).sum())(dense)
+    assert torch.equal(grad, torch.full_like(dense, 2))
+    assert torch.equal(torch.func.vmap(lambda row: hugepages.advise(row * 2, kept=True))(dense), dense * 2)
     assert recorder.calls == []
-    assert hugepages.advise(dense) is dense and len(recorder.calls) == 1  # the recorder does see a plain tensor
+    assert hugepages.advise(dense, kept=True) is dense and len(recorder.calls) == 1  # a plain tensor is advised
 
 
 def test_the_switch_and_a_missing_libc_turn_the_advice_off(monkeypatch):
@@ -150,7 +167,7 @@ def test_the_switch_and_a_missing_libc_turn_the_advice_off(monkeypatch):
     monkeypatch.setattr(hugepages, "_madvise", recorder)
     for value in ("0", "off", "False", " no "):
         monkeypatch.setenv("MOETRAIN_HUGEPAGES", value)
-        hugepages.advise(torch.empty(8 * MiB // 4))
+        hugepages.advise(torch.empty(8 * MiB // 4), kept=True)
     assert recorder.calls == []
     monkeypatch.setenv("MOETRAIN_HUGEPAGES", "1")
     monkeypatch.setattr(hugepages, "_madvise", None)
@@ -160,8 +177,13 @@ def test_the_switch_and_a_missing_libc_turn_the_advice_off(monkeypatch):
 
 
 def test_the_fused_layer_gives_the_same_bits_with_and_without_huge_pages(monkeypatch):
+    calls = []
+    real = hugepages._madvise
+    if real is not None:  # count the advice given, and give it
+        monkeypatch.setattr(hugepages, "_madvise", lambda *a: calls.append(a) or real(*a))
+    monkeypatch.setattr(hugepages, "OWN_MAPPING_BYTES", 4 * MiB)  # advise this small layer's buffers too
     torch.manual_seed(0)
-    t, d, f, e, k = 1024, 512, 256, 16, 4  # h [4096, 512] fp32 = 8 MiB, weight gradients 8 + 4 MiB: all advised
+    t, d, f, e, k = 1024, 512, 256, 16, 4  # h [4096, 512] fp32 = 8 MiB, weight gradients 8 + 4 MiB
     x = torch.randn(t, d)
     ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)])
     weights = torch.rand(t, k)
@@ -176,3 +198,4 @@ def test_the_fused_layer_gives_the_same_bits_with_and_without_huge_pages(monkeyp
         results.append([out.detach(), *(v.grad for v in leaves)])
     for on, off in zip(*results, strict=True):
         assert torch.equal(on, off)
+    assert real is None or len(calls) >= 3  # h, d_in, d_out at least (with "1"; none with "0")

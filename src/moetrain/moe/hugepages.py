@@ -5,7 +5,7 @@ afresh and unmaps it on free (see moe/workspace.py). A fresh buffer is then faul
 touch, and every later pass over it walks 512x more page-table entries than with 2 MiB pages. Most Linux systems
 ship transparent huge pages in ``madvise`` mode (``/sys/kernel/mm/transparent_hugepage/enabled``): a region gets
 2 MiB pages only if the program asks. Asking for the fused layer's own buffers (the saved pre-activation, the
-expert weight gradients, the combine's output, the kept scratch) measured on a 2-core Sapphire Rapids VM, fp32,
+expert weight gradients, the combine's output: those of 32 MiB or more, see below; and the kept scratch) measured on a 2-core Sapphire Rapids VM, fp32,
 E = 64, K = 8, D = 512, F = 256, T = 4096, forward + backward: 429-469 ms against 479-518 ms without, three
 alternating process pairs. The same fault cost measured alone: a copy into a fresh 64 MiB tensor took 36 ms with
 4 KiB pages, 22 ms with huge pages, 13 ms into a reused one.
@@ -17,9 +17,11 @@ does it only for buffers the fused path allocates and fills itself, whatever the
 
 The advice changes nothing but the page size: values, shapes and the memory a tensor owns are the same. Pages
 already touched are not moved (the kernel may merge them later); so advise a buffer right after allocating it.
-The advice belongs to the address range, not to the tensor: when the buffer came from ``malloc``'s heap rather than
-a mapping of its own (glibc raises its mmap threshold up to 32 MiB after freeing a large block), later allocations
-at those addresses get huge pages too, unasked.
+The advice belongs to the address range, not to the tensor: on ``malloc``'s heap (glibc raises its mmap threshold
+up to 32 MiB after freeing a large block) later, unrelated allocations at those addresses would get huge pages too,
+unasked. So a buffer that is freed after one call is advised only from :data:`OWN_MAPPING_BYTES` up, where glibc
+always gives it a mapping of its own and the advice is unmapped with it; buffers kept for the life of the process
+(moe/workspace.py) are advised at any size.
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ import torch
 
 HUGE_PAGE_BYTES = 2 << 20  # x86-64 / arm64 (4 KiB base pages) transparent huge page size
 _MADV_HUGEPAGE = 14  # <sys/mman.h>, Linux
+# glibc's largest mmap threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX, malloc/malloc.c): a block this big always gets
+# a mapping of its own, unmapped on free.
+OWN_MAPPING_BYTES = 32 << 20
 
 _madvise = None
 if sys.platform.startswith("linux"):
@@ -49,18 +54,19 @@ def enabled() -> bool:
         "0", "off", "false", "no")
 
 
-def advise(tensor: torch.Tensor) -> torch.Tensor:
+def advise(tensor: torch.Tensor, *, kept: bool = False) -> torch.Tensor:
     """Ask the kernel to back ``tensor``'s storage with 2 MiB pages; returns ``tensor`` (for chaining).
 
     Call it on a freshly allocated tensor, before anything writes it. Only the whole 2 MiB-aligned pages inside the
-    storage are advised (never memory outside it), so a storage that holds no such page (any under 2 MiB, most under
-    4 MiB), non-CPU tensors, tensor subclasses (fake tensors), non-strided layouts (sparse, mkldnn) and tensors
+    storage are advised (never memory outside it). Left alone: a storage under :data:`OWN_MAPPING_BYTES` unless
+    ``kept`` (see the module docstring), a storage that holds no such page (any under 2 MiB), non-CPU tensors, tensor subclasses (fake tensors), non-strided layouts (sparse, mkldnn) and tensors
     without a storage of their own (functorch's grad / vmap wrappers) are left alone, as is everything off Linux or
     with ``MOETRAIN_HUGEPAGES=0``. A refused advice (THP compiled out: ``EINVAL``) is ignored: the pages stay 4 KiB
     and the results are the same.
 
     Args:
         tensor: any tensor; its whole storage is advised, not just the view.
+        kept: the storage lives until the process ends (or long enough that addresses are not recycled soon).
     Returns:
         ``tensor`` itself.
     """
@@ -73,6 +79,8 @@ def advise(tensor: torch.Tensor) -> torch.Tensor:
     except NotImplementedError:  # no storage of its own (functorch's grad / vmap wrappers)
         return tensor
     start, nbytes = storage.data_ptr(), storage.nbytes()
+    if nbytes < OWN_MAPPING_BYTES and not kept:
+        return tensor
     first = -(-start // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
     end = (start + nbytes) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
     if start and end > first:

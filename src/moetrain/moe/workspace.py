@@ -44,7 +44,7 @@ def scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch
             # A normal tensor even when first asked for under torch.inference_mode(): an inference tensor could not
             # be written by a later call outside it (a training step after an evaluation).
             with torch.inference_mode(False):
-                buf = hugepages.advise(torch.empty(numel, dtype=dtype, device=device))
+                buf = hugepages.advise(torch.empty(numel, dtype=dtype, device=device), kept=True)
             if type(buf) is not torch.Tensor:  # a tensor subclass from a dispatch mode (fake tensors): never kept
                 return buf.view(shape)
             _buffers[key] = buf
