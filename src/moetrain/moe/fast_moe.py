@@ -18,9 +18,9 @@ gating-weighted combine; same stable sort, same row order), ``out[t] = sum_k w[t
   gather per block into scratch. The weight's gradient is ``<dL/d(w a), a>`` over F, from the same tiles.
 - **Scratch buffers are reused**: by every block of a call, and on CPU from call to call (moe/workspace.py, with
   the [N, D] expert outputs and input-gradient rows): a fresh multi-MiB tensor costs page faults on CPU (glibc
-  maps large blocks anew each time; measured ~1/3 of a bf16 forward at E = 64). The large CPU buffers that must be
-  fresh (``h``, the weight gradients, the combined outputs) ask for 2 MiB pages (moe/hugepages.py: fp32 forward +
-  backward ~10% faster at E = 64).
+  maps large blocks anew each time; measured ~1/3 of a bf16 forward at E = 64). The kept buffers, and those that
+  must be fresh (``h``, the weight gradients, the combined outputs) when 32 MiB or more, ask for 2 MiB pages
+  (moe/hugepages.py: fp32 forward + backward ~4% faster at E = 64 for the fresh ones alone).
 - **The activation is recomputed in backward** from ``h`` (two elementwise passes over cache-hot rows).
 - **On CPU in fp32 / bf16 with SwiGLU, the elementwise work is native code** (moe/cpu_kernels.py): one pass for
   the activation and its gating weight, one for the whole backward (w * a, dL/dh, dL/dw), instead of 3 and 9
