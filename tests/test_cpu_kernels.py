@@ -199,6 +199,28 @@ def test_bad_arguments_raise_before_touching_memory():
         cpu_kernels.sum_k(rows, torch.tensor([[0, 1], [1, 2]]), out, 1, 3)
 
 
+def test_outputs_that_share_memory_with_another_argument_are_refused():
+    # The kernels read inputs while they write outputs, row by row: an overlap would make the result depend on the
+    # traversal order. Refused before the call, so nothing is written.
+    h, dz, w = _inputs(4, 8, torch.float32)
+    before = h.clone()
+    with pytest.raises(ValueError, match="a: shares memory with h"):
+        cpu_kernels.swiglu_forward(h, w, h.view(-1)[:32].view(4, 8))
+    with pytest.raises(ValueError, match="dh: shares memory with h"):
+        cpu_kernels.swiglu_backward(h, dz, w, None, h, None)
+    buf = torch.empty(4 * 8 + 4 * 16)  # aw and dh side by side in one buffer: disjoint, accepted ...
+    aw, dh = buf[:32].view(4, 8), buf[32:].view(4, 16)
+    cpu_kernels.swiglu_backward(h, dz, w, aw, dh, None)
+    with pytest.raises(ValueError, match="aw: shares memory with dh"):  # ... overlapping by one element: refused
+        cpu_kernels.swiglu_backward(h, dz, w, buf[1:33].view(4, 8), dh, None)
+    with pytest.raises(ValueError, match="dw: shares memory with w"):
+        cpu_kernels.swiglu_backward(h, dz, w, None, torch.empty(4, 16), w)
+    rows = torch.randn(6, 3)
+    with pytest.raises(ValueError, match="out: shares memory with rows"):
+        cpu_kernels.sum_k(rows, torch.tensor([[0, 1], [2, 3]]), rows[4:])
+    assert torch.equal(h, before)
+
+
 def test_unsupported_dtypes_ranks_and_non_tensors_raise_clear_errors():
     # They reached the raw-pointer call's dispatch (fp64, fp16: a RuntimeError saying the kernels were
     # "unavailable: None") or unpacked shapes blindly ("not enough values to unpack", AttributeError).

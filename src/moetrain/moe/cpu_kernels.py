@@ -276,6 +276,21 @@ def _check(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtyp
     return t.data_ptr()
 
 
+def _disjoint(outputs: dict[str, torch.Tensor | None], inputs: dict[str, torch.Tensor | None]) -> None:
+    """ValueError if an output's memory overlaps any other argument's: the kernels read inputs while they write
+    outputs, row by row, so an overlap would give results that depend on the traversal order."""
+    spans = {name: (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+             for name, t in (outputs | inputs).items() if t is not None and t.numel()}
+    for out in outputs:
+        if out not in spans:
+            continue
+        lo, hi = spans[out]
+        for other, (a, b) in spans.items():
+            if other != out and a < hi and lo < b:
+                raise ValueError(f"{out}: shares memory with {other}; the native kernels write their outputs into "
+                                 f"memory no other argument uses")
+
+
 def swiglu_forward(h: torch.Tensor, w: torch.Tensor, a: torch.Tensor) -> None:
     """a = w[:, None] * silu(gate) * up, written in place.
 
@@ -284,13 +299,15 @@ def swiglu_forward(h: torch.Tensor, w: torch.Tensor, a: torch.Tensor) -> None:
         w: [n] gating weight of each row, h's dtype.
         a: [n, F] output, h's dtype.
     Raises:
-        ValueError: shapes, dtypes, devices or layouts that do not match (checked: the kernel reads raw pointers).
+        ValueError: shapes, dtypes, devices or layouts that do not match (checked: the kernel reads raw pointers),
+            or an output that shares memory with another argument.
         TypeError: an argument that is not a tensor.
         RuntimeError: the kernels are not available (call :func:`supports` first).
     """
     n, f = _dims("a", a, 2)
     dt = _dtype("h", h)
     ptrs = [_check("h", h, (n, 2 * f), dt), _check("w", w, (n,), dt), _check("a", a, (n, f), dt)]
+    _disjoint({"a": a}, {"h": h, "w": w})
     _function("swiglu_fwd", dt)(*ptrs, n, f)
 
 
@@ -313,6 +330,7 @@ def swiglu_backward(h: torch.Tensor, dz: torch.Tensor, w: torch.Tensor, aw: torc
     ptrs = [_check("h", h, (n, 2 * f), dt), _check("dz", dz, (n, f), dt), _check("w", w, (n,), dt),
             None if aw is None else _check("aw", aw, (n, f), dt), _check("dh", dh, (n, 2 * f), dt),
             None if dw is None else _check("dw", dw, (n,), torch.float32)]
+    _disjoint({"aw": aw, "dh": dh, "dw": dw}, {"h": h, "dz": dz, "w": w})
     _function("swiglu_bwd", dt)(*ptrs, n, f)
 
 
@@ -329,7 +347,8 @@ def sum_k(rows: torch.Tensor, rows_of: torch.Tensor, out: torch.Tensor, first: i
         rows_of: [T, K] int64, contiguous, every value in [0, N) (checked: the kernel reads raw pointers).
         out: [T, D], rows' dtype, contiguous.
     Raises:
-        ValueError: shapes, dtypes, layouts, indices or token range that do not match.
+        ValueError: shapes, dtypes, layouts, indices or token range that do not match, or ``out`` sharing memory
+            with ``rows`` or ``rows_of``.
         TypeError: an argument that is not a tensor, or ``first`` / ``last`` not an integer.
         RuntimeError: the kernels are not available.
     """
@@ -346,6 +365,7 @@ def sum_k(rows: torch.Tensor, rows_of: torch.Tensor, out: torch.Tensor, first: i
         raise ValueError(f"sum_k: token range [{first}, {last}) is not a range within [0, {t}]")
     if k < 1:
         raise ValueError(f"rows_of: expected K >= 1 columns, got shape {(t, k)}")
+    _disjoint({"out": out}, {"rows": rows, "rows_of": rows_of})
     sel = rows_of[first:last]
     if sel.numel() and (int(sel.min()) < 0 or int(sel.max()) >= n):
         raise ValueError(f"sum_k: rows_of has rows outside [0, {n})")
