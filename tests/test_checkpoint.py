@@ -18,8 +18,6 @@ from moetrain.train.checkpoint import (
     MODEL_FILE,
     STATE_FILE,
     CheckpointStore,
-    checkpoint_name,
-    checkpoint_step,
     encode_model,
     encode_state,
     load_model_weights,
@@ -213,10 +211,3 @@ def test_unknown_protocol_is_a_checkpoint_error():
     with pytest.raises(CheckpointError, match="nosuchproto://x"):
         CheckpointStore("nosuchproto://x")
 
-
-def test_checkpoint_step_reads_the_name_back():
-    for step in (0, 7, 300, 12345678):
-        assert checkpoint_step(f"runs/a b/checkpoints/{checkpoint_name(step)}") == step
-    assert checkpoint_step("s3://bucket/run/checkpoints/step_00000300/") == 300
-    for other in ("runs/x/checkpoints/step_300", "runs/x/checkpoints/.tmp-step_00000300", "step_00000300x", ""):
-        assert checkpoint_step(other) is None

@@ -26,35 +26,25 @@ def add_parser(sub) -> None:
 
 def logged_val_loss(run_dir: Path, step: int) -> float | None:
     """The last ``val_loss`` that ``RUN_DIR/metrics.jsonl`` holds for ``step`` (None if none or unreadable, or if that
-    last one is not a number: training writes a non-finite loss as ``null``)."""
-    found = None
-    try:  # bytes torn by a crash need not be UTF-8 (as in train/metrics.py's truncate_metrics)
-        lines = (run_dir / "metrics.jsonl").read_text(errors="replace").splitlines()
-    except OSError:
+    last one is not a number: training writes a non-finite loss as ``null``); read by report/runlog.py, which skips
+    lines torn by a crash."""
+    from moetrain.report.runlog import load_run_log
+
+    try:
+        records = load_run_log(run_dir).records
+    except MoetrainError:  # neither metrics.jsonl nor config.json
         return None
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except ValueError:  # a line cut by a crash
-            continue
-        if isinstance(record, dict) and record.get("step") == step and "val_loss" in record:
+    found = None
+    for record in records:
+        if record["step"] == step and "val_loss" in record:
             found = record["val_loss"]
     return float(found) if isinstance(found, (int, float)) and not isinstance(found, bool) else None
 
 
-def evaluated_alike(location: str, config) -> bool:
-    """Whether the training that wrote the checkpoint at ``location`` evaluated with ``config``'s settings (data,
-    ``train.batch_size``, ``eval_batches``, ``dtype``), by the config.json inside that checkpoint: a later resume
-    with other overrides rewrites RUN_DIR/config.json but not the records and checkpoints written before it."""
-    import fsspec
-
-    from moetrain.train.trainer import CONFIG_FILE
-
-    try:
-        with fsspec.open(f"{location}/{CONFIG_FILE}", "rb") as f:
-            then = json.loads(f.read())
-    except (OSError, ValueError, ImportError):
-        return False
+def evaluated_alike(saved: dict | None, config) -> bool:
+    """Whether ``saved``, the config.json inside a checkpoint (what training had when it wrote that checkpoint and
+    its records), evaluated with ``config``'s settings (data, ``train.batch_size``, ``eval_batches``, ``dtype``): a
+    later resume with other overrides rewrites RUN_DIR/config.json but not the records and checkpoints before it."""
 
     def settings(c):
         train = c.get("train") if isinstance(c, dict) else None
@@ -63,7 +53,7 @@ def evaluated_alike(location: str, config) -> bool:
         return c.get("data"), train.get("batch_size"), train.get("eval_batches"), train.get("dtype")
 
     now = settings(json.loads(json.dumps(config.to_dict())))
-    return now is not None and settings(then) == now
+    return now is not None and settings(saved) == now
 
 
 def run(args) -> int:
@@ -71,12 +61,11 @@ def run(args) -> int:
     import math
 
     from moetrain.data.dataset import TokenWindows, eval_batches, prepare_data
-    from moetrain.train.checkpoint import checkpoint_step
     from moetrain.train.trainer import TOKENIZER_FILE, evaluate
 
     if args.batches is not None and args.batches < 1:
         raise MoetrainError(f"--batches must be >= 1, got {args.batches}")
-    config, _, model, location = load_run(args.run_dir)
+    config, _, model, ckpt = load_run(args.run_dir)
     n_batches = config.train.eval_batches if args.batches is None else args.batches
     data_cfg = config.data if args.data is None else dataclasses.replace(config.data, path=args.data)
     data = prepare_data(data_cfg, config.model.vocab_size, tokenizer_path=Path(args.run_dir) / TOKENIZER_FILE,
@@ -84,15 +73,15 @@ def run(args) -> int:
     batches = eval_batches(TokenWindows(data.val_tokens, data_cfg.seq_len), config.train.batch_size, n_batches)
     dtype = config.train.dtype
     loss = evaluate(model, batches, next(model.parameters()).device, dtype)
-    step = checkpoint_step(location)
+    step = ckpt.step
     shape = f"{len(batches)} batches of {batches[0][0].shape[0]} x {batches[0][0].shape[1]} tokens"
     try:
         perplexity = math.exp(loss)
     except OverflowError:  # a diverged model: loss above ~709.8 nats
         perplexity = math.inf
     print(f"val_loss {loss:.4f}  perplexity {perplexity:.2f}  ({shape}, {dtype}, checkpoint step {step})")
-    same_set = args.data is None and n_batches == config.train.eval_batches and evaluated_alike(location, config)
-    logged = logged_val_loss(Path(args.run_dir), step) if same_set and step is not None else None
+    same_set = args.data is None and n_batches == config.train.eval_batches and evaluated_alike(ckpt.config, config)
+    logged = logged_val_loss(Path(args.run_dir), step) if same_set else None
     if logged is not None:
         print(f"training logged val_loss {logged:.4f} at step {step} on the same batches")
     return 0

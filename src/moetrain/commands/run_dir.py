@@ -10,14 +10,23 @@ from typing import Any, NamedTuple
 from moetrain.errors import MoetrainError
 
 
+class CheckpointInfo(NamedTuple):
+    """Which checkpoint a loaded run's weights came from: its location, step, and the ``config.json`` saved in it
+    (as a dict; ``None`` if absent or unreadable), which is the config that training had at that step."""
+
+    location: str
+    step: int
+    config: dict | None
+
+
 class Run(NamedTuple):
     """A run directory, loaded: its config, tokenizer, and model with the newest valid checkpoint's weights (in eval
-    mode), and that checkpoint's location."""
+    mode), and which checkpoint that was."""
 
     config: Any
     tokenizer: Any
     model: Any
-    checkpoint: str
+    checkpoint: CheckpointInfo
 
 
 def load_run(run_dir: str) -> Run:
@@ -45,7 +54,12 @@ def load_run(run_dir: str) -> Run:
             raise
         raise MoetrainError(f"{root / CONFIG_FILE}: cannot parse: {e}") from None
     model = MoETransformer(config.model)
-    location = latest_model_checkpoint(config.train.checkpoint_url or root / "checkpoints", model,
-                                       warn=lambda m: print(m, file=sys.stderr))
+    ckpt = latest_model_checkpoint(config.train.checkpoint_url or root / "checkpoints", model,
+                                   warn=lambda m: print(m, file=sys.stderr))
     model.eval()
-    return Run(config, Tokenizer.from_file(str(root / TOKENIZER_FILE)), model, str(location))
+    try:
+        saved_config = json.loads(ckpt.files[CONFIG_FILE])
+    except (KeyError, ValueError):
+        saved_config = None
+    info = CheckpointInfo(str(ckpt.location), ckpt.step, saved_config if isinstance(saved_config, dict) else None)
+    return Run(config, Tokenizer.from_file(str(root / TOKENIZER_FILE)), model, info)

@@ -54,12 +54,6 @@ def checkpoint_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def checkpoint_step(location: str) -> int | None:
-    """The step of a checkpoint from its location's last path component (``.../step_00000300`` -> 300), or None."""
-    match = _NAME.match(str(location).rstrip("/").rsplit("/", 1)[-1])
-    return int(match.group(1)) if match else None
-
-
 def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
@@ -400,9 +394,9 @@ def load_model_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor],
 
 
 def latest_model_checkpoint(url: str | os.PathLike, model: torch.nn.Module,
-                            warn: Callable[[str], None] = print) -> str:
-    """Load the newest valid checkpoint under ``url`` into ``model`` (for eval / generate / export); returns
-    its location.
+                            warn: Callable[[str], None] = print) -> LoadedCheckpoint:
+    """Load the newest valid checkpoint under ``url`` into ``model`` (for eval / generate / export); returns that
+    checkpoint (its step, location and verified files: drop it once read, it holds the weights' bytes too).
 
     Raises:
         CheckpointError: no checkpoint verifies, or it is from a different model shape.
@@ -419,4 +413,4 @@ def latest_model_checkpoint(url: str | os.PathLike, model: torch.nn.Module,
         dcp.load_files(ckpt.files, model, None, {}, single_process(), where=ckpt.location)
     else:
         load_model_weights(model, ckpt.model_tensors(), f"{ckpt.location}/{MODEL_FILE}")
-    return ckpt.location
+    return ckpt
