@@ -1,4 +1,4 @@
-"""The native CPU SwiGLU kernels (moe/cpu_kernels.py, cpu_kernels.c): against an fp64 PyTorch reference, special
+"""The native CPU SwiGLU kernels (moe/kernels/cpu/native.py, native.c): against an fp64 PyTorch reference, special
 values, argument checks, the build cache and the fallback, and the fused MoE layer with and without them."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moetrain.moe import cpu_kernels
+from moetrain.moe.kernels.cpu import native as cpu_kernels
 from moetrain.moe.fast_moe import fused_moe
 
 HAS_CC = any(shutil.which(c) for c in ("cc", "gcc", "clang"))
@@ -296,7 +296,7 @@ def test_a_damaged_cached_library_is_built_anew_not_loaded(monkeypatch, tmp_path
     damaged = tmp_path / "damaged"
     damaged.write_bytes(whole[: len(whole) // 2] if damage == "truncated" else b"")
     os.replace(damaged, built)  # a new file: this process has the old one mapped
-    code = "from moetrain.moe import cpu_kernels as c; import sys; sys.exit(0 if c.library() is not None else 3)"
+    code = "from moetrain.moe.kernels.cpu import native as c; import sys; sys.exit(0 if c.library() is not None else 3)"
     env = dict(os.environ, MOETRAIN_CACHE=str(tmp_path), OMP_NUM_THREADS="1")
     done = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-c", code], env=env, capture_output=True,
                           text=True, timeout=300, check=False)

@@ -1,5 +1,5 @@
-"""Edge cases of the fused MoE path (moe/fast_moe.py) on CPU: its kept scratch (moe/workspace.py), padded bf16 /
-fp16 expert groups (``pad_groups``) and the largest-first worker queue (moe/cpu_workers.py).
+"""Edge cases of the fused MoE path (moe/fast_moe.py) on CPU: its kept scratch (moe/kernels/cpu/workspace.py), padded
+bf16 / fp16 expert groups (``pad_groups``) and the largest-first worker queue (moe/kernels/cpu/workers.py).
 
 - Kept scratch is never returned or saved: activation checkpointing (both kinds), ``retain_graph`` backward twice,
   anomaly mode and ``no_grad`` give bit-identical results to a plain call, two fused layers in one graph too.
@@ -25,7 +25,7 @@ from torch.utils.checkpoint import checkpoint
 
 from moetrain.moe import fast_moe
 from moetrain.moe.config import MoEConfig
-from moetrain.moe.cpu_workers import run_largest_first
+from moetrain.moe.kernels.cpu.workers import run_largest_first
 from moetrain.moe.dispatch import LocalDispatcher
 from moetrain.moe.experts import loop_experts
 from moetrain.moe.fast_moe import fused_moe

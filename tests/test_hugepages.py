@@ -1,5 +1,5 @@
-"""moe/hugepages.py: the advice covers only whole 2 MiB pages inside a tensor's storage, the kernel then backs the
-buffer with huge pages (read back from /proc/self/smaps), and nothing else changes."""
+"""moe/kernels/cpu/hugepages.py: the advice covers only whole 2 MiB pages inside a tensor's storage, the kernel then
+backs the buffer with huge pages (read back from /proc/self/smaps), and nothing else changes."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moetrain.moe import hugepages
+from moetrain.moe.kernels.cpu import hugepages
 from moetrain.moe.fast_moe import fused_moe
 
 MiB = 1 << 20

@@ -252,7 +252,7 @@ def test_layer_fused_backend_equals_loop(dtype, capacity_factor):
 
 
 def test_run_largest_first_runs_every_item_restores_threads_and_reraises():
-    from moetrain.moe.cpu_workers import run_largest_first
+    from moetrain.moe.kernels.cpu.workers import run_largest_first
 
     threads = torch.get_num_threads()
     seen = []

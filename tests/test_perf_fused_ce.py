@@ -95,10 +95,10 @@ def test_model_return_logits_false_equals_plain_path(tie):
 
 @pytest.mark.parametrize("autocast", [False, True])
 def test_kept_chunk_buffers_carry_nothing_between_calls(autocast):
-    """The chunk buffers are kept between calls (moe/workspace.py): a call after a larger one, with a different
-    vocabulary and a last chunk shorter than the others, still equals the plain path, and a repeated call takes no
-    more kept memory."""
-    from moetrain.moe import workspace
+    """The chunk buffers are kept between calls (moe/kernels/cpu/workspace.py): a call after a larger one, with a
+    different vocabulary and a last chunk shorter than the others, still equals the plain path, and a repeated call
+    takes no more kept memory."""
+    from moetrain.moe.kernels.cpu import workspace
 
     big = _case(n=64, d=16, v=53, seed=1)
     _loss_and_grads(lambda h, w: linear_cross_entropy(h, w, big[2], 40), *big[:2], autocast=autocast)

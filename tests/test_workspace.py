@@ -1,5 +1,5 @@
-"""The fused MoE path's kept CPU scratch (moe/workspace.py): private per thread and name, grows, released by clear,
-and counted by the benchmarks' peak-memory measurement."""
+"""The fused MoE path's kept CPU scratch (moe/kernels/cpu/workspace.py): private per thread and name, grows, released
+by clear, and counted by the benchmarks' peak-memory measurement."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import threading
 
 import torch
 
-from moetrain.moe import workspace
+from moetrain.moe.kernels.cpu import workspace
 from moetrain.moe.fast_moe import fused_moe
 
 

@@ -9,9 +9,9 @@ Memory: CPU has no allocator statistics in PyTorch (``tracemalloc`` sees only Py
 :func:`peak_tensor_bytes` replays one call under ``torch.profiler`` with ``profile_memory=True`` and takes the
 peak of the running sum of its allocation events: the most bytes of torch tensors alive at once during the call,
 above the level at its start (so weights and inputs allocated before are not counted; saved activations,
-temporaries and gradients are; the scratch the fused MoE path keeps between calls, moe/workspace.py, is released
-first so that it is counted too). It counts what PyTorch's CPU allocator hands out, not what the C library keeps
-mapped (RSS). On CUDA it uses ``torch.cuda.max_memory_allocated`` the same way (peak minus start).
+temporaries and gradients are; the scratch the fused MoE path keeps between calls, moe/kernels/cpu/workspace.py, is
+released first so that it is counted too). It counts what PyTorch's CPU allocator hands out, not what the C library
+keeps mapped (RSS). On CUDA it uses ``torch.cuda.max_memory_allocated`` the same way (peak minus start).
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def peak_tensor_bytes(fn: Callable[[], None], device: torch.device | str = "cpu"
         return max(0, torch.cuda.max_memory_allocated(device) - start)
     from torch.profiler import ProfilerActivity, profile
 
-    from moetrain.moe import workspace
+    from moetrain.moe.kernels.cpu import workspace
 
     workspace.clear()  # the fused MoE path's kept scratch is then allocated (and counted) inside the call
     with _quiet_native_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -119,7 +119,7 @@ def peak_tensor_bytes(fn: Callable[[], None], device: torch.device | str = "cpu"
 def machine_info() -> dict:
     """What the numbers were measured on, including the load average at the time and whether the fused MoE path's
     native CPU kernels were in use (built here on the first call)."""
-    from moetrain.moe import cpu_kernels
+    from moetrain.moe.kernels.cpu import native as cpu_kernels
 
     info = {
         "platform": platform.platform(),
@@ -128,7 +128,7 @@ def machine_info() -> dict:
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-        "native_cpu_kernels": cpu_kernels.available(),  # the fused MoE path's C kernels (moe/cpu_kernels.py)
+        "native_cpu_kernels": cpu_kernels.available(),  # the fused MoE path's C kernels (moe/kernels/cpu/native.py)
     }
     try:
         info["load_avg_1_5_15min"] = [round(v, 2) for v in os.getloadavg()]

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from moetrain.moe.workspace import scratch
+from moetrain.moe.kernels.cpu.workspace import scratch
 
 IGNORE_INDEX = -100
 # Logits per chunk: 4M (16 MiB in fp32), e.g. 512 rows of a 8192-token vocabulary; big enough for efficient GEMMs,
@@ -32,8 +32,9 @@ CHUNK_ELEMENTS = 1 << 22
 
 
 def _buffer(name: str, h: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A [c, V] chunk buffer kept between chunks and calls (moe/workspace.py): measured in a cpu-small fp32 training
-    step, the logits GEMM took 10-11.5 ms per chunk into a kept buffer against 12.5-14.5 ms into a fresh one."""
+    """A [c, V] chunk buffer kept between chunks and calls (moe/kernels/cpu/workspace.py): measured in a cpu-small
+    fp32 training step, the logits GEMM took 10-11.5 ms per chunk into a kept buffer against 12.5-14.5 ms into a
+    fresh one."""
     return scratch("ce." + name, (h.shape[0], weight.shape[0]), dtype, h.device)
 
 

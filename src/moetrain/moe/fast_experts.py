@@ -16,7 +16,7 @@ with the exact erf GELU; ``down_proj`` [E, D, F]); what changes is the execution
   outputs allocated once (in tiles of at most ``tile_rows`` rows, which bounds the scratch buffers), and the
   elementwise work on a tile runs right after the GEMM that produced it; scratch buffers are allocated once per
   call and reused (a fresh multi-MiB tensor per op costs page faults on CPU), and the large outputs ask for 2 MiB
-  pages (moe/hugepages.py). The counts are read on the host once (free on CPU). Autograd around stock
+  pages (moe/kernels/cpu/hugepages.py). The counts are read on the host once (free on CPU). Autograd around stock
   ``grouped_mm`` instead streams [R, I] intermediates through fresh memory between every op.
 - **GPU: grouped GEMM.** On CUDA in bf16 the same Function runs each GEMM as one
   ``torch.nn.functional.grouped_mm`` (the forward and the exact backward calls of torch's own ``grouped_mm``
@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from moetrain.moe import hugepages
+from moetrain.moe.kernels.cpu import hugepages
 
 _silu_out = torch.ops.aten.silu.out
 _silu_backward_out = torch.ops.aten.silu_backward.grad_input

@@ -16,13 +16,13 @@ gating-weighted combine; same stable sort, same row order), ``out[t] = sum_k w[t
 - **The gating weight is applied to the activation, before the down projection** (``(w * a) @ W_down^T``, a
   row scaling of cache-hot [n, F] data), so the combine is a plain sum of K gathered rows and its backward is one
   gather per block into scratch. The weight's gradient is ``<dL/d(w a), a>`` over F, from the same tiles.
-- **Scratch buffers are reused**: by every block of a call, and on CPU from call to call (moe/workspace.py, with
-  the [N, D] expert outputs and input-gradient rows): a fresh multi-MiB tensor costs page faults on CPU (glibc
-  maps large blocks anew each time; measured ~1/3 of a bf16 forward at E = 64). The kept buffers, and those that
+- **Scratch buffers are reused**: by every block of a call, and on CPU from call to call
+  (moe/kernels/cpu/workspace.py, with the [N, D] expert outputs and input-gradient rows): a fresh multi-MiB tensor
+  costs page faults on CPU (glibc maps large blocks anew each time; measured ~1/3 of a bf16 forward at E = 64). The kept buffers, and those that
   must be fresh (``h``, the weight gradients, the combined outputs) when 32 MiB or more, ask for 2 MiB pages
-  (moe/hugepages.py: fp32 forward + backward ~4% faster at E = 64 for the fresh ones alone).
+  (moe/kernels/cpu/hugepages.py: fp32 forward + backward ~4% faster at E = 64 for the fresh ones alone).
 - **The activation is recomputed in backward** from ``h`` (two elementwise passes over cache-hot rows).
-- **On CPU in fp32 / bf16 with SwiGLU, the elementwise work is native code** (moe/cpu_kernels.py): one pass for
+- **On CPU in fp32 / bf16 with SwiGLU, the elementwise work is native code** (moe/kernels/cpu/native.py): one pass for
   the activation and its gating weight, one for the whole backward (w * a, dL/dh, dL/dw), instead of 3 and 9
   PyTorch ops; PyTorch ops otherwise (no C compiler, ``MOETRAIN_CPU_KERNELS=0``, GELU, fp16, CUDA).
 - **The combines (output, input gradient) are gathers and adds in a fixed order** (deterministic, no atomics);
@@ -35,7 +35,7 @@ output by the fp32 weight.
 Execution: ``tiles`` mode runs one ``torch.mm`` per expert and projection into slices of preallocated outputs
 (CPU; the counts are read on the host once, which is free there; in bf16 / fp16 each expert's rows are padded to
 one of a few sizes so that the GEMM shapes repeat: :func:`pad_groups`); with several intra-op threads the blocks are
-handed largest-first to single-threaded workers, one per thread (moe/cpu_workers.py: expert-level instead of
+handed largest-first to single-threaded workers, one per thread (moe/kernels/cpu/workers.py: expert-level instead of
 op-level parallelism, measured faster at E = 64). ``grouped`` mode runs each projection as one
 ``torch.nn.functional.grouped_mm`` with device offsets (no host sync; the mode used on CUDA in bf16); both modes
 run the same maths and are tested against the unfused layer on CPU (tests/test_perf_experts.py).
@@ -47,8 +47,9 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from moetrain.moe import cpu_kernels, hugepages
-from moetrain.moe.cpu_workers import run_largest_first, workers_for
+from moetrain.moe.kernels.cpu import hugepages
+from moetrain.moe.kernels.cpu import native as cpu_kernels
+from moetrain.moe.kernels.cpu.workers import run_largest_first, workers_for
 from moetrain.moe.fast_experts import (
     _act_forward,
     _act_grad,
@@ -57,7 +58,7 @@ from moetrain.moe.fast_experts import (
     _grouped_ok,
     _zero_idle,
 )
-from moetrain.moe.workspace import scratch
+from moetrain.moe.kernels.cpu.workspace import scratch
 
 # Size of a block of the tiles mode (see _blocks), in elements of its widest [rows, max(I, D)] scratch buffer:
 # 4M elements (8 MiB in bf16) gave the best times on a 2-core Sapphire Rapids at E = 8 (2048 rows per block) and
@@ -65,7 +66,7 @@ from moetrain.moe.workspace import scratch
 # E) were both slower.
 BLOCK_ELEMENTS = 1 << 22
 # With several CPU workers, blocks are also cut to about 1 / (BLOCKS_PER_WORKER * workers) of the rows (but not below
-# MIN_BLOCK_ROWS), so that each worker takes several and none waits long for the last one (moe/cpu_workers.py).
+# MIN_BLOCK_ROWS), so that each worker takes several and none waits long for the last one (moe/kernels/cpu/workers.py).
 BLOCKS_PER_WORKER = 4
 MIN_BLOCK_ROWS = 256
 
@@ -96,7 +97,7 @@ def _sum_k(rows: torch.Tensor, rows_of: torch.Tensor, native: bool = False) -> t
     ceil(log2 K) times. (An fp32 accumulator would need a converted copy of every operand, and a reduction over
     a [T, K, D] view runs ~3x slower than these adds on CPU.)
 
-    ``native`` (CPU fp32 / bf16, moe/cpu_kernels.py available): one pass of :func:`cpu_kernels.sum_k` per worker
+    ``native`` (CPU fp32 / bf16, moe/kernels/cpu/native.py available): one pass of :func:`cpu_kernels.sum_k` per worker
     over its share of the tokens, reading K rows and writing one, where the ops above write and read back 2K - 1
     [T, D] slices. The same bits in fp32; in bf16 one rounding of the fp32 sum for every K.
     """
@@ -208,7 +209,7 @@ def _blocks(counts: list[int], block_rows: int) -> list[tuple[int, int, list[tup
 
 def _run_blocks(fn, counts: list[int], block_rows: int) -> None:
     """``fn(first row, rows, experts, most)`` for every block (:func:`_blocks`) on the CPU workers
-    (moe/cpu_workers.py), ``most`` being the largest block's rows (every worker's scratch size)."""
+    (moe/kernels/cpu/workers.py), ``most`` being the largest block's rows (every worker's scratch size)."""
     blocks = _blocks(counts, block_rows)
     sizes = [rows for _, rows, _ in blocks]
     most = max(sizes, default=0)
@@ -229,7 +230,7 @@ def _forward_tiles(x, w_in, w_out, token_ids, w_rows, counts, activation, block_
         torch.index_select(x, 0, token_ids[s : s + n], out=xs[:n])
         for e, r, m in experts:
             torch.mm(xs[r : r + m], w_in[e].T, out=hb[r : r + m])
-        if native:  # one pass (moe/cpu_kernels.py)
+        if native:  # one pass (moe/kernels/cpu/native.py)
             cpu_kernels.swiglu_forward(hb, w_rows[s : s + n], a[:n])
         else:
             _act_forward(hb, a[:n], activation)
@@ -279,7 +280,7 @@ def _backward_tiles(dout, x, w_in, w_out, h, token_ids, w_rows, counts, activati
         torch.index_select(dout, 0, token_ids[s : s + n], out=g[:n])
         for e, r, m in experts:
             torch.mm(g[r : r + m], w_out[e], out=dz[r : r + m])
-        if native:  # one pass (moe/cpu_kernels.py): w * a, dL/dh and dL/dw
+        if native:  # one pass (moe/kernels/cpu/native.py): w * a, dL/dh and dL/dw
             cpu_kernels.swiglu_backward(he, dz[:n], w_rows[s : s + n], a[:n] if need_out else None, dh[:n],
                                         dw_rows[s : s + n] if need_w else None)
         else:
@@ -350,7 +351,7 @@ class _FusedMoE(torch.autograd.Function):
         w_rows = torch.zeros(token_ids.numel(), dtype=weights.dtype, device=x.device)
         w_rows.scatter_(0, rows_of.reshape(-1), weights.reshape(-1))  # [N] gating weight of each row (0: padding)
         w_rows_c = w_rows.to(x.dtype)
-        ctx.native = ctx.native_sum = False  # moe/cpu_kernels.py: the activation's kernels, the combine's
+        ctx.native = ctx.native_sum = False  # moe/kernels/cpu/native.py: the activation's kernels, the combine's
         if isinstance(groups, list):
             ctx.native, ctx.native_sum = cpu_kernels.supports(x, activation), cpu_kernels.supports(x)
             y, h = _forward_tiles(x, w_in, w_out, token_ids, w_rows_c, groups, activation, block_rows, ctx.native,

@@ -12,11 +12,11 @@ pass each, measured on a 2-core Sapphire Rapids, single thread, n = 1024, F = 51
 layer's forward + backward, 2 threads, median of 10-12 interleaved rounds: E = 64, K = 8, D = 512, F = 256 fp32
 530 -> 478 ms and bf16 240 -> 210 ms; E = 8, K = 2, D = 512, F = 1024 fp32 434 -> 406 ms.
 
-What: ``cpu_kernels.c`` beside this file, plain C with GCC / Clang vector extensions, built on first use with the
+What: ``native.c`` beside this file, plain C with GCC / Clang vector extensions, built on first use with the
 system C compiler (``$CC``, else ``cc``, ``gcc`` or ``clang``; ``-O3 -march=native``, retried without
 ``-march=native``) and loaded with :mod:`ctypes`. ctypes releases the GIL during the call, so the CPU workers
-(moe/cpu_workers.py) run these kernels in parallel. (``torch.compile`` generates equally fused C++, but its kernels
-hold the GIL, which serialised the two workers: no faster end to end, measured.)
+(moe/kernels/cpu/workers.py) run these kernels in parallel. (``torch.compile`` generates equally fused C++, but its
+kernels hold the GIL, which serialised the two workers: no faster end to end, measured.)
 
 The library is cached in ``kernels/`` under ``$MOETRAIN_CACHE`` (else ``~/.cache/moetrain``; if that is not
 writable, a private ``moetrain-<uid>`` in the temporary directory), named by a hash of the source, the compiler
@@ -51,7 +51,7 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
+SOURCE = Path(__file__).with_name("native.c")
 FLAGS = ("-O3", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared")
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _P, _I = ctypes.c_void_p, ctypes.c_int64

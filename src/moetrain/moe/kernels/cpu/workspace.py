@@ -5,7 +5,7 @@ Why: PyTorch's CPU allocator is the C library's ``malloc``. glibc serves every b
 (at most 32 MiB, 128 KiB to start with) with fresh pages and unmaps them on free, so each call's multi-MiB
 temporaries are faulted in again, page by page, on first touch. Measured on this project's 2-core VM at E = 64,
 K = 8, D = 512, F = 256, T = 4096 in bf16: ~17k page faults per forward at ~2.5 us each, about a third of the
-forward's time. Each buffer is also backed by 2 MiB pages where the system allows (moe/hugepages.py).
+forward's time. Each buffer is also backed by 2 MiB pages where the system allows (moe/kernels/cpu/hugepages.py).
 CUDA's caching allocator avoids the same cost on GPUs; this module does it for the few large buffers whose
 lifetime is one call (moe/fast_moe.py: scratch, the [N, D] expert outputs before the combine, the [N, D]
 input-gradient rows; model/fused_ce.py: one chunk's [c, V] logits): never for anything saved for backward or
@@ -24,7 +24,7 @@ import threading
 
 import torch
 
-from moetrain.moe import hugepages
+from moetrain.moe.kernels.cpu import hugepages
 
 _buffers: dict[tuple[int, str, torch.dtype, torch.device], torch.Tensor] = {}
 _lock = threading.Lock()

@@ -1,8 +1,8 @@
 """Transparent huge pages for the fused MoE path's large CPU buffers (Linux ``madvise(MADV_HUGEPAGE)``).
 
 Why: PyTorch's CPU allocator is glibc's ``malloc``, which maps every block above 32 MiB (and most above 128 KiB)
-afresh and unmaps it on free (see moe/workspace.py). A fresh buffer is then faulted in 4 KiB at a time on first
-touch, and every later pass over it walks 512x more page-table entries than with 2 MiB pages. Most Linux systems
+afresh and unmaps it on free (see moe/kernels/cpu/workspace.py). A fresh buffer is then faulted in 4 KiB at a time on
+first touch, and every later pass over it walks 512x more page-table entries than with 2 MiB pages. Most Linux systems
 ship transparent huge pages in ``madvise`` mode (``/sys/kernel/mm/transparent_hugepage/enabled``): a region gets
 2 MiB pages only if the program asks. Asking for the fused layer's own buffers (the saved pre-activation, the
 expert weight gradients, the combine's output: those of 32 MiB or more, see below; and the kept scratch) measured on a 2-core Sapphire Rapids VM, fp32,
@@ -21,7 +21,7 @@ The advice belongs to the address range, not to the tensor: on ``malloc``'s heap
 up to 32 MiB after freeing a large block) later, unrelated allocations at those addresses would get huge pages too,
 unasked. So a buffer that is freed after one call is advised only from :data:`OWN_MAPPING_BYTES` up, where glibc
 always gives it a mapping of its own and the advice is unmapped with it; buffers kept for the life of the process
-(moe/workspace.py) are advised at any size.
+(moe/kernels/cpu/workspace.py) are advised at any size.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 /* Native CPU kernels of the fused MoE path's SwiGLU activation (moe/fast_moe.py), built and loaded by
- * moe/cpu_kernels.py. Plain C with GCC / Clang vector extensions: L = 16 fp32 lanes per vector (one AVX-512 register;
+ * moe/kernels/cpu/native.py. Plain C with GCC / Clang vector extensions: L = 16 fp32 lanes per vector (one AVX-512 register;
  * the compiler splits it on narrower hardware). No dependency beyond the C compiler.
  *
  * Layout (all row-major and contiguous): h [n, 2f] = [gate | up] pre-activation rows; w [n] gating weight of each
