@@ -30,13 +30,51 @@ class ParallelConfig:
             collective (``init_process_group(timeout=...)``; honoured by gloo and, with async error handling, by
             NCCL).
         backend: ``auto`` (NCCL on CUDA, gloo on CPU), ``gloo`` or ``nccl``.
+        pp: pipeline-parallel size (stages of the block stack, ``torch.distributed.pipelining``); ``pp > 1`` or
+            ``dp_shard > 1`` selects the FSDP2 engine (``moetrain.parallel.fsdp``).
+        dp_shard: FSDP2 sharding degree: non-expert parameters, gradients and AdamW state are sharded over the
+            ``dp_shard x ep`` ranks of a stage, expert shards over the ``dp_shard`` ranks that replicate them.
+            1 with ``pp == 1``: the plain data-parallel path (replicated weights, all-reduced gradients).
+        dp_replicate: replicas of the sharded group (HSDP); 0 = the rest, ``WORLD_SIZE / (pp * dp_shard * ep)``.
+            World layout: ``WORLD_SIZE = pp * dp_replicate * dp_shard * ep`` (EP borrowed from data parallelism:
+            every rank of a stage reads its own rows of the batch).
+        reshard_after_forward: FSDP2 ZeRO-3 (``True``: parameters freed after forward and all-gathered again in
+            backward) or ZeRO-2 (``False``: only gradients and optimizer state stay sharded).
+        cpu_offload: FSDP2 ``CPUOffloadPolicy`` (parameters, gradients and optimizer state in host memory; needs
+            CUDA: on a CPU run the parameters are already in host memory).
+        activation_checkpoint: ``none``, ``full`` (every block recomputed in backward) or ``selective`` (each
+            block's attention branch and routed experts recomputed; router, norms and dispatch kept).
+        pp_schedule: ``1f1b``, ``interleaved_1f1b`` (needs ``pp_stages_per_rank >= 2``) or ``gpipe``.
+        pp_stages_per_rank: pipeline stages (virtual stages) per rank.
+        meta_init: build the model on the meta device and materialise only this rank's shards, initialised from
+            global indices (always on in the FSDP2 engine; also selectable for a single process, for comparison).
     """
 
     ep: int = 1
     dispatcher: Literal["all_to_all", "all_gather"] = "all_to_all"
     timeout_s: float = 600.0
     backend: Literal["auto", "gloo", "nccl"] = "auto"
+    pp: int = 1
+    dp_shard: int = 1
+    dp_replicate: int = 0
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False
+    activation_checkpoint: Literal["none", "full", "selective"] = "none"
+    pp_schedule: Literal["1f1b", "interleaved_1f1b", "gpipe"] = "1f1b"
+    pp_stages_per_rank: int = 1
+    meta_init: bool = False
 
     def __post_init__(self) -> None:
         require(self.ep >= 1, "ep", f"must be >= 1, got {self.ep}")
+        for name in ("pp", "dp_shard", "pp_stages_per_rank"):
+            require(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
+        require(self.dp_replicate >= 0, "dp_replicate", f"must be >= 0 (0 = the rest of the world), got "
+                f"{self.dp_replicate}")
+        require(self.pp_schedule != "interleaved_1f1b" or self.pp_stages_per_rank >= 2, "pp_stages_per_rank",
+                f"pp_schedule='interleaved_1f1b' needs at least 2 stages per rank, got {self.pp_stages_per_rank}")
+
+    @property
+    def fsdp(self) -> bool:
+        """Whether this layout runs on the FSDP2 engine (sharding or pipelining) rather than plain data parallel."""
+        return self.dp_shard > 1 or self.pp > 1
         require(self.timeout_s > 0, "timeout_s", f"must be > 0 seconds, got {self.timeout_s}")

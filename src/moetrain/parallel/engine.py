@@ -1,0 +1,115 @@
+"""The trainer's hooks for the FSDP2 engine (``parallel.dp_shard > 1`` or ``parallel.pp > 1``): the
+``pp x dp_replicate x dp_shard x ep`` mesh (:mod:`.layout`), expert slicing and dispatchers, activation
+checkpointing (:mod:`.ac`), FSDP2 (:mod:`.fsdp`); the same interface as :class:`~.launch.ParallelHooks`.
+
+What differs from the plain data-parallel hooks:
+
+- gradients are reduce-scattered by FSDP2 during backward (no all-reduce after it); ``sync_grads`` only clips
+  (:func:`.fsdp.clip_grad_norm`);
+- counts and losses are reduced over the data-parallel ranks of a pipeline stage (``stage_group``), not the world:
+  the stages hold different layers;
+- a rank reads rows ``[d * B / D, (d + 1) * B / D)`` of each global micro-batch, d its data-parallel index within
+  the stage and D = dp_replicate * dp_shard * ep.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moetrain.errors import ConfigError
+from moetrain.parallel import ac as activation_checkpointing
+from moetrain.parallel.comm import named_collective
+from moetrain.parallel.config import ParallelConfig
+from moetrain.parallel.fsdp import apply_fsdp, clip_grad_norm, local_bytes
+from moetrain.parallel.launch import ParallelHooks, parallelize
+from moetrain.parallel.layout import LayoutMesh
+
+
+class ShardedHooks(ParallelHooks):
+    """One rank of an FSDP2 (and EP) job.
+
+    Args:
+        mesh: this rank's :class:`LayoutMesh`.
+        config: the ``parallel`` section.
+        dtype: ``train.dtype`` (mixed-precision policy).
+        owns_group: destroy the default process group in :meth:`close`.
+    """
+
+    def __init__(self, mesh: LayoutMesh, config: ParallelConfig, dtype: str = "fp32", owns_group: bool = False):
+        super().__init__(mesh.ep_mesh, config.dispatcher, owns_group)
+        self.layout_mesh, self.parallel, self.dtype = mesh, config, dtype
+
+    def prepare_model(self, model: nn.Module, log: Callable[[str], None] | None = None) -> nn.Module:
+        """Slice the experts (EP), attach the dispatchers, wrap blocks for activation checkpointing, then shard
+        with FSDP2 (call before building the optimizer); ``log`` gets the mesh line and this rank's bytes."""
+        lm = self.layout_mesh
+        if lm.layout.pp > 1:
+            raise ConfigError("parallel.pp: pipeline stages are built by moetrain.parallel.pipeline, not by "
+                              "prepare_model")
+        self.plan = parallelize(model, lm.ep_mesh, self.dispatcher, self.stats)
+        activation_checkpointing.apply(model, self.parallel.activation_checkpoint)
+        apply_fsdp(model, lm, self.dtype, self.parallel.reshard_after_forward, self.parallel.cpu_offload)
+        self.model = model
+        if log is not None:
+            held = local_bytes(model)["params"]
+            log(f"parallel: {lm.layout.describe()}; FSDP2 "
+                f"{'ZeRO-3' if self.parallel.reshard_after_forward else 'ZeRO-2'}, activation checkpointing "
+                f"{self.parallel.activation_checkpoint}; rank 0 holds {held / 1e6:.2f} MB of parameters")
+        return model
+
+    def local_batch(self, next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]]
+                    ) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's rows of each global micro-batch (see the module docstring).
+
+        Raises:
+            ConfigError: B not divisible by the data-parallel ranks of a stage (on the first call).
+        """
+        d, n = self.layout_mesh.data_rank, self.layout_mesh.layout.data_parallel
+
+        def mine() -> tuple[torch.Tensor, torch.Tensor]:
+            inputs, targets = next_batch()
+            b = inputs.shape[0]
+            if b % n:
+                raise ConfigError(
+                    f"train.batch_size: {b} sequences per micro-batch cannot be split evenly over the {n} "
+                    f"data-parallel ranks of a stage (dp_replicate x dp_shard x ep); choose a multiple of {n}")
+            return inputs[d * b // n:(d + 1) * b // n], targets[d * b // n:(d + 1) * b // n]
+
+        return mine if n > 1 else next_batch
+
+    @property
+    def count_reducer(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """Sums [L, E] expert counts over the data-parallel ranks of this stage."""
+        group = self.layout_mesh.stage_group
+        if self.layout_mesh.layout.data_parallel == 1:
+            return None
+
+        def reduce(counts: torch.Tensor) -> torch.Tensor:
+            with named_collective("all_reduce (expert counts, data-parallel ranks of the stage)", group):
+                dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
+            return counts
+
+        return reduce
+
+    def step_kwargs(self) -> dict[str, Any]:
+        return {"count_reducer": self.count_reducer, "sync_grads": self.sync_grads, "reduce_mean": self.reduce_mean}
+
+    def sync_grads(self, max_norm: float) -> torch.Tensor:
+        """FSDP2 reduced the gradients during backward; clip them by the global norm and return it."""
+        self._steps += 1
+        return clip_grad_norm(self.model, self.layout_mesh, max_norm)
+
+    def reduce_mean(self, values: torch.Tensor) -> torch.Tensor:
+        """Mean over the data-parallel ranks of this stage of this rank's losses (1-D)."""
+        n = self.layout_mesh.layout.data_parallel
+        if n == 1:
+            return values
+        out = values.clone()
+        with named_collective("all_reduce (step losses, data-parallel ranks of the stage)",
+                              self.layout_mesh.stage_group):
+            dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.layout_mesh.stage_group)
+        return out / n

@@ -1,0 +1,160 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) on the MoE transformer, composed with expert parallelism the way
+torchtitan does it (``torchtitan/distributed/fsdp.py: apply_fsdp_to_decoder``; mesh in :mod:`.layout`).
+
+Legend: E = experts, X = ep, S = dp_shard, R = dp_replicate.
+
+Units, innermost first (each ``fully_shard`` call is one all-gather / reduce-scatter unit):
+
+- the routed experts of each MoE block, already sliced to this rank's E / X experts (:mod:`.sharding`), sharded
+  over the expert mesh (the S ranks holding the same experts, replicated over R). Their reduce-scatter divides by
+  all R * S * X data-parallel ranks of the stage, not the R * S of its mesh: every rank's loss is the mean over its
+  own rows, and an expert's gradient already sums the contributions of the X ranks of its EP group
+  (torchtitan sets the same ``gradient_divide_factor``);
+- the router of each MoE block, with a float32 ``MixedPrecisionPolicy``: a bf16 copy of the gate would change
+  which experts are chosen (moe/router.py computes in fp32, and needs fp32 weights for that);
+- each block (attention, norms, shared expert, and the experts when X = 1), over the dense mesh (all S * X ranks
+  of a replica);
+- the embedding, the final norm + LM head (one unit; one unit with the embedding when they are tied), the root.
+
+``reshard_after_forward=True`` is ZeRO-3 (parameters all-gathered again in backward); ``False`` is ZeRO-2
+(parameters stay gathered between forward and backward; gradients and AdamW state sharded). With bf16, parameters
+are all-gathered and computed in bf16 and gradients reduced in fp32 into fp32 sharded master weights.
+Reduce-scatters run on a separate stream on CUDA and overlap backward; on gloo (CPU) they are synchronous.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from moetrain.errors import ConfigError
+from moetrain.parallel.comm import named_collective
+from moetrain.parallel.layout import LayoutMesh
+
+
+def mixed_precision(dtype: str) -> tuple[MixedPrecisionPolicy, MixedPrecisionPolicy]:
+    """(policy of every unit, policy of the router) for ``train.dtype``: bf16 compute with fp32 reduction and fp32
+    master weights, the router all fp32; fp32: no casts."""
+    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    if dtype == "bf16":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                    cast_forward_inputs=False), fp32
+    return MixedPrecisionPolicy(), MixedPrecisionPolicy()
+
+
+def apply_fsdp(model: nn.Module, mesh: LayoutMesh, dtype: str = "fp32", reshard_after_forward: bool = True,
+               cpu_offload: bool = False) -> nn.Module:
+    """Shard ``model`` (an ``MoETransformer`` or a pipeline stage of one, experts already sliced for EP) in place.
+
+    Args:
+        model: has ``blocks`` (a ``ModuleList`` or ``ModuleDict``), and optionally ``embed_tokens``, ``norm``,
+            ``lm_head`` (a pipeline stage may lack them).
+        mesh: this rank's :class:`LayoutMesh` (distributed).
+        dtype: ``train.dtype`` (``fp32`` or ``bf16``).
+        reshard_after_forward: ZeRO-3 (True) or ZeRO-2 (False).
+        cpu_offload: FSDP2 ``CPUOffloadPolicy``.
+    Returns:
+        ``model``, now an ``FSDPModule`` whose parameters are ``DTensor`` shards.
+    Raises:
+        ConfigError: ``cpu_offload`` without CUDA (``parallel.cpu_offload``).
+    """
+    if cpu_offload and mesh.device.type != "cuda":
+        raise ConfigError("parallel.cpu_offload: FSDP2's CPUOffloadPolicy needs CUDA (it copies host shards to the "
+                          "accelerator); on a CPU run the parameters are already in host memory: set it to false")
+    policy, router_policy = mixed_precision(dtype)
+    common = {"mp_policy": policy, "reshard_after_forward": reshard_after_forward}
+    if cpu_offload:
+        common["offload_policy"] = CPUOffloadPolicy()
+    dense, experts_mesh = mesh.dense_mesh, mesh.expert_mesh
+    ep = mesh.layout.ep
+    blocks = model.blocks.values() if isinstance(model.blocks, nn.ModuleDict) else model.blocks
+    for block in blocks:
+        if getattr(block, "is_moe", False):
+            layer = block.ffn
+            if ep > 1:
+                fully_shard(layer.experts, mesh=experts_mesh, **common)
+                layer.experts.set_gradient_divide_factor(float(mesh.layout.data_parallel))
+            fully_shard(layer.router, mesh=dense, **{**common, "mp_policy": router_policy})
+        fully_shard(block, mesh=dense, **common)
+    embed, norm, head = (getattr(model, n, None) for n in ("embed_tokens", "norm", "lm_head"))
+    tied = embed is not None and head is not None and head.weight is embed.weight
+    if tied:
+        fully_shard([embed, norm, head], mesh=dense, **common)
+    else:
+        if embed is not None:
+            fully_shard(embed, mesh=dense, **common)
+        tail = [m for m in (norm, head) if m is not None]
+        if tail:  # gathered again at once in backward: resharding it after forward would only add an all-gather
+            fully_shard(tail, mesh=dense, **{**common, "reshard_after_forward": False})
+    fully_shard(model, mesh=dense, **{**common, "reshard_after_forward": False})
+    if dist.get_backend() == "gloo":  # gloo has no PREMUL_SUM (a custom divide factor): SUM, then divide locally
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_force_sum_reduction_for_comms(True)
+    # FSDP2 picks its root at the first forward; the trainer's first call may be the no-grad routing pre-pass
+    # (MoETransformer.moe_counts), which enters the blocks without the root's forward. Initialise the root now.
+    model._get_fsdp_state()._lazy_init()
+    return model
+
+
+def set_gradient_sync(model: nn.Module, sync: bool) -> None:
+    """Reduce-scatter gradients at the end of this backward (``True``) or keep accumulating unreduced gradients
+    (``False``: the first micro-batches of a gradient-accumulation step; costs one unsharded gradient copy)."""
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(sync)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+@torch.no_grad()
+def clip_grad_norm(model: nn.Module, mesh: LayoutMesh, max_norm: float) -> torch.Tensor:
+    """Clip the sharded gradients to ``max_norm`` by their global L2 norm and return it (fp32 scalar), as
+    ``torch.nn.utils.clip_grad_norm_`` on one process: coefficient ``max_norm / (norm + 1e-6)`` capped at 1.
+
+    Every rank sums the squares of its local shards; a shard is held by the R replicas, so the sum is divided by R
+    before one all-reduce over the whole world (stages hold different parameters, so pipeline stages add up).
+    """
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    sq = torch.zeros((), dtype=torch.float32, device=mesh.device)
+    for g in grads:
+        sq += _local(g).detach().float().pow(2).sum()
+    sq /= mesh.layout.dp_replicate
+    if mesh.distributed:
+        with named_collective("all_reduce (squared gradient norm, all ranks)"):
+            dist.all_reduce(sq, op=dist.ReduceOp.SUM)
+    norm = sq.sqrt()
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for g in grads:
+        _local(g).mul_(coef.to(g.dtype))
+    return norm
+
+
+def full_tensor(p: torch.Tensor) -> torch.Tensor:
+    """The whole (unsharded over FSDP) tensor of ``p``: an all-gather for a DTensor; for checks and exports."""
+    return p.full_tensor() if isinstance(p, DTensor) else p.detach()
+
+
+def local_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+    """Bytes this rank holds of parameters, gradients and optimizer state, from the live local shards.
+
+    Returns:
+        ``{"params", "grads", "optimizer", "total"}`` in bytes (a tied weight counts once).
+    """
+    params = {id(p): p for p in model.parameters()}.values()
+    out = {"params": 0, "grads": 0, "optimizer": 0}
+    for p in params:
+        out["params"] += _local(p).numel() * p.element_size()
+        if p.grad is not None:
+            out["grads"] += _local(p.grad).numel() * p.grad.element_size()
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            for v in state.values():
+                if torch.is_tensor(v) and v.dim() > 0:
+                    out["optimizer"] += _local(v).numel() * v.element_size()
+    out["total"] = sum(out.values())
+    return out
