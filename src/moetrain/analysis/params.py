@@ -19,8 +19,15 @@ class ParamCounts:
     """Parameters by part (whole model). ``experts`` are the routed experts, everything else is "dense".
 
     Attributes:
-        embedding, lm_head (0 when tied), final_norm, norms (the blocks' RMSNorms), attention (projections, biases
-        and q/k norms), dense_ffn (blocks without MoE), router, experts, shared_experts (with their gates).
+        embedding: the token embedding.
+        lm_head: the LM head (0 when tied to the embedding).
+        final_norm: the RMSNorm before the LM head.
+        norms: the blocks' RMSNorms.
+        attention: projections, biases and q/k norms.
+        dense_ffn: the FFNs of blocks without MoE.
+        router: the routers' weights.
+        experts: the routed experts.
+        shared_experts: the shared experts, with their gates.
     """
 
     embedding: int
@@ -136,9 +143,9 @@ def state_memory(
             also holds the embedding or the LM head, whichever is larger).
         ep: expert-parallel degree: each device holds E / ep of a layer's experts.
         pp: pipeline stages.
-        dense_replicas / expert_replicas: devices holding a copy of the same dense / expert parameters (the
-            data-parallel group sizes); with ``zero1`` the optimizer states are sharded across them (ZeRO stage 1,
-            Megatron's distributed optimizer).
+        dense_replicas: devices holding a copy of the same dense parameters (the data-parallel group size); with
+            ``zero1`` the optimizer states are sharded across them (ZeRO stage 1, Megatron's distributed optimizer).
+        expert_replicas: the same for the expert parameters.
         state: bytes per parameter.
     """
     dense, experts = local_params(counts, n_layers, ep, pp)

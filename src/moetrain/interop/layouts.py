@@ -62,7 +62,9 @@ class ExpertLayout:
         Args:
             get: fetches a tensor by name, checking its shape (see :data:`Getter`).
             prefix: the layer's expert key prefix, e.g. ``model.layers.3.mlp.experts``.
-            num_experts / hidden / ffn: E, D, F from the checkpoint's config.
+            num_experts: E from the checkpoint's config.
+            hidden: D from the checkpoint's config.
+            ffn: F from the checkpoint's config.
         Returns:
             (gate_up_proj [E, 2F, D], down_proj [E, D, F]) in the checkpoint's dtype.
         Raises:

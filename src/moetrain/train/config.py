@@ -25,7 +25,8 @@ class TrainConfig:
         device: ``auto`` (CUDA when present), ``cpu`` or ``cuda``.
         eval_every / eval_batches: validation cadence (steps) and size (micro-batches); 0 disables periodic eval.
         log_every: steps between metrics lines.
-        ckpt_every: steps between checkpoints (0: only at the end); ``keep_checkpoints`` newest are kept.
+        ckpt_every: steps between checkpoints (0: only at the end).
+        keep_checkpoints: how many of the newest checkpoints are kept (milestones come on top).
         milestone_every: checkpoints at multiples of this step are never deleted (0: none are kept beyond
             ``keep_checkpoints``).
         checkpoint_url: where checkpoints go: ``None`` = ``RUN_DIR/checkpoints``; a local path or an fsspec URL such

@@ -157,8 +157,8 @@ class RoutingStats:
         layer_ids: [L] transformer-block index of each MoE layer (names the layer in every output).
         num_experts: E.  top_k: K.
         device: where the accumulators live (the model's device).
-        spike_window / spike_warmup: rolling-median window of the loss-spike check, and the finite losses it must
-            hold before a step is checked.
+        spike_window: rolling-median window of the loss-spike check (steps).
+        spike_warmup: finite losses the window must hold before a step is checked.
         start_step: optimizer steps already done (idle counts start here).
         collapse_window: steps in the rolling window of ``window_tokens`` (the collapse alarm's share).
     """
