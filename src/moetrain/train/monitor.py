@@ -19,8 +19,8 @@ the MoE layer; statistics over the logging interval, defined in :mod:`moetrain.t
     moe/layerL/drop_fraction  when the layer reports drops            moe/layerL/bias  [E] aux-loss-free biases
     moe/interval_steps        steps in the interval                   moe/loss_spike_ratio, moe/nonfinite_steps
 
-A layer recomputed in backward by activation checkpointing would run its hook twice and be counted twice; the
-model checkpoints attention tiles only (``moetrain.model.bta``), never MoE layers.
+A layer recomputed in backward by activation checkpointing (``parallel.activation_checkpoint``) runs its hook
+again inside backward; the hook ignores those calls (``moetrain.parallel.ac.in_recompute``).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from tensorboard.compat.proto.summary_pb2 import Summary
 
+from moetrain.parallel.ac import in_recompute
 from moetrain.train.alerts import ALERTS_FILE, AlertTracker, TrainingAlarm, truncate_alerts
 from moetrain.train.monitor_config import MonitorConfig
 from moetrain.train.routing_stats import RoutingStats, Snapshot
@@ -114,7 +115,8 @@ class RoutingMonitor:
         def hook(module: torch.nn.Module, inputs: Any, output: Any) -> None:
             # Training forwards with gradients only: evaluation (model.eval()), generation, and the no-grad routing
             # pre-pass of the global-batch aux loss (MoETransformer.moe_counts) must not count.
-            if module.training and torch.is_grad_enabled() and isinstance(output, tuple):
+            # A layer recomputed by activation checkpointing (moetrain.parallel.ac) runs again inside backward.
+            if module.training and torch.is_grad_enabled() and isinstance(output, tuple) and not in_recompute():
                 self.stats.observe(pos, output[-1])
 
         return hook
