@@ -1,0 +1,87 @@
+"""``moetrain serve RUN_DIR|HF_DIR``: an OpenAI-compatible completions server with continuous batching
+(moetrain/serve/, docs/serving.md)."""
+
+from __future__ import annotations
+
+import sys
+
+from moetrain.errors import MoetrainError
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serve", help="serve a run or HF directory over HTTP (OpenAI /v1/completions)")
+    p.add_argument("model_dir", help="a moetrain run directory, or a Hugging Face directory (moetrain export/upcycle)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (0: any free port; the bound one is printed)")
+    p.add_argument("--slots", type=int, default=16, help="sequences decoded together (KV-cache slots)")
+    p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 429")
+    p.add_argument("--routing", choices=["fixed", "threshold", "load"], default="fixed",
+                   help="server routing policy (dynamic top-k; requests may override with a `routing` field)")
+    p.add_argument("--top-k", type=int, default=None, help="fixed: experts per token (default: the trained k)")
+    p.add_argument("--threshold", type=float, default=0.9, help="threshold: probability mass p to reach")
+    p.add_argument("--k-min", type=int, default=None, help="threshold/load: fewest experts per token (default 1)")
+    p.add_argument("--k-max", type=int, default=None, help="threshold/load: most experts (default: trained k)")
+    p.add_argument("--load-low", type=int, default=None, help="load: queue depth where k starts to fall "
+                   "(default: --slots / 2)")
+    p.add_argument("--load-high", type=int, default=None, help="load: queue depth where k reaches k_min "
+                   "(default: 2 x --slots)")
+    p.add_argument("--int8-router", action="store_true", help="route with int8 router weights (per-row scale)")
+    p.add_argument("--cache", default="memory", help="response cache: memory (LRU), memory:N, off, or "
+                   "redis://HOST:PORT[/DB] (shared by several servers)")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (413 beyond)")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.set_defaults(func=run)
+
+
+def policy_from_args(args):
+    from moetrain.serve.routing import RoutingPolicy
+
+    low = args.load_low if args.load_low is not None else max(1, args.slots // 2)
+    high = args.load_high if args.load_high is not None else max(low + 1, 2 * args.slots)
+    try:
+        return RoutingPolicy(policy=args.routing, k=args.top_k, p=args.threshold, k_min=args.k_min,
+                             k_max=args.k_max, low=low, high=high)
+    except ValueError as e:
+        raise MoetrainError(f"--{str(e).replace('_', '-')}") from None
+
+
+def build_app(args):
+    """(app, engine) from parsed arguments (loads the model)."""
+    import torch
+
+    from moetrain.serve.api import create_app
+    from moetrain.serve.cache import open_cache
+    from moetrain.serve.engine import Engine
+    from moetrain.serve.loader import load_served_model
+
+    for name in ("slots", "max_queue", "max_body_bytes"):
+        if getattr(args, name) < 1:
+            raise MoetrainError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    policy = policy_from_args(args)
+    served = load_served_model(args.model_dir)
+    if served.model.moe_layers():
+        from moetrain.serve.routing import moe_field
+
+        c = served.model.moe_layers()[0].config
+        try:
+            policy.bounds(moe_field(c, "top_k"), moe_field(c, "num_experts"))
+        except ValueError as e:
+            raise MoetrainError(f"--{str(e).replace('_', '-')}") from None
+    cache = open_cache(args.cache)
+    engine = Engine(served, num_slots=args.slots, max_queue=args.max_queue, policy=policy,
+                    int8_router=args.int8_router)
+    return create_app(engine, cache, args.max_body_bytes), engine
+
+
+def run(args) -> int:
+    import uvicorn
+
+    app, engine = build_app(args)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", lifespan="on")
+    server = uvicorn.Server(config)
+    print(f"moetrain serve: {engine.served.name} ({engine.served.source}), {args.slots} slots, routing "
+          f"{engine.policy.policy}, cache {args.cache}", file=sys.stderr)
+    server.run()
+    return 0

@@ -1,0 +1,280 @@
+"""The continuous-batching engine: a bounded queue, a fixed set of KV-cache slots, and one loop (its own thread)
+that steps every running sequence together.
+
+Each loop iteration is a step boundary: cancelled sequences (a client that went away) free their slots, waiting
+requests are admitted into free slots, and one :meth:`StepRunner.step` runs the new prompts (prefill) and every
+decoding sequence's last token (decode) as one batch; each sequence then samples its next token, streams its new
+text, and is released when it finishes (end-of-text token, ``max_tokens`` or a stop string).
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from moetrain.serve.forward import StepBatch, StepRunner
+from moetrain.serve.kv_cache import SlotKVCache
+from moetrain.serve.metrics import ServeMetrics
+from moetrain.serve.moe import StepPolicies
+from moetrain.serve.routing import RoutingPolicy, moe_field
+from moetrain.serve.sampling import sample
+
+
+class QueueFull(Exception):
+    """The waiting queue holds ``max_queue`` requests (HTTP 429)."""
+
+
+class EngineStopped(Exception):
+    """The engine is not running (HTTP 503)."""
+
+
+@dataclass(frozen=True)
+class Event:
+    """What a request receives after a step: ``text`` (new text), ``token_ids`` (new tokens) and, on the last
+    event, ``finish_reason`` (``stop`` or ``length``; ``error`` with ``error`` set when the step failed)."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass(eq=False)
+class GenRequest:
+    """One completion being served. ``emit`` is called from the engine thread with each :class:`Event`."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    emit: Callable[[Event], None]
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    policy: RoutingPolicy | None = None  # None: the server's
+    out_ids: list[int] = field(default_factory=list)
+    slot: int | None = None
+    cached: int = 0  # positions in the KV cache
+    cancelled: bool = False
+    finish_reason: str | None = None
+    sent: int = 0  # characters of the completion text already emitted
+    generator: torch.Generator | None = None
+    admitted_at: float = 0.0
+
+
+class Engine:
+    """Continuous batching over ``num_slots`` KV-cache slots.
+
+    Args:
+        served: a :class:`~moetrain.serve.loader.ServedModel`.
+        num_slots: most sequences decoded together (each owns a [max_seq_len] KV block per layer).
+        max_queue: most requests waiting for a slot; :meth:`submit` raises :class:`QueueFull` beyond.
+        policy: the server's routing policy (requests may bring their own).
+        metrics: where to count; a fresh :class:`ServeMetrics` if ``None``.
+        int8_router: route with int8 router weights (:class:`~moetrain.serve.routing.Int8Router`).
+        experts_fn: the routed-experts computation (the hot/cold expert store's, or the layers' own).
+        max_prefill_tokens: prompt tokens prefilled per step at most (at least one prompt always is), so a burst
+            of long prompts does not stall decoding sequences for long.
+    """
+
+    def __init__(self, served, num_slots: int = 16, max_queue: int = 64, policy: RoutingPolicy | None = None,
+                 metrics: ServeMetrics | None = None, int8_router: bool = False, experts_fn=None,
+                 max_prefill_tokens: int = 2048):
+        from moetrain.serve.moe import experts_forward
+        from moetrain.serve.routing import Int8Router
+
+        self.served, self.model = served, served.model
+        cfg = self.model.config
+        self.max_seq_len = cfg.max_seq_len
+        self.num_slots, self.max_queue, self.max_prefill_tokens = num_slots, max_queue, max_prefill_tokens
+        self.policy = policy or RoutingPolicy()
+        self.metrics = metrics or ServeMetrics()
+        self.cache = SlotKVCache(num_slots, cfg.n_layers, cfg.n_kv_heads, cfg.max_seq_len, cfg.head_size)
+        self.moe_blocks = [i for i, b in enumerate(self.model.blocks) if b.is_moe]
+        routers = {i: Int8Router(self.model.blocks[i].ffn.router.weight) for i in self.moe_blocks} if int8_router \
+            else {}
+        self.runner = StepRunner(self.model, self.cache, routers, experts_fn or experts_forward)
+        self.waiting: collections.deque[GenRequest] = collections.deque()
+        self.running: list[GenRequest] = []
+        self.free_slots = list(range(num_slots))[::-1]
+        self.cond = threading.Condition()
+        self.steps = 0
+        self.last_load_k: int | None = None
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._seeds = random.Random()
+
+    # --- public, any thread ---------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="moetrain-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self.cond:
+            self._stop = True
+            self.cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stop
+
+    def submit(self, req: GenRequest) -> None:
+        """Queue ``req``. Raises :class:`QueueFull` or :class:`EngineStopped`."""
+        with self.cond:
+            if not self.alive():
+                raise EngineStopped("the engine is not running")
+            if len(self.waiting) >= self.max_queue:
+                raise QueueFull(f"{len(self.waiting)} requests already waiting (--max-queue {self.max_queue})")
+            seed = req.seed if req.seed is not None else self._seeds.getrandbits(63)
+            req.generator = torch.Generator().manual_seed(seed) if req.temperature > 0 else None
+            self.waiting.append(req)
+            self.metrics.queue_depth.set(len(self.waiting))
+            self.cond.notify_all()
+
+    def cancel(self, req: GenRequest) -> None:
+        """Drop ``req`` (waiting or running) at the next step boundary; its slot is freed."""
+        with self.cond:
+            req.cancelled = True
+            self.cond.notify_all()
+
+    def depth(self) -> int:
+        """Queue depth seen by the ``load`` policy: waiting + running requests."""
+        return len(self.waiting) + len(self.running)
+
+    # --- engine thread ---------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        while True:
+            with self.cond:
+                self._admit()
+                while not self.running and not self._stop:
+                    self.cond.wait()
+                    self._admit()
+                if self._stop:
+                    break
+            try:
+                self._step()
+            except Exception as e:  # noqa: BLE001 - a failed step ends its requests, not the server
+                for req in self.running:
+                    self._emit(req, Event("", (), "error", f"{type(e).__name__}: {e}"))
+                    self._release(req)
+                self.running = []
+        for req in [*self.running, *self.waiting]:
+            self._emit(req, Event("", (), "error", "server shutting down"))
+
+    def _admit(self) -> None:
+        """Under the lock: free the slots of cancelled sequences, move waiting requests into free slots."""
+        for req in [r for r in self.running if r.cancelled]:
+            self.running.remove(req)
+            self._release(req)
+            self.metrics.requests.labels("cancelled").inc()
+        for req in [r for r in self.waiting if r.cancelled]:
+            self.waiting.remove(req)
+            self.metrics.requests.labels("cancelled").inc()
+        while self.waiting and self.free_slots:
+            req = self.waiting.popleft()
+            req.slot, req.admitted_at = self.free_slots.pop(), time.perf_counter()
+            self.running.append(req)
+        self.metrics.queue_depth.set(len(self.waiting))
+        self.metrics.running.set(len(self.running))
+
+    def _release(self, req: GenRequest) -> None:
+        if req.slot is not None:
+            self.free_slots.append(req.slot)
+            req.slot = None
+
+    def _plan(self) -> list[GenRequest]:
+        """The step's sequences: every decoding one, and prompts to prefill up to ``max_prefill_tokens``."""
+        plan, budget = [], self.max_prefill_tokens
+        for req in self.running:
+            if req.cached == 0:
+                if budget < len(req.prompt_ids) and budget < self.max_prefill_tokens:
+                    continue  # waits for the next step (holding its slot)
+                budget -= len(req.prompt_ids)
+            plan.append(req)
+        return plan
+
+    def _step(self) -> None:
+        t0 = time.perf_counter()
+        plan = self._plan()
+        seqs = [(r.slot, r.cached, r.prompt_ids if r.cached == 0 else [r.out_ids[-1]]) for r in plan]
+        batch = StepBatch.build(seqs)
+        depth = self.depth()
+        segments = tuple((r.policy or self.policy, len(s[2])) for r, s in zip(plan, seqs))
+        logits, stats = self.runner.step(batch, StepPolicies(segments, depth))
+        for req, (_, _, toks), row in zip(plan, seqs, logits):
+            if req.cached == 0:
+                self.metrics.prompt_tokens.inc(len(toks))
+            req.cached += len(toks)
+            req.out_ids.append(sample(row, req.temperature, req.top_p, req.generator))
+            self._advance(req)
+        with self.cond:
+            for req in [r for r in self.running if r.finish_reason is not None]:
+                self.running.remove(req)
+                self._release(req)
+                self.metrics.requests.labels("ok").inc()
+                self.metrics.latency.observe(time.perf_counter() - req.admitted_at)
+            self.metrics.running.set(len(self.running))
+        self._record(plan, batch, stats, depth, time.perf_counter() - t0)
+
+    def _advance(self, req: GenRequest) -> None:
+        """After ``req`` got a token: find its end (eos, length, stop string) and emit its new text."""
+        tok = self.served.tokenizer
+        self.metrics.generated_tokens.inc()
+        if self.served.eos_id is not None and req.out_ids[-1] == self.served.eos_id:
+            req.finish_reason = "stop"
+        elif len(req.out_ids) >= req.max_tokens:
+            req.finish_reason = "length"
+        text = tok.decode(req.out_ids)
+        hits = [i for i in (text.find(s) for s in req.stop) if i >= 0]
+        if hits:
+            text, req.finish_reason = text[:min(hits)], "stop"
+        end = len(text)
+        if req.finish_reason is None:
+            if req.stop:  # hold back what may be the start of a stop string
+                end -= max(len(s) for s in req.stop) - 1
+            while end > 0 and text[end - 1] == "\ufffd":  # an incomplete UTF-8 sequence: wait for its bytes
+                end -= 1
+        delta = text[req.sent:end] if end > req.sent else ""
+        req.sent = max(req.sent, end)
+        self._emit(req, Event(delta, (req.out_ids[-1],), req.finish_reason))
+
+    def _emit(self, req: GenRequest, event: Event) -> None:
+        try:
+            req.emit(event)
+        except RuntimeError:  # the client's event loop is gone: nobody listens
+            req.cancelled = True
+
+    def _record(self, plan, batch, stats, depth: int, seconds: float) -> None:
+        m = self.metrics
+        self.steps += 1
+        m.batch_size.observe(len(plan))
+        m.step_seconds.observe(seconds)
+        n = int(batch.input_ids.shape[0])
+        if stats:
+            active = sum(s.active for s in stats)
+            m.assignments.inc(active)
+            m.routed_tokens.inc(n * len(stats))
+            m.active_experts.set(active / (n * len(stats)))
+            for block, s in zip(self.moe_blocks, stats):
+                for e, c in enumerate(s.counts.tolist()):
+                    if c:
+                        m.expert_load.labels(str(block), str(e)).inc(c)
+        if self.policy.policy == "load" and self.moe_blocks:
+            c = self.model.blocks[self.moe_blocks[0]].ffn.config
+            self.last_load_k = self.policy.load_k(moe_field(c, "top_k"), moe_field(c, "num_experts"), depth)
+            m.load_top_k.set(self.last_load_k)
+
+
+_ids = itertools.count()
+
+
+def next_request_id() -> str:
+    return f"cmpl-{next(_ids)}-{random.getrandbits(32):08x}"

@@ -1,0 +1,148 @@
+"""The MoE layer at inference: routing policy -> (masked) top-k -> the layer's own expert kernels.
+
+Legend: T = tokens, D = hidden, E = experts, K = trained top-k, Kmax = the step's largest k.
+
+A variable number of experts per token is expressed as a fixed [T, Kmax] top-k with a ``keep`` mask: the gating
+weights of unkept candidates are zero and their assignments are dropped by the dispatcher (they sort after every
+expert's rows and are never computed: the experts see ``sum(keep)`` rows). When every token keeps all Kmax
+candidates (``fixed``, and ``load`` within a step), the step runs exactly the kernel the training layer runs
+(``fused_moe`` on one device, else dispatch -> experts -> combine) with nothing added, so the fixed case is not
+slowed down; the default policy even calls the layer's own router module, so outputs equal the training forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from moetrain.serve.routing import Int8Router, RoutingPolicy, moe_field, tokens_k
+
+try:  # the fused single-device kernel of the training layer (moe/fast_moe.py)
+    from moetrain.moe.fast_moe import fused_moe
+except ImportError:  # pragma: no cover - moved by a refactor: fall back to dispatch -> experts -> combine
+    fused_moe = None
+
+_NEVER = 2.0  # a probability mass above 1: the threshold rule never stops early
+
+
+@dataclass(frozen=True)
+class StepPolicies:
+    """The routing policies of one engine step, in token order.
+
+    Attributes:
+        segments: (policy, number of consecutive tokens) pairs covering the step's T tokens.
+        depth: the engine's queue depth (waiting + running requests), for the ``load`` policy.
+    """
+
+    segments: tuple[tuple[RoutingPolicy, int], ...]
+    depth: int = 0
+
+    def all_default(self) -> bool:
+        return all(p.is_default() for p, _ in self.segments)
+
+
+@dataclass(frozen=True)
+class MoEStepStats:
+    """Per-layer routing of one step: ``counts`` [E] int64 kept assignments per expert, ``active`` kept
+    assignments in all (mean active experts per token = active / T), ``k_used`` [T] int64 experts per token."""
+
+    counts: torch.Tensor
+    active: int
+    k_used: torch.Tensor
+
+
+def _token_bounds(layer_cfg, policies: StepPolicies, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[T] p, k_min, k_max for one layer from the step's policy segments."""
+    k_trained, e = moe_field(layer_cfg, "top_k"), moe_field(layer_cfg, "num_experts")
+    p, lo, hi = torch.empty(t), torch.empty(t, dtype=torch.int64), torch.empty(t, dtype=torch.int64)
+    start = 0
+    for policy, n in policies.segments:
+        kmin, kmax = policy.bounds(k_trained, e)
+        mass = _NEVER
+        if policy.policy == "load":
+            kmin = kmax = policy.load_k(k_trained, e, policies.depth)
+        elif policy.policy == "threshold":
+            mass = policy.p
+        p[start:start + n], lo[start:start + n], hi[start:start + n] = mass, kmin, kmax
+        start += n
+    return p, lo, hi
+
+
+def route_with_policy(layer, tokens: torch.Tensor, policies: StepPolicies, int8: Int8Router | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Top-k ids, gating weights and keep mask of T tokens under the step's policies.
+
+    Args:
+        layer: a :class:`~moetrain.moe.layer.MoELayer` (its ``router`` weight, bias and settings are read).
+        tokens: [T, D].
+        policies: the step's :class:`StepPolicies` (segments must cover T tokens).
+        int8: use this int8 router instead of the fp32 weight.
+    Returns:
+        (ids [T, Kmax] int64 best first, weights [T, Kmax] fp32 (zero where not kept), keep [T, Kmax] bool or
+        ``None`` when every candidate is kept).
+    """
+    if int8 is None and policies.all_default():
+        r = layer.router(tokens)
+        return r.topk_ids, r.topk_weights, None
+    from moetrain.moe.router import route
+
+    c = layer.config
+    p, lo, hi = _token_bounds(c, policies, tokens.shape[0])
+    groups, topk_groups = moe_field(c, "num_groups"), moe_field(c, "topk_groups")
+    e = moe_field(c, "num_experts")
+    eligible = (topk_groups or groups) * (e // groups)
+    kmax = min(int(hi.max()), eligible)
+    with torch.autocast(device_type=tokens.device.type, enabled=False):
+        logits = int8.logits(tokens) if int8 is not None else F.linear(tokens.float(), layer.router.weight.float())
+    r = route(logits, kmax, score_func=moe_field(c, "score_func"), norm_topk_prob=False, routed_scaling_factor=1.0,
+              num_groups=groups, topk_groups=topk_groups, expert_bias=layer.router.e_score_correction_bias)
+    ids = r.topk_ids
+    k = tokens_k(r.probs.gather(1, ids), p, lo, hi.clamp(max=kmax))  # [T]
+    keep = torch.arange(kmax)[None, :] < k[:, None]  # [T, Kmax]
+    w = torch.where(keep, r.topk_weights, 0.0)
+    if moe_field(c, "norm_topk_prob"):
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)  # the training router's renormalisation, over kept experts
+    scale = moe_field(c, "routed_scaling_factor")
+    if scale != 1.0:
+        w = w * scale
+    return ids, w, None if bool(keep.all()) else keep
+
+
+def experts_forward(layer, tokens: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                    keep: torch.Tensor | None) -> torch.Tensor:
+    """Routed experts of ``layer`` for T tokens: [T, D] -> [T, D] (tokens' dtype), assignments with
+    ``keep == False`` dropped (never computed)."""
+    from moetrain.moe.dispatch import LocalDispatcher
+
+    ex = layer.experts
+    if (keep is None and fused_moe is not None and getattr(ex, "backend", None) == "fused"
+            and type(layer.dispatcher) is LocalDispatcher):
+        return fused_moe(tokens, ids, weights, ex.w_in, ex.down_proj, ex.activation).to(tokens.dtype)
+    if keep is None:
+        rows, tokens_per_expert, meta = layer.dispatcher.dispatch(tokens, ids, weights)
+    else:
+        rows, tokens_per_expert, meta = layer.dispatcher.dispatch(tokens, ids, weights, keep=keep)
+    return layer.dispatcher.combine(ex(rows, tokens_per_expert), meta).to(tokens.dtype)
+
+
+def serve_moe(layer, x: torch.Tensor, policies: StepPolicies, int8: Int8Router | None = None,
+              experts_fn=experts_forward) -> tuple[torch.Tensor, MoEStepStats]:
+    """One MoE layer at inference: x [T, D] -> (y [T, D], :class:`MoEStepStats`).
+
+    ``experts_fn(layer, tokens, ids, weights, keep)`` computes the routed experts (default: the layer's kernels;
+    the hot/cold expert store passes its own). The shared expert (if any) is added as in training.
+    """
+    ids, weights, keep = route_with_policy(layer, x, policies, int8)
+    y = experts_fn(layer, x, ids, weights, keep)
+    if layer.shared_expert is not None:
+        shared = layer.shared_expert(x)
+        if layer.shared_expert_gate is not None:
+            shared = torch.sigmoid(layer.shared_expert_gate(x)) * shared
+        y = y + shared.to(y.dtype)
+    e = moe_field(layer.config, "num_experts")
+    kept_ids = ids if keep is None else ids[keep]
+    counts = torch.bincount(kept_ids.reshape(-1), minlength=e)
+    k_used = torch.full((ids.shape[0],), ids.shape[1]) if keep is None else keep.sum(dim=1)
+    return y, MoEStepStats(counts, int(kept_ids.numel()), k_used)

@@ -1,0 +1,30 @@
+"""Shared by tests/test_serve_*.py: a trained tiny run and a server over it in a background thread."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from conftest import sample_text
+
+from moetrain.cli import main
+
+
+def train_tiny(root: Path, steps: int = 40) -> Path:
+    """A tiny run trained ``steps`` steps on local text (a few seconds on one thread)."""
+    corpus = root / "corpus.txt"
+    corpus.write_bytes(sample_text(200_000))
+    run = root / "run"
+    assert main(["train", "--preset", "tiny", "--data", str(corpus), "--out", str(run), "--no-progress",
+                 "--steps", str(steps), f"data.cache_dir={root / 'cache'}", "train.eval_batches=1",
+                 "train.threads=1", "monitor.tb_heatmap=false"]) == 0
+    return run
+
+
+def start_server(served, cache=None, **engine_kwargs):
+    """A started :class:`~moetrain.serve.server.BackgroundServer` (``.url``, ``.stop()``) and its engine."""
+    from moetrain.serve.api import create_app
+    from moetrain.serve.engine import Engine
+    from moetrain.serve.server import BackgroundServer
+
+    engine = Engine(served, **engine_kwargs)
+    return BackgroundServer(create_app(engine, cache)).start(), engine

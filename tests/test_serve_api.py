@@ -1,0 +1,235 @@
+"""``moetrain serve`` over real HTTP (uvicorn on 127.0.0.1, port 0; httpx as the client): completions equal
+``moetrain generate`` token for token, streaming yields the same text, concurrent clients are all answered with
+the answers they get alone, bad requests get a 4xx JSON error naming the field, a full queue gets 429, and a
+client that leaves mid-stream frees its slot."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+
+from _serve_util import start_server, train_tiny  # noqa: E402
+
+from moetrain.cli import main  # noqa: E402
+from moetrain.model.generate import generate  # noqa: E402
+from moetrain.serve.loader import load_served_model  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PROMPTS = ["ROMEO:", "The king is", "Speak, friend, and", "O night, sweet night"]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    run = train_tiny(tmp_path_factory.mktemp("serve"))
+    return run, load_served_model(str(run))
+
+
+@pytest.fixture(scope="module")
+def server(served):
+    srv, engine = start_server(served[1], num_slots=16)
+    yield srv, engine
+    srv.stop()
+
+
+def _complete(client, **body):
+    r = client.post("/v1/completions", json={"return_token_ids": True, **body})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]
+
+
+def _reference(served, prompt: str, n: int, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0):
+    model, tok = served.model, served.tokenizer
+    ids = tok.encode(prompt).ids
+    out = generate(model, torch.tensor([ids]), n, temperature, top_p, eos_id=served.eos_id,
+                   generator=torch.Generator().manual_seed(seed))
+    return out[0, len(ids):].tolist()
+
+
+def test_completions_equal_generate_token_for_token(served, server, capsys):
+    run, sm = served
+    client = httpx.Client(base_url=server[0].url, timeout=60)
+    for prompt in PROMPTS:
+        got = _complete(client, prompt=prompt, max_tokens=24, temperature=0)
+        assert got["token_ids"] == _reference(sm, prompt, 24)
+        capsys.readouterr()
+        assert main(["generate", str(run), "--prompt", prompt, "--temperature", "0", "--max-new-tokens", "24"]) == 0
+        cli_text = capsys.readouterr().out[:-1]  # print's newline
+        assert cli_text == sm.tokenizer.decode(sm.tokenizer.encode(prompt).ids + got["token_ids"])
+    # a seeded sampled request draws what `moetrain generate --seed` draws
+    got = _complete(client, prompt=PROMPTS[0], max_tokens=30, temperature=0.8, top_p=0.95, seed=7)
+    assert got["token_ids"] == _reference(sm, PROMPTS[0], 30, 0.8, 0.95, seed=7)
+    assert len(set(got["token_ids"])) > 3  # sampling, not one repeated token
+
+
+def _stream(client, **body) -> tuple[str, str | None]:
+    text, finish = "", None
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert lines[-1] == "data: [DONE]"
+    for ln in lines[:-1]:
+        chunk = json.loads(ln.removeprefix("data: "))
+        text += chunk["choices"][0]["text"]
+        finish = chunk["choices"][0]["finish_reason"] or finish
+    assert len(lines) > 2 or body.get("max_tokens", 16) <= 1
+    return text, finish
+
+
+def test_streaming_yields_the_same_text(server):
+    client = httpx.Client(base_url=server[0].url, timeout=60)
+    for body in ({"prompt": PROMPTS[1], "max_tokens": 20, "temperature": 0},
+                 {"prompt": PROMPTS[2], "max_tokens": 25, "temperature": 0.9, "seed": 3}):
+        full = _complete(client, **body)
+        assert _stream(client, **body) == (full["text"], full["finish_reason"])
+    # a stop string ends both at the same place, without the stop string
+    full = _complete(client, prompt=PROMPTS[3], max_tokens=40, temperature=0.9, seed=11)
+    stop = full["text"][5:7]
+    assert len(stop) == 2
+    stopped = _complete(client, prompt=PROMPTS[3], max_tokens=40, temperature=0.9, seed=11, stop=[stop])
+    assert stopped["text"] == full["text"][:full["text"].find(stop)] and stopped["finish_reason"] == "stop"
+    assert _stream(client, prompt=PROMPTS[3], max_tokens=40, temperature=0.9, seed=11, stop=stop) == (
+        stopped["text"], "stop")
+
+
+def test_sixteen_concurrent_clients_get_their_solo_answers(served, server):
+    """16 clients at once: all answered, each exactly what the model gives that request alone."""
+    _, sm = served
+    srv, engine = server
+    steps_before = engine.steps
+    bodies = [{"prompt": f"{PROMPTS[i % 4]} {i}", "max_tokens": 20, "temperature": 0} for i in range(16)]
+
+    def one(body):
+        with httpx.Client(base_url=srv.url, timeout=120) as c:
+            return _complete(c, **body)["token_ids"]
+
+    with cf.ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(one, bodies))
+    for body, ids in zip(bodies, answers):
+        assert ids == _reference(sm, body["prompt"], 20)
+    # batched: far fewer steps than the 16 x 20 tokens generated one at a time
+    assert engine.steps - steps_before < 16 * 20 / 2
+
+
+BAD = [
+    # (raw body or json, field named)
+    (b"{not json", "body"),
+    (b"[1, 2, 3]", "body"),
+    ({"max_tokens": 5}, "prompt"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": 42}, "prompt"),
+    ({"prompt": "word " * 400}, "prompt"),  # longer than the 128-token context
+    ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 10**9}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": "5"}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 2.5}, "max_tokens"),
+    ({"prompt": "x", "temperature": -0.1}, "temperature"),
+    ({"prompt": "x", "temperature": "hot"}, "temperature"),
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "top_p": 1.5}, "top_p"),
+    ({"prompt": "x", "seed": "abc"}, "seed"),
+    ({"prompt": "x", "stream": "yes"}, "stream"),
+    ({"prompt": "x", "stop": [1, 2]}, "stop"),
+    ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"prompt": "x", "n": 2}, "n"),
+    ({"prompt": "x", "routing": {"policy": "magic"}}, "routing.policy"),
+    ({"prompt": "x", "routing": {"policy": "fixed", "k": 99}}, "routing.k"),
+    ({"prompt": "x", "routing": {"policy": "threshold", "p": 1.5}}, "routing.p"),
+]
+
+
+def test_bad_requests_get_a_4xx_naming_the_field_and_the_server_keeps_serving(server):
+    client = httpx.Client(base_url=server[0].url, timeout=60)
+    for body, field in BAD:
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        r = client.post("/v1/completions", content=content, headers={"content-type": "application/json"})
+        assert 400 <= r.status_code < 500, (body, r.status_code, r.text)
+        err = r.json()["error"]
+        assert err["param"] == field, (body, err)
+        assert field.split(".")[-1] in err["message"] or field == "body", err
+    r = client.post("/v1/completions", content=b"{" + b" " * 10_000_000 + b"}",
+                    headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["param"] == "body"
+    assert client.get("/health").json()["status"] == "ok"
+    assert _complete(client, prompt="x", max_tokens=3, temperature=0)["finish_reason"] in ("length", "stop")
+
+
+def test_full_queue_gets_429_and_a_disconnect_frees_the_slot(served):
+    srv, engine = start_server(served[1], num_slots=1, max_queue=1)
+    try:
+        body = {"prompt": "ROMEO:", "max_tokens": 100, "temperature": 0.8, "seed": 1}
+
+        def one(i):
+            with httpx.Client(base_url=srv.url, timeout=120) as c:
+                return c.post("/v1/completions", json={**body, "seed": i}).status_code
+
+        with cf.ThreadPoolExecutor(6) as pool:
+            codes = list(pool.map(one, range(6)))
+        assert codes.count(200) >= 2 and 429 in codes and set(codes) <= {200, 429}, codes
+        client = httpx.Client(base_url=srv.url, timeout=60)
+        r = client.post("/v1/completions", json={**body, "seed": 99})
+        assert r.status_code == 200  # still serving after the rejections
+
+        # a streaming client reads one chunk and leaves: its sequence is dropped and its slot freed
+        with client.stream("POST", "/v1/completions", json={**body, "seed": 5, "stream": True}) as r:
+            next(r.iter_lines())
+        deadline = time.monotonic() + 20
+        while (engine.running or engine.waiting) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not engine.running and engine.free_slots == [0]
+        metrics = client.get("/metrics").text
+        assert re.search(r'moetrain_requests_total\{outcome="cancelled"\} 1\.0', metrics), metrics
+        assert _complete(client, prompt="x", max_tokens=2, temperature=0)["finish_reason"] in ("length", "stop")
+    finally:
+        srv.stop()
+
+
+def test_metrics_and_health(server):
+    client = httpx.Client(base_url=server[0].url, timeout=60)
+    _complete(client, prompt="The", max_tokens=4, temperature=0)
+    text = client.get("/metrics").text
+    for name in ("moetrain_requests_total", "moetrain_generated_tokens_total", "moetrain_prompt_tokens_total",
+                 "moetrain_queue_depth", "moetrain_batch_size_bucket", "moetrain_active_experts_per_token",
+                 "moetrain_expert_load_total", "moetrain_cache_hits_total"):
+        assert name in text, name
+    active = float(re.search(r"^moetrain_active_experts_per_token (\S+)$", text, re.M).group(1))
+    assert active == 2.0  # tiny is top-2 and the default policy is fixed
+    loads = [float(v) for v in re.findall(r'^moetrain_expert_load_total\{expert="\d+",layer="0"\} (\S+)$', text,
+                                          re.M)]
+    assignments = float(re.search(r"^moetrain_expert_assignments_total (\S+)$", text, re.M).group(1))
+    assert sum(loads) * 2 == assignments  # 2 MoE layers, equal counts each
+    h = client.get("/health").json()
+    assert h["status"] == "ok" and h["slots"] == 16
+
+
+def test_cli_serves_on_port_zero(served, tmp_path):
+    """`moetrain serve RUN --port 0` in a subprocess: the bound port is printed, and it answers."""
+    run, sm = served
+    proc = subprocess.Popen([sys.executable, "-m", "moetrain", "serve", str(run), "--port", "0", "--threads", "1",
+                             "--slots", "2"], stderr=subprocess.PIPE, text=True)
+    try:
+        url = None
+        deadline = time.monotonic() + 120
+        while url is None and time.monotonic() < deadline:
+            line = proc.stderr.readline()
+            if not line and proc.poll() is not None:
+                break
+            m = re.search(r"running on (http://127\.0\.0\.1:\d+)", line)
+            url = m.group(1) if m else None
+        assert url, "no 'running on' line"
+        got = _complete(httpx.Client(base_url=url, timeout=60), prompt=PROMPTS[0], max_tokens=8, temperature=0)
+        assert got["token_ids"] == _reference(sm, PROMPTS[0], 8)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert main(["serve", str(tmp_path / "missing")]) == 2
