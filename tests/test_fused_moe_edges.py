@@ -24,7 +24,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from moetrain.moe import fast_moe
-from moetrain.moe.config import MoEConfig
+from moetrain.execution import ExecutionConfig
+from moetrain.moe.config import ExpertsConfig, MoEConfig
 from moetrain.moe.kernels.cpu.workers import run_largest_first
 from moetrain.moe.dispatch import LocalDispatcher
 from moetrain.moe.experts import loop_experts
@@ -69,8 +70,8 @@ def _bitwise(a, b):
 
 def _layer(d, seed, dtype, recompute, backend="fused"):
     torch.manual_seed(seed)
-    layer = MoELayer(d, MoEConfig(num_experts=6, top_k=2, expert_ffn_hidden=12, backend=backend,
-                                  recompute_experts=recompute))
+    layer = MoELayer(d, MoEConfig(num_experts=6, top_k=2, experts=ExpertsConfig(ffn_hidden=12)),
+                     ExecutionConfig(moe_backend=backend, recompute_experts=recompute))
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in layer.parameters():
@@ -307,7 +308,7 @@ def test_second_derivative_raises_instead_of_being_silently_incomplete():
 
 def test_fused_experts_second_derivative_raises():
     # The same for the standalone experts Function (the fused backend's path with a capacity factor).
-    from moetrain.moe.fast_experts import fused_experts
+    from moetrain.moe.fast_moe import fused_experts
 
     g = torch.Generator().manual_seed(3)
     x = torch.randn(12, 8, generator=g, requires_grad=True)

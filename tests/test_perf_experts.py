@@ -1,9 +1,9 @@
 """Issue 9: the fast paths equal their references.
 
-- ``fused`` experts (moe/fast_experts.py, tiles and grouped modes) == the per-expert loop, outputs and all three
+- ``fused`` experts (moe/fast_moe.py ``fused_experts``, tiles and grouped modes) == the per-expert loop, outputs and all three
   gradients, fp32 and bf16, SwiGLU and GELU, with idle experts, rows past the last group and several tiles per
   expert; and fp64 ``gradcheck`` against finite differences.
-- dropless permute / combine (moe/fast_dispatch.py) == plain autograd indexing.
+- dropless permute / combine (moe/dispatch.py) == plain autograd indexing.
 - the fused dropless layer FFN (moe/fast_moe.py, tiles and grouped modes) == LocalDispatcher + loop experts +
   combine, output and the gradients of x, the gating weights and both expert weights; fp64 ``gradcheck``.
 - the MoE layer with the ``fused`` backend == the ``loop`` backend.
@@ -14,12 +14,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moetrain.moe.config import MoEConfig
-from moetrain.moe.dispatch import LocalDispatcher
+from moetrain.execution import ExecutionConfig
+from moetrain.moe.config import CapacityConfig, ExpertsConfig, MoEConfig
+from moetrain.moe.dispatch import LocalDispatcher, combine_rows, permute_rows
 from moetrain.moe.experts import loop_experts
-from moetrain.moe.fast_dispatch import combine_rows, permute_rows
-from moetrain.moe.fast_experts import fused_experts
-from moetrain.moe.fast_moe import fused_moe
+from moetrain.moe.fast_moe import fused_experts, fused_moe
 from moetrain.moe.layer import MoELayer
 
 # Experts 1 and 4 idle; expert 2 spans several tiles at tile_rows=4; 3 rows past the last group.
@@ -55,7 +54,7 @@ def test_fused_experts_equal_loop(activation, dtype, mode, tile_rows):
     counts = torch.tensor(COUNTS)
 
     def fused(*args):
-        return fused_experts(*args, mode=mode, tile_rows=tile_rows)
+        return fused_experts(*args, mode=mode, block_rows=tile_rows)
 
     got = _run(fused, x, w_in, w_out, up, counts, activation)
     ref = _run(loop_experts, x, w_in, w_out, up, counts, activation)
@@ -80,7 +79,7 @@ def test_fused_experts_gradcheck(activation):
     x = x[:used].clone().requires_grad_()
     w_in, w_out = w_in.requires_grad_(), w_out.requires_grad_()
     assert torch.autograd.gradcheck(
-        lambda a, b, c: fused_experts(a, b, c, counts, activation, mode="tiles", tile_rows=4), (x, w_in, w_out))
+        lambda a, b, c: fused_experts(a, b, c, counts, activation, mode="tiles", block_rows=4), (x, w_in, w_out))
 
 
 def test_fused_experts_rejects_bad_input():
@@ -212,8 +211,9 @@ def test_layer_recompute_experts_changes_nothing(backend, capacity_factor):
     outs = {}
     for recompute in (False, True):
         torch.manual_seed(0)
-        layer = MoELayer(d, MoEConfig(num_experts=6, top_k=2, expert_ffn_hidden=12, backend=backend,
-                                      capacity_factor=capacity_factor, recompute_experts=recompute))
+        layer = MoELayer(d, MoEConfig(num_experts=6, top_k=2, experts=ExpertsConfig(ffn_hidden=12),
+                                      capacity=CapacityConfig(factor=capacity_factor)),
+                         ExecutionConfig(moe_backend=backend, recompute_experts=recompute))
         with torch.no_grad():
             for p in layer.parameters():
                 p.normal_(0, 0.3)
@@ -233,8 +233,9 @@ def test_layer_fused_backend_equals_loop(dtype, capacity_factor):
     layers = {}
     for backend in ("fused", "loop"):
         torch.manual_seed(0)
-        layer = MoELayer(d, MoEConfig(num_experts=6, top_k=2, expert_ffn_hidden=12, backend=backend,
-                                      capacity_factor=capacity_factor))
+        layer = MoELayer(d, MoEConfig(num_experts=6, top_k=2, experts=ExpertsConfig(ffn_hidden=12),
+                                      capacity=CapacityConfig(factor=capacity_factor)),
+                         ExecutionConfig(moe_backend=backend))
         with torch.no_grad():
             for p in layer.parameters():
                 p.normal_(0, 0.3)
@@ -363,12 +364,3 @@ def test_fused_moe_bf16_with_experts_above_the_row_quantum_equals_loop(recompute
     for name, a, b in zip(["y", "dx", "dw", "dw_in", "dw_out"], got, ref):
         assert (a.float() - b.float()).abs().max() <= 3e-2 * b.float().abs().max().clamp(min=1.0), name
 
-
-def test_expert_tiles_cut_partial_tiles_to_stable_shapes():
-    from moetrain.moe.fast_experts import _tiles
-
-    tiles = _tiles([150, 0, 64, 3000], 2048)
-    assert [(e, n, first) for e, _, n, first in tiles] == [
-        (0, 128, True), (0, 22, False), (2, 64, True), (3, 2048, True), (3, 896, False), (3, 56, False)]
-    starts = [s for _, s, _, _ in tiles]
-    assert starts == [0, 128, 150, 214, 2262, 3158]  # contiguous, in row order

@@ -1,4 +1,5 @@
-"""Token dispatch: lay (token, expert) assignments out expert by expert, and combine the expert outputs back.
+"""Single-device token dispatch: lay (token, expert) assignments out expert by expert, and combine the expert outputs
+back (the reference :class:`~moetrain.moe.dispatcher.Dispatcher`).
 
 Legend: T = tokens, D = hidden, E = experts, K = top-k, N = T * K assignments, R = dispatched rows, C = capacity.
 
@@ -14,9 +15,12 @@ Rows that hold no kept assignment are zero on the way in and ignored on the way 
 multiply, so garbage in them, e.g. the unspecified output of ``grouped_mm`` past its last group, cannot leak NaN
 into outputs or gradients).
 
-The local dispatcher is the single-device reference; expert-parallel dispatchers implement the same
-``dispatch(x, topk_ids, topk_weights) -> (rows, tokens_per_expert, meta)`` / ``combine(y, meta)`` pair, so model
-code never sees communication. The MoE layer passes ``keep`` / ``capacity`` only when it drops or pads.
+Dropless, both directions of the permutation are gathers: ``token_ids`` [N] maps a row to its token and ``rows``
+[T, K] a token's assignments to their rows. Autograd differentiates ``x[token_ids]`` and ``y[rows]`` with
+``index_put_(accumulate=True)``, whose CPU kernel adds one row at a time (about 10x slower than a gather of the same
+bytes, and on CUDA it needs atomics, so it is not deterministic); :func:`permute_rows` and :func:`combine_rows`
+make the backward of each gather the other gather plus a fixed-order sum over K (same results as the autograd path
+up to summation order: tests/test_perf_experts.py).
 """
 
 from __future__ import annotations
@@ -25,7 +29,25 @@ from dataclasses import dataclass
 
 import torch
 
-from moetrain.moe.fast_dispatch import combine_rows, permute_rows
+from moetrain.moe.dispatcher import Dispatcher
+
+
+def route_dropless(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The dropless grouped layout (stable sort by expert: token order within an expert).
+
+    Args:
+        topk_ids: [T, K] int64 expert of each assignment.
+        num_experts: E.
+    Returns:
+        (token_ids [N] token of each row, rows_of [T, K] row of each assignment, tokens_per_expert [E] int64).
+    """
+    t, k = topk_ids.shape
+    flat = topk_ids.reshape(-1)
+    order = torch.sort(flat, stable=True).indices  # [N]
+    rows_of = torch.empty_like(order).scatter_(0, order, torch.arange(t * k, device=flat.device)).view(t, k)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat,
+                                                                                        torch.ones_like(flat))
+    return order // k, rows_of, counts
 
 
 @dataclass(frozen=True)
@@ -42,7 +64,7 @@ class DispatchMeta:
         num_tokens: T.
         capacity: C for the capacity layout, ``None`` for the grouped layout.
         dropless: every assignment kept in the grouped layout (R = N, ``rows`` a permutation): dispatch and combine
-            then run as gathers both ways (moe/fast_dispatch.py).
+            then run as gathers both ways (:func:`permute_rows`, :func:`combine_rows`).
     """
 
     token_ids: torch.Tensor
@@ -56,12 +78,15 @@ class DispatchMeta:
     dropless: bool = False
 
 
-class LocalDispatcher:
+class LocalDispatcher(Dispatcher):
     """Single-device dispatch: a stable sort of the N expert ids, a gather in, a gather plus a sum over K out.
 
     No host-device sync: counts and offsets stay on device (they feed ``grouped_mm`` directly) and the capacity C
     is a Python int from static shapes. Combining sums each token's K outputs in a fixed order (deterministic,
     unlike an atomic ``index_add``).
+
+    Args:
+        num_experts: E.
     """
 
     supports_capacity = True  # accepts ``keep`` / ``capacity`` (dropping and the capacity layout)
@@ -71,14 +96,14 @@ class LocalDispatcher:
 
     def dispatch(
         self,
-        x: torch.Tensor,
+        tokens: torch.Tensor,
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
         keep: torch.Tensor | None = None,
         capacity: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, DispatchMeta]:
         """Args:
-            x: [T, D] tokens.
+            tokens: [T, D].
             topk_ids: [T, K] int64 expert of each assignment.
             topk_weights: [T, K] fp32 gating weights.
             keep: [T, K] bool, False for dropped assignments; ``None`` keeps all.
@@ -88,59 +113,142 @@ class LocalDispatcher:
             (rows [R, D] grouped by expert, tokens_per_expert [E] int64 rows per expert, meta).
         """
         t, k = topk_ids.shape
-        n, e, device = t * k, self.num_experts, x.device
-        flat_ids = topk_ids.reshape(-1)
-        kept = torch.ones(n, dtype=torch.bool, device=device) if keep is None else keep.reshape(-1).bool()
-        key = torch.where(kept, flat_ids, e)  # dropped assignments sort after every expert
-        # Stable sort keeps token order inside each expert's group, so results are deterministic.
-        order = torch.sort(key, stable=True).indices  # [N]
-        token_of = torch.arange(n, device=device) // k  # [N] token of each flat assignment
-        kept_counts = torch.zeros(e + 1, dtype=torch.int64, device=device).scatter_add_(0, key, torch.ones_like(key))
-        if capacity is None:
-            token_ids = token_of[order]
-            row_valid = kept[order]
-            rows = torch.empty_like(order).scatter_(0, order, torch.arange(n, device=device))  # inverse permutation
-            tokens_per_expert = kept_counts[:e]
-        else:
-            # Row j = e * C + r holds the r-th kept assignment of expert e (token order), i.e. sorted position
-            # start[e] + r, when r < count[e]; a pure gather, so no write ever collides.
-            start = torch.cumsum(kept_counts, 0) - kept_counts  # [E + 1]
-            j = torch.arange(e * capacity, device=device)
-            expert, slot = j // capacity, j % capacity
-            row_valid = slot < kept_counts[expert]
-            src = (start[expert] + slot).clamp(max=max(n - 1, 0))
-            token_ids = token_of[order[src]] if n > 0 else torch.zeros_like(j)
-            rank_sorted = torch.arange(n, device=device) - start[key[order]]  # slot of each sorted assignment
-            rank = torch.empty_like(rank_sorted).scatter_(0, order, rank_sorted)
-            rows = torch.where(kept, flat_ids * capacity + rank, 0)
-            tokens_per_expert = torch.full((e,), capacity, dtype=torch.int64, device=device)
-        dropless = keep is None and capacity is None
-        if dropless:  # every row valid: a gather, whose backward is a gather too (no serial scatter-add on CPU)
-            x_rows = permute_rows(x, token_ids, rows.reshape(t, k))
-        else:
-            x_rows = torch.where(row_valid[:, None], x[token_ids], 0)  # [R, D]; empty rows are exact zeros
-        meta = DispatchMeta(
-            token_ids=token_ids,
-            row_valid=row_valid,
-            rows=rows.reshape(t, k),
-            kept=kept.reshape(t, k),
-            topk_weights=topk_weights,
-            tokens_per_expert=tokens_per_expert,
-            num_tokens=t,
-            capacity=capacity,
-            dropless=dropless,
-        )
+        if keep is None and capacity is None:  # every row valid: a gather, whose backward is a gather too
+            token_ids, rows, tokens_per_expert = route_dropless(topk_ids, self.num_experts)
+            meta = DispatchMeta(token_ids=token_ids, row_valid=torch.ones_like(token_ids, dtype=torch.bool),
+                                rows=rows, kept=torch.ones_like(topk_ids, dtype=torch.bool), topk_weights=topk_weights,
+                                tokens_per_expert=tokens_per_expert, num_tokens=t, dropless=True)
+            return permute_rows(tokens, token_ids, rows), tokens_per_expert, meta
+        kept = torch.ones_like(topk_ids, dtype=torch.bool) if keep is None else keep.bool()
+        token_ids, row_valid, rows, tokens_per_expert = _dropping_layout(topk_ids, kept, self.num_experts, capacity)
+        x_rows = torch.where(row_valid[:, None], tokens[token_ids], 0)  # [R, D]; empty rows are exact zeros
+        meta = DispatchMeta(token_ids=token_ids, row_valid=row_valid, rows=rows.reshape(t, k), kept=kept,
+                            topk_weights=topk_weights, tokens_per_expert=tokens_per_expert, num_tokens=t,
+                            capacity=capacity)
         return x_rows, tokens_per_expert, meta
 
-    def combine(self, y: torch.Tensor, meta: DispatchMeta) -> torch.Tensor:
-        """y: [R, D] expert outputs in dispatch order -> [T, D], ``sum_k kept_k * weight_k * y_k`` per token.
+    def combine(self, expert_out: torch.Tensor, meta: DispatchMeta) -> torch.Tensor:
+        """expert_out: [R, D] expert outputs in dispatch order -> [T, D], ``sum_k kept_k * weight_k * y_k`` per token.
 
         Dropped assignments contribute exactly zero (selected away before the multiply). The weighted sum
-        accumulates in fp32 (bf16 would round each of the K partial sums) and is returned in ``y.dtype``.
+        accumulates in fp32 (bf16 would round each of the K partial sums; fp64 stays fp64) and is returned in
+        ``expert_out.dtype``.
         """
         if meta.dropless:
-            return combine_rows(y, meta.rows, meta.topk_weights, meta.token_ids)
+            return combine_rows(expert_out, meta.rows, meta.topk_weights, meta.token_ids)
         t, k = meta.kept.shape
-        picked = y[meta.rows.reshape(-1)].reshape(t, k, -1)  # [T, K, D]
-        picked = torch.where(meta.kept[..., None], picked.float(), 0.0)
-        return (picked * meta.topk_weights[..., None].float()).sum(dim=1).to(y.dtype)
+        picked = expert_out[meta.rows.reshape(-1)].reshape(t, k, -1)  # [T, K, D]
+        acc = torch.promote_types(expert_out.dtype, torch.float32)
+        picked = torch.where(meta.kept[..., None], picked.to(acc), 0.0)
+        return (picked * meta.topk_weights[..., None].to(acc)).sum(dim=1).to(expert_out.dtype)
+
+
+def _dropping_layout(topk_ids: torch.Tensor, kept: torch.Tensor, num_experts: int, capacity: int | None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The grouped layout with dropped assignments last, or (``capacity`` C) the capacity layout.
+
+    Args:
+        topk_ids: [T, K] int64.  kept: [T, K] bool.  num_experts: E.  capacity: C or ``None``.
+    Returns:
+        (token_ids [R] int64, row_valid [R] bool, rows [N] int64 row of each assignment, tokens_per_expert [E]).
+    """
+    t, k = topk_ids.shape
+    n, e, device = t * k, num_experts, topk_ids.device
+    flat_ids, kept = topk_ids.reshape(-1), kept.reshape(-1)
+    key = torch.where(kept, flat_ids, e)  # dropped assignments sort after every expert
+    # Stable sort keeps token order inside each expert's group, so results are deterministic.
+    order = torch.sort(key, stable=True).indices  # [N]
+    token_of = torch.arange(n, device=device) // k  # [N] token of each flat assignment
+    kept_counts = torch.zeros(e + 1, dtype=torch.int64, device=device).scatter_add_(0, key, torch.ones_like(key))
+    if capacity is None:
+        rows = torch.empty_like(order).scatter_(0, order, torch.arange(n, device=device))  # inverse permutation
+        return token_of[order], kept[order], rows, kept_counts[:e]
+    # Row j = e * C + r holds the r-th kept assignment of expert e (token order), i.e. sorted position
+    # start[e] + r, when r < count[e]; a pure gather, so no write ever collides.
+    start = torch.cumsum(kept_counts, 0) - kept_counts  # [E + 1]
+    j = torch.arange(e * capacity, device=device)
+    expert, slot = j // capacity, j % capacity
+    row_valid = slot < kept_counts[expert]
+    src = (start[expert] + slot).clamp(max=max(n - 1, 0))
+    token_ids = token_of[order[src]] if n > 0 else torch.zeros_like(j)
+    rank_sorted = torch.arange(n, device=device) - start[key[order]]  # slot of each sorted assignment
+    rank = torch.empty_like(rank_sorted).scatter_(0, order, rank_sorted)
+    rows = torch.where(kept, flat_ids * capacity + rank, 0)
+    return token_ids, row_valid, rows, torch.full((e,), capacity, dtype=torch.int64, device=device)
+
+
+class _PermuteRows(torch.autograd.Function):
+    """rows = x[token_ids]; d x[t] = sum_k d rows[rows_of[t, k]] in k order."""
+
+    @staticmethod
+    def forward(ctx, x, token_ids, rows_of):  # noqa: D102
+        ctx.save_for_backward(rows_of)
+        return x.index_select(0, token_ids)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: D102
+        (rows_of,) = ctx.saved_tensors
+        t, k = rows_of.shape
+        picked = grad.index_select(0, rows_of.reshape(-1)).view(t, k, grad.shape[1])  # [T, K, D]
+        return picked.sum(dim=1) if k > 1 else picked[:, 0], None, None
+
+
+def permute_rows(x: torch.Tensor, token_ids: torch.Tensor, rows_of: torch.Tensor) -> torch.Tensor:
+    """Dropless dispatch gather.
+
+    Args:
+        x: [T, D] tokens.
+        token_ids: [N] int64 token of each dispatched row.
+        rows_of: [T, K] int64 row of each assignment (``token_ids[rows_of[t, k]] == t``, every row used once).
+    Returns:
+        [N, D] rows, same dtype as x.
+    """
+    return _PermuteRows.apply(x, token_ids, rows_of)
+
+
+class _CombineRows(torch.autograd.Function):
+    """out[t] = sum_k w[t, k] * y[rows_of[t, k]], accumulated in fp32 in k order, returned in y's dtype."""
+
+    @staticmethod
+    def forward(ctx, y, rows_of, weights, token_ids):  # noqa: D102
+        t, k = rows_of.shape
+        acc = torch.promote_types(y.dtype, torch.float32)  # fp32 accumulator (fp64 for fp64)
+        out = torch.zeros(t, y.shape[1], dtype=acc, device=y.device)  # [T, D]
+        for j in range(k):
+            # Mixed-dtype in-place multiply-add: a bf16 row is widened, never rounded, on its way into out.
+            out.addcmul_(y.index_select(0, rows_of[:, j]), weights[:, j, None].to(acc))
+        ctx.save_for_backward(y, rows_of, weights, token_ids)
+        return out.to(y.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: D102
+        y, rows_of, weights, token_ids = ctx.saved_tensors
+        t, k = rows_of.shape
+        g_rows = grad.index_select(0, token_ids)  # [N, D] d out[token of row r]
+        dy = dw = None
+        if ctx.needs_input_grad[2]:
+            # dw[t, k] = <d out[t], y[rows_of[t, k]]>, per row (summed in fp32), then back to (t, k) order by a
+            # gather through rows_of.
+            dw_rows = torch.mul(g_rows, y).sum(dim=-1, dtype=torch.promote_types(y.dtype, torch.float32))  # [N]
+            dw = dw_rows.index_select(0, rows_of.reshape(-1)).view(t, k).to(weights.dtype)
+        if ctx.needs_input_grad[0]:
+            w_rows = torch.empty(t * k, dtype=weights.dtype, device=y.device)
+            w_rows.scatter_(0, rows_of.reshape(-1), weights.reshape(-1))  # [N] weight of each row
+            # In place, mixed dtype: computed in fp32 and rounded once to g_rows' dtype.
+            dy = g_rows.mul_(w_rows[:, None])
+        return dy, None, dw, None
+
+
+def combine_rows(y: torch.Tensor, rows_of: torch.Tensor, weights: torch.Tensor, token_ids: torch.Tensor
+                 ) -> torch.Tensor:
+    """Dropless combine: the gating-weighted sum of each token's K expert outputs.
+
+    Args:
+        y: [N, D] expert outputs in dispatch order.
+        rows_of: [T, K] int64 row of each assignment (a permutation of 0..N-1).
+        weights: [T, K] fp32 gating weights.
+        token_ids: [N] int64 token of each row (the inverse of ``rows_of``).
+    Returns:
+        [T, D] in y's dtype, summed in fp32 in k order (deterministic).
+    """
+    return _CombineRows.apply(y, rows_of, weights, token_ids)

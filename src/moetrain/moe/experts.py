@@ -10,6 +10,19 @@ with the exact (erf) GELU and no biases.
 Every backend has the signature ``fn(x [R, D], w_in, w_out, tokens_per_expert [E], activation) -> [R, D]``: rows
 of expert e follow those of expert e - 1, and rows after the last expert's are ignored (their output is
 unspecified; the dispatcher never reads them).
+
+Four backends, each kept for what it alone does (figures: ``moetrain bench moe --grid readme`` in the README's
+Performance section, 2026-11-30, 2-core CPU, forward + backward time relative to a dense SwiGLU with the same active
+FLOPs, fp32 / bf16, E = 8-128):
+
+- ``fused`` (moe/fast_moe.py): the default and the fastest on CPU, 0.90-1.41x dense.
+- ``grouped_mm`` (:func:`grouped_experts`): stock autograd around one grouped GEMM per projection, no host sync;
+  1.28-4.39x dense on CPU (still ahead of transformers' own experts, 1.25-7.17x). Kept as the no-sync path and the
+  experts ``moetrain.hf.accelerate`` puts into transformers models.
+- ``padded`` (:func:`padded_experts`): capacity buffers [E, C, D] and batched matmuls (GShard / Switch), the only
+  path with static shapes (``pad_to_capacity``); not measured faster, kept for static shapes.
+- ``loop`` (:func:`loop_experts`): one pair of dense matmuls per expert, the reference every other path is tested
+  against (tests/test_perf_experts.py, tests/test_moe_backends.py, tests/test_dispatcher_conformance.py).
 """
 
 from __future__ import annotations
@@ -17,10 +30,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
-from moetrain.moe.fast_experts import fused_experts
-
-ACTIVATIONS = ("swiglu", "gelu")
+from moetrain.moe.expert_ops import ACTIVATIONS, activate, compute_dtype, grouped_mm_aligned
+from moetrain.moe.fast_moe import fused_experts
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -58,26 +71,15 @@ class _ZeroIdleGrad(torch.autograd.Function):
         return torch.where(active, grad, 0.0), None
 
 
-def _compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
-    """The autocast dtype when autocast is on (``grouped_mm`` has no autocast rule), else the weight's dtype."""
-    if torch.is_autocast_enabled(x.device.type):
-        return torch.get_autocast_dtype(x.device.type)
-    return weight.dtype
-
-
-def _activate(h: torch.Tensor, activation: str) -> torch.Tensor:
-    """[.., 2F] -> silu(gate) * up for ``swiglu``; [.., F] -> gelu for ``gelu``."""
-    if activation == "swiglu":
-        gate, up = h.chunk(2, dim=-1)
-        return F.silu(gate) * up
-    return F.gelu(h)
-
-
 def grouped_experts(
     x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, tokens_per_expert: torch.Tensor,
     activation: str = "swiglu",
 ) -> torch.Tensor:
     """Dropless experts with two ``torch.nn.functional.grouped_mm`` calls (MegaBlocks-style); no host sync.
+
+    ``grouped_mm`` needs 16-byte aligned rows (it raises "strides should be multiple of 16 bytes" otherwise, e.g.
+    fp32 with D not a multiple of 4); with unaligned D, I or F this falls back to :func:`loop_experts` (same maths,
+    one host sync to read the counts), as the fused path falls back from its grouped to its tiles mode.
 
     Args:
         x: [R, D] rows grouped by expert (expert 0's rows first).
@@ -88,12 +90,14 @@ def grouped_experts(
     Returns:
         [R, D] in the compute dtype (the autocast dtype under autocast).
     """
-    dtype = _compute_dtype(x, w_in)
+    dtype = compute_dtype(x, w_in)
+    if not grouped_mm_aligned(dtype, x.shape[1], w_in.shape[1], w_out.shape[2]):
+        return loop_experts(x, w_in, w_out, tokens_per_expert, activation)
     offs = torch.cumsum(tokens_per_expert, dim=0).to(torch.int32)  # [E] end offset of each group
     w_in = _ZeroIdleGrad.apply(w_in, tokens_per_expert)
     w_out = _ZeroIdleGrad.apply(w_out, tokens_per_expert)
     h = F.grouped_mm(x.to(dtype), w_in.to(dtype).transpose(-2, -1), offs=offs)  # [R, 2F] or [R, F]
-    a = _activate(_ContiguousGrad.apply(h), activation)
+    a = activate(_ContiguousGrad.apply(h), activation)
     y = F.grouped_mm(a, w_out.to(dtype).transpose(-2, -1), offs=offs)  # [R, D]
     return _ContiguousGrad.apply(y)
 
@@ -113,10 +117,10 @@ def padded_experts(
     e = w_in.shape[0]
     if x.shape[0] % e:
         raise ValueError(f"padded experts need the capacity layout: {x.shape[0]} rows for {e} experts")
-    dtype = _compute_dtype(x, w_in)
+    dtype = compute_dtype(x, w_in)
     xb = x.to(dtype).reshape(e, x.shape[0] // e, x.shape[1])  # [E, C, D]
     h = torch.bmm(xb, w_in.to(dtype).transpose(1, 2))  # [E, C, 2F] or [E, C, F]
-    y = torch.bmm(_activate(h, activation), w_out.to(dtype).transpose(1, 2))  # [E, C, D]
+    y = torch.bmm(activate(h, activation), w_out.to(dtype).transpose(1, 2))  # [E, C, D]
     return y.reshape(x.shape[0], x.shape[1])
 
 
@@ -126,12 +130,12 @@ def loop_experts(
 ) -> torch.Tensor:
     """Reference: a plain Python loop over experts, one pair of dense matmuls each (same arguments as
     :func:`grouped_experts`). Syncs with the host once to read the counts; rows after the last group are zero."""
-    dtype = _compute_dtype(x, w_in)
+    dtype = compute_dtype(x, w_in)
     outs = []
     start = 0
     for e, count in enumerate(tokens_per_expert.tolist()):
         xe = x[start : start + count].to(dtype)  # [n_e, D]
-        outs.append(_activate(xe @ w_in[e].to(dtype).T, activation) @ w_out[e].to(dtype).T)
+        outs.append(activate(xe @ w_in[e].to(dtype).T, activation) @ w_out[e].to(dtype).T)
         start += count
     outs.append(x.new_zeros(x.shape[0] - start, x.shape[1], dtype=dtype))
     return torch.cat(outs, dim=0)
@@ -156,21 +160,27 @@ class RoutedExperts(nn.Module):
     Args:
         num_experts: E.  hidden: D.  ffn_hidden: F.
         activation: ``swiglu`` (``gate_up_proj``, ``down_proj``) or ``gelu`` (``up_proj``, ``down_proj``).
-        backend: ``grouped_mm``, ``padded``, ``loop`` or ``fused`` (moe/fast_experts.py; see :data:`BACKENDS`).
+        backend: ``grouped_mm``, ``padded``, ``loop`` or ``fused`` (moe/fast_moe.py; see :data:`BACKENDS` and the
+            module docstring).
+        recompute: keep none of the experts' intermediate activations for backward (``fused``: its Function saves
+            not even the pre-activation; the others run under ``torch.utils.checkpoint``). Same outputs and
+            gradients.
     Raises:
         ValueError: unknown backend or activation.
     """
 
     def __init__(self, num_experts: int, hidden: int, ffn_hidden: int, activation: str = "swiglu",
-                 backend: str = "fused"):
+                 backend: str = "fused", recompute: bool = False):
         super().__init__()
         if backend not in BACKENDS:
-            raise ValueError(f"model.moe.backend: unknown backend {backend!r}; choose one of {sorted(BACKENDS)}")
+            raise ValueError(f"model.execution.moe_backend: unknown backend {backend!r}; choose one of "
+                             f"{sorted(BACKENDS)}")
         if activation not in ACTIVATIONS:
-            raise ValueError(f"model.moe.expert_activation: unknown activation {activation!r}; choose one of "
+            raise ValueError(f"model.moe.experts.activation: unknown activation {activation!r}; choose one of "
                              f"{list(ACTIVATIONS)}")
         self.backend = backend
         self.activation = activation
+        self.recompute = recompute
         if activation == "swiglu":
             self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * ffn_hidden, hidden))
         else:
@@ -188,5 +198,10 @@ class RoutedExperts(nn.Module):
         return self.down_proj.shape[0]
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        """x: [R, D] grouped by expert, tokens_per_expert: [E] -> [R, D] (compute dtype)."""
-        return BACKENDS[self.backend](x, self.w_in, self.down_proj, tokens_per_expert, self.activation)
+        """x: [R, D] grouped by expert, tokens_per_expert: [E] int64 -> [R, D] (compute dtype)."""
+        args = (x, self.w_in, self.down_proj, tokens_per_expert, self.activation)
+        if self.backend == "fused":  # recomputes inside its own Function when asked
+            return fused_experts(*args, recompute=self.recompute)
+        if self.recompute and torch.is_grad_enabled():
+            return checkpoint(BACKENDS[self.backend], *args, use_reentrant=False)
+        return BACKENDS[self.backend](*args)

@@ -1,10 +1,22 @@
-"""Dropless MoE FFN as one autograd Function: dispatch, experts and combine fused, with a hand-written backward.
+"""The fused routed-expert Function (the ``fused`` backend): experts with a hand-written backward, and on one device
+dispatch + experts + combine as one autograd Function (the default CPU path).
 
 Legend: T = tokens, D = hidden, E = experts, K = top-k, N = T * K rows (assignments, grouped by expert), F = expert
 FFN hidden, I = input-projection width (2F for SwiGLU, F for GELU), n = rows of one block of experts.
 
-Computes exactly what the layer's unfused path computes (LocalDispatcher dropless dispatch -> routed experts ->
-gating-weighted combine; same stable sort, same row order), ``out[t] = sum_k w[t, k] * expert_{e(t,k)}(x[t])``, but:
+Two entry points run the same Function:
+
+- :func:`fused_moe` (through :class:`FusedLocalDispatcher`, the layer's default dispatcher for the ``fused`` backend):
+  dropless on one device, tokens in and combined outputs out. Earns its keep as the default: in the README's
+  Performance section (``moetrain bench moe --grid readme``, 2026-11-30, 2-core CPU, fp32 / bf16) the layer's
+  forward + backward took 0.90-1.41x the time of a dense SwiGLU with the same active FLOPs, against 1.28-4.39x for
+  the ``grouped_mm`` backend, and ran 1.38-5.10x faster than transformers' best expert implementation.
+- :func:`fused_experts`: the experts alone on rows a dispatcher laid out (the ``fused`` backend with a capacity
+  factor, or behind an expert-parallel dispatcher): each row is a "token" routed to its own expert with weight 1
+  (K = 1, an identity layout, so the gathers are copies and the combine a gather back; w * a with w = 1 is exact).
+
+:func:`fused_moe` computes exactly what the layer's unfused path computes (LocalDispatcher dropless dispatch ->
+routed experts -> gating-weighted combine; same stable sort, same row order), ``out[t] = sum_k w[t, k] * expert_{e(t,k)}(x[t])``, but:
 
 - **No [N, D] copy of the input is kept.** Rows are processed in blocks of consecutive experts (about
   :data:`BLOCK_ELEMENTS` scratch elements each): a block's rows are gathered from x into a scratch buffer right
@@ -18,8 +30,8 @@ gating-weighted combine; same stable sort, same row order), ``out[t] = sum_k w[t
   gather per block into scratch. The weight's gradient is ``<dL/d(w a), a>`` over F, from the same tiles.
 - **Scratch buffers are reused**: by every block of a call, and on CPU from call to call
   (moe/kernels/cpu/workspace.py, with the [N, D] expert outputs and input-gradient rows): a fresh multi-MiB tensor
-  costs page faults on CPU (glibc maps large blocks anew each time; measured ~1/3 of a bf16 forward at E = 64). The kept buffers, and those that
-  must be fresh (``h``, the weight gradients, the combined outputs) when 32 MiB or more, ask for 2 MiB pages
+  costs page faults on CPU (glibc maps large blocks anew each time; measured ~1/3 of a bf16 forward at E = 64).
+  The kept buffers, and those that must be fresh (``h``, the weight gradients, the combined outputs) when 32 MiB or more, ask for 2 MiB pages
   (moe/kernels/cpu/hugepages.py: fp32 forward + backward ~4% faster at E = 64 for the fresh ones alone).
 - **The activation is recomputed in backward** from ``h`` (two elementwise passes over cache-hot rows).
 - **On CPU in fp32 / bf16 with SwiGLU, the elementwise work is native code** (moe/kernels/cpu/native.py): one pass for
@@ -43,22 +55,28 @@ run the same maths and are tested against the unfused layer on CPU (tests/test_p
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from moetrain.moe.dispatch import LocalDispatcher, route_dropless
+from moetrain.moe.expert_ops import (
+    ACTIVATIONS,
+    act_forward,
+    act_grad,
+    act_recompute,
+    compute_dtype,
+    grouped_mm_aligned,
+)
 from moetrain.moe.kernels.cpu import hugepages
 from moetrain.moe.kernels.cpu import native as cpu_kernels
 from moetrain.moe.kernels.cpu.workers import run_largest_first, workers_for
-from moetrain.moe.fast_experts import (
-    _act_forward,
-    _act_grad,
-    _act_recompute,
-    _compute_dtype,
-    _grouped_ok,
-    _zero_idle,
-)
 from moetrain.moe.kernels.cpu.workspace import scratch
+
+if TYPE_CHECKING:  # experts.py imports this module for its ``fused`` backend
+    from moetrain.moe.experts import RoutedExperts
 
 # Size of a block of the tiles mode (see _blocks), in elements of its widest [rows, max(I, D)] scratch buffer:
 # 4M elements (8 MiB in bf16) gave the best times on a 2-core Sapphire Rapids at E = 8 (2048 rows per block) and
@@ -69,24 +87,7 @@ BLOCK_ELEMENTS = 1 << 22
 # MIN_BLOCK_ROWS), so that each worker takes several and none waits long for the last one (moe/kernels/cpu/workers.py).
 BLOCKS_PER_WORKER = 4
 MIN_BLOCK_ROWS = 256
-
-
-def route_dropless(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The dropless grouped layout of moe/dispatch.py (stable sort by expert: token order within an expert).
-
-    Args:
-        topk_ids: [T, K] int64 expert of each assignment.
-        num_experts: E.
-    Returns:
-        (token_ids [N] token of each row, rows_of [T, K] row of each assignment, tokens_per_expert [E] int64).
-    """
-    t, k = topk_ids.shape
-    flat = topk_ids.reshape(-1)
-    order = torch.sort(flat, stable=True).indices  # [N]
-    rows_of = torch.empty_like(order).scatter_(0, order, torch.arange(t * k, device=flat.device)).view(t, k)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat,
-                                                                                        torch.ones_like(flat))
-    return order // k, rows_of, counts
+MODES = ("auto", "tiles", "grouped")
 
 
 def _sum_k(rows: torch.Tensor, rows_of: torch.Tensor, native: bool = False) -> torch.Tensor:
@@ -233,7 +234,7 @@ def _forward_tiles(x, w_in, w_out, token_ids, w_rows, counts, activation, block_
         if native:  # one pass (moe/kernels/cpu/native.py)
             cpu_kernels.swiglu_forward(hb, w_rows[s : s + n], a[:n])
         else:
-            _act_forward(hb, a[:n], activation)
+            act_forward(hb, a[:n], activation)
             a[:n].mul_(w_rows[s : s + n, None])
         for e, r, m in experts:
             torch.mm(a[r : r + m], w_out[e].T, out=y[s + r : s + r + m])
@@ -284,7 +285,7 @@ def _backward_tiles(dout, x, w_in, w_out, h, token_ids, w_rows, counts, activati
             cpu_kernels.swiglu_backward(he, dz[:n], w_rows[s : s + n], a[:n] if need_out else None, dh[:n],
                                         dw_rows[s : s + n] if need_w else None)
         else:
-            _act_recompute(he, a[:n] if a is not None else None, sg[:n] if sg is not None else None, activation)
+            act_recompute(he, a[:n] if a is not None else None, sg[:n] if sg is not None else None, activation)
             if need_w:
                 torch.mul(dz[:n], a[:n], out=prod[:n])
                 torch.sum(prod[:n], dim=1, dtype=acc, out=dw_rows[s : s + n])
@@ -295,7 +296,7 @@ def _backward_tiles(dout, x, w_in, w_out, h, token_ids, w_rows, counts, activati
                 torch.mm(g[r : r + m].T, a[r : r + m], out=d_out[e])
         if not native:
             dz[:n].mul_(we)
-            _act_grad(dz[:n], he, dh[:n], sg[:n] if sg is not None else None, activation)
+            act_grad(dz[:n], he, dh[:n], sg[:n] if sg is not None else None, activation)
         if need_x:
             for e, r, m in experts:
                 torch.mm(dh[r : r + m], w_in[e], out=dx_rows[s + r : s + r + m])
@@ -309,11 +310,22 @@ def _backward_tiles(dout, x, w_in, w_out, h, token_ids, w_rows, counts, activati
     return dx_rows, dw_rows, d_in, d_out
 
 
+def _grouped_ok(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor) -> bool:
+    """Whether the grouped mode suits these operands on CUDA: bf16 with 16-byte aligned rows (D, I and F)."""
+    return x.dtype == torch.bfloat16 and grouped_mm_aligned(x.dtype, x.shape[1], w_in.shape[1], w_out.shape[2])
+
+
+def _zero_idle(grad: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Exact zeros for experts with no rows (a ragged-K grouped GEMM need not write them), no host sync."""
+    counts = torch.diff(offs, prepend=offs.new_zeros(1))
+    return torch.where((counts > 0).view(-1, 1, 1), grad, 0)
+
+
 def _forward_grouped(x, w_in, w_out, token_ids, w_rows, offs, activation):
     x_rows = x.index_select(0, token_ids)  # [N, D]
     h = F.grouped_mm(x_rows, w_in.transpose(-2, -1), offs=offs)  # [N, I]
     a = x.new_empty(h.shape[0], w_out.shape[2])
-    _act_forward(h, a, activation)
+    act_forward(h, a, activation)
     a.mul_(w_rows[:, None])
     return F.grouped_mm(a, w_out.transpose(-2, -1), offs=offs), h  # [N, D]
 
@@ -326,7 +338,7 @@ def _backward_grouped(dout, x, w_in, w_out, h, token_ids, w_rows, offs, activati
     dz = F.grouped_mm(g, w_out, offs=offs)  # [N, F]
     a = torch.empty_like(dz) if need_w or need_out else None
     sg = torch.empty_like(dz) if activation == "swiglu" else None
-    _act_recompute(h, a, sg, activation)
+    act_recompute(h, a, sg, activation)
     dx_rows = dw_rows = d_in = d_out = None
     if need_w:
         dw_rows = (dz * a).sum(dim=1, dtype=torch.promote_types(x.dtype, torch.float32))
@@ -335,7 +347,7 @@ def _backward_grouped(dout, x, w_in, w_out, h, token_ids, w_rows, offs, activati
         d_out = _zero_idle(F.grouped_mm(g.T, a, offs=offs), offs)  # [E, D, F]
     dz.mul_(w_rows[:, None])
     dh = torch.empty_like(h)
-    _act_grad(dz, h, dh, sg, activation)
+    act_grad(dz, h, dh, sg, activation)
     if need_x:
         dx_rows = F.grouped_mm(dh, w_in, offs=offs)  # [N, D]
     if need_in:
@@ -421,30 +433,125 @@ def fused_moe(
     Raises:
         ValueError: unknown mode or activation, or mismatched shapes.
     """
-    if mode not in ("auto", "tiles", "grouped"):
-        raise ValueError(f"mode: unknown mode {mode!r}; choose 'auto', 'tiles' or 'grouped'")
-    if activation not in ("swiglu", "gelu"):
-        raise ValueError(f"activation: unknown activation {activation!r}; choose 'swiglu' or 'gelu'")
+    _check(mode, activation, x, w_in, w_out,
+           topk_ids.shape == topk_weights.shape and topk_ids.dim() == 2 and topk_ids.shape[0] == x.shape[0],
+           f"fused_moe: shapes do not match: x {tuple(x.shape)}, topk_ids {tuple(topk_ids.shape)}, "
+           f"topk_weights {tuple(topk_weights.shape)}, w_in {tuple(w_in.shape)}, w_out {tuple(w_out.shape)}")
+    x, w_in, w_out, mode = _prepare(x, w_in, w_out, mode)
+    token_ids, rows_of, counts = route_dropless(topk_ids, w_in.shape[0])
+    return _launch(x, topk_weights, w_in, w_out, (token_ids, rows_of, topk_ids, counts), activation, mode, block_rows,
+                   recompute)
+
+
+def _check(mode: str, activation: str, x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, routing_ok: bool,
+           message: str) -> None:
+    """ValueError for an unknown mode or activation, or operand shapes that do not fit together."""
+    if mode not in MODES:
+        raise ValueError(f"mode: unknown mode {mode!r}; choose one of {list(MODES)}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation: unknown activation {activation!r}; choose one of {list(ACTIVATIONS)}")
     e, width, hidden = w_in.shape
     ffn = w_out.shape[2]
-    if (x.dim() != 2 or x.shape[1] != hidden or w_out.shape != (e, hidden, ffn) or topk_ids.shape != topk_weights.shape
-            or topk_ids.shape[0] != x.shape[0] or width != (2 * ffn if activation == "swiglu" else ffn)):
-        raise ValueError(f"fused_moe: shapes do not match: x {tuple(x.shape)}, topk_ids {tuple(topk_ids.shape)}, "
-                         f"topk_weights {tuple(topk_weights.shape)}, w_in {tuple(w_in.shape)}, "
-                         f"w_out {tuple(w_out.shape)}")
-    dtype = _compute_dtype(x, w_in)
+    if (not routing_ok or x.dim() != 2 or x.shape[1] != hidden or w_out.shape != (e, hidden, ffn)
+            or width != (2 * ffn if activation == "swiglu" else ffn)):
+        raise ValueError(message)
+
+
+def _prepare(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, mode: str):
+    """Operands in the compute dtype (x contiguous) and the mode ``auto`` resolves to: grouped on CUDA in bf16 with
+    aligned rows, else tiles."""
+    dtype = compute_dtype(x, w_in)
     x, w_in, w_out = x.to(dtype).contiguous(), w_in.to(dtype), w_out.to(dtype)
-    token_ids, rows_of, counts = route_dropless(topk_ids, e)
     if mode == "auto":
         mode = "grouped" if x.device.type == "cuda" and _grouped_ok(x, w_in, w_out) else "tiles"
+    return x, w_in, w_out, mode
+
+
+def _launch(x, weights, w_in, w_out, layout, activation, mode, block_rows, recompute) -> torch.Tensor:
+    """Shared tail of :func:`fused_moe` and :func:`fused_experts`: pads the groups where GEMM shapes must repeat
+    (:func:`pad_groups`), sizes the blocks and applies the Function. ``layout`` is (token_ids [N], rows_of [T, K],
+    topk_ids [T, K], counts [E]) as :func:`~moetrain.moe.dispatch.route_dropless` returns them."""
+    token_ids, rows_of, topk_ids, counts = layout
     if mode == "tiles" and _shape_stable(x):
         token_ids, rows_of, counts = pad_groups(token_ids, rows_of, topk_ids, counts)
     groups = torch.cumsum(counts, 0).to(torch.int32) if mode == "grouped" else [int(c) for c in counts.tolist()]
     if block_rows is None:
-        block_rows = BLOCK_ELEMENTS // max(width, hidden)
+        block_rows = BLOCK_ELEMENTS // max(w_in.shape[1], x.shape[1])
         workers = workers_for(x.device) if isinstance(groups, list) else 1
         if workers > 1:  # a few blocks per worker, so that the largest-first queue evens out the workers' loads
             per_block = -(-sum(groups) // (BLOCKS_PER_WORKER * workers))
             block_rows = min(block_rows, max(MIN_BLOCK_ROWS, per_block))
-    return _FusedMoE.apply(x, topk_weights, w_in, w_out, token_ids, rows_of, groups, activation, max(1, block_rows),
+    return _FusedMoE.apply(x, weights, w_in, w_out, token_ids, rows_of, groups, activation, max(1, block_rows),
                            recompute)
+
+
+def fused_experts(
+    x: torch.Tensor,
+    w_in: torch.Tensor,
+    w_out: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    activation: str = "swiglu",
+    *,
+    mode: str = "auto",
+    block_rows: int | None = None,
+    recompute: bool = False,
+) -> torch.Tensor:
+    """Routed experts alone, on rows a dispatcher laid out: the ``fused`` backend's experts with a capacity factor or
+    behind an expert-parallel dispatcher (the same Function as :func:`fused_moe`, each row routed to its own expert
+    with weight 1; same backend signature as :func:`moetrain.moe.experts.loop_experts`, the reference it is tested
+    against in tests/test_perf_experts.py).
+
+    Args:
+        x: [R, D] rows grouped by expert (expert 0's rows first); rows past the last group are ignored (their
+            output is zero in tiles mode, unspecified in grouped mode).
+        w_in: [E, 2F, D] (swiglu, gate half first) or [E, F, D] (gelu).
+        w_out: [E, D, F].
+        tokens_per_expert: [E] int rows per expert (sum <= R; zeros allowed).
+        activation: ``swiglu`` or ``gelu``.
+        mode, block_rows, recompute: as :func:`fused_moe`.
+    Returns:
+        [R, D] in the compute dtype (the autocast dtype under autocast, else the weights' dtype).
+    Raises:
+        ValueError: unknown mode or activation, mismatched shapes, or counts that exceed the rows.
+    """
+    _check(mode, activation, x, w_in, w_out, tokens_per_expert.shape == (w_in.shape[0],),
+           f"fused experts: shapes do not match: x {tuple(x.shape)}, w_in {tuple(w_in.shape)}, "
+           f"w_out {tuple(w_out.shape)}, tokens_per_expert {tuple(tokens_per_expert.shape)}")
+    x, w_in, w_out, mode = _prepare(x, w_in, w_out, mode)
+    rows = x.shape[0]
+    if mode == "tiles":  # the counts are read on the host anyway: compute the grouped rows only
+        used = int(tokens_per_expert.sum())
+        if used > rows:
+            raise ValueError(f"tokens_per_expert: counts sum to {used}, x has only {rows} rows")
+        x = x[:used]
+    ids = torch.arange(x.shape[0], device=x.device)
+    expert_of = torch.repeat_interleave(torch.arange(w_in.shape[0], device=x.device), tokens_per_expert,
+                                        output_size=x.shape[0]) if mode == "tiles" else ids  # unused when grouped
+    ones = torch.ones(x.shape[0], 1, device=x.device)  # [R, 1] fp32 weight 1 per row: w * a is exact
+    y = _launch(x, ones, w_in, w_out, (ids, ids[:, None], expert_of[:, None], tokens_per_expert), activation, mode,
+                block_rows, recompute)
+    return F.pad(y, (0, 0, 0, rows - y.shape[0]))  # rows past the last group: zeros
+
+
+class FusedLocalDispatcher(LocalDispatcher):
+    """The layer's single-device dispatcher for the ``fused`` backend: dropless, :meth:`forward` runs dispatch,
+    experts and combine as one autograd Function (:func:`fused_moe`, the CPU fast path; see the module docstring for
+    the measured figures). ``dispatch`` / ``combine`` are :class:`~moetrain.moe.dispatch.LocalDispatcher`'s, for the
+    capacity layouts (the experts then run :func:`fused_experts`).
+    """
+
+    fuses_experts = True
+
+    def forward(self, tokens: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                experts: RoutedExperts) -> torch.Tensor:
+        """Dropless dispatch -> experts -> combine in one Function.
+
+        Args:
+            tokens: [T, D].  topk_ids: [T, K] int64.  topk_weights: [T, K] fp32 (differentiable).
+            experts: the layer's routed experts (``w_in`` [E, I, D], ``down_proj`` [E, D, F], ``activation``,
+                ``recompute``).
+        Returns:
+            [T, D] in the compute dtype (the caller casts it back to the tokens' dtype).
+        """
+        return fused_moe(tokens, topk_ids, topk_weights, experts.w_in, experts.down_proj, experts.activation,
+                         recompute=experts.recompute)

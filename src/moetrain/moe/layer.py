@@ -1,6 +1,11 @@
 """The MoE layer: route -> capacity -> dispatch -> experts -> combine (+ shared expert); returns its output and an
 explicit record of losses and counts.
 
+The layer is single-device code: every movement of tokens goes through its dispatcher
+(:class:`~moetrain.moe.dispatcher.Dispatcher`). The default is chosen from the backend when the layer is built
+(:func:`local_dispatcher`: the ``fused`` backend's dispatcher runs dispatch + experts + combine as one Function);
+expert parallelism attaches its own (``moetrain.parallel``) through :meth:`MoELayer.set_dispatcher`.
+
 Legend: B = batch, S = sequence, T = B * S tokens, D = hidden, E = experts, K = top-k, C = capacity.
 """
 
@@ -10,14 +15,15 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from moetrain.errors import ConfigError
+from moetrain.execution import ExecutionConfig
 from moetrain.moe.capacity import capacity_keep, expert_capacity
 from moetrain.moe.config import MoEConfig
 from moetrain.moe.dispatch import LocalDispatcher
+from moetrain.moe.dispatcher import Dispatcher
 from moetrain.moe.experts import RoutedExperts
-from moetrain.moe.fast_moe import fused_moe
+from moetrain.moe.fast_moe import FusedLocalDispatcher
 from moetrain.moe.losses import (
     _valid,
     assignment_counts,
@@ -73,27 +79,37 @@ class MoELayer(nn.Module):
 
     Args:
         hidden: D.
-        config: the layer's :class:`MoEConfig`.
+        config: the layer's :class:`MoEConfig` (what it computes).
+        execution: how it runs (:class:`~moetrain.execution.ExecutionConfig`: ``moe_backend``,
+            ``recompute_experts``); the default is the fused backend without recomputation.
     """
 
-    def __init__(self, hidden: int, config: MoEConfig):
+    def __init__(self, hidden: int, config: MoEConfig, execution: ExecutionConfig | None = None):
         super().__init__()
         self.config = config
+        self.execution = execution if execution is not None else ExecutionConfig()
         self.router = TopKRouter(hidden, config)
-        self.experts = RoutedExperts(config.num_experts, hidden, config.expert_ffn_hidden,
-                                     config.expert_activation, config.backend)
+        self.experts = RoutedExperts(config.num_experts, hidden, config.experts.ffn_hidden,
+                                     config.experts.activation, self.execution.moe_backend,
+                                     recompute=self.execution.recompute_experts)
         self.shared_expert: SharedExpert | None = None
         self.shared_expert_gate: nn.Linear | None = None
-        if config.shared_expert_ffn_hidden > 0:
-            self.shared_expert = SharedExpert(hidden, config.shared_expert_ffn_hidden, config.expert_activation)
-            if config.shared_expert_gate:
+        if config.shared_expert.ffn_hidden > 0:
+            self.shared_expert = SharedExpert(hidden, config.shared_expert.ffn_hidden, config.experts.activation)
+            if config.shared_expert.gate:
                 self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
-        self.dispatcher = LocalDispatcher(config.num_experts)
+        self.dispatcher: Dispatcher = local_dispatcher(config.num_experts, self.execution.moe_backend)
 
-    def set_dispatcher(self, dispatcher) -> None:
+    def set_dispatcher(self, dispatcher: Dispatcher) -> None:
         """Attach a token dispatcher from outside (expert parallelism: ``moetrain.parallel``), keeping model code
-        single-device. It must implement ``dispatch`` / ``combine`` like :class:`LocalDispatcher`, and
-        ``self.experts`` must then hold exactly the experts it routes rows to (``moetrain.parallel.sharding``)."""
+        single-device. ``self.experts`` must then hold exactly the experts it routes rows to
+        (``moetrain.parallel.sharding``).
+
+        Raises:
+            TypeError: ``dispatcher`` is not a :class:`~moetrain.moe.dispatcher.Dispatcher`.
+        """
+        if not isinstance(dispatcher, Dispatcher):
+            raise TypeError(f"set_dispatcher: {type(dispatcher).__name__} is not a moetrain.moe.dispatcher.Dispatcher")
         self.dispatcher = dispatcher
 
     def forward(self, x: torch.Tensor, padding_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, MoEAux]:
@@ -106,51 +122,55 @@ class MoELayer(nn.Module):
             (y with the shape and dtype of x, :class:`MoEAux`).
         Raises:
             ConfigError: capacity or the padded backend with a dispatcher that only supports dropless dispatch.
+            ValueError: ``padding_mask`` does not hold one entry per token of ``x``.
         """
-        c = self.config
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])  # [T, D]
-        t = tokens.shape[0]
-        valid = None if padding_mask is None else padding_mask.reshape(-1).to(device=x.device, dtype=torch.bool)
+        _check_padding_mask(padding_mask, shape)
         routing = self.router(tokens)
-
-        keep, capacity, layout = None, None, None
-        factor = c.capacity_factor_for(self.training)
-        if factor is not None:
-            capacity = expert_capacity(t, c.top_k, c.num_experts, factor, c.min_capacity)
-            keep = capacity_keep(routing.topk_ids, routing.topk_weights, c.num_experts, capacity, c.drop_policy, valid)
-            if c.pad_to_capacity or c.backend == "padded":
-                layout = capacity
-        elif c.backend == "padded":
-            # Dropless capacity buffers must fit the busiest expert: one host sync (the price of this backend).
-            layout = max(int(expert_counts(routing.topk_ids, c.num_experts).max()), 1)
-
-        fused = keep is None and layout is None and c.backend == "fused" and type(self.dispatcher) is LocalDispatcher
-        if fused:  # dropless on one device: dispatch, experts and combine as one Function (moe/fast_moe.py)
-            y = fused_moe(tokens, routing.topk_ids, routing.topk_weights, self.experts.w_in, self.experts.down_proj,
-                          self.experts.activation, recompute=c.recompute_experts).to(x.dtype)
-        elif keep is None and layout is None:
-            x_rows, tokens_per_expert, meta = self.dispatcher.dispatch(tokens, routing.topk_ids, routing.topk_weights)
+        keep, capacity, layout = self._capacity(routing, padding_mask)
+        if keep is None and layout is None and self.dispatcher.fuses_experts:
+            # dispatch -> experts -> combine as one autograd Function (moe/fast_moe.py)
+            y = self.dispatcher.forward(tokens, routing.topk_ids, routing.topk_weights, self.experts)
         else:
-            if not getattr(self.dispatcher, "supports_capacity", False):
-                raise ConfigError(
-                    f"model.moe: capacity_factor={c.capacity_factor} / backend={c.backend!r} need a dispatcher "
-                    f"that drops and pads; {type(self.dispatcher).__name__} is dropless only")
-            x_rows, tokens_per_expert, meta = self.dispatcher.dispatch(
-                tokens, routing.topk_ids, routing.topk_weights, keep=keep, capacity=layout)
-        if not fused:
-            if c.recompute_experts and torch.is_grad_enabled():
-                expert_out = checkpoint(self.experts, x_rows, tokens_per_expert, use_reentrant=False)
-            else:
-                expert_out = self.experts(x_rows, tokens_per_expert)
-            y = self.dispatcher.combine(expert_out, meta).to(x.dtype)  # [T, D]
-
+            rows, tokens_per_expert, meta = self.dispatcher.dispatch(
+                tokens, routing.topk_ids, routing.topk_weights, keep=keep, capacity=layout)  # [R, D]
+            expert_out = self.experts(rows, tokens_per_expert)  # [R, D]
+            y = self.dispatcher.combine(expert_out, meta)  # [T, D]
+        y = y.to(x.dtype)
         if self.shared_expert is not None:
             shared = self.shared_expert(tokens)
             if self.shared_expert_gate is not None:
                 shared = torch.sigmoid(self.shared_expert_gate(tokens)) * shared
             y = y + shared.to(y.dtype)
         return y.reshape(shape), self._record(routing, shape, padding_mask, keep, capacity)
+
+    def _capacity(self, routing: Routing, padding_mask: torch.Tensor | None
+                  ) -> tuple[torch.Tensor | None, int | None, int | None]:
+        """(keep [T, K] bool or ``None`` when dropless, capacity C in force or ``None``, layout: C rows per expert
+        for the capacity layout, or ``None`` for the grouped one).
+
+        Raises:
+            ConfigError: dropping or padding with a dispatcher that does not declare ``supports_capacity``.
+        """
+        c, backend = self.config, self.execution.moe_backend
+        ids = routing.topk_ids
+        keep, capacity, layout = None, None, None
+        factor = c.capacity.factor_for(self.training)
+        if factor is not None:
+            valid = None if padding_mask is None else padding_mask.reshape(-1).to(device=ids.device, dtype=torch.bool)
+            capacity = expert_capacity(ids.shape[0], c.top_k, c.num_experts, factor, c.capacity.min_capacity)
+            keep = capacity_keep(ids, routing.topk_weights, c.num_experts, capacity, c.capacity.drop_policy, valid)
+            if c.capacity.pad_to_capacity or backend == "padded":
+                layout = capacity
+        elif backend == "padded":
+            # Dropless capacity buffers must fit the busiest expert: one host sync (the price of this backend).
+            layout = max(int(expert_counts(ids, c.num_experts).max()), 1)
+        if (keep is not None or layout is not None) and not self.dispatcher.supports_capacity:
+            raise ConfigError(
+                f"model.moe.capacity.factor={c.capacity.factor} / model.execution.moe_backend={backend!r} need "
+                f"a dispatcher that drops and pads; {type(self.dispatcher).__name__} is dropless only")
+        return keep, capacity, layout
 
     def _record(self, routing: Routing, shape: torch.Size, padding_mask: torch.Tensor | None,
                 keep: torch.Tensor | None, capacity: int | None) -> MoEAux:
@@ -178,3 +198,20 @@ class MoELayer(nn.Module):
             router_logits=routing.logits,
             capacity=capacity,
         )
+
+
+def local_dispatcher(num_experts: int, backend: str) -> Dispatcher:
+    """The single-device dispatcher a layer starts with: :class:`~moetrain.moe.fast_moe.FusedLocalDispatcher` for
+    the ``fused`` backend (dropless: dispatch + experts + combine as one Function), else
+    :class:`~moetrain.moe.dispatch.LocalDispatcher` (the reference)."""
+    return FusedLocalDispatcher(num_experts) if backend == "fused" else LocalDispatcher(num_experts)
+
+
+def _check_padding_mask(padding_mask: torch.Tensor | None, shape: torch.Size) -> None:
+    """Raises ValueError unless the mask has one entry per token of ``shape`` ([B, S, D] or [T, D]); with a KV cache
+    the mask must cover the new tokens only, not past + new."""
+    tokens = shape[:-1]
+    if padding_mask is not None and padding_mask.numel() != tokens.numel():
+        raise ValueError(f"padding_mask: shape {tuple(padding_mask.shape)} does not match the tokens' shape "
+                         f"{tuple(tokens)} (one entry per token this layer computes; during cached generation the "
+                         f"new tokens only)")

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from moetrain.moe.dispatch import DispatchMeta, LocalDispatcher
+from moetrain.moe.dispatcher import Dispatcher
 from moetrain.parallel.comm import CommStats
 from moetrain.parallel.exchange import AllGather, KeepGradPath, ReduceScatter, all_gather_rows
 from moetrain.parallel.mesh import ParallelMesh
@@ -45,7 +46,7 @@ class AllGatherMeta:
     num_tokens: int
 
 
-class AllGatherDispatcher:
+class AllGatherDispatcher(Dispatcher):
     """Same interface as :class:`~moetrain.moe.dispatch.LocalDispatcher`; rows for this rank's experts only.
 
     Args:
@@ -64,14 +65,14 @@ class AllGatherDispatcher:
 
     def dispatch(
         self,
-        x: torch.Tensor,
+        tokens: torch.Tensor,
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
         keep: torch.Tensor | None = None,
         capacity: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, AllGatherMeta]:
         """Args:
-            x: [T, D].  topk_ids: [T, K] int64 global expert ids.  topk_weights: [T, K] fp32.
+            tokens: [T, D].  topk_ids: [T, K] int64 global expert ids.  topk_weights: [T, K] fp32.
             keep: [T, K] bool, False for dropped assignments.  capacity: C for the capacity layout.
         Returns:
             (rows [R, D] grouped by local expert, rows per local expert [E_l] int64, meta).
@@ -79,13 +80,13 @@ class AllGatherDispatcher:
             CollectiveError: a peer failed in one of the gathers.
         """
         p, (t, k) = self.ep, topk_ids.shape
-        sizes = all_gather_rows(torch.tensor([t], device=x.device), self.group, p,
+        sizes = all_gather_rows(torch.tensor([t], device=tokens.device), self.group, p,
                                 f"all_gather (MoE token counts, {self.name})")
         t_max = int(sizes.max())  # host sync: the padded size
         pad = (0, 0, 0, t_max - t)
         if keep is None:
             keep = torch.ones_like(topk_ids, dtype=torch.bool)
-        x_all = AllGather.apply(F.pad(x, pad), self.group, p, f"all_gather (MoE tokens, {self.name})")
+        x_all = AllGather.apply(F.pad(tokens, pad), self.group, p, f"all_gather (MoE tokens, {self.name})")
         w_all = AllGather.apply(F.pad(topk_weights, pad), self.group, p,
                                 f"all_gather (MoE gating weights, {self.name})")
         # Expert ids and keep flags travel together (padding rows: not kept).
@@ -104,7 +105,7 @@ class AllGatherDispatcher:
         # An empty [0, D] input trips grouped_mm; rows past the last expert's are ignored by every backend.
         grouped = F.pad(rows[before : before + n], (0, 0, 0, 1 if n == 0 else 0))
         if self.stats is not None and torch.is_grad_enabled():  # training passes only
-            row_bytes = x.shape[1] * x.element_size()
+            row_bytes = tokens.shape[1] * tokens.element_size()
             self.stats.dispatch_rows_sent += t_max
             self.stats.dispatch_rows_sent_remote += t_max * (p - 1)
             self.stats.dispatch_bytes_sent += t_max * row_bytes
@@ -114,19 +115,22 @@ class AllGatherDispatcher:
                              received=grouped, num_tokens=t)
         return grouped, counts[self.local_experts.start : self.local_experts.stop], meta
 
-    def combine(self, y: torch.Tensor, meta: AllGatherMeta) -> torch.Tensor:
-        """y: [R, D] -> [T, D] (dtype of y): the local combine over the gathered tokens gives partial outputs
-        (fp32), summed over the EP group by a reduce-scatter (so the rounding order differs from the local
-        dispatcher's by about one ulp).
+    def combine(self, expert_out: torch.Tensor, meta: AllGatherMeta) -> torch.Tensor:
+        """expert_out (y): [R, D] -> [T, D] (dtype of y): the local combine over the gathered tokens gives partial
+        outputs (in fp32, or fp64 for fp64: the local combine's accumulation dtype, never narrower than y), summed
+        over the EP group by a reduce-scatter (so the rounding order differs from the local dispatcher's by about
+        one ulp).
 
         Raises:
             CollectiveError: a peer failed in the reduce-scatter.
         """
-        y = KeepGradPath.apply(y, meta.received)[: meta.num_rows]
+        y = KeepGradPath.apply(expert_out, meta.received)[: meta.num_rows]
         after = meta.rows_total - meta.rows_before - y.shape[0]
-        # Partial sums in fp32, the local combine's accumulation dtype: reduce-scattered, they add up as it would.
-        full = F.pad(y.float(), (0, 0, meta.rows_before, after))  # other experts' rows: zeros, ignored
-        partial = self.permuter.combine(full, meta.local)  # [P * T_max, D] fp32
+        # Partial sums in the local combine's accumulation dtype (fp32, fp64 for fp64: a cast through fp32 lost
+        # ~6e-8 in fp64): reduce-scattered, they add up as it would.
+        acc = torch.promote_types(y.dtype, torch.float32)
+        full = F.pad(y.to(acc), (0, 0, meta.rows_before, after))  # other experts' rows: zeros, ignored
+        partial = self.permuter.combine(full, meta.local)  # [P * T_max, D] in acc
         if self.stats is not None and torch.is_grad_enabled():  # training passes only
             self.stats.combine_bytes_sent += partial.numel() * partial.element_size()
         out = ReduceScatter.apply(partial, self.group, self.ep, f"reduce_scatter (MoE combine, {self.name})")

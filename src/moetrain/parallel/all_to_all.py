@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from moetrain.moe.dispatch import DispatchMeta, LocalDispatcher
+from moetrain.moe.dispatcher import Dispatcher
 from moetrain.parallel.comm import CommStats
 from moetrain.parallel.exchange import AllToAll, KeepGradPath, all_to_all_rows, wire_dtype
 from moetrain.parallel.mesh import ParallelMesh
@@ -58,7 +59,7 @@ class AllToAllMeta:
     received: torch.Tensor
 
 
-class AllToAllDispatcher:
+class AllToAllDispatcher(Dispatcher):
     """All-to-all dispatch over the EP group of ``mesh``: ``dispatch`` returns the rows of this rank's ``E / ep``
     experts only (so the layer's ``experts`` must be sharded: :mod:`moetrain.parallel.sharding`). Dropless,
     dropping (``keep``) and the capacity layout (``capacity``) are all supported.
@@ -83,14 +84,14 @@ class AllToAllDispatcher:
 
     def dispatch(
         self,
-        x: torch.Tensor,
+        tokens: torch.Tensor,
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
         keep: torch.Tensor | None = None,
         capacity: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, AllToAllMeta]:
         """Args:
-            x: [T, D] this rank's tokens.
+            tokens: [T, D] this rank's tokens.
             topk_ids: [T, K] int64 global expert ids.
             topk_weights: [T, K] fp32 gating weights.
             keep: [T, K] bool, False for assignments dropped by the capacity limit; ``None`` keeps all.
@@ -101,7 +102,7 @@ class AllToAllDispatcher:
             CollectiveError: a peer failed during the counts or rows exchange.
         """
         p, e_local = self.ep, len(self.local_experts)
-        rows, counts, local_meta = self.permuter.dispatch(x, topk_ids, topk_weights, keep=keep, capacity=capacity)
+        rows, counts, local_meta = self.permuter.dispatch(tokens, topk_ids, topk_weights, keep=keep, capacity=capacity)
         rows = wire_dtype(rows)  # bf16 on the wire under autocast: what the experts compute in anyway
         counts_recv = all_to_all_rows(counts, [e_local] * p, [e_local] * p, self.group,
                                       f"all_to_all_single (MoE token counts, {self.name})").view(p, e_local)
@@ -109,7 +110,7 @@ class AllToAllDispatcher:
         send, recv = torch.stack([counts.view(p, e_local).sum(1), counts_recv.sum(1)]).tolist()
         received = AllToAll.apply(rows[: sum(send)], recv, send, self.group,
                                   f"all_to_all_single (MoE token dispatch, {self.name})")  # [R, D]
-        block_expert = torch.arange(e_local, device=x.device).repeat(p)  # [P * E_l] expert of each (source, e)
+        block_expert = torch.arange(e_local, device=tokens.device).repeat(p)  # [P * E_l] expert of each (source, e)
         row_expert = torch.repeat_interleave(block_expert, counts_recv.reshape(-1), output_size=sum(recv))  # [R]
         regroup = torch.sort(row_expert, stable=True).indices  # [R]
         # An empty [0, D] input trips grouped_mm; rows past the last expert's are ignored by every backend.
@@ -126,14 +127,14 @@ class AllToAllDispatcher:
                             regroup=regroup, received=grouped)
         return grouped, counts_recv.sum(0), meta
 
-    def combine(self, y: torch.Tensor, meta: AllToAllMeta) -> torch.Tensor:
-        """y: [R, D] expert outputs in dispatch order -> [T, D] (dtype of y): ``sum_k kept_k * weight_k * y_k`` per
-        token, by :meth:`moetrain.moe.dispatch.LocalDispatcher.combine` (fp32 accumulation, fixed order).
+    def combine(self, expert_out: torch.Tensor, meta: AllToAllMeta) -> torch.Tensor:
+        """expert_out (y): [R, D] expert outputs in dispatch order -> [T, D] (dtype of y):
+        ``sum_k kept_k * weight_k * y_k`` per token, by :meth:`moetrain.moe.dispatch.LocalDispatcher.combine` (fp32 accumulation, fixed order).
 
         Raises:
             CollectiveError: a peer failed during the return exchange.
         """
-        y = KeepGradPath.apply(y, meta.received)[: meta.regroup.numel()]
+        y = KeepGradPath.apply(expert_out, meta.received)[: meta.regroup.numel()]
         inverse = torch.empty_like(meta.regroup)
         inverse[meta.regroup] = torch.arange(meta.regroup.numel(), device=meta.regroup.device)
         back = AllToAll.apply(y[inverse], meta.send_splits, meta.recv_splits, self.group,
