@@ -203,6 +203,7 @@ class Engine:
 
     def _step(self) -> None:
         t0 = time.perf_counter()
+        self.steps += 1  # counted before any token is emitted, so a client that got its answer sees its steps
         plan = self._plan()
         seqs = [(r.slot, r.cached, r.prompt_ids if r.cached == 0 else [r.out_ids[-1]]) for r in plan]
         batch = StepBatch.build(seqs)
@@ -254,7 +255,6 @@ class Engine:
 
     def _record(self, plan, batch, stats, depth: int, seconds: float) -> None:
         m = self.metrics
-        self.steps += 1
         m.batch_size.observe(len(plan))
         m.step_seconds.observe(seconds)
         n = int(batch.input_ids.shape[0])

@@ -1,0 +1,64 @@
+"""What an inference-time routing change costs: routing agreement and loss change against the trained router.
+
+Legend: B = batch, S = sequence, T = tokens, E = experts, K = top-k.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from moetrain.serve.routing import Int8Router, moe_field
+
+
+@torch.no_grad()
+def int8_router_report(model, input_ids: torch.Tensor) -> dict[str, float]:
+    """Compare int8 routers (per-row scale) with the model's fp32 routers on ``input_ids`` [B, S].
+
+    Returns:
+        ``agreement``: share of (token, MoE layer) pairs whose top-k expert set is unchanged, with every layer fed
+        the fp32 model's hidden states (so the number isolates the router); ``loss_fp32`` / ``loss_int8``: mean
+        next-token cross-entropy (nats) of the whole model with fp32 and with int8 routers; ``loss_change`` =
+        int8 - fp32.
+    """
+    layers = model.moe_layers()
+    inputs: list[torch.Tensor] = []
+    hooks = [layer.router.register_forward_pre_hook(lambda mod, args: inputs.append(args[0].detach()))
+             for layer in layers]
+    try:
+        logits = model(input_ids).logits
+    finally:
+        for h in hooks:
+            h.remove()
+    loss_fp32 = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), input_ids[:, 1:].reshape(-1))
+    same, total = 0, 0
+    for layer, x in zip(layers, inputs):
+        k = moe_field(layer.config, "top_k")
+        fp = layer.router(x).topk_ids.sort(dim=-1).values
+        q = Int8Router(layer.router.weight)
+        x32 = x.float()
+        r = _route_int8(layer, q.logits(x32), k)
+        same += int((fp == r.sort(dim=-1).values).all(dim=-1).sum())
+        total += fp.shape[0]
+    originals = [layer.router.weight.data.clone() for layer in layers]
+    try:
+        for layer in layers:
+            layer.router.weight.data.copy_(Int8Router(layer.router.weight).dequantized())
+        logits8 = model(input_ids).logits
+    finally:
+        for layer, w in zip(layers, originals):
+            layer.router.weight.data.copy_(w)
+    loss_int8 = F.cross_entropy(logits8[:, :-1].reshape(-1, logits8.shape[-1]).float(), input_ids[:, 1:].reshape(-1))
+    return {"agreement": same / max(total, 1), "loss_fp32": float(loss_fp32), "loss_int8": float(loss_int8),
+            "loss_change": float(loss_int8 - loss_fp32), "tokens": total}
+
+
+def _route_int8(layer, logits: torch.Tensor, k: int) -> torch.Tensor:
+    """[T, K] expert ids chosen from int8-router ``logits`` [T, E] with the layer's routing settings."""
+    from moetrain.moe.router import route
+
+    c = layer.config
+    r = route(logits, k, score_func=moe_field(c, "score_func"), norm_topk_prob=moe_field(c, "norm_topk_prob"),
+              routed_scaling_factor=moe_field(c, "routed_scaling_factor"), num_groups=moe_field(c, "num_groups"),
+              topk_groups=moe_field(c, "topk_groups"), expert_bias=layer.router.e_score_correction_bias)
+    return r.topk_ids
