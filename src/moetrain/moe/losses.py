@@ -19,9 +19,16 @@ import torch
 
 
 def _valid(mask: torch.Tensor | None, num_tokens: int, device: torch.device) -> torch.Tensor:
-    """[T] fp32 weights: 1 for real tokens, 0 for padding."""
+    """[T] fp32 weights: 1 for real tokens, 0 for padding.
+
+    Raises:
+        ValueError: the mask does not hold one entry per token (e.g. past + new tokens during cached generation).
+    """
     if mask is None:
         return torch.ones(num_tokens, device=device)
+    if mask.numel() != num_tokens:
+        raise ValueError(f"padding_mask: shape {tuple(mask.shape)} holds {mask.numel()} entries for {num_tokens} "
+                         f"tokens (one per token)")
     return mask.reshape(-1).to(device=device, dtype=torch.float32)
 
 
