@@ -31,14 +31,18 @@ class Block(nn.Module):
         self.ffn: nn.Module = MoELayer(config.hidden, config.moe) if self.is_moe else SwiGLU(config.hidden, config.ffn_hidden)
 
     def forward(
-        self, x: torch.Tensor, padding_mask: torch.Tensor | None = None, kv_cache: KVCache | None = None
+        self, x: torch.Tensor, padding_mask: torch.Tensor | None = None, kv_cache: KVCache | None = None,
+        document_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, MoEAux | None]:
-        """x: [B, S, D] -> ([B, S, D], the MoE record or ``None`` for a dense block).
+        """x: [B, S, D] -> ([B, S, D], the MoE record or ``None`` for a dense block). ``document_ids`` [B, S] int64:
+        packed documents, attention stays within each (model/attention.py).
 
         Raises:
             ConfigError: ``bta_tiles`` does not divide B (training only; generation with a KV cache never tiles).
         """
-        if kv_cache is None:
+        if document_ids is not None:
+            h = x + tiled_attention(self.attend_documents, x, self.bta_tiles, document_ids)
+        elif kv_cache is None:
             h = x + tiled_attention(self.attend, x, self.bta_tiles)  # untiled when bta_tiles == 1
         else:
             h = x + self.attend(x, kv_cache)
@@ -50,3 +54,7 @@ class Block(nn.Module):
     def attend(self, x: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
         """The attention branch ``attn(input_norm(x))``: [b, S, D] -> [b, S, D] (what BTA tiles and recomputes)."""
         return self.attn(self.input_norm(x), kv_cache)
+
+    def attend_documents(self, x: torch.Tensor, document_ids: torch.Tensor) -> torch.Tensor:
+        """:meth:`attend` for packed documents: x [b, S, D], document_ids [b, S] int64 -> [b, S, D]."""
+        return self.attn(self.input_norm(x), document_ids=document_ids)

@@ -35,13 +35,17 @@ def check_tiles(tiles: int, batch: int) -> None:
         )
 
 
-def tiled_attention(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tiles: int) -> torch.Tensor:
+def tiled_attention(fn: Callable[..., torch.Tensor], x: torch.Tensor, tiles: int,
+                    per_sequence: torch.Tensor | None = None) -> torch.Tensor:
     """``fn`` applied to G tiles of ``x`` along the batch, concatenated: equal to ``fn(x)`` for per-sequence ``fn``.
 
     Args:
-        fn: [b, S, D] -> [b, S, D], per-sequence (norm + attention of one block).
+        fn: [b, S, D] -> [b, S, D], per-sequence (norm + attention of one block); called as
+            ``fn(x_tile, per_sequence_tile)`` when ``per_sequence`` is given.
         x: [B, S, D] block input.
         tiles: G, a divisor of B.
+        per_sequence: [B, ...] tensor tiled along with ``x`` (packed documents' ``document_ids`` [B, S]), or
+            ``None``.
     Returns:
         [B, S, D]. Each tile is checkpointed: its forward keeps no activations (only a reference to its input
         tile, a view of ``x``) and is recomputed when backward reaches it. Without autograd recording
@@ -52,10 +56,11 @@ def tiled_attention(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
     if tiles == 1 or not torch.is_grad_enabled():
         # Without autograd nothing is saved for backward, so tiling would only add kernel launches (and an
         # evaluation batch shorter than the micro-batch need not divide by G).
-        return fn(x)
+        return fn(x) if per_sequence is None else fn(x, per_sequence)
     check_tiles(tiles, x.shape[0])
     outs = []
-    for tile in x.chunk(tiles, dim=0):  # [B / G, S, D] views, no copy
+    extras = [()] * tiles if per_sequence is None else [(p,) for p in per_sequence.chunk(tiles, dim=0)]
+    for tile, extra in zip(x.chunk(tiles, dim=0), extras):  # [B / G, S, D] views, no copy
         # preserve_rng_state=True costs one RNG-state read per tile and keeps any future attention dropout exact.
-        outs.append(checkpoint(fn, tile, use_reentrant=False))
+        outs.append(checkpoint(fn, tile, *extra, use_reentrant=False))
     return torch.cat(outs, dim=0)

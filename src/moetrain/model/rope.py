@@ -76,7 +76,8 @@ class _Rope(torch.autograd.Function):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, H, S, Hd]; cos, sin: [S, Hd] (fp32, halves equal, as :func:`rope_cos_sin` builds them) -> rotated
-    x, same shape and dtype (computed in x's dtype, as transformers does)."""
+    """x: [B, H, S, Hd]; cos, sin: [S, Hd], or [B, 1, S, Hd] per-sequence positions (packed documents) (fp32,
+    halves equal, as :func:`rope_cos_sin` builds them) -> rotated x, same shape and dtype (computed in x's dtype,
+    as transformers does)."""
     h = x.shape[-1] // 2
-    return _Rope.apply(x, cos[:, :h].to(x.dtype), sin[:, :h].to(x.dtype))
+    return _Rope.apply(x, cos[..., :h].to(x.dtype), sin[..., :h].to(x.dtype))

@@ -151,6 +151,7 @@ class MoETransformer(nn.Module):
         global_counts: torch.Tensor | None = None,
         count_reducer: CountReducer | None = None,
         return_logits: bool = True,
+        document_ids: torch.Tensor | None = None,
     ) -> ModelOutput:
         """Args:
             input_ids: [B, S] int64.
@@ -163,8 +164,11 @@ class MoETransformer(nn.Module):
             return_logits: with ``False`` and ``targets``, the LM head and the cross-entropy run fused, chunk by
                 chunk, without materialising [B, S, V] logits (model/fused_ce.py: same loss and gradients, less
                 time and memory); ``out.logits`` is then ``None``.
+            document_ids: [B, S] int64, packed documents (``data.packing=documents``): attention stays within
+                each document and positions restart per document (model/attention.py); ``None``: one sequence
+                per row.
         """
-        x, records = self._trunk(input_ids, padding_mask, kv_cache)
+        x, records = self._trunk(input_ids, padding_mask, kv_cache, document_ids)
         h = self.norm(x)  # [B, S, D]
         fused_loss = targets is not None and not return_logits
         logits = None if fused_loss else self.lm_head(h)  # [B, S, V]
@@ -181,19 +185,21 @@ class MoETransformer(nn.Module):
         return out
 
     def _trunk(
-        self, input_ids: torch.Tensor, padding_mask: torch.Tensor | None, kv_cache: KVCache | None = None
+        self, input_ids: torch.Tensor, padding_mask: torch.Tensor | None, kv_cache: KVCache | None = None,
+        document_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, list[MoEAux]]:
         """Embedding and blocks: ([B, S, D] hidden states before the final norm, the MoE records)."""
         x = self.embed_tokens(input_ids)  # [B, S, D]
         records: list[MoEAux] = []
         for block in self.blocks:
-            x, aux = block(x, padding_mask, kv_cache)
+            x, aux = block(x, padding_mask, kv_cache, document_ids)
             if aux is not None:
                 records.append(aux)
         return x, records
 
     @torch.no_grad()
-    def moe_counts(self, input_ids: torch.Tensor, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def moe_counts(self, input_ids: torch.Tensor, padding_mask: torch.Tensor | None = None,
+                   document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """The routing pass of the global-batch aux loss: [L, E] fp32 expert counts (selection, real tokens) of
         every MoE layer for ``input_ids`` [B, S], without gradients and without the LM head.
 
@@ -201,7 +207,7 @@ class MoETransformer(nn.Module):
         forward pass: with gradient accumulation this adds roughly a third to the step's compute. Call it in the
         same mode (train / eval) and RNG state as the pass it prepares, so that both route identically.
         """
-        _, records = self._trunk(input_ids, padding_mask)
+        _, records = self._trunk(input_ids, padding_mask, document_ids=document_ids)
         if not records:
             return torch.zeros(0, self.config.moe.num_experts, device=input_ids.device)
         return torch.stack([r.tokens_per_expert for r in records])
