@@ -98,6 +98,15 @@ def local_params(counts: ParamCounts, n_layers: int, ep: int = 1, pp: int = 1) -
     return per_block * blocks + edge, counts.experts / n_layers * blocks / ep
 
 
+def sharded_params(counts: ParamCounts, n_layers: int, ep: int = 1, pp: int = 1, dp_shard: int = 1) -> float:
+    """Parameters one device holds under FSDP2 (``moetrain.parallel.fsdp``) on the busiest stage: the dense ones
+    sharded over the ``dp_shard * ep`` ranks of a replica, the E / ep local experts over ``dp_shard``; weights,
+    gradients and AdamW moments are all sharded the same way (ZeRO-3; ZeRO-2 adds the unsharded weights while a
+    block computes, which are activations-time memory, not state)."""
+    dense, experts = local_params(counts, n_layers, ep, pp)
+    return dense / (dp_shard * ep) + experts / dp_shard
+
+
 @dataclass(frozen=True)
 class StateBytes:
     """Bytes per parameter of the training state."""

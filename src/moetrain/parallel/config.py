@@ -48,6 +48,9 @@ class ParallelConfig:
         pp_stages_per_rank: pipeline stages (virtual stages) per rank.
         meta_init: build the model on the meta device and materialise only this rank's shards, initialised from
             global indices (always on in the FSDP2 engine; also selectable for a single process, for comparison).
+        fsdp: the engine: ``auto`` (FSDP2 when ``dp_shard > 1`` or ``pp > 1``), ``on`` (FSDP2 even when
+            ``dp_shard == 1``: non-expert parameters are then still sharded over the ``ep`` ranks of a replica, as
+            the planner's layouts assume), ``off`` (the plain data-parallel path; needs ``dp_shard == pp == 1``).
     """
 
     ep: int = 1
@@ -63,6 +66,7 @@ class ParallelConfig:
     pp_schedule: Literal["1f1b", "interleaved_1f1b", "gpipe"] = "1f1b"
     pp_stages_per_rank: int = 1
     meta_init: bool = False
+    fsdp: Literal["auto", "on", "off"] = "auto"
 
     def __post_init__(self) -> None:
         require(self.ep >= 1, "ep", f"must be >= 1, got {self.ep}")
@@ -72,9 +76,11 @@ class ParallelConfig:
                 f"{self.dp_replicate}")
         require(self.pp_schedule != "interleaved_1f1b" or self.pp_stages_per_rank >= 2, "pp_stages_per_rank",
                 f"pp_schedule='interleaved_1f1b' needs at least 2 stages per rank, got {self.pp_stages_per_rank}")
+        require(self.fsdp != "off" or (self.dp_shard == 1 and self.pp == 1), "fsdp",
+                f"'off' (plain data parallel) cannot shard or pipeline; got dp_shard={self.dp_shard}, pp={self.pp}")
 
     @property
-    def fsdp(self) -> bool:
+    def sharded(self) -> bool:
         """Whether this layout runs on the FSDP2 engine (sharding or pipelining) rather than plain data parallel."""
-        return self.dp_shard > 1 or self.pp > 1
+        return self.fsdp == "on" or (self.fsdp == "auto" and (self.dp_shard > 1 or self.pp > 1))
         require(self.timeout_s > 0, "timeout_s", f"must be > 0 seconds, got {self.timeout_s}")

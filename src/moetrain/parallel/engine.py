@@ -24,9 +24,10 @@ from moetrain.errors import ConfigError
 from moetrain.parallel import ac as activation_checkpointing
 from moetrain.parallel.comm import named_collective
 from moetrain.parallel.config import ParallelConfig
-from moetrain.parallel.fsdp import apply_fsdp, clip_grad_norm, local_bytes
+from moetrain.parallel.fsdp import apply_fsdp, clip_grad_norm, init_root, local_bytes
 from moetrain.parallel.launch import ParallelHooks, parallelize
 from moetrain.parallel.layout import LayoutMesh
+from moetrain.parallel.meta_init import materialise
 
 
 class ShardedHooks(ParallelHooks):
@@ -36,12 +37,14 @@ class ShardedHooks(ParallelHooks):
         mesh: this rank's :class:`LayoutMesh`.
         config: the ``parallel`` section.
         dtype: ``train.dtype`` (mixed-precision policy).
+        seed: ``train.seed`` (per-shard initialisation of a model built on the meta device).
         owns_group: destroy the default process group in :meth:`close`.
     """
 
-    def __init__(self, mesh: LayoutMesh, config: ParallelConfig, dtype: str = "fp32", owns_group: bool = False):
+    def __init__(self, mesh: LayoutMesh, config: ParallelConfig, dtype: str = "fp32", seed: int = 0,
+                 owns_group: bool = False):
         super().__init__(mesh.ep_mesh, config.dispatcher, owns_group)
-        self.layout_mesh, self.parallel, self.dtype = mesh, config, dtype
+        self.layout_mesh, self.parallel, self.dtype, self.seed = mesh, config, dtype, seed
 
     def prepare_model(self, model: nn.Module, log: Callable[[str], None] | None = None) -> nn.Module:
         """Slice the experts (EP), attach the dispatchers, wrap blocks for activation checkpointing, then shard
@@ -53,6 +56,9 @@ class ShardedHooks(ParallelHooks):
         self.plan = parallelize(model, lm.ep_mesh, self.dispatcher, self.stats)
         activation_checkpointing.apply(model, self.parallel.activation_checkpoint)
         apply_fsdp(model, lm, self.dtype, self.parallel.reshard_after_forward, self.parallel.cpu_offload)
+        if any(p.is_meta for p in model.parameters()):  # built by meta_init.build_meta: this rank's shards only
+            materialise(model, model.config, lm.device, self.seed, self.plan)
+        init_root(model)
         self.model = model
         if log is not None:
             held = local_bytes(model)["params"]

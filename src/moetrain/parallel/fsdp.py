@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from moetrain.errors import ConfigError
 from moetrain.parallel.comm import named_collective
@@ -72,13 +72,18 @@ def apply_fsdp(model: nn.Module, mesh: LayoutMesh, dtype: str = "fp32", reshard_
     ep = mesh.layout.ep
     blocks = model.blocks.values() if isinstance(model.blocks, nn.ModuleDict) else model.blocks
     for block in blocks:
+        placement = None
         if getattr(block, "is_moe", False):
             layer = block.ffn
+            local = next(layer.experts.parameters()).shape[0]  # E / ep
             if ep > 1:
-                fully_shard(layer.experts, mesh=experts_mesh, **common)
+                fully_shard(layer.experts, mesh=experts_mesh, shard_placement_fn=expert_placement(
+                    layer.experts, local, mesh.layout.dp_shard), **common)
                 layer.experts.set_gradient_divide_factor(float(mesh.layout.data_parallel))
+            else:
+                placement = expert_placement(layer.experts, local, mesh.layout.dp_shard * ep)
             fully_shard(layer.router, mesh=dense, **{**common, "mp_policy": router_policy})
-        fully_shard(block, mesh=dense, **common)
+        fully_shard(block, mesh=dense, shard_placement_fn=placement, **common)
     embed, norm, head = (getattr(model, n, None) for n in ("embed_tokens", "norm", "lm_head"))
     tied = embed is not None and head is not None and head.weight is embed.weight
     if tied:
@@ -94,10 +99,24 @@ def apply_fsdp(model: nn.Module, mesh: LayoutMesh, dtype: str = "fp32", reshard_
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 module.set_force_sum_reduction_for_comms(True)
-    # FSDP2 picks its root at the first forward; the trainer's first call may be the no-grad routing pre-pass
-    # (MoETransformer.moe_counts), which enters the blocks without the root's forward. Initialise the root now.
-    model._get_fsdp_state()._lazy_init()
     return model
+
+
+def init_root(model: nn.Module) -> None:
+    """Fix ``model`` as FSDP2's root now (after materialisation: FSDP2 refuses meta parameters here). FSDP2 picks
+    its root at the first forward, but the trainer's first call may be the no-grad routing pre-pass
+    (``MoETransformer.moe_counts``), which enters the blocks without the root's forward."""
+    model._get_fsdp_state()._lazy_init()
+
+
+def expert_placement(experts: nn.Module, local_experts: int, shards: int):
+    """FSDP2 ``shard_placement_fn`` for expert tensors [E_l, ...]: ``Shard(0)`` (whole experts per rank) when there
+    are at least as many local experts as shards, else ``Shard(1)`` (torchtitan's rule: dim-0 sharding of fewer
+    experts than ranks would pad every rank to a whole expert); ``None`` (FSDP2's default) for other tensors."""
+    if local_experts >= shards:
+        return None
+    mine = set(experts.parameters())
+    return lambda p: Shard(1) if p in mine else None
 
 
 def set_gradient_sync(model: nn.Module, sync: bool) -> None:

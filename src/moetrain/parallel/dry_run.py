@@ -1,0 +1,106 @@
+"""``moetrain train --dry-run --world-size N``: validate a config and lay it out for N ranks without a process
+group, data or memory (the model is built on the meta device).
+
+What it checks, each failure one line naming the field: the mesh sizes multiply to N (:class:`.layout.Layout`),
+``ep`` divides the experts, the pipeline has at least one block per stage, tied embeddings are not split over
+pipeline stages, the micro-batch splits over the data-parallel ranks and into the BTA tiles. What it prints: the
+mesh, the stages with their blocks, and this layout's per-rank bytes of parameters + gradients + AdamW state
+counted from the meta model's shapes (with FSDP2's row padding), next to the planner's figure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moetrain.errors import ConfigError
+from moetrain.parallel.layout import Layout
+from moetrain.parallel.pipeline import stage_blocks
+
+STATE_BYTES = 16  # fp32 weight + fp32 gradient + AdamW's two fp32 moments, per parameter
+
+
+@dataclass
+class DryRun:
+    """The result. ``rank_bytes``: parameters + gradients + AdamW state of the busiest rank (bytes, from the meta
+    model); ``planner_bytes``: the same from ``moetrain.analysis.params.sharded_params``."""
+
+    layout: Layout
+    stages: list[range]
+    rank_bytes: float
+    planner_bytes: float
+    lines: list[str]
+
+
+def _ceil_rows(shape, shards: int) -> int:
+    """Elements of the largest FSDP2 shard of a tensor of ``shape`` over ``shards`` ranks (dim 0, padded)."""
+    rest = 1
+    for d in shape[1:]:
+        rest *= d
+    return -(-shape[0] // shards) * rest if len(shape) else 1
+
+
+def check(config, world: int) -> tuple[Layout, list[range]]:
+    """The layout and pipeline stages of ``config`` on ``world`` ranks.
+
+    Raises:
+        ConfigError: an impossible layout (names the field and values).
+    """
+    p, m, t = config.parallel, config.model, config.train
+    layout = Layout.from_config(p, world)
+    if world > 1 and not p.sharded and layout.dp_shard == 1 and layout.pp == 1:
+        pass  # the plain data-parallel path: dp = world / ep
+    stages = stage_blocks(m.n_layers, layout.pp * p.pp_stages_per_rank)
+    if layout.pp > 1 and m.tie_embeddings:
+        raise ConfigError("model.tie_embeddings: the embedding (first stage) and the LM head (last stage) cannot "
+                          f"share a weight across parallel.pp={layout.pp} pipeline stages; set it to false")
+    if t.batch_size % layout.data_parallel:
+        raise ConfigError(f"train.batch_size: {t.batch_size} sequences per micro-batch do not split over the "
+                          f"{layout.data_parallel} data-parallel ranks per stage (dp_replicate x dp_shard x ep)")
+    local = t.batch_size // layout.data_parallel
+    tiles = m.execution.bta_tiles
+    if local % tiles:
+        raise ConfigError(f"model.execution.bta_tiles: {tiles} tiles do not divide the {local} sequences each rank "
+                          f"computes per micro-batch (train.batch_size / {layout.data_parallel} ranks)")
+    return layout, stages
+
+
+def dry_run(config, world: int) -> DryRun:
+    """Validate and lay out ``config`` for ``world`` ranks (see the module docstring).
+
+    Raises:
+        ConfigError: see :func:`check`.
+    """
+    from moetrain.analysis.params import count_params, sharded_params
+    from moetrain.analysis.shape import ModelShape
+    from moetrain.parallel.meta_init import build_meta
+
+    layout, stages = check(config, world)
+    model = build_meta(config.model)  # shapes only: no memory
+    per_stage = []
+    for i, blocks in enumerate(stages):
+        names = {f"blocks.{b}." for b in blocks}
+        elems = 0
+        for name, p in model.named_parameters():
+            first = i == 0 and name.startswith("embed_tokens.")
+            last = i == len(stages) - 1 and name.startswith(("norm.", "lm_head."))
+            if not (first or last or any(name.startswith(n) for n in names)):
+                continue
+            if ".experts." in name:  # E / ep experts, sharded over dp_shard (on dim 1 when fewer: fsdp.py)
+                local = p.shape[0] // layout.ep
+                if local >= layout.dp_shard:
+                    elems += _ceil_rows((local, *p.shape[1:]), layout.dp_shard)
+                else:
+                    elems += local * _ceil_rows(p.shape[1:], layout.dp_shard)
+            else:
+                elems += _ceil_rows(p.shape, layout.dp_shard * layout.ep)
+        per_stage.append(elems)
+    per_rank = max(sum(per_stage[s] for s in range(r, len(stages), layout.pp)) for r in range(layout.pp))
+    shape = ModelShape.from_config(config.model)
+    planner = sharded_params(count_params(shape), shape.n_layers, layout.ep, layout.pp, layout.dp_shard)
+    lines = [layout.describe(),
+             "stages: " + ", ".join(f"{i}: blocks {b.start}-{b.stop - 1}" + (" + embedding" if i == 0 else "")
+                                    + (" + norm + LM head" if i == len(stages) - 1 else "")
+                                    for i, b in enumerate(stages)),
+             f"per rank: {per_rank * STATE_BYTES / 1e9:.2f} GB of fp32 parameters + gradients + AdamW state "
+             f"({per_rank / 1e6:.1f}M parameters; planner: {planner * STATE_BYTES / 1e9:.2f} GB)"]
+    return DryRun(layout, stages, per_rank * STATE_BYTES, planner * STATE_BYTES, lines)

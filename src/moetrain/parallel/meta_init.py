@@ -1,0 +1,123 @@
+"""Build on the meta device, then materialise only this rank's shards with values that depend on global indices
+only, so every layout (one process, EP=N, FSDP, PP) starts from the same weights without any rank holding the
+whole model (STYLE.md #6; torchtitan builds on meta and calls ``to_empty`` + ``init_weights`` the same way).
+
+Legend: N = rows of a parameter (dim 0: experts for [E, ...] expert tensors, output features for matrices).
+
+The values of a parameter are cut into blocks of rows along dim 0: one expert per block for 3-D expert tensors (a shard on dim 1 draws its
+whole experts and keeps its columns),
+:data:`BLOCK_ROWS` rows for matrices, the whole tensor for vectors. Block k of parameter ``name`` is drawn from its
+own generator seeded with a hash of (``train.seed``, ``name``, k), so a rank holding rows [a, b) (an expert slice,
+an FSDP shard, or both) draws only the blocks overlapping them: at most two partial blocks of waste per shard.
+Distribution per parameter as ``MoETransformer.reset_parameters``: Normal(0, init_std) for matrices and expert
+tensors, ``init_std / sqrt(2 * n_layers)`` for output projections, 1 for norm weights, 0 for biases; buffers
+(the router's expert bias) start at 0. The values differ from ``reset_parameters``' (one global RNG stream),
+so a run compares against a reference initialised by :func:`init_parameters` too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+from moetrain.model.config import ModelConfig
+from moetrain.parallel.sharding import ExpertShard
+
+BLOCK_ROWS = 256  # rows of a matrix per generator: a shard wastes < 2 blocks; smaller blocks cost more reseeds
+
+
+def build_meta(config: ModelConfig) -> nn.Module:
+    """The model with every parameter and buffer on the meta device (no memory; shapes and names only)."""
+    from moetrain.model.transformer import MoETransformer
+
+    with torch.device("meta"):
+        return MoETransformer(config)
+
+
+def _std(name: str, p: torch.Tensor, config: ModelConfig) -> float | None:
+    """Normal std of parameter ``name``; ``None`` for a constant (bias 0, norm weight 1)."""
+    if name.endswith(".bias") or p.dim() == 1:
+        return None
+    if name.endswith(("o_proj.weight", "down_proj.weight", "down_proj")):
+        return config.init_std / math.sqrt(2 * config.n_layers)
+    return config.init_std
+
+
+def _seed(seed: int, name: str, block: int) -> int:
+    digest = hashlib.blake2b(f"{seed}/{name}/{block}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def normal_rows(seed: int, name: str, shape: torch.Size, start: int, stop: int, std: float) -> torch.Tensor:
+    """Rows ``[start, stop)`` of the parameter ``name`` of global ``shape``: float32 [stop - start, *shape[1:]].
+
+    Raises:
+        ValueError: rows outside ``[0, shape[0]]``.
+    """
+    if not 0 <= start <= stop <= shape[0]:
+        raise ValueError(f"{name}: rows [{start}, {stop}) outside the {shape[0]} rows of {tuple(shape)}")
+    per = 1 if len(shape) >= 3 else BLOCK_ROWS if len(shape) == 2 else shape[0]
+    rest = tuple(shape[1:])
+    pieces = []
+    for k in range(start // per, -(-stop // per) if stop > start else start // per):
+        lo, hi = k * per, min((k + 1) * per, shape[0])
+        gen = torch.Generator().manual_seed(_seed(seed, name, k))
+        block = torch.empty((hi - lo, *rest)).normal_(0.0, std, generator=gen)
+        pieces.append(block[max(start, lo) - lo: min(stop, hi) - lo])
+    return torch.cat(pieces) if pieces else torch.empty((0, *rest))
+
+
+def _offsets(p: torch.Tensor) -> tuple[torch.Size, tuple[int, ...]]:
+    """(global shape over FSDP, offset of the local block in each dim) of ``p`` (a DTensor or a plain tensor)."""
+    if not isinstance(p, DTensor):
+        return p.shape, (0,) * p.dim()
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    return p.shape, tuple(offset)
+
+
+@torch.no_grad()
+def init_parameters(model: nn.Module, config: ModelConfig, seed: int,
+                    plan: dict[str, ExpertShard] | None = None) -> None:
+    """Initialise every parameter's local values (plain, expert slice, FSDP shard or both) and zero the buffers.
+
+    Args:
+        model: an ``MoETransformer`` or a pipeline stage with the same parameter names, materialised
+            (``to_empty``) or plain.
+        config: the model config (``init_std``, ``n_layers``).
+        seed: ``train.seed``.
+        plan: expert slices ``{name: ExpertShard}`` of expert parallelism (rows offset by the slice's start).
+    """
+    plan = plan or {}
+    for name, p in model.named_parameters():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        std = _std(name, p, config)
+        if std is None:
+            local.fill_(0.0 if name.endswith(".bias") else 1.0)
+            continue
+        shape, offset = _offsets(p)
+        start = offset[0]
+        shard = plan.get(name)
+        if shard is not None:
+            start += shard.offset
+            shape = torch.Size((shard.global_rows, *shape[1:]))
+        rows = normal_rows(seed, name, shape, start, start + local.shape[0], std)
+        if local.dim() > 1 and local.shape[1] != shape[1]:  # sharded on dim 1 too (experts: FSDP2 Shard(1))
+            rows = rows[:, offset[1]: offset[1] + local.shape[1]]
+        local.copy_(rows)
+    for b in model.buffers():
+        (b.to_local() if isinstance(b, DTensor) else b).zero_()
+
+
+def materialise(model: nn.Module, config: ModelConfig, device: torch.device, seed: int,
+                plan: dict[str, ExpertShard] | None = None) -> nn.Module:
+    """Allocate this rank's shards of a meta-device ``model`` on ``device`` (``to_empty``) and initialise them
+    (:func:`init_parameters`). Returns ``model``."""
+    model.to_empty(device=device)
+    init_parameters(model, config, seed, plan)
+    return model
