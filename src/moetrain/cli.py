@@ -2,7 +2,8 @@
 
 User errors (:class:`~moetrain.errors.MoetrainError`) and command-line syntax errors print one line
 ``moetrain: error: ...`` and exit with status 2; ``--debug`` (before or after the subcommand) shows the traceback
-instead. A reader that closes the pipe early (``moetrain stats RUN | head -1``) ends the command quietly with
+instead. An ``OSError`` (a read-only or full disk, a permission) is one line too, naming the path
+(:mod:`moetrain.runtime.oserrors`), with status 2. A reader that closes the pipe early (``moetrain stats RUN | head -1``) ends the command quietly with
 status 141, as SIGPIPE would.
 """
 
@@ -59,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
         if not hasattr(args, "overrides") or any(e.startswith("-") or "=" not in e for e in extra):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides = [*args.overrides, *extra]
+    from moetrain.runtime.oserrors import quiet_thread_os_errors
+
+    quiet_thread_os_errors()  # TensorBoard's writer thread on a full disk: one line, not a traceback
     try:
         code = args.func(args)
         sys.stdout.flush()  # a closed pipe shows up here rather than as an "Exception ignored" at exit
@@ -73,6 +77,13 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "debug", False):
             raise
         print(f"moetrain: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    except OSError as e:  # the machine's, not the input's: still one line, naming the path
+        if getattr(args, "debug", False):
+            raise
+        from moetrain.runtime.oserrors import os_error_line
+
+        print(f"moetrain: error: {' '.join(os_error_line(e).split())}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("moetrain: interrupted", file=sys.stderr)

@@ -34,13 +34,13 @@ def load_run(run_dir: str) -> Run:
 
     Raises:
         MoetrainError: not a run directory, or an unparsable config.
+        DataError: an unreadable or damaged tokenizer.json (checked before the model is built).
         CheckpointError: no usable checkpoint.
     """
-    from tokenizers import Tokenizer
-
     from moetrain.config import Config
+    from moetrain.data.tokenizer import load_tokenizer
     from moetrain.model.transformer import MoETransformer
-    from moetrain.train.checkpoint import latest_model_checkpoint
+    from moetrain.train.checkpointer import load_latest_model
     from moetrain.train.trainer import CONFIG_FILE, TOKENIZER_FILE
 
     root = Path(run_dir)
@@ -53,8 +53,9 @@ def load_run(run_dir: str) -> Run:
         if isinstance(e, MoetrainError):
             raise
         raise MoetrainError(f"{root / CONFIG_FILE}: cannot parse: {e}") from None
+    tokenizer = load_tokenizer(root / TOKENIZER_FILE)
     model = MoETransformer(config.model)
-    ckpt = latest_model_checkpoint(config.train.checkpoint_url or root / "checkpoints", model,
+    ckpt = load_latest_model(config.train.checkpoint_url or root / "checkpoints", model,
                                    warn=lambda m: print(m, file=sys.stderr))
     model.eval()
     try:
@@ -62,4 +63,4 @@ def load_run(run_dir: str) -> Run:
     except (KeyError, ValueError):
         saved_config = None
     info = CheckpointInfo(str(ckpt.location), ckpt.step, saved_config if isinstance(saved_config, dict) else None)
-    return Run(config, Tokenizer.from_file(str(root / TOKENIZER_FILE)), model, info)
+    return Run(config, tokenizer, model, info)

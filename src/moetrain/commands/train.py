@@ -26,7 +26,8 @@ def add_parser(sub) -> None:
     p.add_argument("--out", help="run directory (default: runs/PRESET-TIMESTAMP)")
     p.add_argument("--steps", type=int, help="optimizer steps (train.steps)")
     p.add_argument("--resume", action="store_true",
-                   help="continue the run in --out from its newest checkpoint (model.* and data.* stay fixed)")
+                   help="continue the run in --out from its newest checkpoint (model.* and data.* stay fixed); "
+                   "starts it when --out does not exist yet, so a restart loop can always pass --resume")
     p.add_argument("--overwrite", action="store_true", help="delete an existing --out directory first")
     p.add_argument("--stop-at-step", type=int, help="stop (with a checkpoint) after this step; --resume continues")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -63,7 +64,7 @@ def _resumed_config(run_dir: Path, args, file_data: dict | None, overrides: dict
         MoetrainError: an unreadable config.json, a --preset other than the run's, or a change to a field fixed for
             the run (:mod:`moetrain.train.resume_config`).
     """
-    from moetrain.config import Config
+    from moetrain.config import Config, upgrade
     from moetrain.train.resume_config import resume_changes
     from moetrain.train.trainer import CONFIG_FILE
 
@@ -74,6 +75,7 @@ def _resumed_config(run_dir: Path, args, file_data: dict | None, overrides: dict
         raise MoetrainError(f"--resume: cannot read {saved_path}: {e}") from None
     if not isinstance(data, dict):
         raise MoetrainError(f"--resume: {saved_path} is not a JSON object of config fields")
+    data = upgrade(data)  # a run written with older field paths: moved to the new ones (with a note each)
     saved = Config.from_dict(data)
     if args.preset is not None and args.preset != saved.preset:
         raise MoetrainError(f"--preset {args.preset} cannot be combined with --resume of a run started from preset "
@@ -83,18 +85,18 @@ def _resumed_config(run_dir: Path, args, file_data: dict | None, overrides: dict
 
 
 def run(args) -> int:
-    from moetrain.config import build_config
+    from moetrain.config import build_config, upgrade
     from moetrain.presets import PRESETS, SHAPE_ONLY
     from moetrain.train.trainer import CONFIG_FILE
 
     if args.stop_at_step is not None and args.stop_at_step < 1:
         raise MoetrainError(f"--stop-at-step: must be >= 1, got {args.stop_at_step}")
-    overrides = parse_overrides(args.overrides)
+    overrides = upgrade(parse_overrides(args.overrides))  # old field paths still work, with a note each
     if args.data is not None:
         overrides = merge(overrides, {"data": {"path": args.data}})
     if args.steps is not None:
         overrides = merge(overrides, {"train": {"steps": args.steps}})
-    file_data = load_file(args.config) if args.config else None
+    file_data = upgrade(load_file(args.config)) if args.config else None
     init = None
     if args.init_from:
         from moetrain.interop.finetune import load_init
@@ -108,7 +110,11 @@ def run(args) -> int:
         if not args.out:
             raise MoetrainError("--resume needs --out RUN_DIR (the run to continue)")
         run_dir = Path(args.out)
-        if _started_but_empty(run_dir):
+        if not run_dir.exists():
+            resume = False
+            notes.append(f"note: {run_dir} does not exist yet, so there is nothing to resume: starting a new run there "
+                         "(--resume continues it from its newest checkpoint next time)")
+        elif _started_but_empty(run_dir):
             resume = False
             notes.append(f"note: {run_dir} has no {CONFIG_FILE} (its first run stopped before writing it, so there is "
                          "nothing to resume): starting it from step 0 with this command's settings")
@@ -132,6 +138,10 @@ def run(args) -> int:
             raise MoetrainError(f"--out {run_dir}: exists and is not a directory")
         if any(p.exists() and not p.is_dir() for p in run_dir.parents):
             raise MoetrainError(f"--out {run_dir}: a parent path is a file, not a directory")
+    from moetrain.runtime.preflight import check_fits
+    from moetrain.train.trainer import resolve_device
+
+    check_fits(config, resolve_device(config.train.device).type)  # before any allocation or write
 
     had_files = run_dir.is_dir() and bool(os.listdir(run_dir))  # before the lock creates the directory and its file
     with RunLock(run_dir) if owner else contextlib.nullcontext():
@@ -166,16 +176,21 @@ def _train(args, config, run_dir: Path, resume: bool, init, notes: list[str], ch
     from moetrain.train.trainer import Trainer, resolve_device, resume_hint
 
     hooks = start(config, resolve_device(config.train.device).type)  # joins torchrun's job when WORLD_SIZE > 1
-    say = print if hooks.is_main else (lambda *a, **k: None)
-    say(f"run directory: {run_dir}")
-    for note in notes:
-        say(note)
-    if changes:
-        say(f"resuming with a changed config: {describe(changes)} (config.json is rewritten with them)")
+    from moetrain.train.console import say as write_line
+
+    say = write_line if hooks.is_main else (lambda *a, **k: None)  # above the progress bar when one is drawn
+
+    def ready() -> None:  # every check passed and the run directory is written: nothing said here can be undone
+        say(f"run directory: {run_dir}")
+        for note in notes:
+            say(note)
+        if changes:
+            say(f"resuming with a changed config: {describe(changes)} (config.json is rewritten with them)")
+
     try:
         result = Trainer(config, run_dir, resume=resume, progress=not args.no_progress and hooks.is_main,
-                         init_weights=init.weights if init else None,
-                         init_tokenizer=init.tokenizer if init else None, log=say, hooks=hooks).run(args.stop_at_step)
+                         init_weights=init.weights if init else None, init_tokenizer=init.tokenizer if init else None,
+                         log=say, hooks=hooks, on_ready=ready).run(args.stop_at_step)
     except CollectiveError as e:  # a peer died or hung: every surviving rank says which collective, exit 1
         print(f"moetrain: error: rank {hooks.mesh.rank}: {e}", file=sys.stderr, flush=True)
         return 1

@@ -1,0 +1,148 @@
+"""CPU features, calibrated GEMM peaks, and where bf16 compute pays (the bf16 policy).
+
+bf16 autocast is fast only where the CPU multiplies bf16 natively (AVX512_BF16 or AMX: oneDNN / MKL bf16 GEMMs run
+at ~2x the fp32 rate). Without it (AVX2-only CPUs) PyTorch's bf16 GEMM falls back to a scalar path: measured on an
+AMD EPYC limited to AVX2 (``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2``),
+1024^3 GEMMs ran at 0.86 GFLOP/s in bf16 against 88 GFLOP/s in fp32, 100x slower (docs/robustness.md). So on
+such a CPU bf16 autocast computes in fp32 (:func:`bf16_compute`): the result is fp32 maths, at fp32 speed.
+
+The decision is measured, not guessed from flags (an ISA limit such as ``ONEDNN_MAX_CPU_ISA`` hides the flags'
+features from the kernels): a bf16 GEMM slower than 0.8x the fp32 one means "no fast bf16". The environment
+variable ``MOETRAIN_BF16`` forces it: ``fp32`` (compute in fp32 under bf16 autocast, e.g. to prove the fallback on an
+AMX machine), ``bf16`` (always autocast), ``auto`` (default: measure).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+BF16_ENV = "MOETRAIN_BF16"
+
+# A bf16 GEMM at under this share of the fp32 rate counts as slow. Native bf16 measures 2-2.5x fp32; the scalar
+# fallback ~0.01x; nothing in between has been seen, so the threshold is not delicate.
+SLOW_BF16_RATIO = 0.8
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``; ``platform.processor()`` elsewhere)."""
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "unknown CPU"
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from ``/proc/cpuinfo`` (empty where there is none)."""
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def bf16_flags() -> list[str]:
+    """The native-bf16 features this CPU reports (``avx512_bf16``, ``amx_bf16``), possibly none."""
+    return sorted(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+
+
+def _gemm_rate(dtype: torch.dtype, device: torch.device, size: int, repeats: int) -> float:
+    gen = torch.Generator(device=device).manual_seed(0)  # never the global RNG: a run's random stream stays as is
+    a = torch.randn(size, size, device=device, generator=gen).to(dtype)
+    b = torch.randn(size, size, device=device, generator=gen).to(dtype)
+    a @ b  # warm-up: thread pool, packing buffers
+    best = float("inf")
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * size**3 / best
+
+
+@functools.lru_cache(maxsize=None)
+def _cached_rate(dtype: torch.dtype, device: str, size: int, repeats: int, threads: int) -> float:
+    return _gemm_rate(dtype, torch.device(device), size, repeats)
+
+
+def gemm_peak(dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", size: int = 512,
+              repeats: int = 3) -> float:
+    """Calibrated GEMM rate in FLOP/s: best of ``repeats`` [size, size] @ [size, size] products in ``dtype`` on
+    ``device`` with the current intra-op threads (cached per process, dtype, device and thread count). At size 512
+    one product is 0.27 GFLOP: ~3 ms in fp32 on one core of this project's CPU; a slow bf16 path takes ~0.3 s."""
+    device = torch.device(device)
+    return _cached_rate(dtype, str(device), size, repeats, torch.get_num_threads())
+
+
+@dataclass(frozen=True)
+class Bf16Support:
+    """Whether bf16 GEMMs are fast here, and why.
+
+    Attributes:
+        fast: bf16 autocast computes in bf16 (else in fp32, :func:`bf16_compute`).
+        fp32_flops / bf16_flops: calibrated GEMM rates (FLOP/s); 0 when forced without measuring.
+        flags: the native-bf16 CPU flags present.
+        reason: one line for the user.
+    """
+
+    fast: bool
+    fp32_flops: float
+    bf16_flops: float
+    flags: tuple[str, ...]
+    reason: str
+
+
+@functools.lru_cache(maxsize=None)
+def bf16_support(device: str = "cpu") -> Bf16Support:
+    """Measure (once per process) whether bf16 GEMMs are fast on ``device``; CUDA is taken as fast.
+
+    Raises:
+        ValueError: ``MOETRAIN_BF16`` is set to something other than ``auto``, ``bf16``, ``fp32``.
+    """
+    forced = os.environ.get(BF16_ENV, "auto").strip().lower() or "auto"
+    if forced not in ("auto", "bf16", "fp32"):
+        from moetrain.errors import ConfigError
+
+        raise ConfigError(f"{BF16_ENV}: must be one of auto, bf16, fp32, got {forced!r}")
+    flags = tuple(bf16_flags())
+    if torch.device(device).type != "cpu":
+        return Bf16Support(forced != "fp32", 0.0, 0.0, flags, f"bf16 on {device}")
+    if forced != "auto":
+        why = f"{BF16_ENV}={forced}"
+        return Bf16Support(forced == "bf16", 0.0, 0.0, flags, why)
+    fp32 = gemm_peak(torch.float32, "cpu", size=256, repeats=2)
+    bf16 = gemm_peak(torch.bfloat16, "cpu", size=256, repeats=2)
+    fast = bf16 >= SLOW_BF16_RATIO * fp32
+    features = ", ".join(flags) if flags else "no avx512_bf16 / amx_bf16"
+    reason = f"bf16 GEMM {bf16 / 1e9:.1f} GFLOP/s vs fp32 {fp32 / 1e9:.1f} GFLOP/s ({features})"
+    return Bf16Support(fast, fp32, bf16, flags, reason)
+
+
+def bf16_compute(device: torch.device | str = "cpu") -> bool:
+    """Whether bf16 autocast should compute in bf16 on ``device`` (False: compute in fp32; see the module doc)."""
+    return bf16_support(torch.device(device).type).fast
+
+
+def bf16_policy_line(dtype: str, device: torch.device | str) -> str | None:
+    """The line the trainer prints at start when ``train.dtype=bf16`` (``None`` for fp32)."""
+    if dtype != "bf16":
+        return None
+    s = bf16_support(torch.device(device).type)
+    if s.fast:
+        return f"train.dtype=bf16: bf16 autocast ({s.reason})"
+    return (f"train.dtype=bf16: this CPU has no fast bf16 GEMMs ({s.reason}), so the model computes in fp32 "
+            f"(bf16 would be slower here, not faster); set {BF16_ENV}=bf16 to force bf16")

@@ -1,0 +1,81 @@
+"""What `moetrain train` prints (issue 20): in a log file (no TTY) one plain line per logging step and every
+evaluation, no carriage returns; a closing summary with wall time, mean tokens/s and MFU; ``mfu`` and
+``data_wait_s`` in metrics.jsonl."""
+
+from __future__ import annotations
+
+import io
+import re
+
+import pytest
+
+from _crash_util import metrics, run_cli
+from conftest import sample_text
+from moetrain.train.console import Console, MfuModel, format_duration, use_bar
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+LINE = re.compile(r"step (\d+)/12 \| loss \d+\.\d{4} \| lr \d\.\d\de[-+]\d\d \| \d+ tokens/s \| ETA [\dhms.]+")
+
+
+def test_a_log_file_gets_one_plain_line_per_logging_step_and_every_evaluation(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(sample_text(50_000))
+    run, log = tmp_path / "run", tmp_path / "log.txt"
+    # no --no-progress: the default, in a process whose stdout and stderr are a file (`> log.txt 2>&1`)
+    argv = ["train", "--preset", "tiny", "--data", str(corpus), "--out", str(run), "--steps", "12",
+            f"data.cache_dir={tmp_path / 'cache'}", "train.log_every=3", "train.eval_every=4", "train.eval_batches=1"]
+    assert run_cli(argv, log) == 0, log.read_text()
+    text = log.read_text()
+    assert "\r" not in text  # no progress bar in a file
+    lines = text.splitlines()
+    steps = [int(m.group(1)) for s in lines if (m := LINE.fullmatch(s))]
+    assert steps == [3, 6, 9, 12]
+    evals = [s for s in lines if re.fullmatch(r"step \d+: val_loss \d+\.\d{4}( \(before training: .*\))?", s)]
+    assert [int(s.split()[1][:-1]) for s in evals] == [0, 4, 8, 12]  # 12: the closing line
+    summary = [s for s in lines if s.startswith("trained 12 steps in ")]
+    assert len(summary) == 1
+    assert re.search(r": mean \d+ tokens/s, MFU \d+\.\d% of the calibrated GEMM peak", summary[0])
+    assert re.fullmatch(r"threads: \d+ \(\d+ usable cores, load average [\d.]+; set train.threads=N to override\)",
+                        next(s for s in lines if s.startswith("threads: ")))
+    # run directory: printed once it exists, before the first step line
+    assert lines.index(f"run directory: {run}") < lines.index(next(s for s in lines if LINE.fullmatch(s)))
+    records = [r for r in metrics(run) if "train_loss" in r]
+    assert [r["step"] for r in records] == [3, 6, 9, 12]
+    for r in records:
+        assert 0 < r["mfu"] < 1 and r["data_wait_s"] >= 0
+    # mfu = analysis FLOPs per token x tokens/s / one calibrated peak: the same ratio in every record
+    ratios = [r["mfu"] / r["tokens_per_s"] for r in records]
+    assert max(ratios) == pytest.approx(min(ratios), rel=1e-9)
+
+
+class _Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_a_bar_only_on_a_terminal():
+    assert use_bar(True, _Tty()) and not use_bar(False, _Tty()) and not use_bar(True, io.StringIO())
+
+
+def test_console_rates_and_summary(monkeypatch):
+    """Tokens/s, MFU and ETA from a fake clock: 4 steps of 1000 tokens in 2 s, 1e6 FLOPs per token, 4e9 peak."""
+    now = [100.0]
+    monkeypatch.setattr("moetrain.train.console.time.perf_counter", lambda: now[0])
+    lines: list[str] = []
+    c = Console(total=10, initial=2, tokens_per_step=1000, mfu=MfuModel(1e6, 4e9), bar=False, log=lines.append)
+    batch = c.timed(lambda: now.__setitem__(0, now[0] + 0.25))  # each batch takes 0.25 s
+    for _ in range(4):
+        batch()
+        now[0] += 0.25
+        c.step(loss=2.0, lr=1e-3)
+    rates = c.logging_step(loss=2.0, lr=1e-3)
+    assert rates == {"tokens_per_s": 2000.0, "data_wait_s": 1.0, "mfu": 0.5}
+    assert lines == ["step 6/10 | loss 2.0000 | lr 1.00e-03 | 2000 tokens/s | ETA 2.0s"]
+    assert c.summary() == ("trained 4 steps in 2.0s: mean 2000 tokens/s, MFU 50.0% of the calibrated GEMM peak "
+                           "(waiting for data 50.0% of the time)")
+
+
+@pytest.mark.parametrize("seconds, text", [(12.34, "12.3s"), (75, "1m15s"), (3725, "1h02m05s")])
+def test_format_duration(seconds, text):
+    assert format_duration(seconds) == text
