@@ -14,37 +14,40 @@ from moetrain.analysis.params import count_params
 from moetrain.analysis.saved import saved_bytes_per_block
 from moetrain.analysis.shape import ModelShape
 from moetrain.config import build_config
+from moetrain.configlib import from_dict, merge
 from moetrain.model.config import ModelConfig
 from moetrain.model.transformer import MoETransformer, count_parameters
-from moetrain.moe.config import MoEConfig
 
 
-def _config(**kw) -> ModelConfig:
-    moe = kw.pop("moe", {})
+def _config(moe: dict | None = None, execution: dict | None = None, bta_tiles: int = 1, **kw) -> ModelConfig:
     base = dict(vocab_size=96, hidden=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=40, max_seq_len=32)
     base.update(kw)
-    return ModelConfig(**base, moe=MoEConfig(**{"num_experts": 4, "top_k": 2, "expert_ffn_hidden": 24, **moe}))
+    moe = merge({"num_experts": 4, "top_k": 2, "experts": {"ffn_hidden": 24}}, moe or {})
+    return from_dict(ModelConfig, {**base, "moe": moe, "execution": {**(execution or {}), "bta_tiles": bta_tiles}})
 
 
+LOOP = {"moe_backend": "loop"}
 CASES = {
     "dense": dict(moe_every=0),
-    "moe": dict(moe={"backend": "loop"}),
-    "moe-qknorm-untied": dict(qk_norm="head", tie_embeddings=False, moe={"backend": "loop", "num_experts": 8,
-                                                                          "top_k": 3}),
-    "mixed-layers": dict(n_layers=3, moe_every=2, qk_norm="full", moe={"backend": "loop"}),
-    "many-experts": dict(moe={"backend": "loop", "num_experts": 32, "top_k": 4, "expert_ffn_hidden": 8}),
-    "shared-expert": dict(moe={"backend": "loop", "shared_expert_ffn_hidden": 20, "shared_expert_gate": True}),
-    "padded-capacity": dict(moe={"backend": "padded", "capacity_factor": 1.5, "pad_to_capacity": True}),
+    "moe": dict(execution=LOOP),
+    "moe-qknorm-untied": dict(qk_norm="head", tie_embeddings=False, execution=LOOP, moe={"num_experts": 8,
+                                                                                         "top_k": 3}),
+    "mixed-layers": dict(n_layers=3, moe_every=2, qk_norm="full", execution=LOOP),
+    "many-experts": dict(execution=LOOP, moe={"num_experts": 32, "top_k": 4, "experts": {"ffn_hidden": 8}}),
+    "shared-expert": dict(execution=LOOP, moe={"shared_expert": {"ffn_hidden": 20, "gate": True}}),
+    "padded-capacity": dict(execution={"moe_backend": "padded"},
+                            moe={"capacity": {"factor": 1.5, "pad_to_capacity": True}}),
 }
 # Activation bytes of the capacity buffers depend on the padded backend's internals, not modelled per tensor.
 MEMORY_CASES = [name for name in CASES if name != "padded-capacity"]
 # The fused backend (the default) and recomputed experts save different tensors; FLOPs are the same maths (the
 # FLOP test above keeps to the loop backend, whose matmuls FlopCounterMode sees).
 CASES_MEMORY_ONLY = {
-    "fused": dict(moe={"backend": "fused"}),
-    "fused-recompute": dict(moe={"backend": "fused", "recompute_experts": True}),
-    "loop-recompute": dict(moe={"backend": "loop", "recompute_experts": True}),
-    "fused-gelu-recompute": dict(moe={"backend": "fused", "expert_activation": "gelu", "recompute_experts": True}),
+    "fused": dict(execution={"moe_backend": "fused"}),
+    "fused-recompute": dict(execution={"moe_backend": "fused", "recompute_experts": True}),
+    "loop-recompute": dict(execution={"moe_backend": "loop", "recompute_experts": True}),
+    "fused-gelu-recompute": dict(execution={"moe_backend": "fused", "recompute_experts": True},
+                                 moe={"experts": {"activation": "gelu"}}),
 }
 
 

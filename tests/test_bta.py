@@ -11,17 +11,19 @@ import torch
 from moetrain.analysis.saved import saved_bytes_per_block, tile_attention_bytes
 from moetrain.config import build_config
 from moetrain.errors import ConfigError
+from moetrain.execution import ExecutionConfig
 from moetrain.model.config import ModelConfig
 from moetrain.model.generate import generate
 from moetrain.model.transformer import MoETransformer
-from moetrain.moe.config import MoEConfig
+from moetrain.moe.config import CapacityConfig, ExpertsConfig, MoEConfig, SharedExpertConfig
 
 
-def _config(bta_tiles=1, moe_every=1, **moe) -> ModelConfig:
+def _config(bta_tiles=1, moe_every=1, backend="fused", **moe) -> ModelConfig:
     return ModelConfig(
         vocab_size=128, hidden=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=48, max_seq_len=32,
-        moe_every=moe_every, bta_tiles=bta_tiles, qk_norm="head",
-        moe=MoEConfig(**{"num_experts": 4, "top_k": 2, "expert_ffn_hidden": 24, **moe}),
+        moe_every=moe_every, qk_norm="head",
+        moe=MoEConfig(**{"num_experts": 4, "top_k": 2, "experts": ExpertsConfig(ffn_hidden=24), **moe}),
+        execution=ExecutionConfig(moe_backend=backend, bta_tiles=bta_tiles),
     )
 
 
@@ -44,8 +46,8 @@ LAYERS = {
     "dense-and-moe": dict(moe_every=2),
     # Capacity 1.0 with 4 experts drops tokens: the MoE layer sees all tokens at once, as untiled, so it drops
     # the same ones.
-    "capacity": dict(backend="padded", capacity_factor=1.0),
-    "shared-expert": dict(shared_expert_ffn_hidden=16, shared_expert_gate=True),
+    "capacity": dict(backend="padded", capacity=CapacityConfig(factor=1.0)),
+    "shared-expert": dict(shared_expert=SharedExpertConfig(ffn_hidden=16, gate=True)),
 }
 
 
@@ -130,19 +132,20 @@ def test_one_tile_alive_at_a_time():
 
 
 def test_tiles_must_divide_micro_batch():
-    with pytest.raises(ConfigError, match=r"model\.bta_tiles: 4 attention tiles .* train\.batch_size=6"):
-        build_config("tiny", overrides={"model": {"bta_tiles": 4}, "train": {"batch_size": 6}})
-    with pytest.raises(ConfigError, match=r"model\.bta_tiles: must be >= 1"):
-        build_config("tiny", overrides={"model": {"bta_tiles": 0}})
-    assert build_config("tiny", overrides={"model": {"bta_tiles": 4}}).model.bta_tiles == 4
+    with pytest.raises(ConfigError, match=r"model\.execution\.bta_tiles: 4 attention tiles .* train\.batch_size=6"):
+        build_config("tiny", overrides={"model": {"execution": {"bta_tiles": 4}}, "train": {"batch_size": 6}})
+    with pytest.raises(ConfigError, match=r"model\.execution\.bta_tiles: must be >= 1"):
+        build_config("tiny", overrides={"model": {"execution": {"bta_tiles": 0}}})
+    assert build_config("tiny", overrides={"model": {"execution": {"bta_tiles": 4}}}).model.execution.bta_tiles == 4
     _, bta = _pair(4)
     ids, tgt = _batch(b=6)
-    with pytest.raises(ConfigError, match=r"model\.bta_tiles: 4 attention tiles do not divide .* 6 sequences"):
+    with pytest.raises(ConfigError,
+                       match=r"model\.execution\.bta_tiles: 4 attention tiles do not divide .* 6 sequences"):
         bta(ids, tgt)
     with torch.no_grad():  # evaluation never tiles: any batch works
         bta(ids, tgt)
 
 
 def test_default_is_untiled():
-    assert ModelConfig().bta_tiles == 1
-    assert dataclasses.replace(_config(), bta_tiles=2).bta_tiles == 2
+    assert ModelConfig().execution.bta_tiles == 1
+    assert dataclasses.replace(_config().execution, bta_tiles=2).bta_tiles == 2

@@ -8,7 +8,8 @@ import torch
 from _parallel_util import spawn
 from moetrain.model.config import ModelConfig
 from moetrain.model.transformer import MoETransformer
-from moetrain.moe.config import MoEConfig
+from moetrain.execution import ExecutionConfig
+from moetrain.moe.config import ExpertsConfig, MoEConfig
 from moetrain.parallel.launch import ParallelHooks
 from moetrain.parallel.mesh import build_mesh
 
@@ -18,8 +19,8 @@ def _worker(rank: int, world: int, out_dir) -> dict:
     models = []
     for tiles in (1, 2):
         cfg = ModelConfig(vocab_size=64, hidden=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_hidden=48,
-                          max_seq_len=16, bta_tiles=tiles,
-                          moe=MoEConfig(num_experts=4, top_k=2, expert_ffn_hidden=16, backend="loop"))
+                          max_seq_len=16, execution=ExecutionConfig(moe_backend="loop", bta_tiles=tiles),
+                          moe=MoEConfig(num_experts=4, top_k=2, experts=ExpertsConfig(ffn_hidden=16)))
         torch.manual_seed(0)  # the same full weights on every rank and for both models, then sharded
         model = MoETransformer(cfg).double()
         ParallelHooks(mesh, "all_to_all").prepare_model(model)

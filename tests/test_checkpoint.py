@@ -157,14 +157,14 @@ def test_quarantine_moves_aside(tmp_path, three_files):
 
 
 def test_model_tensors_round_trip_buffers_and_tied_weights():
-    src = _tiny_model(expert_bias=True)
+    src = _tiny_model(router={"expert_bias": True})
     buffers = {n: b for n, b in src.named_buffers() if "bias" in n}
     assert buffers, "the router's expert bias should be a buffer"
     with torch.no_grad():
         for b in buffers.values():
             b.copy_(torch.randn_like(b))
     blob = encode_model(src)
-    dst = _tiny_model(expert_bias=True)
+    dst = _tiny_model(router={"expert_bias": True})
     torch.manual_seed(123)
     for p in dst.parameters():
         torch.nn.init.normal_(p)

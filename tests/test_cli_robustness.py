@@ -447,8 +447,9 @@ def test_resume_may_switch_execution_choices_that_keep_the_maths(env, stopped, t
     import shutil
 
     losses = {}
-    for name, extra in (("same", []), ("switched", ["model.moe.recompute_experts=true", "model.bta_tiles=2",
-                                                    "model.moe.backend=loop"])):
+    for name, extra in (("same", []), ("switched", ["model.execution.recompute_experts=true",
+                                                    "model.execution.bta_tiles=2",
+                                                    "model.execution.moe_backend=loop"])):
         run = tmp_path / name
         shutil.copytree(stopped, run)
         capsys.readouterr()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from moetrain.model.ffn import SwiGLU
-from moetrain.moe.config import MoEConfig
+from moetrain.moe.config import ExpertsConfig, MoEConfig
 from moetrain.moe.experts import grouped_swiglu, loop_swiglu
 from moetrain.moe.layer import MoELayer
 from moetrain.moe.losses import switch_load_balancing_loss
@@ -48,7 +48,7 @@ def test_grouped_mm_plain_sum_backward():
 
 def test_one_expert_top1_equals_dense_swiglu():
     d, f = 32, 48
-    layer = MoELayer(d, MoEConfig(num_experts=1, top_k=1, expert_ffn_hidden=f))
+    layer = MoELayer(d, MoEConfig(num_experts=1, top_k=1, experts=ExpertsConfig(ffn_hidden=f)))
     dense = SwiGLU(d, f)
     with torch.no_grad():
         for p in list(layer.parameters()) + list(dense.parameters()):
@@ -79,7 +79,7 @@ def _loop_layer_reference(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def test_layer_equals_token_loop():
     torch.manual_seed(0)
-    layer = MoELayer(16, MoEConfig(num_experts=5, top_k=2, expert_ffn_hidden=12))
+    layer = MoELayer(16, MoEConfig(num_experts=5, top_k=2, experts=ExpertsConfig(ffn_hidden=12)))
     with torch.no_grad():
         for p in layer.parameters():
             p.normal_(0, 0.3)

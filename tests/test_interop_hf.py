@@ -26,7 +26,7 @@ from moetrain.interop.layouts import (
 from moetrain.model.config import ModelConfig
 from moetrain.model.generate import generate
 from moetrain.model.transformer import MoETransformer
-from moetrain.moe.config import MoEConfig
+from moetrain.moe.config import ExpertsConfig, MoEConfig, RouterConfig, SharedExpertConfig
 
 V = 101
 BASE = {"vocab_size": V, "hidden": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 40,
@@ -34,22 +34,25 @@ BASE = {"vocab_size": V, "hidden": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads"
 
 
 def _moe(**kw) -> MoEConfig:
-    return MoEConfig(**{"num_experts": 4, "top_k": 2, "expert_ffn_hidden": 24, **kw})
+    return MoEConfig(**{"num_experts": 4, "top_k": 2, "experts": ExpertsConfig(ffn_hidden=24), **kw})
 
 
 # Each family with the features it maps, and a layer plan with dense blocks where the family has them.
 OURS = {
-    "mixtral": lambda: ModelConfig(**BASE, moe=_moe(norm_topk_prob=True)),
+    "mixtral": lambda: ModelConfig(**BASE, moe=_moe(router=RouterConfig(norm_topk_prob=True))),
     "qwen3_moe": lambda: ModelConfig(**{**BASE, "n_layers": 3}, qk_norm="head", head_dim=16, tie_embeddings=False,
-                                     first_k_dense=1, moe=_moe(norm_topk_prob=False)),
-    "olmoe": lambda: ModelConfig(**BASE, qk_norm="full", tie_embeddings=False, moe=_moe(norm_topk_prob=False)),
+                                     first_k_dense=1, moe=_moe(router=RouterConfig(norm_topk_prob=False))),
+    "olmoe": lambda: ModelConfig(**BASE, qk_norm="full", tie_embeddings=False,
+                                 moe=_moe(router=RouterConfig(norm_topk_prob=False))),
     "qwen2_moe": lambda: ModelConfig(**{**BASE, "n_layers": 4}, attention_bias=True, moe_every=2,
-                                     moe=_moe(norm_topk_prob=False, shared_expert_ffn_hidden=20,
-                                              shared_expert_gate=True)),
+                                     moe=_moe(router=RouterConfig(norm_topk_prob=False),
+                                              shared_expert=SharedExpertConfig(ffn_hidden=20, gate=True))),
     "dots1": lambda: ModelConfig(**{**BASE, "n_layers": 3}, qk_norm="head", first_k_dense=1, tie_embeddings=False,
-                                 moe=_moe(num_experts=8, top_k=2, score_func="sigmoid", norm_topk_prob=True,
-                                          routed_scaling_factor=2.5, num_groups=4, topk_groups=2, expert_bias=True,
-                                          shared_expert_ffn_hidden=48)),
+                                 moe=_moe(num_experts=8, top_k=2,
+                                          router=RouterConfig(score_func="sigmoid", norm_topk_prob=True,
+                                                              routed_scaling_factor=2.5, num_groups=4, topk_groups=2,
+                                                              expert_bias=True),
+                                          shared_expert=SharedExpertConfig(ffn_hidden=48))),
 }
 ARCH = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
         "qwen2_moe": "Qwen2MoeForCausalLM", "dots1": "Dots1ForCausalLM"}
@@ -227,7 +230,7 @@ def test_unexpected_tensor_is_named(tmp_path):
 
 @pytest.mark.parametrize("change, words", [
     ({"first_k_dense": 1}, "MixtralForCausalLM has an MoE FFN in every layer"),
-    ({"moe": _moe(norm_topk_prob=False)}, "norm_topk_prob=False: Mixtral always renormalises"),
+    ({"moe": _moe(router=RouterConfig(norm_topk_prob=False))}, "norm_topk_prob=False: Mixtral always renormalises"),
     ({"moe_every": 0}, "no MoE layer"),
     ({"qk_norm": "full", "head_dim": 16}, "OLMoE's q/k norm spans hidden=32"),
 ])
@@ -253,8 +256,8 @@ def test_import_refuses_what_does_not_map(tmp_path):
 
 def test_dots1_without_expert_bias_round_trips(tmp_path):
     """dots.llm1 always stores e_score_correction_bias; a model without one exports zeros and comes back without."""
-    cfg = dataclasses.replace(OURS["dots1"](), moe=_moe(num_experts=8, score_func="sigmoid", num_groups=4,
-                                                        topk_groups=2, expert_bias=False))
+    cfg = dataclasses.replace(OURS["dots1"](), moe=_moe(num_experts=8, router=RouterConfig(
+        score_func="sigmoid", num_groups=4, topk_groups=2, expert_bias=False)))
     torch.manual_seed(0)
     ours = MoETransformer(cfg)
     to_hf(ours, tmp_path)

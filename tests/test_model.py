@@ -41,12 +41,12 @@ def test_counts_match_hand_formula():
     total, active = count_parameters(model)
     d, hd, L = cfg.hidden, cfg.head_size, cfg.n_layers
     attn = d * cfg.n_heads * hd * 2 + d * cfg.n_kv_heads * hd * 2
-    experts = cfg.moe.num_experts * 3 * d * cfg.moe.expert_ffn_hidden
+    experts = cfg.moe.num_experts * 3 * d * cfg.moe.experts.ffn_hidden
     router = cfg.moe.num_experts * d
     per_layer = attn + experts + router + 2 * d
     expected_total = L * per_layer + cfg.vocab_size * d + d  # tied embeddings, final norm
     assert total == expected_total
-    inactive = L * (cfg.moe.num_experts - cfg.moe.top_k) * 3 * d * cfg.moe.expert_ffn_hidden
+    inactive = L * (cfg.moe.num_experts - cfg.moe.top_k) * 3 * d * cfg.moe.experts.ffn_hidden
     assert active == expected_total - inactive
 
 

@@ -8,17 +8,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moetrain.moe.config import MoEConfig
+from moetrain.execution import ExecutionConfig
+from moetrain.moe.config import CapacityConfig, ExpertsConfig, MoEConfig, RouterConfig, SharedExpertConfig
 from moetrain.moe.experts import grouped_experts, loop_experts, padded_experts
 from moetrain.moe.layer import MoELayer
 
 D, FF, E = 16, 8, 6
 
 
-def _layer(seed: int = 0, **kw) -> MoELayer:
-    cfg = dict(num_experts=E, top_k=2, expert_ffn_hidden=FF)
+def _layer(seed: int = 0, backend: str = "fused", **kw) -> MoELayer:
+    cfg = dict(num_experts=E, top_k=2, experts=ExpertsConfig(ffn_hidden=FF))
     cfg.update(kw)
-    layer = MoELayer(D, MoEConfig(**cfg))
+    layer = MoELayer(D, MoEConfig(**cfg), ExecutionConfig(moe_backend=backend))
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in layer.parameters():
@@ -50,13 +51,14 @@ def _assert_same(a, b, tol=1e-5):
 
 SETTINGS = [
     dict(),  # dropless
-    dict(expert_activation="gelu"),
-    dict(capacity_factor=0.5, drop_policy="probs"),
-    dict(capacity_factor=0.5, drop_policy="position"),
-    dict(capacity_factor=0.75, drop_policy="probs", pad_to_capacity=True),
-    dict(capacity_factor=0.75, drop_policy="position", pad_to_capacity=True, min_capacity=3),
-    dict(capacity_factor=1.0, shared_expert_ffn_hidden=12, shared_expert_gate=True),
-    dict(score_func="sigmoid", num_groups=3, topk_groups=2, expert_bias=True, routed_scaling_factor=2.0),
+    dict(experts=ExpertsConfig(ffn_hidden=FF, activation="gelu")),
+    dict(capacity=CapacityConfig(factor=0.5, drop_policy="probs")),
+    dict(capacity=CapacityConfig(factor=0.5, drop_policy="position")),
+    dict(capacity=CapacityConfig(factor=0.75, drop_policy="probs", pad_to_capacity=True)),
+    dict(capacity=CapacityConfig(factor=0.75, drop_policy="position", pad_to_capacity=True, min_capacity=3)),
+    dict(capacity=CapacityConfig(factor=1.0), shared_expert=SharedExpertConfig(ffn_hidden=12, gate=True)),
+    dict(router=RouterConfig(score_func="sigmoid", num_groups=3, topk_groups=2, expert_bias=True,
+                             routed_scaling_factor=2.0)),
 ]
 
 
@@ -69,7 +71,7 @@ def test_backend_equals_loop(settings, backend):
     ref = _run(_layer(backend="loop", **settings), x, mask)
     got = _run(_layer(backend=backend, **settings), x, mask)
     _assert_same(got, ref)
-    if "capacity_factor" in settings and settings["capacity_factor"] < 1:
+    if "capacity" in settings and settings["capacity"].factor < 1:
         assert ref[3].dropped_per_expert.sum() > 0  # the case really drops
 
 
@@ -98,7 +100,7 @@ def test_idle_experts_get_exactly_zero_gradient(backend):
 def test_every_token_dropped(backend):
     """Padding never takes a capacity slot: an all-padding batch drops every assignment; the layer returns exact
     zeros (only the residual carries these tokens), with finite, zero expert gradients."""
-    layer = _layer(backend=backend, capacity_factor=1.0)
+    layer = _layer(backend=backend, capacity=CapacityConfig(factor=1.0))
     x = torch.randn(2, 4, D, generator=torch.Generator().manual_seed(3))
     mask = torch.zeros(2, 4, dtype=torch.bool)
     y, grads, x_grad, aux = _run(layer, x, mask)
@@ -142,7 +144,7 @@ def _nan_grouped_mm(a, b, offs=None, bias=None, out_dtype=None):
     return _NaNGroupedMM.apply(a, b, offs)
 
 
-@pytest.mark.parametrize("settings", [dict(), dict(capacity_factor=0.5)], ids=["dropless", "dropping"])
+@pytest.mark.parametrize("settings", [dict(), dict(capacity=CapacityConfig(factor=0.5))], ids=["dropless", "dropping"])
 def test_grouped_mm_garbage_never_leaks(settings, monkeypatch):
     x = torch.randn(12, D, generator=torch.Generator().manual_seed(4)).abs()
     ref = _run(_skewed_layer("loop", **settings), x)

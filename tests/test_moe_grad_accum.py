@@ -17,8 +17,9 @@ NO_MOE_LOSS = dict(aux_loss_coeff=0.0, pooled_aux_loss_coeff=0.0, seq_aux_loss_c
                    z_loss_coeff=0.0, util_loss_coeff=0.0)
 
 
-def _model(seed: int = 0, **moe) -> MoETransformer:
-    cfg = build_config("tiny", overrides={"model": {"n_layers": 2, "moe": {**NO_MOE_LOSS, **moe}}}).model
+def _model(seed: int = 0, router: dict | None = None, **losses) -> MoETransformer:
+    moe = {"losses": {**NO_MOE_LOSS, **losses}, "router": router or {}}
+    cfg = build_config("tiny", overrides={"model": {"n_layers": 2, "moe": moe}}).model
     torch.manual_seed(seed)
     model = MoETransformer(cfg)
     with torch.no_grad():  # a router with real preferences, so the balancing losses have sizeable gradients
@@ -118,7 +119,7 @@ def test_count_reducer_hook():
 
 
 def test_expert_bias_updates_once_per_step_from_all_micro_batches():
-    model = _model(expert_bias=True, expert_bias_update_rate=0.01)
+    model = _model(router={"expert_bias": True, "expert_bias_update_rate": 0.01})
     inputs, targets = _batch()
     batches = iter([(inputs[:2], targets[:2]), (inputs[2:], targets[2:])])
     cfg = build_config("tiny", overrides={"train": {"grad_accum": 2}}).train

@@ -10,7 +10,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from moetrain.moe.config import MoEConfig  # noqa: E402
+from moetrain.execution import ExecutionConfig  # noqa: E402
+from moetrain.moe.config import ExpertsConfig, MoEConfig, RouterConfig, SharedExpertConfig  # noqa: E402
 from moetrain.moe.layer import MoELayer  # noqa: E402
 from moetrain.moe.losses import pooled_load_balancing_loss  # noqa: E402
 
@@ -67,7 +68,8 @@ def test_mixtral_block():
     hf = MixtralSparseMoeBlock(MixtralConfig(hidden_size=D, intermediate_size=F, num_local_experts=E,
                                              num_experts_per_tok=2, router_jitter_noise=0.0))
     _randomize(hf, 0)
-    ours = MoELayer(D, MoEConfig(num_experts=E, top_k=2, expert_ffn_hidden=F, norm_topk_prob=True))
+    ours = MoELayer(D, MoEConfig(num_experts=E, top_k=2, experts=ExpertsConfig(ffn_hidden=F),
+                                 router=RouterConfig(norm_topk_prob=True)))
     _load_from_hf(ours, hf)
     _compare(ours, hf)
 
@@ -80,7 +82,8 @@ def test_qwen3_moe_block(norm_topk_prob):
     hf = Qwen3MoeSparseMoeBlock(Qwen3MoeConfig(hidden_size=D, moe_intermediate_size=F, num_experts=E,
                                                num_experts_per_tok=3, norm_topk_prob=norm_topk_prob))
     _randomize(hf, 1)
-    ours = MoELayer(D, MoEConfig(num_experts=E, top_k=3, expert_ffn_hidden=F, norm_topk_prob=norm_topk_prob))
+    ours = MoELayer(D, MoEConfig(num_experts=E, top_k=3, experts=ExpertsConfig(ffn_hidden=F),
+                                 router=RouterConfig(norm_topk_prob=norm_topk_prob)))
     _load_from_hf(ours, hf)
     _compare(ours, hf)
 
@@ -94,8 +97,10 @@ def test_qwen2_moe_block_with_gated_shared_expert(backend):
                                                num_experts_per_tok=2, norm_topk_prob=False,
                                                shared_expert_intermediate_size=12))
     _randomize(hf, 2)
-    ours = MoELayer(D, MoEConfig(num_experts=E, top_k=2, expert_ffn_hidden=F, norm_topk_prob=False,
-                                 shared_expert_ffn_hidden=12, shared_expert_gate=True, backend=backend))
+    ours = MoELayer(D, MoEConfig(num_experts=E, top_k=2, experts=ExpertsConfig(ffn_hidden=F),
+                                 router=RouterConfig(norm_topk_prob=False),
+                                 shared_expert=SharedExpertConfig(ffn_hidden=12, gate=True)),
+                    ExecutionConfig(moe_backend=backend))
     _load_from_hf(ours, hf)
     _compare(ours, hf)
 
@@ -112,9 +117,11 @@ def test_deepseek_v3_block(n_group, topk_group):
     _randomize(hf, 3)
     with torch.no_grad():  # a bias large enough to change the selection
         hf.gate.e_score_correction_bias.copy_(torch.randn(E, generator=torch.Generator().manual_seed(4)) * 0.2)
-    ours = MoELayer(D, MoEConfig(num_experts=E, top_k=3, expert_ffn_hidden=F, score_func="sigmoid",
-                                 norm_topk_prob=True, routed_scaling_factor=2.5, num_groups=n_group,
-                                 topk_groups=topk_group, expert_bias=True, shared_expert_ffn_hidden=2 * F))
+    ours = MoELayer(D, MoEConfig(num_experts=E, top_k=3, experts=ExpertsConfig(ffn_hidden=F),
+                                 router=RouterConfig(score_func="sigmoid", norm_topk_prob=True,
+                                                     routed_scaling_factor=2.5, num_groups=n_group,
+                                                     topk_groups=topk_group, expert_bias=True),
+                                 shared_expert=SharedExpertConfig(ffn_hidden=2 * F)))
     _load_from_hf(ours, hf)
     _compare(ours, hf, backend_check=False)  # transformers has no aux loss for DeepSeek-V3
 
@@ -123,7 +130,7 @@ def test_pooled_aux_loss_equals_transformers_over_layers_with_mask():
     from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
     g = torch.Generator().manual_seed(5)
-    layers = [MoELayer(D, MoEConfig(num_experts=E, top_k=2, expert_ffn_hidden=F)) for _ in range(3)]
+    layers = [MoELayer(D, MoEConfig(num_experts=E, top_k=2, experts=ExpertsConfig(ffn_hidden=F))) for _ in range(3)]
     for i, layer in enumerate(layers):
         _randomize(layer, 10 + i)
     x = torch.randn(2, 6, D, generator=g)

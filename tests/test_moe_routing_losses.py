@@ -11,7 +11,7 @@ import torch
 from moetrain.config import build_config
 from moetrain.errors import ConfigError
 from moetrain.moe.capacity import capacity_keep, expert_capacity
-from moetrain.moe.config import MoEConfig
+from moetrain.moe.config import CapacityConfig, ExpertsConfig, MoEConfig, RouterConfig
 from moetrain.moe.layer import MoELayer
 from moetrain.moe.losses import (
     expert_counts,
@@ -62,8 +62,9 @@ def test_case3_loss_takes_logits_softmax_once():
 
 
 def test_case4_capacity_drops_the_last_token_by_position():
-    layer = MoELayer(4, MoEConfig(num_experts=4, top_k=1, expert_ffn_hidden=4, norm_topk_prob=False,
-                                  capacity_factor=1.0, min_capacity=4, drop_policy="position"))
+    layer = MoELayer(4, MoEConfig(num_experts=4, top_k=1, experts=ExpertsConfig(ffn_hidden=4),
+                                  router=RouterConfig(norm_topk_prob=False),
+                                  capacity=CapacityConfig(factor=1.0, min_capacity=4, drop_policy="position")))
     torch.manual_seed(0)
     with torch.no_grad():
         layer.router.weight.copy_(torch.eye(4))
@@ -95,7 +96,7 @@ def test_case5_top1_renormalised_weights_are_one():
 
 def test_case6_bf16_autocast_keeps_the_fp32_choice():
     assert torch.tensor(1.001).bfloat16() == torch.tensor(1.003).bfloat16()  # bf16 would tie (expert 0 wins)
-    layer = MoELayer(4, MoEConfig(num_experts=4, top_k=1, expert_ffn_hidden=4))
+    layer = MoELayer(4, MoEConfig(num_experts=4, top_k=1, experts=ExpertsConfig(ffn_hidden=4)))
     with torch.no_grad():
         for p in layer.parameters():
             p.normal_(0, 0.1)
@@ -119,13 +120,13 @@ def test_expert_bias_changes_selection_not_weights():
 
 
 def test_expert_bias_buffer_is_saved_and_updated():
-    layer = MoELayer(8, MoEConfig(num_experts=4, top_k=1, expert_ffn_hidden=8, expert_bias=True,
-                                  expert_bias_update_rate=0.01))
+    layer = MoELayer(8, MoEConfig(num_experts=4, top_k=1, experts=ExpertsConfig(ffn_hidden=8),
+                                  router=RouterConfig(expert_bias=True, expert_bias_update_rate=0.01)))
     assert "router.e_score_correction_bias" in layer.state_dict()
     assert "router.e_score_correction_bias" not in dict(layer.named_parameters())
     layer.router.update_expert_bias(torch.tensor([6.0, 2.0, 4.0, 0.0]))  # mean 3
     assert torch.allclose(layer.router.e_score_correction_bias, torch.tensor([-0.01, 0.01, -0.01, 0.01]))
-    no_bias = MoELayer(8, MoEConfig(num_experts=4, top_k=1, expert_ffn_hidden=8))
+    no_bias = MoELayer(8, MoEConfig(num_experts=4, top_k=1, experts=ExpertsConfig(ffn_hidden=8)))
     assert not any("bias" in name for name in no_bias.state_dict())
 
 
@@ -147,7 +148,8 @@ def test_ties_go_to_the_lowest_index():
 
 
 def test_jitter_only_in_training():
-    layer = MoELayer(8, MoEConfig(num_experts=4, top_k=2, expert_ffn_hidden=8, router_jitter=0.1))
+    layer = MoELayer(8, MoEConfig(num_experts=4, top_k=2, experts=ExpertsConfig(ffn_hidden=8),
+                                  router=RouterConfig(jitter_eps=0.1)))
     with torch.no_grad():
         for p in layer.parameters():
             p.normal_(0, 0.5)
@@ -203,17 +205,17 @@ def test_utilization_loss_value_and_gradient_at_balance():
 
 
 @pytest.mark.parametrize("override,field", [
-    ({"capacity_factor": 0.0}, "model.moe.capacity_factor"),
-    ({"capacity_factor": -1.0}, "model.moe.capacity_factor"),
+    ({"capacity": {"factor": 0.0}}, "model.moe.capacity.factor"),
+    ({"capacity": {"factor": -1.0}}, "model.moe.capacity.factor"),
     ({"top_k": 9}, "model.moe.top_k"),
-    ({"num_groups": 3}, "model.moe.num_groups"),
-    ({"num_groups": 2, "topk_groups": 3}, "model.moe.topk_groups"),
-    ({"num_groups": 4, "topk_groups": 1, "top_k": 3}, "model.moe.top_k"),
-    ({"eval_capacity_factor": 0.0, "capacity_factor": 1.0}, "model.moe.eval_capacity_factor"),
-    ({"pad_to_capacity": True}, "model.moe.pad_to_capacity"),
-    ({"shared_expert_gate": True}, "model.moe.shared_expert_gate"),
-    ({"score_func": "relu"}, "model.moe.score_func"),
-    ({"min_capacity": 0, "capacity_factor": 1.0}, "model.moe.min_capacity"),
+    ({"router": {"num_groups": 3}}, "model.moe.router.num_groups"),
+    ({"router": {"num_groups": 2, "topk_groups": 3}}, "model.moe.router.topk_groups"),
+    ({"router": {"num_groups": 4, "topk_groups": 1}, "top_k": 3}, "model.moe.top_k"),
+    ({"capacity": {"eval_factor": 0.0, "factor": 1.0}}, "model.moe.capacity.eval_factor"),
+    ({"capacity": {"pad_to_capacity": True}}, "model.moe.capacity.pad_to_capacity"),
+    ({"shared_expert": {"gate": True}}, "model.moe.shared_expert.gate"),
+    ({"router": {"score_func": "relu"}}, "model.moe.router.score_func"),
+    ({"capacity": {"min_capacity": 0, "factor": 1.0}}, "model.moe.capacity.min_capacity"),
 ])
 def test_config_errors_name_the_field(override, field):
     with pytest.raises(ConfigError) as err:
@@ -222,8 +224,8 @@ def test_config_errors_name_the_field(override, field):
 
 
 def test_eval_capacity_factor_applies_in_eval_mode_only():
-    layer = MoELayer(8, MoEConfig(num_experts=4, top_k=1, expert_ffn_hidden=8, capacity_factor=0.5,
-                                  eval_capacity_factor=4.0))
+    layer = MoELayer(8, MoEConfig(num_experts=4, top_k=1, experts=ExpertsConfig(ffn_hidden=8),
+                                  capacity=CapacityConfig(factor=0.5, eval_factor=4.0)))
     with torch.no_grad():
         for p in layer.parameters():
             p.normal_(0, 0.5)

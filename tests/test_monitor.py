@@ -17,7 +17,7 @@ from torch import nn
 
 from moetrain.config import build_config
 from moetrain.errors import ConfigError, MoetrainError
-from moetrain.moe.config import MoEConfig
+from moetrain.moe.config import CapacityConfig, ExpertsConfig, MoEConfig, RouterConfig
 from moetrain.moe.layer import MoELayer
 from moetrain.train.alerts import ALERTS_FILE, AlertTracker, TrainingAlarm, read_alerts
 from moetrain.train.monitor import RoutingMonitor, colorize
@@ -65,7 +65,7 @@ class _Block(nn.Module):
 def make_model(**moe_overrides) -> tuple[nn.Module, MoELayer]:
     """A two-block stand-in model: block 0 dense, block 1 an MoE layer (E=4, K=2) whose router logits equal its
     input."""
-    layer = MoELayer(4, MoEConfig(num_experts=4, top_k=2, expert_ffn_hidden=8, **moe_overrides))
+    layer = MoELayer(4, MoEConfig(num_experts=4, top_k=2, experts=ExpertsConfig(ffn_hidden=8), **moe_overrides))
     with torch.no_grad():
         layer.router.weight.copy_(torch.eye(4))
     model = nn.Module()
@@ -235,10 +235,7 @@ def test_records_without_a_drop_field_report_no_drop_fraction(tmp_path):
 
 
 def test_real_capacity_drops_and_expert_bias_are_reported(tmp_path):
-    fields = {f.name for f in dataclasses.fields(MoEConfig)}
-    if not {"capacity_factor", "expert_bias"} <= fields:
-        pytest.skip("this MoE layer has no capacity factor / expert bias")
-    model, layer = make_model(capacity_factor=0.5, expert_bias=True)
+    model, layer = make_model(capacity=CapacityConfig(factor=0.5), router=RouterConfig(expert_bias=True))
     monitor = RoutingMonitor(model, MonitorConfig(), tmp_path, log=lambda m: None)
     layer.train()
     layer(torch.tensor(X))
@@ -379,7 +376,7 @@ def test_tensorboard_histograms_and_heatmap(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from torch.utils.tensorboard import SummaryWriter
 
-    model, layer = make_model(expert_bias=True)
+    model, layer = make_model(router=RouterConfig(expert_bias=True))
     monitor = RoutingMonitor(model, MonitorConfig(tb_heatmap_every=2), tmp_path, log=lambda m: None)
     writer = SummaryWriter(log_dir=str(tmp_path / "tb"))
     layer.train()

@@ -71,7 +71,7 @@ def records(run_dir: Path) -> list[dict]:
 
 # A router forced to collapse: DeepSeek-style selection bias (it changes which experts are chosen, never the gating
 # weights), frozen (update rate 0), and set to +100 on experts 0 and 1 by the initialisation below.
-COLLAPSE_MOE = {"expert_bias": True, "expert_bias_update_rate": 0.0}
+COLLAPSE_MOE = {"router": {"expert_bias": True, "expert_bias_update_rate": 0.0}}
 
 
 @pytest.fixture
@@ -131,7 +131,7 @@ def test_fatal_collapse_exits_2_with_a_checkpoint(tmp_path, corpus, cache_dir, f
     run_dir = tmp_path / "fatal"
     rc = main(["train", "--preset", "tiny", "--data", str(corpus), "--out", str(run_dir), "--no-progress",
                f"data.cache_dir={cache_dir}", "train.steps=12", 'monitor.fatal=["collapse"]',
-               *(f"model.moe.{k}={str(v).lower()}" for k, v in COLLAPSE_MOE.items())])
+               *(f"model.moe.router.{k}={str(v).lower()}" for k, v in COLLAPSE_MOE["router"].items())])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2
     assert len(err) == 1 and err[0].startswith("moetrain: error: monitor.fatal:") and "collapse" in err[0]
@@ -222,8 +222,8 @@ def test_counts_exclude_the_global_aux_loss_routing_prepass(tmp_path, corpus, ca
     """With the global-batch aux loss and gradient accumulation, the trainer runs a no-grad routing pre-pass over
     the step's micro-batches; the monitor must count each training token once, not twice."""
     cfg = tiny_config(corpus, cache_dir, train={"steps": 5, "grad_accum": 2, "log_every": 5, "eval_every": 0},
-                      model={"moe": {"num_experts": 4, "top_k": 2, "expert_ffn_hidden": 64,
-                                     "global_aux_loss_coeff": 0.01}})
+                      model={"moe": {"num_experts": 4, "top_k": 2, "experts": {"ffn_hidden": 64},
+                                     "losses": {"global_aux_loss_coeff": 0.01}}})
     run_dir = tmp_path / "global"
     Trainer(cfg, run_dir, log=lambda m: None, progress=False).run()
     (r,) = [r for r in records(run_dir) if "moe/layer0/tokens" in r]

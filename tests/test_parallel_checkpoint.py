@@ -37,10 +37,11 @@ BATCH, SEQ = 4, 8
 
 def _config(ep: int):
     # The per-micro-batch Switch loss is per rank (not global): use the global-batch one, as under DP it is exact.
-    moe = {"num_experts": 4, "top_k": 2, "expert_ffn_hidden": 16, "backend": "loop", "expert_bias": True,
-           "aux_loss_coeff": 0.0, "global_aux_loss_coeff": 0.01}
+    moe = {"num_experts": 4, "top_k": 2, "experts": {"ffn_hidden": 16}, "router": {"expert_bias": True},
+           "losses": {"aux_loss_coeff": 0.0, "global_aux_loss_coeff": 0.01}}
     return build_config("tiny", overrides={
-        "model": {"vocab_size": 64, "hidden": 16, "n_heads": 2, "n_kv_heads": 1, "ffn_hidden": 32, "moe": moe},
+        "model": {"vocab_size": 64, "hidden": 16, "n_heads": 2, "n_kv_heads": 1, "ffn_hidden": 32, "moe": moe,
+                  "execution": {"moe_backend": "loop"}},
         "data": {"seq_len": SEQ},
         "train": {"batch_size": BATCH, "lr": 1e-2, "warmup_steps": 3, "device": "cpu"},
         "parallel": {"ep": ep},

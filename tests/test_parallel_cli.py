@@ -38,7 +38,7 @@ def _corpus(root: Path) -> Path:
 def _args(tmp: Path, out: str) -> list[str]:
     return ["train", "--preset", "tiny", "--data", str(tmp / "corpus"), "--out", str(tmp / out), "--no-progress",
             f"data.cache_dir={tmp / 'cache'}", "train.steps=2", "train.log_every=1", "train.eval_batches=1",
-            "model.moe.aux_loss_coeff=0", "model.moe.global_aux_loss_coeff=0.01"]
+            "model.moe.losses.aux_loss_coeff=0", "model.moe.losses.global_aux_loss_coeff=0.01"]
 
 
 def _records(run: Path) -> list[dict]:

@@ -22,7 +22,8 @@ from torch import nn
 
 from _parallel_util import spawn
 from moetrain.moe.capacity import capacity_keep, expert_capacity
-from moetrain.moe.config import MoEConfig
+from moetrain.execution import ExecutionConfig
+from moetrain.moe.config import CapacityConfig, ExpertsConfig, MoEConfig
 from moetrain.moe.layer import MoELayer
 from moetrain.parallel.all_gather import AllGatherDispatcher
 from moetrain.parallel.all_to_all import AllToAllDispatcher
@@ -38,10 +39,10 @@ DISPATCHERS = {"all_to_all": AllToAllDispatcher, "all_gather": AllGatherDispatch
 def _setup(case: dict, world: int):
     """The full layer, the global batch and the loss weights, identical on every rank (fixed seed)."""
     dtype = torch.float64 if case["dtype"] == "fp64" else torch.float32
-    cfg = MoEConfig(num_experts=case["experts"], top_k=K, expert_ffn_hidden=F_HIDDEN, backend=case["backend"],
-                    **case.get("moe", {}))
+    cfg = MoEConfig(num_experts=case["experts"], top_k=K, experts=ExpertsConfig(ffn_hidden=F_HIDDEN),
+                    capacity=CapacityConfig(**case.get("capacity", {})))
     torch.manual_seed(1234)
-    layer = MoELayer(D, cfg)
+    layer = MoELayer(D, cfg, ExecutionConfig(moe_backend=case["backend"]))
     for p in layer.parameters():
         nn.init.normal_(p, std=0.3)
     x = torch.randn(world * T_PER_RANK, D)
@@ -80,10 +81,10 @@ def _kept(layer: MoELayer, x: torch.Tensor, world: int) -> torch.Tensor:
     cfg = layer.config
     routing = layer.router(x.to(layer.router.weight.dtype))
     ids, weights = routing.topk_ids.reshape(world, T_PER_RANK, K), routing.topk_weights.reshape(world, T_PER_RANK, K)
-    if cfg.capacity_factor is None:
+    if cfg.capacity.factor is None:
         return torch.ones(world, T_PER_RANK * K, dtype=torch.bool)
-    cap = expert_capacity(T_PER_RANK, K, cfg.num_experts, cfg.capacity_factor, cfg.min_capacity)
-    return torch.stack([capacity_keep(ids[r], weights[r], cfg.num_experts, cap, cfg.drop_policy).reshape(-1)
+    cap = expert_capacity(T_PER_RANK, K, cfg.num_experts, cfg.capacity.factor, cfg.capacity.min_capacity)
+    return torch.stack([capacity_keep(ids[r], weights[r], cfg.num_experts, cap, cfg.capacity.drop_policy).reshape(-1)
                         for r in range(world)])
 
 
@@ -103,7 +104,7 @@ def _layer_worker(rank: int, world: int, out_dir, cases: list[dict]) -> dict:
         # Reference: the whole global batch through the unsharded layer with the local dispatcher.
         ref = copy.deepcopy(layer)
         x_ref = x.clone().requires_grad_(True)
-        capacity = layer.config.capacity_factor is not None
+        capacity = layer.config.capacity.factor is not None
         autocast = case.get("autocast", False)
         y_ref, loss_ref, dropped = _reference(ref, x_ref, c, world, per_slice=capacity, autocast=autocast)
         loss_ref.backward()
@@ -127,8 +128,9 @@ def _layer_worker(rank: int, world: int, out_dir, cases: list[dict]) -> dict:
         in_local = (ids >= local.start) & (ids < local.stop) & kept
         # all_to_all sends rows in the autocast dtype (bf16: 2 bytes), all_gather the tokens as they are.
         row_bytes = D * (2 if autocast and case["dispatcher"] == "all_to_all" else x.element_size())
-        padded = layer.config.pad_to_capacity or layer.config.backend == "padded"
-        cap = (expert_capacity(T_PER_RANK, K, case["experts"], layer.config.capacity_factor, layer.config.min_capacity)
+        padded = layer.config.capacity.pad_to_capacity or layer.execution.moe_backend == "padded"
+        cap = (expert_capacity(T_PER_RANK, K, case["experts"], layer.config.capacity.factor,
+                               layer.config.capacity.min_capacity)
                if capacity else 0)
         if case["dispatcher"] == "all_to_all" and padded:  # C slots per expert, empty ones included
             predicted_sent, predicted_remote = case["experts"] * cap, (case["experts"] - len(local)) * cap
@@ -168,13 +170,13 @@ CASES_2 = [
      "backend": "loop", "idle_last_rank": True},
     {"name": "dp2_ep1", "ep": 1, "experts": 4, "dispatcher": "all_to_all", "dtype": "fp64", "backend": "loop"},
     {"name": "ep2_a2a_capacity_probs", "ep": 2, "experts": 4, "dispatcher": "all_to_all", "dtype": "fp64",
-     "backend": "loop", "moe": {"capacity_factor": 0.5}},
+     "backend": "loop", "capacity": {"factor": 0.5}},
     {"name": "ep2_a2a_capacity_padded", "ep": 2, "experts": 4, "dispatcher": "all_to_all", "dtype": "fp64",
-     "backend": "padded", "moe": {"capacity_factor": 0.5, "drop_policy": "position"}},
+     "backend": "padded", "capacity": {"factor": 0.5, "drop_policy": "position"}},
     {"name": "ep2_a2a_bf16_autocast", "ep": 2, "experts": 4, "dispatcher": "all_to_all", "dtype": "fp32",
      "backend": "grouped_mm", "autocast": True, "tol": 2e-2},
     {"name": "ep2_allgather_capacity_padded", "ep": 2, "experts": 4, "dispatcher": "all_gather", "dtype": "fp64",
-     "backend": "padded", "moe": {"capacity_factor": 0.5}},
+     "backend": "padded", "capacity": {"factor": 0.5}},
 ]
 CASES_4 = [
     {"name": "ep4_a2a_fp64", "ep": 4, "experts": 8, "dispatcher": "all_to_all", "dtype": "fp64", "backend": "loop"},
@@ -185,9 +187,9 @@ CASES_4 = [
     {"name": "dp2xep2_allgather_fp32", "ep": 2, "experts": 4, "dispatcher": "all_gather", "dtype": "fp32",
      "backend": "grouped_mm"},
     {"name": "ep4_a2a_capacity_fp32", "ep": 4, "experts": 8, "dispatcher": "all_to_all", "dtype": "fp32",
-     "backend": "grouped_mm", "moe": {"capacity_factor": 0.5}},
+     "backend": "grouped_mm", "capacity": {"factor": 0.5}},
     {"name": "dp2xep2_allgather_capacity", "ep": 2, "experts": 4, "dispatcher": "all_gather", "dtype": "fp64",
-     "backend": "loop", "moe": {"capacity_factor": 0.5, "drop_policy": "position"}},
+     "backend": "loop", "capacity": {"factor": 0.5, "drop_policy": "position"}},
 ]
 
 
@@ -227,6 +229,6 @@ def test_idle_rank_really_idle(results):
     assert results["ep4_a2a_idle_rank"][3]["tokens_received"] == (0, 0)
 
 
-@pytest.mark.parametrize("name", [c["name"] for c in CASES_2 + CASES_4 if "moe" in c])
+@pytest.mark.parametrize("name", [c["name"] for c in CASES_2 + CASES_4 if "capacity" in c])
 def test_capacity_cases_really_drop(results, name):
     assert results[name][0]["dropped"] > 0

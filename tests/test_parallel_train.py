@@ -30,11 +30,13 @@ STEPS, BATCH, SEQ = 2, 8, 16
 
 
 def _config(case: dict):
-    moe = {"num_experts": case["experts"], "top_k": 2, "expert_ffn_hidden": 32, "backend": "loop",
-           "aux_loss_coeff": 0.0, "global_aux_loss_coeff": 0.05, "seq_aux_loss_coeff": 0.01, "z_loss_coeff": 0.01,
-           "expert_bias": True, "expert_bias_update_rate": 0.01}
+    moe = {"num_experts": case["experts"], "top_k": 2, "experts": {"ffn_hidden": 32},
+           "losses": {"aux_loss_coeff": 0.0, "global_aux_loss_coeff": 0.05, "seq_aux_loss_coeff": 0.01,
+                      "z_loss_coeff": 0.01},
+           "router": {"expert_bias": True, "expert_bias_update_rate": 0.01}}
     return build_config("tiny", overrides={
-        "model": {"hidden": 32, "n_heads": 2, "n_kv_heads": 1, "ffn_hidden": 64, "moe": moe},
+        "model": {"hidden": 32, "n_heads": 2, "n_kv_heads": 1, "ffn_hidden": 64, "moe": moe,
+                  "execution": {"moe_backend": "loop"}},
         "data": {"seq_len": SEQ},
         "train": {"batch_size": BATCH, "grad_accum": case.get("grad_accum", 1), "lr": 1e-2, "warmup_steps": 1,
                   "grad_clip": 0.5, "device": "cpu"},

@@ -76,7 +76,7 @@ def test_rejects_mismatched_shapes():
 def test_model_return_logits_false_equals_plain_path(tie):
     cfg = from_dict(ModelConfig, {"vocab_size": 61, "hidden": 16, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1,
                                   "ffn_hidden": 32, "max_seq_len": 16, "tie_embeddings": tie,
-                                  "moe": {"num_experts": 4, "top_k": 2, "expert_ffn_hidden": 8}}, "model")
+                                  "moe": {"num_experts": 4, "top_k": 2, "experts": {"ffn_hidden": 8}}}, "model")
     torch.manual_seed(0)
     model = MoETransformer(cfg)
     ids = torch.randint(0, 61, (3, 9))

@@ -17,13 +17,13 @@ from moetrain.analysis.shape import ModelShape
 from moetrain.cli import main
 from moetrain.errors import ConfigError
 from moetrain.model.config import ModelConfig
-from moetrain.moe.config import MoEConfig
+from moetrain.moe.config import ExpertsConfig, MoEConfig
 
 
 def _shape(experts=8, layers=4, hidden=256, ffn=512, heads=4, head_dim=None, top_k=2) -> ModelShape:
     cfg = ModelConfig(vocab_size=1000, hidden=hidden, n_layers=layers, n_heads=heads, n_kv_heads=heads,
                       head_dim=head_dim, ffn_hidden=ffn, max_seq_len=4096, tie_embeddings=False,
-                      moe=MoEConfig(num_experts=experts, top_k=top_k, expert_ffn_hidden=ffn))
+                      moe=MoEConfig(num_experts=experts, top_k=top_k, experts=ExpertsConfig(ffn_hidden=ffn)))
     return ModelShape.from_config(cfg)
 
 

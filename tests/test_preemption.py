@@ -42,7 +42,7 @@ def _args(corpus: Path, cache: Path, out: Path, *extra: str) -> list[str]:
             "train.warmup_steps=4", "monitor.tb_heatmap=false", "monitor.tb_histograms=false",
             # State a resume must restore beyond weights and optimizer: aux-loss-free expert biases (buffers updated
             # after each step) and router jitter (draws from the global RNG).
-            "model.moe.expert_bias=true", "model.moe.router_jitter=0.01", *extra]
+            "model.moe.router.expert_bias=true", "model.moe.router.jitter_eps=0.01", *extra]
 
 
 def _read(log: Path) -> str:
@@ -78,7 +78,7 @@ def _assert_same_as_reference(run: Path, ref: Path) -> None:
 
 
 def _records(run: Path) -> list[dict]:
-    timing = ("tokens_per_s", "step_time", "seconds", "elapsed")
+    timing = ("tokens_per_s", "step_time", "seconds", "elapsed", "mfu", "data_wait_s")
     return [{k: v for k, v in r.items() if not any(t in k for t in timing)} for r in metrics(run)]
 
 

@@ -1,21 +1,57 @@
 """The run configuration: model + data + training, built from a preset, a file and command-line overrides.
 
 Precedence (later wins): preset -> ``--config`` file -> ``FIELD=VALUE`` overrides. Unknown keys, wrong types and
-impossible combinations raise :class:`~moetrain.errors.ConfigError` naming the field path.
+impossible combinations raise :class:`~moetrain.errors.ConfigError` naming the field path. Fields of an older
+layout (:data:`LEGACY_PATHS`) still load, each with a one-line note naming its new path (:func:`upgrade`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from moetrain.configlib import from_dict, merge, require, to_dict
+from moetrain.configlib import print_note, from_dict, merge, rename_legacy, require, to_dict
 from moetrain.data.config import DataConfig
 from moetrain.errors import ConfigError
 from moetrain.model.config import ModelConfig
 from moetrain.parallel.config import ParallelConfig
 from moetrain.train.config import TrainConfig
 from moetrain.train.monitor_config import MonitorConfig
+
+
+# Old field path -> new one. The flat MoEConfig of 27 fields was split into one config per component
+# (moe/config.py) and the execution choices moved to model.execution (execution.py). Old run directories'
+# config.json, --config files and FIELD=VALUE overrides with these paths still load, with a note.
+_OLD_MOE = {
+    "expert_ffn_hidden": "experts.ffn_hidden", "expert_activation": "experts.activation",
+    "shared_expert_ffn_hidden": "shared_expert.ffn_hidden", "shared_expert_gate": "shared_expert.gate",
+    "score_func": "router.score_func", "norm_topk_prob": "router.norm_topk_prob",
+    "routed_scaling_factor": "router.routed_scaling_factor", "num_groups": "router.num_groups",
+    "topk_groups": "router.topk_groups", "expert_bias": "router.expert_bias",
+    "expert_bias_update_rate": "router.expert_bias_update_rate", "router_jitter": "router.jitter_eps",
+    "capacity_factor": "capacity.factor", "eval_capacity_factor": "capacity.eval_factor",
+    "min_capacity": "capacity.min_capacity", "drop_policy": "capacity.drop_policy",
+    "pad_to_capacity": "capacity.pad_to_capacity",
+    **{name: f"losses.{name}" for name in ("aux_loss_coeff", "pooled_aux_loss_coeff", "seq_aux_loss_coeff",
+                                           "global_aux_loss_coeff", "z_loss_coeff", "util_loss_coeff")},
+}
+LEGACY_PATHS: dict[str, str] = {
+    **{f"model.moe.{old}": f"model.moe.{new}" for old, new in _OLD_MOE.items()},
+    "model.moe.backend": "model.execution.moe_backend",
+    "model.moe.recompute_experts": "model.execution.recompute_experts",
+    "model.bta_tiles": "model.execution.bta_tiles",
+}
+
+
+def upgrade(data: dict[str, Any], note: Callable[[str], None] = print_note) -> dict[str, Any]:
+    """``data`` (raw config data of one source) with every :data:`LEGACY_PATHS` field moved to its new path, and
+    a ``note: OLD is now NEW`` line for each (default: stderr). Apply it to each source before merging sources.
+
+    Raises:
+        ConfigError: a field given under both its old and new path with different values.
+    """
+    return rename_legacy(data, LEGACY_PATHS, note)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,9 +78,9 @@ class Config:
             f"sequence length {self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}",
         )
         require(
-            self.train.batch_size % self.model.bta_tiles == 0,
-            "model.bta_tiles",
-            f"{self.model.bta_tiles} attention tiles do not divide the micro-batch "
+            self.train.batch_size % self.model.execution.bta_tiles == 0,
+            "model.execution.bta_tiles",
+            f"{self.model.execution.bta_tiles} attention tiles do not divide the micro-batch "
             f"train.batch_size={self.train.batch_size}; choose a divisor of it",
         )
 
@@ -52,8 +88,14 @@ class Config:
         return to_dict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Config":
-        return from_dict(cls, data)
+    def from_dict(cls, data: dict[str, Any], note: Callable[[str], None] = print_note) -> "Config":
+        """Build from plain data (old field paths are moved, with a note: :func:`upgrade`).
+
+        Raises:
+            ConfigError: as :func:`moetrain.configlib.from_dict`; an unknown key close to an old field name is
+                answered with that field's new path.
+        """
+        return from_dict(cls, upgrade(data, note), legacy=LEGACY_PATHS)
 
 
 def choose_preset(preset: str | None = None, file_data: dict | None = None, overrides: dict | None = None) -> str:
@@ -91,7 +133,7 @@ def build_config(preset: str | None = None, file_data: dict | None = None, overr
 
     data = preset_dict(choose_preset(preset, file_data, overrides))
     if file_data:
-        data = merge(data, file_data)
+        data = merge(data, upgrade(file_data))
     if overrides:
-        data = merge(data, overrides)
+        data = merge(data, upgrade(overrides))
     return Config.from_dict(data)

@@ -3,16 +3,20 @@
 Every component config is a frozen, keyword-only dataclass that validates itself in ``__post_init__`` with
 :func:`require`. :func:`from_dict` builds one from plain data, rejecting unknown keys (with a close-match
 suggestion) and wrong types, and prefixes every error with the field path (``model.moe.top_k: ...``).
+:func:`rename_legacy` moves fields given under an old path to their new one (with a note) before validation.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import json
+import sys
 import tomllib
 import types
 import typing
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -44,7 +48,7 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def _coerce(value: Any, tp: Any, path: str) -> Any:
+def _coerce(value: Any, tp: Any, path: str, legacy: Mapping[str, str] | None = None) -> Any:
     """Check (and minimally convert: int -> float) ``value`` against the annotation ``tp``."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
@@ -56,7 +60,7 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
             if arg is type(None):
                 continue
             try:
-                return _coerce(value, arg, path)
+                return _coerce(value, arg, path, legacy)
             except ConfigError as e:
                 errors.append(str(e))
         raise ConfigError(errors[0] if errors else f"{path}: unexpected value {value!r}")
@@ -75,7 +79,7 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
             return value
         if not isinstance(value, dict):
             raise ConfigError(f"{path}: expected a table of fields, got {value!r}")
-        return from_dict(tp, value, path)
+        return from_dict(tp, value, path, legacy)
     if tp is Any:
         return value
     if tp is bool:
@@ -102,9 +106,27 @@ def _field_types(cls: type) -> dict[str, Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init}
 
 
-def from_dict(cls: type[T], data: dict[str, Any], path: str = "") -> T:
+def _unknown_key(key: str, path: str, known: list[str], legacy: Mapping[str, str] | None) -> ConfigError:
+    """The error for ``key`` under ``path``: the closest known field, or the new path of a close old field name."""
+    candidates = {name: _join(path, name) for name in known}
+    for old, new in (legacy or {}).items():
+        parent, _, name = old.rpartition(".")
+        if parent == path:
+            candidates.setdefault(name, new)
+    close = difflib.get_close_matches(key, list(candidates), n=1)
+    hint = f"; did you mean '{candidates[close[0]]}'?" if close else f"; known fields: {sorted(known)}"
+    return ConfigError(f"{_join(path, key)}: unknown config key{hint}")
+
+
+def from_dict(cls: type[T], data: dict[str, Any], path: str = "", legacy: Mapping[str, str] | None = None) -> T:
     """Build the config dataclass ``cls`` from ``data``.
 
+    Args:
+        cls: a frozen config dataclass; nested dataclass fields are built from nested dicts.
+        data: plain data (``{"moe": {"top_k": 1}}``).
+        path: the field path of ``cls`` in the whole config (``"model"``), for messages.
+        legacy: old full field path -> new one (see :func:`rename_legacy`); used only to suggest the new path
+            for a mistyped or old key.
     Raises:
         ConfigError: an unknown key (with a close-match suggestion), a value of the wrong type, or a value the
             config's own validation rejects; the message starts with the full field path.
@@ -112,14 +134,67 @@ def from_dict(cls: type[T], data: dict[str, Any], path: str = "") -> T:
     types_ = _field_types(cls)
     for key in data:
         if key not in types_:
-            close = difflib.get_close_matches(key, list(types_), n=1)
-            hint = f"; did you mean '{_join(path, close[0])}'?" if close else f"; known fields: {sorted(types_)}"
-            raise ConfigError(f"{_join(path, key)}: unknown config key{hint}")
-    kwargs = {k: _coerce(v, types_[k], _join(path, k)) for k, v in data.items()}
+            raise _unknown_key(key, path, list(types_), legacy)
+    kwargs = {k: _coerce(v, types_[k], _join(path, k), legacy) for k, v in data.items()}
     try:
         return cls(**kwargs)
     except FieldError as e:
         raise ConfigError(f"{_join(path, e.field)}: {e.message}") from None
+
+
+_MISSING = object()
+
+
+def _pop_path(data: dict[str, Any], parts: list[str]) -> Any:
+    """Remove and return the value at ``parts`` (``_MISSING`` when absent); emptied parent tables stay."""
+    node: Any = data
+    for part in parts[:-1]:
+        node = node.get(part) if isinstance(node, dict) else None
+    if not isinstance(node, dict) or parts[-1] not in node:
+        return _MISSING
+    return node.pop(parts[-1])
+
+
+def print_note(message: str) -> None:
+    """Print a one-line note to stderr (the default sink of :func:`rename_legacy`)."""
+    print(message, file=sys.stderr)
+
+
+def rename_legacy(data: dict[str, Any], legacy: Mapping[str, str],
+                  note: Callable[[str], None] = print_note) -> dict[str, Any]:
+    """Move every value given under an old field path of ``legacy`` to its new path, saying so once per field.
+
+    Applied to raw config data (a ``--config`` file, ``FIELD=VALUE`` overrides, a run's saved ``config.json``)
+    before it is merged with other sources and validated, so files and commands written for the old layout keep
+    working. Values are moved unchanged.
+
+    Args:
+        data: nested plain data; not modified.
+        legacy: old full path -> new full path (``"model.moe.capacity_factor" -> "model.moe.capacity.factor"``).
+        note: receives one line per moved field: ``note: OLD is now NEW`` (default: printed to stderr).
+    Returns:
+        A copy of ``data`` with only new paths.
+    Raises:
+        ConfigError: a field given under both its old and its new path with different values, or an old path
+            whose new parent is not a table.
+    """
+    out = copy.deepcopy(data)
+    for old, new in legacy.items():
+        value = _pop_path(out, old.split("."))
+        if value is _MISSING:
+            continue
+        note(f"note: {old} is now {new}")
+        *parents, name = new.split(".")
+        node = out
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{new}: cannot move the old field {old} here: '{part}' is not a table")
+        if name in node and node[name] != value:
+            raise ConfigError(f"{new}: given both as {new}={node[name]!r} and under its old name {old}={value!r}; "
+                              f"keep {new}")
+        node[name] = value
+    return out
 
 
 def to_dict(config: Any) -> dict[str, Any]:

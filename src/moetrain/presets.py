@@ -17,7 +17,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "model": {
             "vocab_size": 512, "hidden": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 128,
             "max_seq_len": 128,
-            "moe": {"num_experts": 4, "top_k": 2, "expert_ffn_hidden": 64},
+            "moe": {"num_experts": 4, "top_k": 2, "experts": {"ffn_hidden": 64}},
         },
         "data": {"seq_len": 64, "tokenizer_max_bytes": 2_000_000},
         "train": {
@@ -31,7 +31,7 @@ PRESETS: dict[str, dict[str, Any]] = {
             "max_seq_len": 1024,
             # aux 0.02 (Mixtral's router_aux_loss_coef): at the default 0.01 the default run's layer 2 sent 90% of
             # its tokens to one expert over steps 21-40 (a collapse alarm); 0.02 kept every layer under 65%.
-            "moe": {"num_experts": 8, "top_k": 2, "expert_ffn_hidden": 512, "aux_loss_coeff": 0.02},
+            "moe": {"num_experts": 8, "top_k": 2, "experts": {"ffn_hidden": 512}, "losses": {"aux_loss_coeff": 0.02}},
         },
         "data": {"seq_len": 256},
         "train": {
@@ -45,7 +45,8 @@ PRESETS: dict[str, dict[str, Any]] = {
             "vocab_size": 32000, "hidden": 4096, "n_layers": 32, "n_heads": 32, "n_kv_heads": 8,
             "ffn_hidden": 14336, "tie_embeddings": False, "rope_theta": 1e6, "max_seq_len": 32768,
             "norm_eps": 1e-5,
-            "moe": {"num_experts": 8, "top_k": 2, "expert_ffn_hidden": 14336, "norm_topk_prob": True},
+            "moe": {"num_experts": 8, "top_k": 2, "experts": {"ffn_hidden": 14336},
+                    "router": {"norm_topk_prob": True}},
         },
     },
     # Qwen/Qwen3-30B-A3B config.json
@@ -54,7 +55,8 @@ PRESETS: dict[str, dict[str, Any]] = {
             "vocab_size": 151936, "hidden": 2048, "n_layers": 48, "n_heads": 32, "n_kv_heads": 4, "head_dim": 128,
             "ffn_hidden": 6144, "qk_norm": "head", "tie_embeddings": False, "rope_theta": 1e6,
             "max_seq_len": 40960,
-            "moe": {"num_experts": 128, "top_k": 8, "expert_ffn_hidden": 768, "norm_topk_prob": True},
+            "moe": {"num_experts": 128, "top_k": 8, "experts": {"ffn_hidden": 768},
+                    "router": {"norm_topk_prob": True}},
         },
     },
     # allenai/OLMoE-1B-7B-0924 config.json
@@ -63,7 +65,8 @@ PRESETS: dict[str, dict[str, Any]] = {
             "vocab_size": 50304, "hidden": 2048, "n_layers": 16, "n_heads": 16, "n_kv_heads": 16,
             "ffn_hidden": 1024, "qk_norm": "full", "tie_embeddings": False, "rope_theta": 10000.0,
             "max_seq_len": 4096, "norm_eps": 1e-5,
-            "moe": {"num_experts": 64, "top_k": 8, "expert_ffn_hidden": 1024, "norm_topk_prob": False},
+            "moe": {"num_experts": 64, "top_k": 8, "experts": {"ffn_hidden": 1024},
+                    "router": {"norm_topk_prob": False}},
         },
     },
 }

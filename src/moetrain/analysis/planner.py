@@ -8,7 +8,7 @@ sharding is tried (DP -> EP x DP -> EP x PP), and only then smaller ones (e.g. o
 fastest fitting layout wins (analysis/step.py).
 
 BTA: for each layout the micro-batch (a power of two dividing the per-rank batch), G, full activation
-checkpointing and recomputed experts (``model.moe.recompute_experts``) are searched; G > 1 is recommended when it
+checkpointing and recomputed experts (``model.execution.recompute_experts``) are searched; G > 1 is recommended when it
 lets a larger micro-batch fit (more tokens per expert GEMM) and that is faster than the best untiled option, by at
 least ``BTA_MIN_GAIN``. Recomputed experts are the cheaper memory lever (one more input projection of the experts,
 against a whole block forward for checkpointing); they are what makes BTA's memory balance reachable when the
@@ -47,9 +47,11 @@ def _powers_of_two(limit: int) -> list[int]:
 
 def candidate_layouts(shape: ModelShape, devices: int, global_batch: int, max_pp: int = 8) -> list[Layout]:
     """Layouts of the three families for ``devices`` devices: ep a power of two dividing E, pp a power of two
-    <= ``max_pp`` and <= L, dp the rest; the global batch must split over the ep * dp data-parallel ranks."""
+    <= ``max_pp`` and <= L (1 with tied embeddings), dp the rest; the global batch must split over the ep * dp
+    data-parallel ranks."""
     out = []
-    for pp in _powers_of_two(min(max_pp, shape.n_layers)):
+    # Tied embedding and LM head cannot be split over pipeline stages (the trainer refuses it): no pp > 1 then.
+    for pp in _powers_of_two(1 if shape.tie_embeddings else min(max_pp, shape.n_layers)):
         for ep in _powers_of_two(shape.num_experts):
             if devices % (pp * ep) or shape.num_experts % ep:
                 continue
@@ -183,3 +185,38 @@ def bta_reason(c: Candidate) -> str:
                f"tokens/expert) but its estimated step is {t.step_s / b.step_s - 1:+.0%} vs untiled: the attention "
                f"recompute{' and checkpointing cost' if t.workload.checkpoint else ' costs'} more than the GEMMs gain")
     return f"BTA G=1 (off): {why}"
+
+
+def trainer_fields(c: Candidate, seq: int, dtype: str) -> dict:
+    """The run-config fields (nested dict) that train candidate ``c``'s best option: FSDP2 over the planner's
+    ``dp`` (``parallel.dp_shard``, so weights, gradients and AdamW state are sharded: at most the planner's
+    ZeRO-1 memory), ``ep``, ``pp``; ``train.batch_size`` is the global micro-batch (micro-batch x data-parallel
+    ranks), ``train.grad_accum`` the accumulation steps (the pipeline's micro-batches when ``pp > 1``).
+
+    Raises:
+        ValueError: ``c`` has no fitting option.
+    """
+    if c.best is None:
+        raise ValueError(f"{c.layout.label}: no option fits in memory")
+    e, lay = c.best, c.layout
+    w = e.workload
+    return {
+        "model": {"execution": {"bta_tiles": w.bta_tiles, "recompute_experts": bool(w.recompute_experts)}},
+        "data": {"seq_len": seq},
+        "train": {"batch_size": w.micro_batch * lay.data_parallel, "grad_accum": e.grad_accum, "dtype": dtype},
+        "parallel": {"pp": lay.pp, "ep": lay.ep, "dp_shard": lay.dp, "dp_replicate": 1, "fsdp": "on",
+                     "activation_checkpoint": "full" if w.checkpoint else "none"},
+    }
+
+
+def smallest_fitting(shape: ModelShape, moe_flags: list[bool], hw: Hardware, seq: int, global_batch: int,
+                     act_bytes: int = 2, max_devices: int = 4096) -> tuple[int, Plan] | None:
+    """The fewest devices (powers of two up to ``max_devices``) for which the planner recommends a layout, with
+    that plan; ``None`` when even ``max_devices`` do not suffice."""
+    n = 1
+    while n <= max_devices:
+        result = plan(shape, moe_flags, n, hw, seq, global_batch, act_bytes)
+        if result.recommended is not None:
+            return n, result
+        n *= 2
+    return None

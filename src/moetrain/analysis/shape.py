@@ -30,7 +30,8 @@ class ModelShape:
         fused_experts: dispatch, experts and combine run as moe/fast_moe.py's one Function (the ``fused`` backend,
             dropless, on one device: under expert parallelism the layer takes the unfused all-to-all path, which
             analysis/step.py accounts for; what it saves for backward differs from the unfused path's).
-        recompute_experts: the experts' intermediates are recomputed in backward (``moe.recompute_experts``).
+        recompute_experts: the experts' intermediates are recomputed in backward
+            (``model.execution.recompute_experts``).
     """
 
     vocab: int
@@ -60,22 +61,18 @@ class ModelShape:
     def from_config(cls, config: ModelConfig) -> "ModelShape":
         moe = config.moe
         n_moe = len(config.moe_layer_indices)
-        # getattr: fields added by the MoE-layer work (activation, shared expert, capacity) default to the
-        # original dropless SwiGLU layer when absent.
-        activation = getattr(moe, "expert_activation", "swiglu")
+        execution = config.execution
         return cls(
             vocab=config.vocab_size, hidden=config.hidden, n_layers=config.n_layers, n_heads=config.n_heads,
             n_kv_heads=config.n_kv_heads, head_size=config.head_size, dense_ffn=config.ffn_hidden,
             qk_norm=config.qk_norm, attention_bias=getattr(config, "attention_bias", False),
             tie_embeddings=config.tie_embeddings, moe_layers=n_moe,
             dense_layers=config.n_layers - n_moe, num_experts=moe.num_experts, top_k=moe.top_k,
-            expert_ffn=moe.expert_ffn_hidden, expert_mats=3 if activation == "swiglu" else 2,
-            shared_ffn=getattr(moe, "shared_expert_ffn_hidden", 0),
-            shared_gate=getattr(moe, "shared_expert_gate", False),
-            capacity_factor=getattr(moe, "capacity_factor", None),
-            pad_to_capacity=getattr(moe, "pad_to_capacity", False),
-            fused_experts=moe.backend == "fused" and moe.capacity_factor is None,
-            recompute_experts=moe.recompute_experts,
+            expert_ffn=moe.experts.ffn_hidden, expert_mats=3 if moe.experts.activation == "swiglu" else 2,
+            shared_ffn=moe.shared_expert.ffn_hidden, shared_gate=moe.shared_expert.gate,
+            capacity_factor=moe.capacity.factor, pad_to_capacity=moe.capacity.pad_to_capacity,
+            fused_experts=execution.moe_backend == "fused" and moe.capacity.factor is None,
+            recompute_experts=execution.recompute_experts,
         )
 
     @property

@@ -74,7 +74,7 @@ class Layout:
 class Workload:
     """What one step trains: ``global_batch`` sequences of ``seq`` tokens, in micro-batches of ``micro_batch``
     sequences per data-parallel rank, with G = ``bta_tiles``, optional full activation checkpointing, and optional
-    recomputed experts (``model.moe.recompute_experts``: the experts save nothing for backward, which reruns their
+    recomputed experts (``model.execution.recompute_experts``: the experts save nothing for backward, which reruns their
     input projections)."""
 
     seq: int

@@ -49,10 +49,10 @@ def add_parser(sub) -> None:
     p.add_argument("--steps", type=int, default=6, help="timed rounds (default 6)")
     p.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default 2)")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
-    p.add_argument("--backend", default="fused", help="model.moe.backend (default fused)")
+    p.add_argument("--backend", default="fused", help="model.execution.moe_backend (default fused)")
     p.add_argument("--recompute-experts", action=argparse.BooleanOptionalAction, default=True,
-                   help="model.moe.recompute_experts in all modes: the experts keep no intermediates for backward "
-                        "(default on)")
+                   help="model.execution.recompute_experts in all modes: the experts keep no intermediates for "
+                        "backward (default on)")
     p.add_argument("--attention", choices=["fused", "math"], default="math",
                    help="SDPA kernel: math (default: materialises the S x S scores, attention memory quadratic in S, "
                         "the BTA paper's setting) or fused (PyTorch's choice: flash on CPU)")
@@ -99,11 +99,11 @@ def run(args) -> int:
     model_dict = {
         "vocab_size": args.vocab, "hidden": args.hidden, "n_layers": args.layers, "n_heads": args.heads,
         "n_kv_heads": args.heads if args.kv_heads is None else args.kv_heads, "head_dim": args.head_dim, "qk_norm": args.qk_norm, "ffn_hidden": 4 * args.hidden, "max_seq_len": args.seq,
-        "moe": {"num_experts": args.experts, "top_k": args.top_k, "expert_ffn_hidden": args.expert_ffn,
-                "backend": args.backend, "recompute_experts": args.recompute_experts},
+        "moe": {"num_experts": args.experts, "top_k": args.top_k, "experts": {"ffn_hidden": args.expert_ffn}},
+        "execution": {"moe_backend": args.backend, "recompute_experts": args.recompute_experts},
     }
     base = from_dict(ModelConfig, model_dict, "model")
-    tiled = from_dict(ModelConfig, {**model_dict, "bta_tiles": g}, "model")
+    tiled = from_dict(ModelConfig, {**model_dict, "execution": {**model_dict["execution"], "bta_tiles": g}}, "model")
     torch.manual_seed(args.seed)
     ref = MoETransformer(base)
     models = {"a": ref, "b": MoETransformer(base), "c": MoETransformer(tiled)}

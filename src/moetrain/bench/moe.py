@@ -14,8 +14,8 @@ For each shape and dtype, in one process and interleaved (see moetrain/bench/com
   (sort + ``torch.nn.functional.grouped_mm``). Its ``batched_mm`` implementation is not run: it gathers a weight
   matrix per row ([T * K, 2F, D]; 34 GB at the headline shape).
 - ``loop``, ``padded``, ``grouped_mm``, ``fused``: moetrain's :class:`~moetrain.moe.layer.MoELayer` with each
-  expert backend (``model.moe.backend``); the layer also computes its aux losses and counts, transformers' block
-  does not.
+  expert backend (``model.execution.moe_backend``); the layer also computes its aux losses and counts,
+  transformers' block does not.
 
 All MoE candidates get the same input, router and expert weights (transformers' layout is moetrain's), and the
 backward starts from the same upstream gradient. bf16 means weights and activations in bf16 (moetrain's router
@@ -119,7 +119,8 @@ def _build(shape: Shape, dtype, names: list[str], seed: int, vary_routing: bool 
     import torch
     import torch.nn.functional as F
 
-    from moetrain.moe.config import MoEConfig
+    from moetrain.execution import ExecutionConfig
+    from moetrain.moe.config import ExpertsConfig, MoEConfig
     from moetrain.moe.layer import MoELayer
 
     e, k, d, f, t = shape.experts, shape.top_k, shape.hidden, shape.ffn, shape.tokens
@@ -167,7 +168,8 @@ def _build(shape: Shape, dtype, names: list[str], seed: int, vary_routing: bool 
     for backend in ("loop", "padded", "grouped_mm", "fused"):
         if backend not in names:
             continue
-        layer = MoELayer(d, MoEConfig(num_experts=e, top_k=k, expert_ffn_hidden=f, backend=backend))
+        layer = MoELayer(d, MoEConfig(num_experts=e, top_k=k, experts=ExpertsConfig(ffn_hidden=f)),
+                         ExecutionConfig(moe_backend=backend))
         with torch.no_grad():
             layer.router.weight.copy_(router)
             layer.experts.gate_up_proj.copy_(gate_up)

@@ -42,7 +42,7 @@ def add_parser(sub) -> None:
     p.add_argument("--experts", type=int, default=None, help="override model.moe.num_experts (E)")
     p.add_argument("--top-k", type=int, default=None, help="override model.moe.top_k (K)")
     p.add_argument("--expert-ffn", type=int, default=None,
-                   help="override model.moe.expert_ffn_hidden (F); e.g. --experts 64 --top-k 8 --expert-ffn 128 "
+                   help="override model.moe.experts.ffn_hidden (F); e.g. --experts 64 --top-k 8 --expert-ffn 128 "
                         "is cpu-small's fine-grained twin (same K * F active expert width)")
     p.add_argument("--backends", default="fused,grouped_mm",
                    help=f"moetrain expert backends to run, comma-separated from {','.join(OURS_BACKENDS)}")
@@ -85,15 +85,19 @@ def build_models(args):
     if batch < 1 or seq < 2:
         raise ConfigError(f"--batch must be >= 1 and --seq >= 2, got {batch} and {seq}")
     model_dict = preset["model"]
-    for flag, field in (("experts", "num_experts"), ("top_k", "top_k"), ("expert_ffn", "expert_ffn_hidden")):
+    for flag, field in (("experts", "num_experts"), ("top_k", "top_k")):
         if getattr(args, flag, None) is not None:
             model_dict["moe"] = {**model_dict["moe"], field: getattr(args, flag)}  # validated by ModelConfig
+    if getattr(args, "expert_ffn", None) is not None:
+        model_dict["moe"] = {**model_dict["moe"], "experts": {**model_dict["moe"].get("experts", {}),
+                                                             "ffn_hidden": args.expert_ffn}}
     model_dict["max_seq_len"] = max(model_dict.get("max_seq_len", seq), seq)
     models = {}
     ref_cfg = None
     torch.manual_seed(args.seed)
     for backend in _split(args.backends, OURS_BACKENDS, "backends"):
-        cfg = from_dict(ModelConfig, {**model_dict, "moe": {**model_dict["moe"], "backend": backend}}, "model")
+        execution = {**model_dict.get("execution", {}), "moe_backend": backend}
+        cfg = from_dict(ModelConfig, {**model_dict, "execution": execution}, "model")
         model = MoETransformer(cfg)
         if ref_cfg is None:
             ref_cfg, ref = cfg, model
@@ -195,7 +199,7 @@ def run(args) -> int:
         "benchmark": "train", "args": {k: v for k, v in vars(args).items() if k not in ("func", "debug")},
         "machine": info, "batch": batch, "seq": seq, "tokens_per_step": tokens, "best_hf": best_hf,
         "model": {"preset": args.preset, "layers": cfg.n_layers, "hidden": cfg.hidden, "experts": cfg.moe.num_experts,
-                  "top_k": cfg.moe.top_k, "expert_ffn": cfg.moe.expert_ffn_hidden, "vocab": cfg.vocab_size},
+                  "top_k": cfg.moe.top_k, "expert_ffn": cfg.moe.experts.ffn_hidden, "vocab": cfg.vocab_size},
         "candidates": rows,
     }
     _print(report)

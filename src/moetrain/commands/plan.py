@@ -19,6 +19,10 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="compute dtype (default bf16)")
     p.add_argument("--all", action="store_true", help="show every candidate, not only the best per family")
     p.add_argument("--sources", action="store_true", help="print where each hardware figure comes from")
+    p.add_argument("--emit", metavar="FILE.toml",
+                   help="write the recommended layout as a run config for `moetrain train --config FILE` (torchrun "
+                        "with --devices processes; check it with `moetrain train --config FILE --dry-run "
+                        "--world-size N`)")
     p.add_argument("overrides", nargs="*", metavar="FIELD=VALUE", help="config overrides, e.g. model.moe.top_k=1")
     p.set_defaults(func=run)
 
@@ -85,7 +89,54 @@ def run(args) -> int:
     for note in result.notes:
         print(f"  note: {note}")
     print("  (estimates from moetrain.analysis: roofline compute, 1F1B bubble, exposed all-to-all; see docs/bta.md)")
+    if args.emit:
+        _emit(args, config, result.recommended)
     return 0
+
+
+def _emit(args, config, candidate) -> None:
+    """Write the recommendation as a TOML run config: the preset, the --config file's and the overrides' fields,
+    then the layout's trainer fields (:func:`moetrain.analysis.planner.trainer_fields`) on top."""
+    from pathlib import Path
+
+    from moetrain.analysis.planner import trainer_fields
+    from moetrain.configlib import load_file, merge, parse_overrides
+
+    data = merge(load_file(args.config) if args.config else {}, parse_overrides(args.overrides))
+    data = merge(data, trainer_fields(candidate, args.seq, args.dtype))
+    data = {"preset": config.preset, **{k: v for k, v in data.items() if k != "preset"}}
+    path = Path(args.emit)
+    header = (f"# moetrain plan --preset {config.preset} --devices {args.devices} --device {args.device}: "
+              f"{candidate.layout.label}\n# run: torchrun --nproc_per_node ... (WORLD_SIZE {args.devices}) -m moetrain "
+              f"train --config {path.name}\n")
+    path.write_text(header + _toml(data))
+    print(f"wrote {path}: {candidate.layout.label} as parallel.pp={candidate.layout.pp} ep={candidate.layout.ep} "
+          f"dp_shard={candidate.layout.dp} (FSDP2); check it with `moetrain train --config {path} --dry-run "
+          f"--world-size {args.devices}`")
+
+
+def _toml(data: dict, prefix: str = "") -> str:
+    """TOML for nested dicts of str / bool / int / float (scalars first, then one table per sub-dict)."""
+    import json
+
+    def value(v) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (int, float)):
+            return repr(v)
+        if isinstance(v, str):
+            return json.dumps(v)  # a TOML basic string is a JSON string for the characters used here
+        raise ValueError(f"--emit: cannot write {v!r} as TOML")
+
+    lines = [f"{k} = {value(v)}" for k, v in data.items() if not isinstance(v, dict)]
+    out = ("\n".join(lines) + "\n") if lines else ""
+    for k, v in data.items():
+        if isinstance(v, dict):
+            name = f"{prefix}.{k}" if prefix else k
+            body = _toml(v, name)
+            scalars = any(not isinstance(x, dict) for x in v.values())
+            out += (f"\n[{name}]\n" if scalars else "") + body
+    return out
 
 
 def _best_per_family(cands):
@@ -100,7 +151,7 @@ def _best_per_family(cands):
 
 
 def _ckpt(work) -> str:
-    """The table's ckpt column: ``on`` (every block), ``exp`` (only the experts: model.moe.recompute_experts) or
+    """The table's ckpt column: ``on`` (every block), ``exp`` (only the experts: model.execution.recompute_experts) or
     ``off``."""
     return "on" if work.checkpoint else "exp" if work.recompute_experts else "off"
 
@@ -108,4 +159,4 @@ def _ckpt(work) -> str:
 def _ckpt_words(work) -> str:
     if work.checkpoint:
         return "on"
-    return "off, experts recomputed (model.moe.recompute_experts=true)" if work.recompute_experts else "off"
+    return "off, experts recomputed (model.execution.recompute_experts=true)" if work.recompute_experts else "off"

@@ -9,7 +9,7 @@ Field correspondences (ours -> HF) shared by all families: vocab_size, hidden ->
 num_hidden_layers, n_heads -> num_attention_heads, n_kv_heads -> num_key_value_heads, head_size -> head_dim,
 max_seq_len -> max_position_embeddings, norm_eps -> rms_norm_eps, rope_theta -> rope_parameters.rope_theta,
 tie_embeddings -> tie_word_embeddings, init_std -> initializer_range, moe.top_k -> num_experts_per_tok,
-moe.aux_loss_coeff -> router_aux_loss_coef * top_k (transformers' load-balancing loss counts each token K times,
+moe.losses.aux_loss_coeff -> router_aux_loss_coef * top_k (transformers' load-balancing loss counts each token K times,
 see moe/losses.py). Training-only fields with no HF field travel in the ``moetrain`` key of ``config.json``
 (transformers keeps unknown keys and ignores them).
 
@@ -25,18 +25,46 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from moetrain.configlib import from_dict
 from moetrain.errors import ConfigError
 from moetrain.interop.layouts import FUSED, PER_EXPERT, W123, ExpertLayout
 from moetrain.model.config import ModelConfig
 from moetrain.moe.config import MoEConfig
 
-# Fields that change training, not the function the model computes: they never block an export. Those in
-# CARRIED travel in config.json["moetrain"]; the rest (runtime choices, e.g. the backend) stay local.
-TRAINING_ONLY_MOE = {"aux_loss_coeff", "pooled_aux_loss_coeff", "seq_aux_loss_coeff", "global_aux_loss_coeff",
-                     "z_loss_coeff", "util_loss_coeff", "backend", "expert_bias_update_rate"}
-TRAINING_ONLY_MODEL = {"init_std", "bta_tiles"}
-CARRIED = ("aux_loss_coeff", "pooled_aux_loss_coeff", "seq_aux_loss_coeff", "global_aux_loss_coeff",
-           "z_loss_coeff", "util_loss_coeff", "expert_bias_update_rate")
+# Fields (paths under ``model.``; a table covers its fields) that change training or execution, not the function the
+# model computes: they never block an export. Those in CARRIED travel in config.json["moetrain"]; the rest (the
+# initialisation, the execution choices such as the backend) stay local.
+TRAINING_ONLY = ("init_std", "execution", "moe.losses", "moe.router.expert_bias_update_rate")
+# config.json["moetrain"] key -> our field under model.moe. The keys are the exported format (older exports wrote
+# them too), so they keep their names when our fields move.
+CARRIED = {
+    **{name: f"losses.{name}" for name in ("aux_loss_coeff", "pooled_aux_loss_coeff", "seq_aux_loss_coeff",
+                                           "global_aux_loss_coeff", "z_loss_coeff", "util_loss_coeff")},
+    "expert_bias_update_rate": "router.expert_bias_update_rate",
+}
+
+
+def training_only(path: str) -> bool:
+    """Whether the field ``path`` under ``model.`` (``moe.losses.z_loss_coeff``) is in :data:`TRAINING_ONLY`."""
+    return any(path == p or path.startswith(p + ".") for p in TRAINING_ONLY)
+
+
+def flat_fields(config: Any, prefix: str = "") -> dict[str, Any]:
+    """A config dataclass's leaf fields by dotted path (nested configs flattened): ``{"moe.top_k": 2, ...}``."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if dataclasses.is_dataclass(value):
+            out.update(flat_fields(value, f"{prefix}{f.name}."))
+        else:
+            out[f"{prefix}{f.name}"] = value
+    return out
+
+
+def _get_path(config: Any, path: str) -> Any:
+    for part in path.split("."):
+        config = getattr(config, part)
+    return config
 
 
 @dataclass(frozen=True)
@@ -98,15 +126,15 @@ def _err(field: str, value: Any, why: str) -> ConfigError:
 
 # ---- ours -> HF -----------------------------------------------------------------------------------------------
 
-def _check_defaults(obj: Any, handled: set[str], prefix: str, family: str) -> None:
-    """Refuse any field outside ``handled`` whose value differs from its default (a feature that does not map)."""
-    for f in dataclasses.fields(obj):
-        if f.name in handled or f.name == "moe":
+def _check_defaults(cfg: ModelConfig, handled: set[str], family: str) -> None:
+    """Refuse any field outside ``handled`` (paths under ``model.``) and :data:`TRAINING_ONLY` whose value differs
+    from its default (a feature that does not map)."""
+    defaults = flat_fields(ModelConfig())
+    for path, value in flat_fields(cfg).items():
+        if path in handled or training_only(path):
             continue
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-        value = getattr(obj, f.name)
-        if value != default:
-            raise _err(f"{prefix}{f.name}", value, f"has no equivalent in the Hugging Face {family} format")
+        if value != defaults[path]:
+            raise _err(f"model.{path}", value, f"has no equivalent in the Hugging Face {family} format")
 
 
 def family_for(cfg: ModelConfig) -> Family:
@@ -122,13 +150,13 @@ def family_for(cfg: ModelConfig) -> Family:
     if not cfg.moe_layer_indices:
         raise _err("model.moe_every", cfg.moe_every, "the model has no MoE layer; the export formats are MoE families")
     moe = cfg.moe
-    if getattr(moe, "score_func", "softmax") == "sigmoid":
+    if moe.router.score_func == "sigmoid":
         family = DOTS1
     elif cfg.qk_norm == "full":
         family = OLMOE
     elif cfg.qk_norm == "head":
         family = QWEN3_MOE
-    elif getattr(moe, "shared_expert_ffn_hidden", 0) > 0 or cfg.attention_bias:
+    elif moe.shared_expert.ffn_hidden > 0 or cfg.attention_bias:
         family = QWEN2_MOE
     else:
         family = MIXTRAL
@@ -141,32 +169,32 @@ def _check_family(cfg: ModelConfig, family: Family) -> None:
     handled_model = {"vocab_size", "hidden", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_hidden", "qk_norm",
                      "tie_embeddings", "rope_theta", "max_seq_len", "norm_eps", "moe_every", "first_k_dense",
                      "attention_bias"}
-    handled_moe = {"num_experts", "top_k", "expert_ffn_hidden", "norm_topk_prob", "shared_expert_ffn_hidden",
-                   "shared_expert_gate"}
+    handled_moe = {"num_experts", "top_k", "experts.ffn_hidden", "router.norm_topk_prob", "shared_expert.ffn_hidden",
+                   "shared_expert.gate"}
     if family is DOTS1:
-        handled_moe |= {"score_func", "routed_scaling_factor", "num_groups", "topk_groups", "expert_bias"}
-    _check_defaults(cfg, handled_model | TRAINING_ONLY_MODEL, "model.", name)
-    _check_defaults(moe, handled_moe | TRAINING_ONLY_MOE, "model.moe.", name)
+        handled_moe |= {"router.score_func", "router.routed_scaling_factor", "router.num_groups",
+                        "router.topk_groups", "router.expert_bias"}
+    _check_defaults(cfg, handled_model | {f"moe.{p}" for p in handled_moe}, name)
     if cfg.qk_norm != family.qk_norm:
         raise _err("model.qk_norm", cfg.qk_norm, f"{name} has qk_norm {family.qk_norm!r}")
     if cfg.attention_bias and family is not QWEN2_MOE:
         raise _err("model.attention_bias", True, f"{name} has no q/k/v biases (Qwen2-MoE has; it needs qk_norm "
                    "'none' and the softmax router)")
-    shared, gated = getattr(moe, "shared_expert_ffn_hidden", 0), getattr(moe, "shared_expert_gate", False)
+    shared, gated = moe.shared_expert.ffn_hidden, moe.shared_expert.gate
     if family is QWEN2_MOE and not (shared > 0 and gated):
-        raise _err("model.moe.shared_expert_gate", gated, "Qwen2-MoE (the family with q/k/v biases) always has a "
+        raise _err("model.moe.shared_expert.gate", gated, "Qwen2-MoE (the family with q/k/v biases) always has a "
                    "sigmoid-gated shared expert")
     if family in (MIXTRAL, QWEN3_MOE, OLMOE) and shared > 0:
-        raise _err("model.moe.shared_expert_ffn_hidden", shared, f"{name} has no shared expert")
+        raise _err("model.moe.shared_expert.ffn_hidden", shared, f"{name} has no shared expert")
     if family is DOTS1:
         if gated:
-            raise _err("model.moe.shared_expert_gate", True, "dots.llm1's shared experts are not gated")
-        if shared % moe.expert_ffn_hidden:
-            raise _err("model.moe.shared_expert_ffn_hidden", shared, "dots.llm1 sizes the shared expert as "
-                       f"n_shared_experts * moe_intermediate_size; it must be a multiple of {moe.expert_ffn_hidden}")
-        if moe.num_experts // moe.num_groups < 2:
-            raise _err("model.moe.num_groups", moe.num_groups, "dots.llm1 scores a group by its two best experts, "
-                       "so groups need >= 2 experts")
+            raise _err("model.moe.shared_expert.gate", True, "dots.llm1's shared experts are not gated")
+        if shared % moe.experts.ffn_hidden:
+            raise _err("model.moe.shared_expert.ffn_hidden", shared, "dots.llm1 sizes the shared expert as "
+                       f"n_shared_experts * moe_intermediate_size; it must be a multiple of {moe.experts.ffn_hidden}")
+        if moe.num_experts // moe.router.num_groups < 2:
+            raise _err("model.moe.router.num_groups", moe.router.num_groups, "dots.llm1 scores a group by its two "
+                       "best experts, so groups need >= 2 experts")
         if cfg.moe_every != 1:
             raise _err("model.moe_every", cfg.moe_every, "dots.llm1 has MoE in every layer after "
                        "first_k_dense_replace")
@@ -175,9 +203,9 @@ def _check_family(cfg: ModelConfig, family: Family) -> None:
         dense = [i for i in range(cfg.n_layers) if not cfg.is_moe_layer(i)]
         raise _err("model.moe_every / first_k_dense", (cfg.moe_every, cfg.first_k_dense),
                    f"{name} has an MoE FFN in every layer; dense blocks {dense} do not map")
-    if family is MIXTRAL and not moe.norm_topk_prob:
-        raise _err("model.moe.norm_topk_prob", False, "Mixtral always renormalises the top-k weights (Qwen2/3-MoE "
-                   "and OLMoE have the flag)")
+    if family is MIXTRAL and not moe.router.norm_topk_prob:
+        raise _err("model.moe.router.norm_topk_prob", False, "Mixtral always renormalises the top-k weights "
+                   "(Qwen2/3-MoE and OLMoE have the flag)")
     if family is OLMOE and cfg.head_size * cfg.n_heads != cfg.hidden:
         raise _err("model.head_dim", cfg.head_dim, f"OLMoE's q/k norm spans hidden={cfg.hidden} features, so "
                    f"n_heads * head_dim must equal hidden (got {cfg.n_heads} * {cfg.head_size})")
@@ -185,16 +213,16 @@ def _check_family(cfg: ModelConfig, family: Family) -> None:
 
 def hf_config_dict(cfg: ModelConfig, family: Family) -> dict[str, Any]:
     """``cfg`` as keyword arguments of ``family``'s transformers config class (after :func:`family_for`)."""
-    moe = cfg.moe
+    moe, router = cfg.moe, cfg.moe.router
     out: dict[str, Any] = {
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden, "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_size,
         "hidden_act": "silu", "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
         "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
         "tie_word_embeddings": cfg.tie_embeddings, "initializer_range": cfg.init_std, "attention_dropout": 0.0,
-        "num_experts_per_tok": moe.top_k, "router_aux_loss_coef": moe.aux_loss_coeff / moe.top_k,
-        family.num_experts_key: moe.num_experts, family.expert_ffn_key: moe.expert_ffn_hidden,
-        "moetrain": {k: getattr(moe, k) for k in CARRIED if hasattr(moe, k)},
+        "num_experts_per_tok": moe.top_k, "router_aux_loss_coef": moe.losses.aux_loss_coeff / moe.top_k,
+        family.num_experts_key: moe.num_experts, family.expert_ffn_key: moe.experts.ffn_hidden,
+        "moetrain": {key: _get_path(moe, path) for key, path in CARRIED.items()},
     }
     if family.dense_ffn_key is not None:
         out[family.dense_ffn_key] = cfg.ffn_hidden
@@ -202,24 +230,24 @@ def hf_config_dict(cfg: ModelConfig, family: Family) -> dict[str, Any]:
         out["moetrain"]["ffn_hidden"] = cfg.ffn_hidden
     plan = {"decoder_sparse_step": cfg.moe_every, "mlp_only_layers": list(range(min(cfg.first_k_dense, cfg.n_layers)))}
     if family is QWEN3_MOE:
-        out.update(plan, norm_topk_prob=moe.norm_topk_prob, attention_bias=False, use_sliding_window=False)
+        out.update(plan, norm_topk_prob=router.norm_topk_prob, attention_bias=False, use_sliding_window=False)
     elif family is QWEN2_MOE:
-        out.update(plan, norm_topk_prob=moe.norm_topk_prob, qkv_bias=cfg.attention_bias, use_sliding_window=False,
-                   shared_expert_intermediate_size=moe.shared_expert_ffn_hidden)
+        out.update(plan, norm_topk_prob=router.norm_topk_prob, qkv_bias=cfg.attention_bias, use_sliding_window=False,
+                   shared_expert_intermediate_size=moe.shared_expert.ffn_hidden)
     elif family is OLMOE:
-        out.update(norm_topk_prob=moe.norm_topk_prob, attention_bias=False, clip_qkv=None)
+        out.update(norm_topk_prob=router.norm_topk_prob, attention_bias=False, clip_qkv=None)
         del out["head_dim"]  # OLMoE derives it from hidden_size // num_attention_heads (checked equal)
     elif family is MIXTRAL:
         out.update(sliding_window=None, router_jitter_noise=0.0)
     elif family is DOTS1:
-        out.update(first_k_dense_replace=min(cfg.first_k_dense, cfg.n_layers), norm_topk_prob=moe.norm_topk_prob,
-                   n_shared_experts=moe.shared_expert_ffn_hidden // moe.expert_ffn_hidden,
-                   routed_scaling_factor=moe.routed_scaling_factor, n_group=moe.num_groups,
-                   topk_group=moe.groups_per_token, attention_bias=False, sliding_window=None,
+        out.update(first_k_dense_replace=min(cfg.first_k_dense, cfg.n_layers), norm_topk_prob=router.norm_topk_prob,
+                   n_shared_experts=moe.shared_expert.ffn_hidden // moe.experts.ffn_hidden,
+                   routed_scaling_factor=router.routed_scaling_factor, n_group=router.num_groups,
+                   topk_group=router.groups_per_token, attention_bias=False, sliding_window=None,
                    layer_types=["full_attention"] * cfg.n_layers)
         # dots.llm1 always has e_score_correction_bias (zeros without one): say whether ours has the bias, so that
         # an import gives back the same config (and the bias updates only where they were on).
-        out["moetrain"]["expert_bias"] = moe.expert_bias
+        out["moetrain"]["expert_bias"] = router.expert_bias
     return out
 
 
@@ -270,7 +298,7 @@ def _refuse_common(hf: Any, family: Family) -> None:
     t = family.model_type
     if t == "mixtral" and float(_get(hf, "router_jitter_noise", 0.0)) > 0:
         raise _err("router_jitter_noise", hf.router_jitter_noise, "transformers jitters the hidden states in place "
-                   "(moetrain's router_jitter scales the router input only)")
+                   "(moetrain's router.jitter_eps scales the router input only)")
     if t == "olmoe" and getattr(hf, "clip_qkv", None) is not None:
         raise _err("clip_qkv", hf.clip_qkv, "moetrain attention does not clip q/k/v")
     if t in ("llama", "mistral", "qwen3", "qwen3_moe", "olmoe", "dots1") and _get(hf, "attention_bias", False):
@@ -286,27 +314,25 @@ def _moe_from_hf(hf: Any, family: Family, carried: dict[str, Any]) -> MoEConfig:
     if num_experts < 1:
         raise _err(family.num_experts_key, num_experts, "the model has no experts")
     top_k = int(hf.num_experts_per_tok)
-    kwargs: dict[str, Any] = {
-        "num_experts": num_experts, "top_k": top_k, "expert_ffn_hidden": int(_get(hf, family.expert_ffn_key)),
-        "norm_topk_prob": True if t == "mixtral" else bool(_get(hf, "norm_topk_prob", False)),
-        "aux_loss_coeff": float(_get(hf, "router_aux_loss_coef", 0.001)) * top_k,
+    ffn_hidden = int(_get(hf, family.expert_ffn_key))
+    router: dict[str, Any] = {"norm_topk_prob": True if t == "mixtral" else bool(_get(hf, "norm_topk_prob", False))}
+    data: dict[str, Any] = {
+        "num_experts": num_experts, "top_k": top_k, "experts": {"ffn_hidden": ffn_hidden}, "router": router,
+        "losses": {"aux_loss_coeff": float(_get(hf, "router_aux_loss_coef", 0.001)) * top_k},
     }
-    kwargs.update({k: v for k, v in carried.items() if k in CARRIED})
+    for key, path in CARRIED.items():
+        if key in carried:
+            section, name = path.split(".")
+            data.setdefault(section, {})[name] = carried[key]
     if t == "qwen2_moe":
-        kwargs.update(shared_expert_ffn_hidden=int(_get(hf, "shared_expert_intermediate_size", 0)),
-                      shared_expert_gate=True)
+        data["shared_expert"] = {"ffn_hidden": int(_get(hf, "shared_expert_intermediate_size", 0)), "gate": True}
     elif t == "dots1":
         groups, topk_groups = int(_get(hf, "n_group", 1)), int(_get(hf, "topk_group", 1))
-        kwargs.update(score_func="sigmoid", routed_scaling_factor=float(_get(hf, "routed_scaling_factor", 1.0)),
+        router.update(score_func="sigmoid", routed_scaling_factor=float(_get(hf, "routed_scaling_factor", 1.0)),
                       num_groups=groups, topk_groups=None if topk_groups >= groups else topk_groups,
-                      expert_bias=bool(carried.get("expert_bias", True)),
-                      shared_expert_ffn_hidden=int(_get(hf, "n_shared_experts", 0)) * kwargs["expert_ffn_hidden"])
-    known = {f.name for f in dataclasses.fields(MoEConfig)}
-    missing = sorted(set(kwargs) - known)
-    if missing:
-        raise _err(missing[0], kwargs[missing[0]], f"this moetrain's MoE layer lacks the feature {family.architecture} "
-                   "needs")
-    return MoEConfig(**kwargs)
+                      expert_bias=bool(carried.get("expert_bias", True)))
+        data["shared_expert"] = {"ffn_hidden": int(_get(hf, "n_shared_experts", 0)) * ffn_hidden}
+    return from_dict(MoEConfig, data, "model.moe")
 
 
 def model_config_from_hf(hf: Any, family: Family) -> ModelConfig:
@@ -327,7 +353,7 @@ def model_config_from_hf(hf: Any, family: Family) -> ModelConfig:
         moe = _moe_from_hf(hf, family, carried)
         if family.dense_ffn_key is None:
             moe_every, first_k = 1, 0
-            ffn_hidden = int(carried.get("ffn_hidden", moe.expert_ffn_hidden))
+            ffn_hidden = int(carried.get("ffn_hidden", moe.experts.ffn_hidden))
         else:
             moe_every, first_k = _layer_plan(hf, n_layers)
             ffn_hidden = int(_get(hf, family.dense_ffn_key))

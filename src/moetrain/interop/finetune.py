@@ -2,14 +2,13 @@
 
 The model config comes from the checkpoint (:func:`~moetrain.interop.hf.from_hf`), the training and data config
 from the preset / ``--config`` file / ``FIELD=VALUE`` overrides as usual; overrides of ``model.*`` may change
-training-only fields (loss coefficients, the expert backend, ``bta_tiles``) but not the architecture. The run keeps
+training-only fields (loss coefficients, ``model.execution.*``) but not the architecture. The run keeps
 the checkpoint's tokenizer: its ``tokenizer.json`` is what the data pipeline encodes the corpus with, and what the
 run directory stores.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ import torch
 
 from moetrain.configlib import merge, to_dict
 from moetrain.errors import ConfigError, DataError
-from moetrain.interop.families import TRAINING_ONLY_MODEL, TRAINING_ONLY_MOE
+from moetrain.interop.families import flat_fields, training_only
 from moetrain.interop.hf import TOKENIZER_FILE, from_hf, read_hf_config
 from moetrain.model.config import ModelConfig
 
@@ -43,29 +42,22 @@ class InitFrom:
         Raises:
             ConfigError: an override that changes the imported architecture (the field is named).
         """
-        from moetrain.config import Config, choose_preset
+        from moetrain.config import Config, choose_preset, upgrade
         from moetrain.presets import preset_dict
 
-        data = merge(preset_dict(choose_preset(preset, file_data, overrides)), file_data or {})
+        data = merge(preset_dict(choose_preset(preset, file_data, overrides)), upgrade(file_data or {}))
         data["model"] = to_dict(self.model)
-        config = Config.from_dict(merge(data, overrides))
+        config = Config.from_dict(merge(data, upgrade(overrides)))
         _check_same_architecture(self.model, config.model)
         return config
 
 
 def _check_same_architecture(imported: ModelConfig, final: ModelConfig) -> None:
-    for f in dataclasses.fields(ModelConfig):
-        if f.name == "moe" or f.name in TRAINING_ONLY_MODEL:
-            continue
-        if getattr(imported, f.name) != getattr(final, f.name):
-            raise ConfigError(f"model.{f.name}={getattr(final, f.name)!r}: --init-from fixes the architecture to the "
-                              f"checkpoint's ({getattr(imported, f.name)!r})")
-    for f in dataclasses.fields(type(imported.moe)):
-        if f.name in TRAINING_ONLY_MOE:
-            continue
-        if getattr(imported.moe, f.name) != getattr(final.moe, f.name):
-            raise ConfigError(f"model.moe.{f.name}={getattr(final.moe, f.name)!r}: --init-from fixes the architecture "
-                              f"to the checkpoint's ({getattr(imported.moe, f.name)!r})")
+    before, after = flat_fields(imported), flat_fields(final)
+    for path, value in after.items():
+        if not training_only(path) and value != before[path]:
+            raise ConfigError(f"model.{path}={value!r}: --init-from fixes the architecture to the checkpoint's "
+                              f"({before[path]!r})")
 
 
 def load_init(hf_dir: str | Path) -> InitFrom:

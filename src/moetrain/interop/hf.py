@@ -251,7 +251,7 @@ def _read_layer_experts(src: TensorSource, family: Family, cfg: ModelConfig, i: 
         layout = detect_layout(src.shapes, f"{block}.experts", layouts)
         if layout is not None:
             m = cfg.moe
-            gate_up, down = layout.read(src.get, f"{block}.experts", m.num_experts, cfg.hidden, m.expert_ffn_hidden)
+            gate_up, down = layout.read(src.get, f"{block}.experts", m.num_experts, cfg.hidden, m.experts.ffn_hidden)
             return gate_up, down, block
     looked = ", ".join(f"'{p}.experts.{layout.probe}'" for p in prefixes for layout in layouts)
     raise CheckpointError(f"{src.where}: no experts for layer {i}: looked for {looked}")
@@ -284,7 +284,7 @@ def load_tensors(src: TensorSource, family: Family, cfg: ModelConfig, layouts: t
     ignored = {"lm_head.weight"} if cfg.tie_embeddings else set()
     for k in sorted(set(src.shapes) - src.used):
         # dots.llm1 stores e_score_correction_bias even for a model without an expert bias: all zeros, no effect.
-        if (k.endswith(".mlp.gate.e_score_correction_bias") and not getattr(cfg.moe, "expert_bias", False)
+        if (k.endswith(".mlp.gate.e_score_correction_bias") and not cfg.moe.router.expert_bias
                 and bool(src.get(k, src.shapes[k]).any())):
             raise CheckpointError(f"{src.where}: tensor '{k}' is non-zero, but config.json's moetrain.expert_bias "
                                   "is false")

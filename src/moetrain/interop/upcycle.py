@@ -25,7 +25,7 @@ from moetrain.errors import ConfigError, MoetrainError
 from moetrain.interop.hf import CONFIG_FILE, from_hf, read_hf_config, to_hf
 from moetrain.model.config import ModelConfig
 from moetrain.model.transformer import MoETransformer
-from moetrain.moe.config import MoEConfig
+from moetrain.moe.config import ExpertsConfig, MoEConfig, RouterConfig, SharedExpertConfig
 
 # Copied verbatim from the dense directory: the tokenizer and the generation defaults stay the dense model's.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
@@ -40,12 +40,10 @@ def upcycled_config(dense: ModelConfig, num_experts: int, top_k: int, shared_exp
     if dense.moe_layer_indices:
         raise ConfigError(f"model.moe_every={dense.moe_every}: the model already has MoE blocks "
                           f"{dense.moe_layer_indices}; upcycling takes a dense model")
-    moe_kwargs = {"num_experts": num_experts, "top_k": top_k, "expert_ffn_hidden": dense.ffn_hidden,
-                  "norm_topk_prob": True}
-    if shared_expert:
-        moe_kwargs.update(shared_expert_ffn_hidden=dense.ffn_hidden, shared_expert_gate=True)
+    shared = SharedExpertConfig(ffn_hidden=dense.ffn_hidden, gate=True) if shared_expert else SharedExpertConfig()
     try:
-        moe = MoEConfig(**moe_kwargs)
+        moe = MoEConfig(num_experts=num_experts, top_k=top_k, experts=ExpertsConfig(ffn_hidden=dense.ffn_hidden),
+                        router=RouterConfig(norm_topk_prob=True), shared_expert=shared)
     except FieldError as e:  # num_experts / top_k: name the command-line options
         flag = {"num_experts": "--experts", "top_k": "--top-k"}.get(e.field, f"model.moe.{e.field}")
         raise ConfigError(f"{flag}: {e.message}") from None
@@ -88,7 +86,7 @@ def upcycle_model(dense: MoETransformer, num_experts: int, top_k: int, router_st
         out[f"{p}.experts.gate_up_proj"] = torch.cat([gate, up]).cpu().expand(e, -1, -1).clone()  # [E, 2F, D]
         out[f"{p}.experts.down_proj"] = down.cpu().expand(e, -1, -1).clone()  # [E, D, F]
         out[f"{p}.router.weight"] = (torch.randn(e, d, generator=gen) * router_std).to(gate.dtype)
-        if getattr(cfg.moe, "shared_expert_ffn_hidden", 0) > 0:
+        if cfg.moe.shared_expert.ffn_hidden > 0:
             out[f"{p}.shared_expert.gate_proj.weight"] = gate.detach().cpu().clone()
             out[f"{p}.shared_expert.up_proj.weight"] = up.detach().cpu().clone()
             out[f"{p}.shared_expert.down_proj.weight"] = torch.zeros_like(down, device="cpu")

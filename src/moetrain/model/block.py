@@ -24,11 +24,12 @@ class Block(nn.Module):
     def __init__(self, config: ModelConfig, index: int):
         super().__init__()
         self.is_moe = config.is_moe_layer(index)
-        self.bta_tiles = config.bta_tiles
+        self.bta_tiles = config.execution.bta_tiles
         self.input_norm = RMSNorm(config.hidden, eps=config.norm_eps)
         self.attn = Attention(config, index)
         self.post_attn_norm = RMSNorm(config.hidden, eps=config.norm_eps)
-        self.ffn: nn.Module = MoELayer(config.hidden, config.moe) if self.is_moe else SwiGLU(config.hidden, config.ffn_hidden)
+        self.ffn: nn.Module = (MoELayer(config.hidden, config.moe, config.execution) if self.is_moe
+                               else SwiGLU(config.hidden, config.ffn_hidden))
 
     def forward(
         self, x: torch.Tensor, padding_mask: torch.Tensor | None = None, kv_cache: KVCache | None = None,

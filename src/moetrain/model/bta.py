@@ -30,7 +30,7 @@ def check_tiles(tiles: int, batch: int) -> None:
     """Raise :class:`ConfigError` unless ``tiles`` (>= 1) divides ``batch`` sequences."""
     if tiles < 1 or batch % tiles != 0:
         raise ConfigError(
-            f"model.bta_tiles: {tiles} attention tiles do not divide the micro-batch of {batch} sequences "
+            f"model.execution.bta_tiles: {tiles} attention tiles do not divide the micro-batch of {batch} sequences "
             f"(train.batch_size={batch}); choose a divisor of it"
         )
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from moetrain.configlib import require
+from moetrain.execution import ExecutionConfig
 from moetrain.moe.config import MoEConfig
 
 
@@ -31,10 +32,9 @@ class ModelConfig:
             ``decoder_sparse_step``); 0 makes every block dense.
         first_k_dense: the first K blocks are dense regardless of ``moe_every`` (DeepSeek's ``first_k_dense_replace``).
         init_std: standard deviation of the normal weight initialisation.
-        bta_tiles: Batch Tiling on Attention (BTA, Cerebras): G > 1 runs each block's norm + attention over the
-            micro-batch in G tiles of sequences, one after another, each recomputed in backward, and the FFN / MoE
-            once over all tokens; G must divide the micro-batch ``train.batch_size``. 1 = off. See model/bta.py.
-        moe: the MoE layer.
+        moe: the MoE layer (:class:`~moetrain.moe.config.MoEConfig`).
+        execution: how the model runs (:class:`~moetrain.execution.ExecutionConfig`: the MoE backend, recomputed
+            experts, BTA tiles); it changes no maths, so a resumed run may change it.
     """
 
     vocab_size: int = 8192
@@ -53,8 +53,8 @@ class ModelConfig:
     moe_every: int = 1
     first_k_dense: int = 0
     init_std: float = 0.02
-    bta_tiles: int = 1
     moe: MoEConfig = field(default_factory=MoEConfig)
+    execution: ExecutionConfig = field(default_factory=ExecutionConfig)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "max_seq_len"):
@@ -78,7 +78,6 @@ class ModelConfig:
         require(self.first_k_dense >= 0, "first_k_dense", f"must be >= 0, got {self.first_k_dense}")
         require(self.rope_theta > 0, "rope_theta", f"must be > 0, got {self.rope_theta}")
         require(self.norm_eps > 0, "norm_eps", f"must be > 0, got {self.norm_eps}")
-        require(self.bta_tiles >= 1, "bta_tiles", f"must be >= 1 (1 = no batch tiling), got {self.bta_tiles}")
 
     @property
     def head_size(self) -> int:

@@ -28,7 +28,7 @@ IGNORE_INDEX = -100
 @dataclass
 class ModelOutput:
     """Result of :meth:`MoETransformer.forward`. Every MoE loss is unweighted, averaged over MoE layers, and 0 for a
-    dense model; ``moe_loss`` holds their weighted sum (coefficients from ``config.moe``).
+    dense model; ``moe_loss`` holds their weighted sum (coefficients from ``config.moe.losses``).
 
     Attributes:
         logits: [B, S, V] in the compute dtype; ``None`` after ``forward(..., return_logits=False)``.
@@ -59,7 +59,7 @@ class ModelOutput:
 
 
 MOE_LOSS_TERMS = ("aux_loss", "pooled_aux_loss", "seq_aux_loss", "global_aux_loss", "z_loss", "util_loss")
-"""The MoE loss fields of :class:`ModelOutput`; each is weighted by ``config.moe.<name>_coeff``."""
+"""The MoE loss fields of :class:`ModelOutput`; each is weighted by ``config.moe.losses.<name>_coeff``."""
 
 
 def assemble_moe_losses(
@@ -78,7 +78,7 @@ def assemble_moe_losses(
 
     Args:
         out: the model output with ``moe`` set; its loss fields are overwritten.
-        config: the MoE config (coefficients).
+        config: the MoE config (its ``losses`` coefficients).
         global_counts: [L, E] the optimizer step's assignment counts per MoE layer, summed over all
             micro-batches and data-parallel ranks (``MoETransformer.moe_counts``); ``None``: this micro-batch's.
         count_reducer: sums [L, E] counts over data-parallel ranks; used (in training with gradients) on this
@@ -103,13 +103,13 @@ def assemble_moe_losses(
     out.util_loss = torch.stack([r.util_loss for r in records]).mean()
     if global_counts is None:
         global_counts = counts
-        if count_reducer is not None and config.global_aux_loss_coeff > 0 and torch.is_grad_enabled():
+        if count_reducer is not None and config.losses.global_aux_loss_coeff > 0 and torch.is_grad_enabled():
             global_counts = count_reducer(counts.clone())
     out.global_aux_loss = torch.stack([
         global_load_balancing_loss(prob_sums[i], num_tokens[i], global_counts[i].to(device))
         for i in range(len(records))
     ]).mean()
-    out.moe_loss = sum(getattr(config, f"{name}_coeff") * getattr(out, name) for name in MOE_LOSS_TERMS)
+    out.moe_loss = sum(getattr(config.losses, f"{name}_coeff") * getattr(out, name) for name in MOE_LOSS_TERMS)
 
 
 class MoETransformer(nn.Module):

@@ -82,7 +82,7 @@ def capacity_keep(
     elif policy == "position":
         priority = torch.arange(n, device=device)
     else:
-        raise ValueError(f"model.moe.drop_policy: unknown policy {policy!r}; choose probs or position")
+        raise ValueError(f"model.moe.capacity.drop_policy: unknown policy {policy!r}; choose probs or position")
     order = priority[torch.sort(key[priority], stable=True).indices]  # grouped by expert, by priority within
     counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device).scatter_add_(0, key, torch.ones_like(key))
     start = torch.cumsum(counts, 0) - counts  # [E + 1] first sorted position of each bucket

@@ -127,7 +127,8 @@ def route(
         scores = torch.sigmoid(logits)
         probs = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
     else:
-        raise ValueError(f"model.moe.score_func: unknown score function {score_func!r}; choose softmax or sigmoid")
+        raise ValueError(f"model.moe.router.score_func: unknown score function {score_func!r}; choose softmax or "
+                         "sigmoid")
     # The bias and the group mask shape the choice only; nothing below differentiates through `selection`.
     selection = scores.detach()
     if expert_bias is not None:
@@ -148,8 +149,9 @@ def route(
 class TopKRouter(nn.Module):
     """Linear gate ``weight`` [E, D] (no bias), then :func:`route` with the layer's settings; computed in fp32.
 
-    With ``config.expert_bias`` it owns the buffer ``e_score_correction_bias`` [E] fp32 (transformers' DeepSeek-V3
-    name; Megatron's ``expert_bias``), saved in the state dict and changed only by :meth:`update_expert_bias`.
+    With ``config.router.expert_bias`` it owns the buffer ``e_score_correction_bias`` [E] fp32 (transformers'
+    DeepSeek-V3 name; Megatron's ``expert_bias``), saved in the state dict and changed only by
+    :meth:`update_expert_bias`.
 
     Args:
         hidden: D.
@@ -161,23 +163,23 @@ class TopKRouter(nn.Module):
         self.config = config
         self.weight = nn.Parameter(torch.empty(config.num_experts, hidden))
         self.e_score_correction_bias: torch.Tensor | None
-        if config.expert_bias:
+        if config.router.expert_bias:
             self.register_buffer("e_score_correction_bias", torch.zeros(config.num_experts, dtype=torch.float32))
         else:
             self.e_score_correction_bias = None
 
     def forward(self, x: torch.Tensor) -> Routing:
         """x: [T, D] any float dtype -> :class:`Routing` (fp32; input jitter only in training mode)."""
-        c = self.config
+        c, r = self.config, self.config.router
         dtype = torch.promote_types(x.dtype, torch.float32)
         with torch.autocast(device_type=x.device.type, enabled=False):
             h = x.to(dtype)
-            if self.training and c.router_jitter > 0:
-                h = h * torch.empty_like(h).uniform_(1.0 - c.router_jitter, 1.0 + c.router_jitter)
+            if self.training and r.jitter_eps > 0:
+                h = h * torch.empty_like(h).uniform_(1.0 - r.jitter_eps, 1.0 + r.jitter_eps)
             logits = F.linear(h, self.weight.to(dtype))  # [T, E]
         return route(
-            logits, c.top_k, score_func=c.score_func, norm_topk_prob=c.norm_topk_prob,
-            routed_scaling_factor=c.routed_scaling_factor, num_groups=c.num_groups, topk_groups=c.topk_groups,
+            logits, c.top_k, score_func=r.score_func, norm_topk_prob=r.norm_topk_prob,
+            routed_scaling_factor=r.routed_scaling_factor, num_groups=r.num_groups, topk_groups=r.topk_groups,
             expert_bias=self.e_score_correction_bias,
         )
 
@@ -188,9 +190,10 @@ class TopKRouter(nn.Module):
         Args:
             counts: [E] assignments per expert over one whole optimizer step (all micro-batches and ranks).
         Raises:
-            RuntimeError: the layer has no expert bias (``config.expert_bias`` is off).
+            RuntimeError: the layer has no expert bias (``config.router.expert_bias`` is off).
         """
         if self.e_score_correction_bias is None:
-            raise RuntimeError("update_expert_bias: this router has no expert bias (model.moe.expert_bias=false)")
-        delta = expert_bias_delta(counts, self.config.expert_bias_update_rate)
+            raise RuntimeError("update_expert_bias: this router has no expert bias "
+                               "(model.moe.router.expert_bias=false)")
+        delta = expert_bias_delta(counts, self.config.router.expert_bias_update_rate)
         self.e_score_correction_bias.add_(delta.to(self.e_score_correction_bias))

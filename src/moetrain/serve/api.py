@@ -221,8 +221,8 @@ async def _complete(engine, cache, body: CompletionRequest, request: Request):
     if body.max_tokens == 0:
         return _result(body, rid, name, "", [], "length", len(ids))
     loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-    req = GenRequest(ids, body.max_tokens, queue.put_nowait, body.temperature, body.top_p, body.seed, stops, policy,
-                     loop=loop, incremental=body.stream)
+    req = GenRequest(ids, body.max_tokens, lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev),
+                     body.temperature, body.top_p, body.seed, stops, policy)
     try:
         engine.submit(req)
     except QueueFull as e:

@@ -27,13 +27,15 @@ from moetrain.train.routing_stats import Snapshot
 ALERTS_FILE = "alerts.jsonl"
 
 REMEDIES = {
-    "dead_expert": "raise model.moe.aux_loss_coeff (load balancing), lower train.lr or lengthen train.warmup_steps, "
-                   "and check the router initialisation",
-    "collapse": "raise model.moe.aux_loss_coeff (load balancing) and model.moe.z_loss_coeff, lower train.lr",
-    "token_drop": "raise the capacity factor (or train dropless) and model.moe.aux_loss_coeff to even out the load",
-    "loss_spike": "lower train.lr or lengthen train.warmup_steps, lower train.grad_clip, raise model.moe.z_loss_coeff; "
-                  "if it persists, resume from a checkpoint before the spike",
-    "nonfinite_loss": "lower train.lr, raise model.moe.z_loss_coeff (keeps router logits small), lower "
+    "dead_expert": "raise model.moe.losses.aux_loss_coeff (load balancing), lower train.lr or lengthen "
+                   "train.warmup_steps, and check the router initialisation",
+    "collapse": "raise model.moe.losses.aux_loss_coeff (load balancing) and model.moe.losses.z_loss_coeff, "
+                "lower train.lr",
+    "token_drop": "raise the capacity factor (or train dropless) and model.moe.losses.aux_loss_coeff to even out "
+                  "the load",
+    "loss_spike": "lower train.lr or lengthen train.warmup_steps, lower train.grad_clip, raise "
+                  "model.moe.losses.z_loss_coeff; if it persists, resume from a checkpoint before the spike",
+    "nonfinite_loss": "lower train.lr, raise model.moe.losses.z_loss_coeff (keeps router logits small), lower "
                       "train.grad_clip, and resume from the last good checkpoint",
 }
 

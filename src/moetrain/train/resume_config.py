@@ -6,8 +6,9 @@ batching (restored from the checkpoint's state, so a new value would be ignored 
 Changing one of those on resume is refused, naming the field, the run's value and the new one. The rest may change
 and takes effect: ``train.steps`` (not below the checkpoint's step, checked by the trainer), the schedule
 (``lr``, ``warmup_steps``, ``min_lr_ratio``: the LR continues on the schedule the new values describe),
-logging / evaluation / checkpoint cadence, precision, device, threads, ``monitor.*`` and ``parallel.*``
-(checkpoints reshard to another expert-parallel size).
+logging / evaluation / checkpoint cadence, precision, device, threads, ``model.execution.*`` (the MoE backend,
+recomputed experts, BTA tiles: every choice computes the same function with the same weights), ``monitor.*`` and
+``parallel.*`` (checkpoints reshard to another expert-parallel size).
 """
 
 from __future__ import annotations
@@ -17,11 +18,11 @@ from typing import Any
 from moetrain.config import Config
 from moetrain.errors import ConfigError
 
-# Fields under model.* / data.* that do not change what was trained: the expert implementation (every backend
-# computes the same function) and where the token cache lives.
-# Execution choices that change neither the maths nor the weights (tested equal: backends, recomputed experts, BTA
-# tiles), and where the data cache lives: a resumed run may switch them, e.g. to fit memory.
-CHANGEABLE_MODEL_DATA = {"model.moe.backend", "model.moe.recompute_experts", "model.bta_tiles", "data.cache_dir"}
+# Fields under model.* / data.* that do not change what was trained: the execution choices, which change neither the
+# maths nor the weights (tested equal: backends, recomputed experts, BTA tiles), and where the data cache lives. A
+# resumed run may switch them, e.g. to fit memory.
+CHANGEABLE_MODEL_DATA = {"data.cache_dir"}
+CHANGEABLE_PREFIX = "model.execution."
 FIXED_TRAIN = {"batch_size", "grad_accum", "seed", "weight_decay", "beta1", "beta2", "eps", "checkpoint_url"}
 
 
@@ -40,6 +41,8 @@ def is_fixed(path: str) -> bool:
     """Whether the field ``path`` (``model.hidden``) must keep its value when a run is resumed."""
     if path == "preset":
         return True
+    if path.startswith(CHANGEABLE_PREFIX):
+        return False
     if path.startswith(("model.", "data.")):
         return path not in CHANGEABLE_MODEL_DATA
     section, _, name = path.partition(".")

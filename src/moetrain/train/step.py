@@ -10,8 +10,8 @@ equal one large batch's. With data parallelism a :data:`~moetrain.moe.balancing.
 over ranks. The Switch loss (per micro-batch), the pooled transformers-style loss and the utilisation loss are not
 linear in the batch; they are averaged over micro-batches (Megatron-Core and transformers do the same).
 
-The aux-loss-free expert bias (``model.moe.expert_bias``) is updated once per optimizer step, after the optimizer,
-from the counts of all micro-batches (and ranks).
+The aux-loss-free expert bias (``model.moe.router.expert_bias``) is updated once per optimizer step, after the
+optimizer, from the counts of all micro-batches (and ranks).
 """
 
 from __future__ import annotations
@@ -88,8 +88,8 @@ MOE_TERMS = ("aux_loss", "pooled_aux_loss", "seq_aux_loss", "global_aux_loss", "
 def needs_global_counts(model: MoETransformer, grad_accum: int, count_reducer: CountReducer | None) -> bool:
     """Whether the step must run the no-grad routing pre-pass: the global-batch aux loss is on, the model has MoE
     layers, and the step spans several micro-batches or data-parallel ranks."""
-    moe = model.config.moe
-    return moe.global_aux_loss_coeff > 0 and bool(model.moe_layers()) and (grad_accum > 1 or count_reducer is not None)
+    coeff = model.config.moe.losses.global_aux_loss_coeff
+    return coeff > 0 and bool(model.moe_layers()) and (grad_accum > 1 or count_reducer is not None)
 
 
 def accumulate_gradients(
