@@ -78,9 +78,10 @@ class StepRunner:
         self.cos, self.sin = rope_cos_sin(torch.arange(cfg.max_seq_len), cfg.head_size, cfg.rope_theta)  # [P, Hd]
 
     @torch.inference_mode()
-    def step(self, batch: StepBatch, policies: StepPolicies) -> tuple[torch.Tensor, list[MoEStepStats]]:
-        """Run the step's N tokens; returns (logits [B, V] fp32 at each sequence's last new token, one
-        :class:`MoEStepStats` per MoE block)."""
+    def step(self, batch: StepBatch, policies: StepPolicies, all_logits: bool = False
+             ) -> tuple[torch.Tensor, list[MoEStepStats]]:
+        """Run the step's N tokens; returns (logits [B, V] fp32 at each sequence's last new token, or [N, V] at
+        every token with ``all_logits`` (evaluation), and one :class:`MoEStepStats` per MoE block)."""
         model = self.model
         x = model.embed_tokens(batch.input_ids)  # [N, D]
         cos, sin = self.cos[batch.positions], self.sin[batch.positions]  # [N, Hd]
@@ -94,8 +95,9 @@ class StepRunner:
             else:
                 y = block.ffn(block.post_attn_norm(h))
             x = h + y
-        ends = torch.tensor([0] + [c.length for c in batch.chunks]).cumsum(0)[1:] - 1  # [B] last token of each
-        return model.lm_head(model.norm(x[ends])).float(), stats
+        if not all_logits:
+            x = x[torch.tensor([c.length for c in batch.chunks]).cumsum(0) - 1]  # [B, D] last token of each
+        return model.lm_head(model.norm(x)).float(), stats
 
     def _attention(self, layer: int, attn, x: torch.Tensor, batch: StepBatch, cos: torch.Tensor, sin: torch.Tensor
                    ) -> torch.Tensor:
