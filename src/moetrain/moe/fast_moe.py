@@ -16,7 +16,8 @@ Two entry points run the same Function:
   (K = 1, an identity layout, so the gathers are copies and the combine a gather back; w * a with w = 1 is exact).
 
 :func:`fused_moe` computes exactly what the layer's unfused path computes (LocalDispatcher dropless dispatch ->
-routed experts -> gating-weighted combine; same stable sort, same row order), ``out[t] = sum_k w[t, k] * expert_{e(t,k)}(x[t])``, but:
+routed experts -> gating-weighted combine; same stable sort, same row order),
+``out[t] = sum_k w[t, k] * expert_{e(t,k)}(x[t])``, but:
 
 - **No [N, D] copy of the input is kept.** Rows are processed in blocks of consecutive experts (about
   :data:`BLOCK_ELEMENTS` scratch elements each): a block's rows are gathered from x into a scratch buffer right
@@ -31,8 +32,8 @@ routed experts -> gating-weighted combine; same stable sort, same row order), ``
 - **Scratch buffers are reused**: by every block of a call, and on CPU from call to call
   (moe/kernels/cpu/workspace.py, with the [N, D] expert outputs and input-gradient rows): a fresh multi-MiB tensor
   costs page faults on CPU (glibc maps large blocks anew each time; measured ~1/3 of a bf16 forward at E = 64).
-  The kept buffers, and those that must be fresh (``h``, the weight gradients, the combined outputs) when 32 MiB or more, ask for 2 MiB pages
-  (moe/kernels/cpu/hugepages.py: fp32 forward + backward ~4% faster at E = 64 for the fresh ones alone).
+  The kept buffers, and those that must be fresh (``h``, the weight gradients, the combined outputs) when 32 MiB
+  or more, ask for 2 MiB pages (moe/kernels/cpu/hugepages.py: fp32 forward + backward ~4% faster at E = 64 for the fresh ones alone).
 - **The activation is recomputed in backward** from ``h`` (two elementwise passes over cache-hot rows).
 - **On CPU in fp32 / bf16 with SwiGLU, the elementwise work is native code** (moe/kernels/cpu/native.py): one pass for
   the activation and its gating weight, one for the whole backward (w * a, dL/dh, dL/dw), instead of 3 and 9
@@ -485,17 +486,9 @@ def _launch(x, weights, w_in, w_out, layout, activation, mode, block_rows, recom
                            recompute)
 
 
-def fused_experts(
-    x: torch.Tensor,
-    w_in: torch.Tensor,
-    w_out: torch.Tensor,
-    tokens_per_expert: torch.Tensor,
-    activation: str = "swiglu",
-    *,
-    mode: str = "auto",
-    block_rows: int | None = None,
-    recompute: bool = False,
-) -> torch.Tensor:
+def fused_experts(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, tokens_per_expert: torch.Tensor,
+                  activation: str = "swiglu", *, mode: str = "auto", block_rows: int | None = None,
+                  recompute: bool = False) -> torch.Tensor:
     """Routed experts alone, on rows a dispatcher laid out: the ``fused`` backend's experts with a capacity factor or
     behind an expert-parallel dispatcher (the same Function as :func:`fused_moe`, each row routed to its own expert
     with weight 1; same backend signature as :func:`moetrain.moe.experts.loop_experts`, the reference it is tested

@@ -129,7 +129,8 @@ class AllToAllDispatcher(Dispatcher):
 
     def combine(self, expert_out: torch.Tensor, meta: AllToAllMeta) -> torch.Tensor:
         """expert_out (y): [R, D] expert outputs in dispatch order -> [T, D] (dtype of y):
-        ``sum_k kept_k * weight_k * y_k`` per token, by :meth:`moetrain.moe.dispatch.LocalDispatcher.combine` (fp32 accumulation, fixed order).
+        ``sum_k kept_k * weight_k * y_k`` per token, by :meth:`moetrain.moe.dispatch.LocalDispatcher.combine`
+        (fp32 accumulation, fixed order).
 
         Raises:
             CollectiveError: a peer failed during the return exchange.

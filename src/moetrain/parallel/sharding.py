@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moetrain.errors import ConfigError
+from moetrain.moe.layer import MoELayer
 from moetrain.parallel.comm import named_collective
 from moetrain.parallel.mesh import ParallelMesh
 
@@ -34,11 +35,9 @@ class ExpertShard:
         return torch.Size((self.global_rows, *local_shape[1:]))
 
 
-def moe_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """(qualified name, module) of every MoE layer: a module with a ``router``, ``experts`` and
-    ``set_dispatcher`` (``moetrain.moe.layer.MoELayer``)."""
-    return [(name, m) for name, m in model.named_modules()
-            if hasattr(m, "set_dispatcher") and hasattr(m, "experts") and hasattr(m, "router")]
+def moe_layers(model: nn.Module) -> list[tuple[str, MoELayer]]:
+    """(qualified name, module) of every :class:`~moetrain.moe.layer.MoELayer` in ``model``."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, MoELayer)]
 
 
 @torch.no_grad()
