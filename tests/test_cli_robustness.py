@@ -393,16 +393,19 @@ def test_resume_of_a_run_killed_before_its_config_starts_it_fresh(env, tmp_path,
 
 # -- 4, 11, 12, 13: shape-only presets, --stop-at-step, closing hints, train.threads --------------------------------
 
-def test_shape_only_presets_are_not_trained(env, tmp_path, capsys):
-    from moetrain.presets import PRESETS, SHAPE_ONLY
+def test_shape_only_presets_are_not_trained(env, tmp_path, capsys, monkeypatch):
+    """A shape preset that does not fit this machine (64 GB free, pretended) is refused with the per-rank figure of
+    its sharded training state and the smallest layout the planner finds (parallel/dry_run.py)."""
+    from moetrain.presets import SHAPE_ONLY
+    from moetrain.runtime import preflight
 
-    trainable = ", ".join(sorted(set(PRESETS) - set(SHAPE_ONLY)))
+    monkeypatch.setattr(preflight, "available_memory", lambda device_type="cpu": 64e9)
     for name in SHAPE_ONLY:
-        one_line_error(capsys, ["train", "--preset", name, "--out", tmp_path / "x"], f"preset {name}: a shape-only",
-                       f"trainable presets: {trainable}")
+        one_line_error(capsys, ["train", "--preset", name, "--out", tmp_path / "x"], f"preset {name}: needs",
+                       "GB per rank", "64.0 GB free", "the smallest layout that fits is", "--emit FILE.toml")
     cfg = tmp_path / "big.toml"
     cfg.write_text('preset = "mixtral-8x7b"\n')
-    one_line_error(capsys, ["train", "--config", cfg, "--out", tmp_path / "x"], "preset mixtral-8x7b: a shape-only")
+    one_line_error(capsys, ["train", "--config", cfg, "--out", tmp_path / "x"], "preset mixtral-8x7b: needs 747.")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["big.toml"]
 
 

@@ -33,6 +33,11 @@ def add_parser(sub) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--init-from", metavar="HF_DIR",
                    help="fine-tune a Hugging Face checkpoint: model and tokenizer from HF_DIR (see export, upcycle)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="validate the config and print its parallel layout and per-rank memory for --world-size "
+                        "ranks (model on the meta device; no data, no run directory)")
+    p.add_argument("--world-size", type=int, default=None,
+                   help="ranks for --dry-run (default: $WORLD_SIZE, or 1)")
     p.add_argument("overrides", nargs="*", metavar="FIELD=VALUE", help="e.g. model.moe.top_k=1 train.lr=1e-3")
     p.set_defaults(func=run)
 
@@ -86,7 +91,7 @@ def _resumed_config(run_dir: Path, args, file_data: dict | None, overrides: dict
 
 def run(args) -> int:
     from moetrain.config import build_config, upgrade
-    from moetrain.presets import PRESETS, SHAPE_ONLY
+    from moetrain.presets import SHAPE_ONLY
     from moetrain.train.trainer import CONFIG_FILE
 
     if args.stop_at_step is not None and args.stop_at_step < 1:
@@ -128,11 +133,25 @@ def run(args) -> int:
             config = build_config(args.preset, file_data, overrides)
         else:
             config = init.config(args.preset, file_data, overrides)
-        if config.preset in SHAPE_ONLY:
-            trainable = sorted(set(PRESETS) - set(SHAPE_ONLY))
-            raise MoetrainError(f"preset {config.preset}: a shape-only preset (the published architecture, for "
-                                f"moetrain plan and parameter counts) is far too large to train here; trainable "
-                                f"presets: {', '.join(trainable)}")
+        world = args.world_size if args.world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
+        if args.dry_run:
+            from moetrain.parallel.dry_run import dry_run
+
+            if world < 1:
+                raise MoetrainError(f"--world-size: must be >= 1, got {world}")
+            for line in dry_run(config, world).lines:
+                print(line)
+            print(f"dry run: the config is valid for {world} rank(s); nothing was written")
+            return 0
+        if config.preset in SHAPE_ONLY:  # the sharded state against this machine's memory (parallel/dry_run.py)
+            from moetrain.parallel.dry_run import too_large
+            from moetrain.runtime.preflight import available_memory
+            from moetrain.train.trainer import resolve_device
+
+            device_type = resolve_device(config.train.device).type
+            why = too_large(config, world, device_type, available_memory(device_type))
+            if why:
+                raise MoetrainError(why)
         run_dir = Path(args.out) if args.out else Path("runs") / f"{config.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
         if run_dir.exists() and not run_dir.is_dir():
             raise MoetrainError(f"--out {run_dir}: exists and is not a directory")

@@ -104,3 +104,37 @@ def dry_run(config, world: int) -> DryRun:
              f"per rank: {per_rank * STATE_BYTES / 1e9:.2f} GB of fp32 parameters + gradients + AdamW state "
              f"({per_rank / 1e6:.1f}M parameters; planner: {planner * STATE_BYTES / 1e9:.2f} GB)"]
     return DryRun(layout, stages, per_rank * STATE_BYTES, planner * STATE_BYTES, lines)
+
+
+def too_large(config, world: int, device_type: str, free_bytes: float) -> str | None:
+    """Why ``config`` cannot train on ``world`` ranks of this machine, or ``None`` when its sharded training state
+    fits: the per-rank bytes of parameters + gradients + AdamW state (:func:`dry_run`) against ``free_bytes``, and
+    the smallest layout the planner finds for such devices (``moetrain plan``'s defaults: 1024 sequences of 4096
+    tokens, or the model's context if shorter, bf16).
+
+    Raises:
+        ConfigError: an impossible layout (:func:`check`).
+    """
+    from moetrain.analysis.hardware import get_hardware
+    from moetrain.analysis.planner import smallest_fitting
+    from moetrain.analysis.shape import ModelShape
+
+    run = dry_run(config, world)
+    if run.rank_bytes <= free_bytes:
+        return None
+    hw_name = "cpu" if device_type == "cpu" else "h100"
+    m = config.model
+    seq = min(4096, m.max_seq_len)
+    found = smallest_fitting(ModelShape.from_config(m), [m.is_moe_layer(i) for i in range(m.n_layers)],
+                             get_hardware(hw_name), seq, 1024)
+    if found is None:
+        fit = f"no layout of up to 4096 {hw_name} devices fits"
+    else:
+        n, result = found
+        best = result.recommended
+        fit = (f"the smallest layout that fits is {n} {hw_name} devices as {best.layout.label} "
+               f"({best.best.memory / 1e9:.1f} GB/device with activations); write its config with `moetrain plan "
+               f"--preset {config.preset} --devices {n} --device {hw_name} --emit FILE.toml`")
+    return (f"preset {config.preset}: needs {run.rank_bytes / 1e9:.1f} GB per rank for fp32 parameters + gradients + "
+            f"AdamW state on {world} rank(s) ({run.layout.describe().split(';')[0]}), this machine has "
+            f"{free_bytes / 1e9:.1f} GB free; {fit}")

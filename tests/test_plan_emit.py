@@ -1,0 +1,78 @@
+"""``moetrain plan --emit`` writes configs that ``moetrain train --config F --dry-run`` validates and lays out; every
+layout the planner may recommend maps to trainer fields the trainer accepts; a shape preset too large for this
+machine is refused with the per-rank figure and the smallest layout that fits."""
+
+from __future__ import annotations
+
+import tomllib
+
+import pytest
+
+from moetrain.analysis.hardware import get_hardware
+from moetrain.analysis.planner import candidate_layouts, plan, trainer_fields
+from moetrain.analysis.shape import ModelShape
+from moetrain.cli import main
+from moetrain.config import build_config
+from moetrain.errors import ConfigError
+from moetrain.parallel.dry_run import check, dry_run, too_large
+
+RECOMMENDATIONS = [("qwen3-30b-a3b", 16, "h200"), ("mixtral-8x7b", 16, "h100")]
+
+
+@pytest.mark.parametrize("preset,devices,device", RECOMMENDATIONS)
+def test_emitted_config_passes_the_dry_run(tmp_path, capsys, preset, devices, device):
+    path = tmp_path / f"{preset}.toml"
+    assert main(["plan", "--preset", preset, "--devices", str(devices), "--device", device,
+                 "--emit", str(path)]) == 0
+    data = tomllib.loads(path.read_text())
+    assert data["preset"] == preset and data["parallel"]["fsdp"] == "on"
+    p = data["parallel"]
+    assert p["pp"] * p["ep"] * p["dp_shard"] * p["dp_replicate"] == devices
+    capsys.readouterr()
+    assert main(["train", "--config", str(path), "--dry-run", "--world-size", str(devices)]) == 0
+    out = capsys.readouterr().out
+    assert f"= {devices} ranks" in out and "dry run: the config is valid" in out
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("preset,devices,device", RECOMMENDATIONS + [("olmoe-1b-7b", 64, "trn1")])
+def test_every_fitting_candidate_maps_to_trainer_fields(preset, devices, device):
+    cfg = build_config(preset)
+    shape = ModelShape.from_config(cfg.model)
+    flags = [cfg.model.is_moe_layer(i) for i in range(cfg.model.n_layers)]
+    result = plan(shape, flags, devices, get_hardware(device), 4096, 1024, 2)
+    fitting = [c for c in result.candidates if c.fits]
+    assert fitting
+    for c in fitting:
+        run = build_config(preset, overrides=trainer_fields(c, 4096, "bf16"))
+        layout, stages = check(run, devices)
+        assert (layout.pp, layout.ep, layout.dp_shard) == (c.layout.pp, c.layout.ep, c.layout.dp)
+        assert len(stages) == c.layout.pp
+        # FSDP2 shards what the planner's ZeRO-1 model keeps whole: never more state per rank than it assumed.
+        assert dry_run(run, devices).rank_bytes <= c.best.memory
+
+
+def test_tied_embeddings_are_never_pipelined():
+    shape = ModelShape.from_config(build_config("tiny").model)
+    assert shape.tie_embeddings
+    assert all(l.pp == 1 for l in candidate_layouts(shape, 8, 64))
+    cfg = build_config("tiny", overrides={"parallel": {"pp": 2}})
+    with pytest.raises(ConfigError, match="model.tie_embeddings"):
+        check(cfg, 2)
+
+
+def test_dry_run_names_the_bad_field(capsys):
+    cfg = build_config("mixtral-8x7b", overrides={"parallel": {"ep": 8, "dp_shard": 2}})
+    with pytest.raises(ConfigError, match=r"world size 12 .* pp \* dp_replicate"):
+        check(cfg, 12)
+    cfg = build_config("mixtral-8x7b", overrides={"parallel": {"ep": 8}, "train": {"batch_size": 4}})
+    with pytest.raises(ConfigError, match="train.batch_size: 4 sequences"):
+        check(cfg, 8)
+
+
+def test_too_large_preset_names_the_figure_and_the_smallest_layout():
+    cfg = build_config("mixtral-8x7b")
+    why = too_large(cfg, 1, "cpu", 80e9)
+    assert why.startswith("preset mixtral-8x7b: needs 747.") and "80.0 GB free" in why
+    assert "the smallest layout that fits is 64 cpu devices" in why and "--emit FILE.toml" in why
+    assert too_large(build_config("tiny"), 1, "cpu", 80e9) is None
