@@ -10,7 +10,10 @@ only, so any process count can read it: an EP=4 checkpoint loads at EP=2 or in o
 tensors), and an EP=1 checkpoint loads at EP=4. The AdamW moments of an expert shard are sharded the same way.
 
 Layout of one checkpoint directory: DCP's ``.metadata`` and ``__<rank>_0.distcp`` files, plus ``moetrain.json``
-(step, world size, ep) written by rank 0 last, so its presence marks a complete checkpoint.
+(step, world size, ep) written by rank 0 last, so its presence marks a complete checkpoint. Inside the trainer's
+checkpoints these files sit beside ``train_state.pt`` and the manifest of
+:class:`~moetrain.train.checkpoint.CheckpointStore`; :class:`~moetrain.train.checkpointer.Checkpointer` decides
+which format to write and reads both.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import json
 import tempfile
 import warnings
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -32,7 +36,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from moetrain.errors import CheckpointError
 from moetrain.parallel.comm import named_collective
-from moetrain.parallel.mesh import ParallelMesh
+from moetrain.parallel.mesh import ParallelMesh, single_process
 from moetrain.parallel.sharding import ExpertShard
 
 MARKER = "moetrain.json"
@@ -60,13 +64,53 @@ def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-def _wrap(tensor: torch.Tensor, shard: ExpertShard | None, mesh: ParallelMesh) -> torch.Tensor:
-    """``tensor`` itself, or for an expert shard a DTensor view of it with the global shape."""
-    if shard is None or not mesh.distributed or mesh.ep == 1:
-        return tensor
-    shape = shard.global_shape(tensor.shape)
-    return DTensor.from_local(tensor, mesh.mesh, [Replicate(), Shard(0)], run_check=False, shape=shape,
-                              stride=_contiguous_stride(shape))
+@dataclass(frozen=True)
+class ShardLayout:
+    """How this rank's tensors map onto the global ones: the mesh and the expert shards.
+
+    Today only routed-expert tensors are sharded (dim 0 over the EP group); every other tensor is replicated. This
+    is the one place that says so: FSDP2 (issue 17) makes parameters DTensors that carry their own placement, and
+    then :meth:`global_view` has nothing left to wrap.
+
+    Attributes:
+        mesh: this rank's mesh position.
+        plan: ``{parameter name: ExpertShard}`` (:func:`moetrain.parallel.sharding.shard_experts`); empty: no
+            sharding.
+    """
+
+    mesh: ParallelMesh
+    plan: dict[str, ExpertShard] = field(default_factory=dict)
+
+    @classmethod
+    def single(cls, device: torch.device | str = "cpu") -> "ShardLayout":
+        """One process, nothing sharded."""
+        return cls(single_process(device))
+
+    @property
+    def distributed(self) -> bool:
+        return self.mesh.distributed
+
+    @property
+    def is_main(self) -> bool:
+        return self.mesh.is_main
+
+    def global_view(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` itself, or for an expert shard [E_l, ...] a DTensor view of it (no copy) of global shape
+        [E, ...] placed ``(Replicate(), Shard(0))`` on the ``(dp, ep)`` mesh."""
+        shard = self.plan.get(name)
+        if isinstance(tensor, DTensor) or shard is None or not self.mesh.distributed or self.mesh.ep == 1:
+            return tensor  # a DTensor (an FSDP2 parameter) already carries its placement
+        shape = shard.global_shape(tensor.shape)
+        return DTensor.from_local(tensor, self.mesh.mesh, [Replicate(), Shard(0)], run_check=False, shape=shape,
+                                  stride=_contiguous_stride(shape))
+
+    def local_rows(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a full tensor saved under ``name`` (an expert tensor [E, ...] or an optimizer
+        moment of one); any other tensor unchanged."""
+        shard = self.plan.get(name)
+        if shard is None or full.dim() == 0 or full.shape[0] != shard.global_rows:
+            return full
+        return full[shard.offset : shard.offset + shard.local_rows]
 
 
 def _param_names(model: nn.Module) -> dict[nn.Parameter, str]:
@@ -93,18 +137,30 @@ def materialise_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
         group["lr"] = lr
 
 
-def _state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None, plan: dict[str, ExpertShard],
-                mesh: ParallelMesh) -> dict[str, Any]:
-    """The tensors DCP reads and writes: ``model`` (the module's state dict, shards wrapped) and ``optim`` (each
-    parameter's optimizer state keyed by the parameter's name, shards wrapped)."""
-    state: dict[str, Any] = {"model": {k: _wrap(v, plan.get(k), mesh) for k, v in model.state_dict().items()}}
+def model_state_dict(model: nn.Module, layout: ShardLayout) -> dict[str, torch.Tensor]:
+    """What DCP writes for the model: ``model.state_dict()`` keyed by FQN, expert shards as global-shape DTensor
+    views (the analogue of ``torch.distributed.checkpoint.state_dict.get_model_state_dict``)."""
+    return {k: layout.global_view(k, v) for k, v in model.state_dict().items()}
+
+
+def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, layout: ShardLayout
+                         ) -> dict[str, dict[str, Any]]:
+    """What DCP writes for the optimizer: each parameter's state keyed by the parameter's FQN (not its index, so
+    that it survives a change of layout), moments of expert shards as global-shape DTensor views (the analogue
+    of ``get_optimizer_state_dict`` with flattened FQN keys)."""
+    names = _param_names(model)
+    return {
+        names[p]: {k: layout.global_view(names[p], v) if torch.is_tensor(v) and v.shape == p.shape else v
+                   for k, v in s.items()}
+        for p, s in optimizer.state.items()
+    }
+
+
+def _state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None, layout: ShardLayout) -> dict[str, Any]:
+    """The tensors DCP reads and writes: ``model`` and (with an optimizer) ``optim``."""
+    state: dict[str, Any] = {"model": model_state_dict(model, layout)}
     if optimizer is not None:
-        names = _param_names(model)
-        state["optim"] = {
-            names[p]: {k: _wrap(v, plan.get(names[p]), mesh) if torch.is_tensor(v) and v.shape == p.shape else v
-                       for k, v in s.items()}
-            for p, s in optimizer.state.items()
-        }
+        state["optim"] = optimizer_state_dict(model, optimizer, layout)
     return state
 
 
@@ -122,7 +178,8 @@ def save(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, 
 
     Args:
         path: the checkpoint directory (created; shared by all ranks, e.g. on a shared file system).
-        model / optimizer: this rank's model and optimizer (``optimizer`` may be ``None``).
+        model: this rank's model.
+        optimizer: this rank's optimizer, or ``None``.
         plan: the expert shards (:func:`moetrain.parallel.sharding.shard_experts`).
         mesh: this rank's mesh position.
         extra: replicated training state (one rank's copy is kept: it must be the same on every rank).
@@ -130,7 +187,7 @@ def save(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, 
         CollectiveError: a peer failed while the checkpoint was written.
     """
     path = Path(path)
-    state = _state_dict(model, optimizer, plan, mesh)
+    state = _state_dict(model, optimizer, ShardLayout(mesh, plan))
     names = _param_names(model)
     groups = None
     if optimizer is not None:
@@ -163,7 +220,7 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, 
         raise CheckpointError(f"{path}: not a complete distributed checkpoint (no {MARKER} or .metadata)")
     if optimizer is not None:
         materialise_optimizer_state(optimizer)
-    state = _state_dict(model, optimizer, plan, mesh)
+    state = _state_dict(model, optimizer, ShardLayout(mesh, plan))
     state["meta"] = io.BytesIO()
     try:
         with named_collective("torch.distributed.checkpoint.load (read shards)"), _quiet(mesh):
@@ -188,8 +245,7 @@ def is_dcp_files(files: dict[str, bytes]) -> bool:
     return ".metadata" in files and MARKER in files
 
 
-def save_files(model: nn.Module, optimizer: torch.optim.Optimizer | None, plan: dict[str, ExpertShard],
-               mesh: ParallelMesh) -> dict[str, bytes]:
+def save_files(model: nn.Module, optimizer: torch.optim.Optimizer | None, layout: ShardLayout) -> dict[str, bytes]:
     """A checkpoint as files for :class:`~moetrain.train.checkpoint.CheckpointStore` (which verifies, writes
     atomically, and works on fsspec URLs): every rank writes its DCP shard into a private temporary directory, and
     rank 0 gathers ``.metadata``, the ``__<rank>_0.distcp`` shard of every rank and :data:`MARKER`.
@@ -202,8 +258,9 @@ def save_files(model: nn.Module, optimizer: torch.optim.Optimizer | None, plan: 
     Raises:
         CollectiveError: a peer failed.
     """
+    mesh = layout.mesh
     with tempfile.TemporaryDirectory(prefix="moetrain-dcp-") as tmp:
-        save(Path(tmp), model, optimizer, plan, mesh)
+        save(Path(tmp), model, optimizer, layout.plan, mesh)
         mine = {p.name: p.read_bytes() for p in Path(tmp).iterdir() if p.is_file()}
     if not mesh.distributed:
         return mine
@@ -219,7 +276,7 @@ def save_files(model: nn.Module, optimizer: torch.optim.Optimizer | None, plan: 
 
 
 def load_files(files: dict[str, bytes], model: nn.Module, optimizer: torch.optim.Optimizer | None,
-               plan: dict[str, ExpertShard], mesh: ParallelMesh, where: str = "checkpoint") -> None:
+               layout: ShardLayout, where: str = "checkpoint") -> None:
     """Load a checkpoint given as files (from the checkpoint store) into this rank's model and optimizer; every
     rank needs all the files (each reads the chunks its shards overlap).
 
@@ -231,6 +288,6 @@ def load_files(files: dict[str, bytes], model: nn.Module, optimizer: torch.optim
             if name == MARKER or name == ".metadata" or name.endswith(".distcp"):
                 (Path(tmp) / name).write_bytes(raw)
         try:
-            load(Path(tmp), model, optimizer, plan, mesh)
+            load(Path(tmp), model, optimizer, layout.plan, layout.mesh)
         except CheckpointError as e:
             raise CheckpointError(str(e).replace(tmp, where)) from None

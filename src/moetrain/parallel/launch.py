@@ -15,7 +15,8 @@ What the hooks do (each is a collective where it says so; every rank calls it at
   (:mod:`moetrain.parallel.grads`);
 - ``reduce_mean``: the step's losses averaged over ranks (what is logged, and what the non-finite check sees);
 - ``step_metrics``: per-rank tokens received and bytes sent by the token exchange, per step (rank 0 logs them);
-- checkpoints: :mod:`moetrain.parallel.dcp`.
+- ``layout``: the mesh and expert shards that :class:`~moetrain.train.checkpointer.Checkpointer` saves and
+  loads through (:mod:`moetrain.parallel.dcp`).
 
 Only rank 0 writes logs, metrics and run files.
 """
@@ -31,11 +32,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moetrain.errors import CheckpointError, ConfigError, MoetrainError
-from moetrain.parallel import dcp
+from moetrain.errors import ConfigError, MoetrainError
 from moetrain.parallel.all_gather import AllGatherDispatcher
 from moetrain.parallel.all_to_all import AllToAllDispatcher
 from moetrain.parallel.comm import CommStats, named_collective
+from moetrain.parallel.dcp import ShardLayout
 from moetrain.parallel.grads import all_reduce_mean, clip_grad_norm, sync_gradients
 from moetrain.parallel.mesh import ParallelMesh, init_distributed, single_process
 from moetrain.parallel.sharding import ExpertShard, moe_layers, shard_experts
@@ -156,7 +157,8 @@ class ParallelHooks:
 
         Args:
             prepare: the trainer's own data preparation, returning (prepared data, tokenizer.json bytes).
-            data_config / vocab_size: for the other ranks' ``prepare_data``.
+            data_config: the run's ``data`` section, for the other ranks' ``prepare_data``.
+            vocab_size: the tokenizer's vocabulary size, for the other ranks' ``prepare_data``.
         Raises:
             MoetrainError: rank 0's data preparation failed (its message).
         """
@@ -243,62 +245,24 @@ class ParallelHooks:
         return out
 
     # -- checkpoints, monitoring, stopping ---------------------------------------------------------------------
-    def load_checkpoint(self, ckpt, model: nn.Module, optimizer: torch.optim.Optimizer) -> bool:
-        """Load the weights and optimizer state of ``ckpt`` (a verified ``LoadedCheckpoint``) when it takes this
-        module: a sharded checkpoint (any world size / EP, resharded here), or a single-file checkpoint into a
-        sharded model (expert tensors and their AdamW moments sliced to this rank's experts).
+    @property
+    def layout(self) -> ShardLayout:
+        """This rank's mesh and expert shards (set by :meth:`prepare_model`), what a
+        :class:`~moetrain.train.checkpointer.Checkpointer` saves and loads through."""
+        return ShardLayout(self.mesh, self.plan)
 
-        Returns:
-            ``False`` when the trainer's own single-file loading applies (a single-file checkpoint, no sharding).
+    def load_checkpoint(self, ckpt, model: nn.Module, optimizer: torch.optim.Optimizer) -> bool:
+        """Load the weights and optimizer state of ``ckpt`` (a verified ``LoadedCheckpoint``, either format) into
+        this rank's model and optimizer through :func:`moetrain.train.checkpointer.load_weights` (resharded to this
+        layout). Returns ``True``.
+
         Raises:
             CheckpointError: the checkpoint does not fit the model.
         """
-        from moetrain.train.checkpoint import MODEL_FILE, STATE_FILE, load_model_weights
+        from moetrain.train.checkpointer import load_weights
 
-        if dcp.is_dcp_files(ckpt.files):
-            dcp.load_files(ckpt.files, model, optimizer, self.plan, self.mesh, where=ckpt.location)
-            return True
-        if not self.plan:
-            return False
-        tensors = ckpt.model_tensors()
-        for name, shard in self.plan.items():
-            if name in tensors:
-                tensors[name] = tensors[name][shard.offset : shard.offset + shard.local_rows]
-        load_model_weights(model, tensors, f"{ckpt.location}/{MODEL_FILE}")
-        state = ckpt.train_state()["optimizer"]
-        names = {p: n for n, p in model.named_parameters()}
-        index_names = [names[p] for g in optimizer.param_groups for p in g["params"]]
-        for index, entry in state["state"].items():
-            shard = self.plan.get(index_names[int(index)])
-            if shard is None:
-                continue
-            for key, value in entry.items():
-                if torch.is_tensor(value) and value.dim() > 0 and value.shape[0] == shard.global_rows:
-                    entry[key] = value[shard.offset : shard.offset + shard.local_rows]
-        try:
-            optimizer.load_state_dict(state)
-        except (KeyError, ValueError, TypeError, RuntimeError) as e:
-            raise CheckpointError(f"{ckpt.location}/{STATE_FILE}: does not fit this run: {str(e).splitlines()[0]}"
-                                  ) from None
+        load_weights(ckpt, model, optimizer, self.layout)
         return True
-
-    def checkpoint_files(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
-                         ) -> dict[str, bytes] | None:
-        """The weight and state files of a checkpoint (a collective when distributed).
-
-        Returns:
-            ``None`` for a single process (the trainer writes its single-file format); otherwise the sharded
-            checkpoint's files plus ``train_state.pt`` without the optimizer (it is in the shards) on rank 0,
-            and ``{}`` on the other ranks (rank 0 writes the checkpoint).
-        """
-        if not self.distributed:
-            return None
-        from moetrain.train.checkpoint import STATE_FILE, encode_state
-
-        files = dcp.save_files(model, optimizer, self.plan, self.mesh)
-        if self.is_main:
-            files[STATE_FILE] = encode_state({k: v for k, v in state.items() if k != "optimizer"})
-        return files
 
     def monitor_config(self, config):
         """The routing monitor's config for this rank: rank 0's only (it sees rank 0's tokens and writes the

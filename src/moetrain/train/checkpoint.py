@@ -264,6 +264,9 @@ class CheckpointStore:
 
         Re-saving an existing step replaces it (locally: the old one is renamed away only after the new one is
         complete on disk).
+
+        Raises:
+            MachineError: a local write failed (full or read-only disk); its temporary directory is removed.
         """
         name = checkpoint_name(step)
         body = {"format": FORMAT_VERSION, "step": step,
@@ -276,17 +279,26 @@ class CheckpointStore:
         return self.location(name)
 
     def _save_local(self, name: str, files: dict[str, bytes], manifest: bytes) -> None:
-        self.root.mkdir(parents=True, exist_ok=True)
-        self._remove_stale()
+        from moetrain.runtime.oserrors import writing
+
         tmp = self.root / f".tmp-{name}-{os.getpid()}"
-        tmp.mkdir()
-        for file, raw in [*files.items(), (MANIFEST, manifest)]:
-            with open(tmp / file, "wb") as f:
-                f.write(raw)
-                f.flush()
-                os.fsync(f.fileno())
-            _write_delay()
-        _fsync_dir(tmp)
+        # A full or read-only disk: one line naming the checkpoint (MachineError), the partial copy removed, every
+        # earlier checkpoint untouched (nothing below renames or deletes before the new one is complete).
+        with writing(f"checkpoint {name}", tmp):
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+                self._remove_stale()
+                tmp.mkdir()
+                for file, raw in [*files.items(), (MANIFEST, manifest)]:
+                    with open(tmp / file, "wb") as f:
+                        f.write(raw)
+                        f.flush()
+                        os.fsync(f.fileno())
+                    _write_delay()
+                _fsync_dir(tmp)
+            except OSError:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
         final = self.root / name
         trash = None
         if final.exists():
@@ -391,26 +403,3 @@ def load_model_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor],
     if extra:
         raise CheckpointError(f"{where}: unexpected tensor '{extra[0]}' (checkpoint from a different model?)")
     model.load_state_dict(tensors, strict=False)
-
-
-def latest_model_checkpoint(url: str | os.PathLike, model: torch.nn.Module,
-                            warn: Callable[[str], None] = print) -> LoadedCheckpoint:
-    """Load the newest valid checkpoint under ``url`` into ``model`` (for eval / generate / export); returns that
-    checkpoint (its step, location and verified files: drop it once read, it holds the weights' bytes too).
-
-    Raises:
-        CheckpointError: no checkpoint verifies, or it is from a different model shape.
-    """
-    store = CheckpointStore(url)
-    ckpt, skipped = store.latest_valid(warn=warn)
-    if ckpt is None:
-        why = f" ({len(skipped)} failed verification, see the warnings)" if skipped else ""
-        raise CheckpointError(f"no usable checkpoint in {store.url}{why}")
-    from moetrain.parallel import dcp  # sharded checkpoints of expert-parallel runs: resharded to this process
-    from moetrain.parallel.mesh import single_process
-
-    if dcp.is_dcp_files(ckpt.files):
-        dcp.load_files(ckpt.files, model, None, {}, single_process(), where=ckpt.location)
-    else:
-        load_model_weights(model, ckpt.model_tensors(), f"{ckpt.location}/{MODEL_FILE}")
-    return ckpt

@@ -22,14 +22,20 @@ from typing import Callable
 
 import torch
 
-from moetrain.model.transformer import MoETransformer
+from moetrain.data.batch import model_inputs, to_device
+from moetrain.model.transformer import MOE_LOSS_TERMS, MoETransformer
 from moetrain.moe.balancing import CountReducer
 from moetrain.train.config import TrainConfig
+from moetrain.train.microbatch_weights import batch_moe_counts, micro_batch_weights, scaled, step_loss, term_share
 
 
 def autocast_context(device: torch.device, dtype: str):
-    """bf16 autocast for ``dtype == "bf16"``, else a no-op. The router opts out of it (see moe/router.py)."""
-    if dtype == "bf16":
+    """bf16 autocast for ``dtype == "bf16"``, else a no-op. The router opts out of it (see moe/router.py). On a CPU
+    without fast bf16 GEMMs (no AVX512_BF16 / AMX) bf16 computes in fp32 instead: a no-op too
+    (:func:`moetrain.runtime.cpu.bf16_compute`; the trainer says so once at start)."""
+    from moetrain.runtime.cpu import bf16_compute
+
+    if dtype == "bf16" and bf16_compute(device):
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
     return nullcontext()
 
@@ -82,7 +88,8 @@ class Accumulated:
     global_counts: torch.Tensor | None = None
 
 
-MOE_TERMS = ("aux_loss", "pooled_aux_loss", "seq_aux_loss", "global_aux_loss", "z_loss", "util_loss", "moe_loss")
+# The MoE loss terms of ``ModelOutput`` (the model owns the list) and their weighted sum, as a step reports them.
+_STEP_MOE_TERMS = (*MOE_LOSS_TERMS, "moe_loss")
 
 
 def needs_global_counts(model: MoETransformer, grad_accum: int, count_reducer: CountReducer | None) -> bool:
@@ -99,39 +106,45 @@ def accumulate_gradients(
     device: torch.device,
     count_reducer: CountReducer | None = None,
 ) -> Accumulated:
-    """Forward and backward every micro-batch, each loss divided by ``len(batches)``; gradients accumulate in
-    ``.grad`` (the caller zeroes them).
+    """Forward and backward every micro-batch, each loss divided by ``len(batches)`` (or, for token-budget
+    :class:`~moetrain.data.batch.PackedBatch` micro-batches, weighted by its share of the step's real tokens:
+    train/microbatch_weights.py); gradients accumulate in ``.grad`` (the caller zeroes them).
 
     Args:
         model: the model, in training mode.
-        batches: micro-batches (inputs, targets) [B, S] int64, all of the same shape.
+        batches: micro-batches (inputs, targets) [B, S] int64, all of the same shape; or PackedBatch micro-batches
+            of any shapes.
         dtype: ``fp32`` or ``bf16`` (autocast).
         device: where to compute.
         count_reducer: sums [L, E] counts over data-parallel ranks (a collective), or ``None`` on one rank.
     """
     g = len(batches)
-    batches = [(inputs.to(device), targets.to(device)) for inputs, targets in batches]
+    # Token-budget micro-batches (PackedBatch) hold different real-token counts: weight each by its share
+    # (train/microbatch_weights.py); plain equal micro-batches keep the 1 / g below (weights None).
+    batches = [to_device(b, device) for b in batches]
+    weights = micro_batch_weights(batches)
     global_counts = None
     if needs_global_counts(model, g, count_reducer):
         # Same mode and the same random numbers (router jitter) as the passes below, so they route identically.
         devices = [device] if device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices), autocast_context(device, dtype):
-            global_counts = sum(model.moe_counts(inputs) for inputs, _ in batches)
+            global_counts = sum(batch_moe_counts(model, b) for b in batches)
         if count_reducer is not None:
             global_counts = count_reducer(global_counts)
     zero = torch.zeros((), device=device)
     lm = zero.clone()
-    losses = {name: zero.clone() for name in MOE_TERMS}
+    losses = {name: zero.clone() for name in _STEP_MOE_TERMS}
     counts = dropped = None
-    for inputs, targets in batches:
+    for i, batch in enumerate(batches):
+        inputs, targets, batch_kwargs = model_inputs(batch)  # + padding_mask, document_ids of a PackedBatch
         with autocast_context(device, dtype):
-            out = model(inputs, targets, global_counts=global_counts,
+            out = model(inputs, targets, **batch_kwargs, global_counts=global_counts,
                         count_reducer=count_reducer if global_counts is None else None,
                         return_logits=False)  # fused LM head + loss: no [B, S, V] logits (model/fused_ce.py)
-        (out.loss / g).backward()
-        lm += out.lm_loss.detach() / g
-        for name in MOE_TERMS:
-            losses[name] += getattr(out, name).detach() / g
+        step_loss(model, out, weights, i, g).backward()
+        lm += scaled(out.lm_loss.detach(), weights, i, g)
+        for name in _STEP_MOE_TERMS:
+            losses[name] += term_share(model, out, name, weights, i, g)
         if out.moe:
             c = torch.stack([r.tokens_per_expert for r in out.moe])
             d = torch.stack([r.dropped_per_expert for r in out.moe])

@@ -1,6 +1,10 @@
 """The training loop: AdamW, warm-up + cosine, gradient accumulation, clipping, bf16 autocast, periodic
 validation, metrics, checkpoints and exact resume.
 
+:meth:`Trainer.run` is the loop only: step, log, evaluate, checkpoint, stop. What a resume restores is a
+:class:`~moetrain.train.state.TrainState`, saved and loaded by a :class:`~moetrain.train.checkpointer.Checkpointer`;
+what is reported lives in :mod:`moetrain.train.progress`.
+
 One optimizer step = ``grad_accum`` micro-batches of ``batch_size`` sequences of ``seq_len`` tokens. Every micro-batch
 has the same number of tokens, so dividing each micro-batch's mean loss by ``grad_accum`` gives exactly the mean
 over the whole step (LM loss, z-loss); the per-micro-batch Switch loss is likewise averaged over micro-batches.
@@ -8,40 +12,35 @@ over the whole step (LM loss, z-loss); the per-micro-batch Switch loss is likewi
 
 from __future__ import annotations
 
+import functools
 import json
-import random
 import shlex
 import tempfile
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
-import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from moetrain.config import Config
-from moetrain.data.dataset import BatchSampler, PreparedData, TokenWindows, eval_batches, prepare_data
+from moetrain.data.batch import model_inputs, real_tokens
+from moetrain.data.dataset import PreparedData, prepare_data
+from moetrain.data.loader import DataPipeline, build_pipeline
 from moetrain.errors import CheckpointError, ConfigError, MoetrainError
 from moetrain.model.transformer import MoETransformer, count_parameters
 from moetrain.parallel.launch import ParallelHooks
-from moetrain.train.checkpoint import (
-    MODEL_FILE,
-    STATE_FILE,
-    CheckpointStore,
-    LoadedCheckpoint,
-    checkpoint_name,
-    encode_model,
-    encode_state,
-    load_model_weights,
-    write_file_atomic,
-)
+from moetrain.train.checkpoint import LoadedCheckpoint, load_model_weights, write_file_atomic
+from moetrain.train.checkpointer import Checkpointer
 from moetrain.train.metrics import MetricsLogger
 from moetrain.train.monitor import RoutingMonitor
 from moetrain.train.preemption import GracefulStop
+from moetrain.runtime.cpu import bf16_policy_line
+from moetrain.runtime.threads import choose_threads
+from moetrain.train.console import mfu_model
+from moetrain.train.progress import StepLog
 from moetrain.train.schedule import build_scheduler, retarget_schedule
-from moetrain.train.step import autocast_context, train_step
+from moetrain.train.state import TrainState, rng_state, seed_everything, set_rng_state
+from moetrain.train.step import StepResult, autocast_context, train_step
 
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.json"
@@ -84,44 +83,27 @@ def build_optimizer(model: torch.nn.Module, config: Config) -> torch.optim.AdamW
     return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, fused=fused)
 
 
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def rng_state() -> dict:
-    """Every global RNG's state, as tensors and plain Python data (loadable with ``torch.load(weights_only=True)``)."""
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {"python": random.getstate(), "numpy": (kind, keys.tolist(), pos, has_gauss, cached),
-             "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    kind, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
 @torch.no_grad()
 def evaluate(model: MoETransformer, batches, device: torch.device, dtype: str) -> float:
-    """Mean LM loss (nats/token) over ``batches`` of (inputs, targets) [B, S]; the model is left in train mode."""
+    """Mean LM loss (nats/token) over ``batches`` of (inputs, targets) [B, S] or PackedBatch (weighted by real
+    tokens); the model is left in train mode."""
     model.eval()
     total, count = 0.0, 0
-    for inputs, targets in batches:
+    for batch in batches:
+        inputs, targets, kwargs = model_inputs(batch)
+        kwargs = {k: None if v is None else v.to(device) for k, v in kwargs.items()}
         with autocast_context(device, dtype):
-            out = model(inputs.to(device), targets.to(device))
-        n = targets.numel()
+            out = model(inputs.to(device), targets.to(device), **kwargs)
+        n = real_tokens(batch)
         total += float(out.lm_loss) * n
         count += n
     model.train()
     return total / max(count, 1)
+
+
+
+__all__ = ["CONFIG_FILE", "TOKENIZER_FILE", "TrainResult", "Trainer", "build_optimizer", "evaluate", "resolve_device",
+           "resume_hint", "rng_state", "seed_everything", "set_rng_state"]
 
 
 @dataclass
@@ -135,24 +117,281 @@ class TrainResult:
     nonfinite_skips: int = 0  # steps skipped for a non-finite loss or gradient over the whole run
 
 
+@dataclass
+class _Session:
+    """One call of :meth:`Trainer.run`: the state being trained and what the loop reads and reports through.
+
+    Attributes:
+        state: model, optimizer, schedule, data position, step, counters (what a checkpoint holds).
+        checkpointer: where checkpoints go.
+        tokenizer: the run's ``tokenizer.json`` bytes (copied into each checkpoint).
+        val_set: the fixed validation micro-batches.
+        next_batch: this rank's rows of the next global micro-batch.
+        report: progress bar, metrics records, log lines.
+        end: the step this call stops after.
+        losses: the LM loss of every step of this call.
+        val_loss / val_step: the latest evaluation.
+        saved_at: location of the checkpoint of the current step, once written.
+    """
+
+    state: TrainState
+    checkpointer: Checkpointer
+    tokenizer: bytes
+    val_set: list
+    next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]]
+    report: StepLog | None = None
+    end: int = 0
+    losses: list[float] = field(default_factory=list)
+    val_loss: float | None = None
+    val_step: int | None = None
+    saved_at: str | None = None
+
+
 class Trainer:
     """Owns one run directory. Use :meth:`run`; ``stop_at_step`` ends early with a checkpoint (for preemptible
     schedules and tests) so that ``resume=True`` continues exactly."""
 
     def __init__(self, config: Config, run_dir: Path, resume: bool = False, log: Callable[[str], None] = print,
                  progress: bool = True, init_weights: dict[str, torch.Tensor] | None = None,
-                 init_tokenizer: Path | None = None, hooks: ParallelHooks | None = None):
+                 init_tokenizer: Path | None = None, hooks: ParallelHooks | None = None,
+                 on_ready: Callable[[], None] | None = None):
         """``init_weights`` (our tensor names, e.g. ``model_tensors`` of an imported model) and ``init_tokenizer``
         (a ``tokenizer.json``) start a new run from given weights and tokenizer instead of a random initialisation
         and a newly trained tokenizer (fine-tuning, ``moetrain train --init-from``) while the run has no
         checkpoint; resuming from a checkpoint ignores them (it holds both). ``hooks`` make this one rank of an
-        expert/data-parallel job (``moetrain.parallel.launch.start``, under ``torchrun``); default: one process."""
+        expert/data-parallel job (``moetrain.parallel.launch.start``, under ``torchrun``); default: one process.
+        ``on_ready`` is called once every check has passed and the run directory is written (before training)."""
+        self.on_ready = on_ready
         self.config, self.run_dir, self.resume, self.log, self.progress = config, run_dir, resume, log, progress
         self.init_weights, self.init_tokenizer = init_weights, init_tokenizer
         self.device = resolve_device(config.train.device)
         self.hooks = hooks if hooks is not None else ParallelHooks.local(self.device)
 
-    # -- setup -----------------------------------------------------------------------------------------------
+    # -- the loop ----------------------------------------------------------------------------------------------
+    def run(self, stop_at_step: int | None = None) -> TrainResult:
+        """Train to ``train.steps`` (or ``stop_at_step``), evaluating, logging and checkpointing on the way.
+
+        Raises:
+            CheckpointError: ``--resume`` with no checkpoint that verifies, or a checkpoint that does not fit.
+            ConfigError: bad input (the message names the field).
+            MoetrainError: ``train.max_nonfinite_skips`` consecutive non-finite steps (after a checkpoint).
+            TrainingAlarm: a fatal routing alarm (after a checkpoint).
+        """
+        s = self._start(stop_at_step)
+        preempted = None
+        with GracefulStop() as stop:
+            try:
+                while s.state.step < s.end:
+                    result = self._step(s)
+                    self._report(s, result)
+                    self._checkpoint_if_due(s)
+                    self._stop_if_diverged(s)
+                    preempted = self._preempted(s, stop.received)
+                    if preempted:
+                        break
+            finally:
+                s.report.close()
+                s.state.monitor.close()
+                s.report.metrics.close()
+        if s.val_loss is not None:
+            self.log(f"step {s.val_step}: val_loss {s.val_loss:.4f} (before training: {s.state.initial_val_loss:.4f})")
+        return TrainResult(self.run_dir, s.state.step, s.state.initial_val_loss, s.val_loss, s.losses, preempted,
+                           s.state.nonfinite_total)
+
+    def _step(self, s: _Session) -> StepResult:
+        """One optimizer step, counted (and reported) as skipped when its loss or gradient was not finite."""
+        st, t = s.state, self.config.train
+        result = train_step(st.model, s.next_batch, st.optimizer, st.scheduler, t, self.device,
+                            **self.hooks.step_kwargs())
+        st.step += 1
+        st.monitor.end_step(st.step, result.lm_loss)  # device-side only
+        loss = float(result.lm_loss)  # one host sync per step (the progress bar shows it)
+        s.losses.append(loss)
+        s.saved_at = None
+        s.report.step(loss, result.lr)
+        if result.skipped:
+            st.nonfinite_total += 1
+            st.nonfinite_in_a_row += 1
+            s.report.skipped(st.step, result, loss, st.nonfinite_total, st.nonfinite_in_a_row, t.max_nonfinite_skips)
+        else:
+            st.nonfinite_in_a_row = 0
+        return result
+
+    def _report(self, s: _Session, result: StepResult) -> None:
+        """At a logging step: the metrics record (with the evaluation when one is due), then the routing alarms;
+        otherwise just the evaluation when due."""
+        t, step = self.config.train, s.state.step
+        eval_due = bool(t.eval_every and step % t.eval_every == 0) or step == t.steps
+        if not (step % t.log_every == 0 or step == s.end):
+            if eval_due:
+                s.report.val(step, self._evaluate(s))
+            return
+        record = s.report.train_record(step, result, s.losses[-1])
+        if eval_due:
+            record["val_loss"] = self._evaluate(s)
+        record.update(s.state.monitor.flush(step, s.report.metrics.writer))
+        record.update(self.hooks.step_metrics())  # per-rank tokens and bytes exchanged
+        padding = s.state.sampler.take_padding_fraction()  # packed documents only
+        if padding is not None:
+            record["padding_fraction"] = padding
+        s.report.write(record)
+        # monitor.fatal alarms: checkpoint, then one-line error
+        self.hooks.raise_if_fatal(s.state.monitor, functools.partial(self._save, s))
+
+    def _evaluate(self, s: _Session) -> float:
+        t = self.config.train
+        s.val_loss, s.val_step = evaluate(s.state.model, s.val_set, self.device, t.dtype), s.state.step
+        return s.val_loss
+
+    def _checkpoint_if_due(self, s: _Session) -> None:
+        t, step = self.config.train, s.state.step
+        if (t.ckpt_every and step % t.ckpt_every == 0) or step == s.end:
+            self._save(s)
+
+    def _save(self, s: _Session) -> str:
+        """Checkpoint the current step once (a collective when distributed); returns its location."""
+        if s.saved_at is None:
+            run_files = {TOKENIZER_FILE: s.tokenizer, CONFIG_FILE: self._config_bytes()}
+            s.saved_at = s.checkpointer.save(s.state, run_files)
+        return s.saved_at
+
+    def _stop_if_diverged(self, s: _Session) -> None:
+        """Raise after ``train.max_nonfinite_skips`` consecutive skipped steps, with a checkpoint of the last good
+        state: skipped steps changed no weights (the data position and RNG move on, so a resume does not replay
+        the same batches)."""
+        st, limit = s.state, self.config.train.max_nonfinite_skips
+        if st.nonfinite_in_a_row < limit:
+            return
+        where = self._save(s)
+        first = st.step - st.nonfinite_in_a_row + 1
+        raise MoetrainError(
+            f"train.max_nonfinite_skips: {st.nonfinite_in_a_row} consecutive steps ({first}-{st.step}) had a "
+            f"non-finite loss or gradient, so training stopped; the last good state is in {where}; "
+            "lower train.lr or check the data, then continue with --resume")
+
+    def _preempted(self, s: _Session, received: str | None) -> str | None:
+        """The stop signal (any rank's: every rank stops after the same step), after a checkpoint; else ``None``."""
+        signal = self.hooks.agree_stop(received)
+        if signal:
+            where = self._save(s)
+            self.log(f"{signal}: stopped after step {s.state.step} with checkpoint {where}; continue with: "
+                     f"{resume_hint(self.run_dir, self.hooks.distributed)}")
+        return signal
+
+    # -- setup -------------------------------------------------------------------------------------------------
+    def _start(self, stop_at_step: int | None) -> _Session:
+        """Everything before the first step: checkpoint, data, model and optimizer, resume, run files, metrics,
+        routing monitor, and the evaluation before training."""
+        cfg, t = self.config, self.config.train
+        threads = choose_threads(t.threads)  # process-wide; fewer than the cores on a loaded machine
+        torch.use_deterministic_algorithms(t.deterministic, warn_only=True)
+        seed_everything(t.seed)
+        checkpointer = Checkpointer(t.checkpoint_url or self.run_dir / "checkpoints", keep=t.keep_checkpoints,
+                                    milestone_every=t.milestone_every)
+        ckpt, corrupt = self._find_checkpoint(checkpointer)
+        data, tokenizer = self.hooks.prepare_data(lambda: self._prepare(ckpt), cfg.data, cfg.model.vocab_size)
+        pipeline = self._pipeline(data)
+        val_set = pipeline.val
+        state = self._build_state(data, ckpt, pipeline)
+        checkpointer.layout = self.hooks.layout  # the expert shards exist now
+        saved = self._restore(checkpointer, ckpt, state)
+        # Everything that can reject the input has run: from here on the run directory is written (by rank 0).
+        if self.hooks.is_main:
+            self._write_run_files(tokenizer)
+            for name in corrupt:  # never loaded again, kept for inspection
+                self.log(f"moved the corrupt checkpoint {checkpointer.store.location(name)} aside to "
+                         f"{checkpointer.store.quarantine(name)}")
+        if self.on_ready is not None:
+            self.on_ready()
+        for line in (threads.line(), bf16_policy_line(t.dtype, self.device)):
+            if line:
+                self.log(line)
+        metrics = self.hooks.metrics_logger(lambda: MetricsLogger(
+            self.run_dir, resume_step=(state.step if ckpt is not None else -1) if self.resume else None))
+        if ckpt is not None:
+            self.log(f"resumed from {ckpt.location} at step {state.step}")
+        elif self.resume:
+            self.log(f"warning: no checkpoint in {checkpointer.store.url} yet: starting from step 0")
+        state.monitor = RoutingMonitor(state.model, self.hooks.monitor_config(cfg.monitor), self.run_dir, self.log,
+                                       start_step=state.step)  # routing health
+        if saved is not None:
+            state.monitor.load_state_dict(saved.get("monitor"))
+        s = _Session(state, checkpointer, tokenizer, val_set, self.hooks.local_batch(state.sampler.next_batch),
+                     end=t.steps if stop_at_step is None else min(t.steps, stop_at_step))
+        if state.initial_val_loss is None:
+            state.initial_val_loss = evaluate(state.model, val_set, self.device, t.dtype)
+            metrics.log({"step": 0, "val_loss": state.initial_val_loss})
+            self.log(f"step 0: val_loss {state.initial_val_loss:.4f}")
+        s.report = StepLog(metrics, self.log, t.steps, state.step, t.batch_size * t.grad_accum * cfg.data.seq_len,
+                           self.progress, mfu=mfu_model(cfg, self.device))
+        s.next_batch = s.report.console.timed(s.next_batch)  # data_wait_s
+        state.model.train()
+        return s
+
+    def _find_checkpoint(self, checkpointer: Checkpointer) -> tuple[LoadedCheckpoint | None, list[str]]:
+        """The checkpoint to resume from (``None`` without ``--resume``) and the names of newer corrupt ones.
+
+        Raises:
+            CheckpointError: ``--resume`` and every checkpoint is corrupt; or a new run whose checkpoint location
+                already holds another run's checkpoints.
+        """
+        store = checkpointer.store
+        ckpt, corrupt = checkpointer.latest(warn=self.log) if self.resume else (None, [])
+        if self.resume and ckpt is None and corrupt:
+            raise CheckpointError(f"--resume: no checkpoint in {store.url} verifies ({len(corrupt)} failed; see the "
+                                  "warnings above)")
+        if not self.resume and store.names():  # a later --resume would mix in another run's (newer) checkpoints
+            raise CheckpointError(f"train.checkpoint_url: {store.url} already holds checkpoints "
+                                  f"({store.names()[-1]} ...) of another run; choose another location or pass --resume")
+        return ckpt, corrupt
+
+    def _pipeline(self, data: PreparedData) -> DataPipeline:
+        """Training batches (windows or packed documents, data/loader.py) and validation batches.
+
+        Raises:
+            ConfigError: ``data.packing=documents`` under torchrun (the ranks' row split assumes equal windows).
+        """
+        cfg, t = self.config, self.config.train
+        if cfg.data.packing == "documents" and self.hooks.distributed:
+            raise ConfigError("data.packing: 'documents' is not supported with several ranks yet; use 'windows'")
+        return build_pipeline(data, cfg.data.seq_len, cfg.data.packing, t.batch_size, t.tokens_per_batch,
+                              t.eval_batches, t.seed, cfg.data.workers, cfg.data.prefetch,
+                              pin_memory=self.device.type == "cuda")
+
+    def _build_state(self, data: PreparedData, ckpt: LoadedCheckpoint | None, pipeline: DataPipeline) -> TrainState:
+        """A fresh state at step 0: model (``--init-from`` weights on a new run), sharded for this rank,
+        optimizer, schedule, data sampler."""
+        cfg, t = self.config, self.config.train
+        model = MoETransformer(cfg.model).to(self.device)
+        if ckpt is None and self.init_weights is not None:
+            load_model_weights(model, self.init_weights, "--init-from")
+        total, active = count_parameters(model)
+        self.hooks.prepare_model(model, self.log)  # expert parallelism: keep this rank's experts, dispatchers
+        optimizer = build_optimizer(model, cfg)
+        self.log(
+            f"model: {total / 1e6:.2f}M parameters, {active / 1e6:.2f}M active per token; "
+            f"{pipeline.describe}; device {self.device}"
+        )
+        return TrainState(model, optimizer, build_scheduler(optimizer, t), pipeline.train, config=cfg.to_dict())
+
+    def _restore(self, checkpointer: Checkpointer, ckpt: LoadedCheckpoint | None, state: TrainState
+                 ) -> dict[str, Any] | None:
+        """Load ``ckpt`` into ``state`` and stretch the LR schedule to this run's ``train.steps``; returns the
+        checkpoint's ``train_state.pt`` content (``None`` without a checkpoint).
+
+        Raises:
+            ConfigError: ``train.steps`` below the checkpoint's step.
+        """
+        if ckpt is None:
+            return None
+        saved = checkpointer.load(ckpt, state)
+        t = self.config.train
+        if t.steps < state.step:
+            raise ConfigError(f"train.steps: {t.steps} is below the step of the checkpoint to resume "
+                              f"({state.step}, {ckpt.location}); give at least {state.step}")
+        retarget_schedule(state.optimizer, state.scheduler, t)
+        return saved
+
     def _prepare(self, ckpt: LoadedCheckpoint | None) -> tuple[PreparedData, bytes]:
         """Tokenized data and the tokenizer's bytes. Writes nothing into the run directory (bad input must leave
         it untouched). On resume the checkpoint's copy of the tokenizer is authoritative: a run-directory copy
@@ -182,173 +421,3 @@ class Trainer:
 
     def _config_bytes(self) -> bytes:
         return json.dumps(self.config.to_dict(), indent=2).encode()
-
-    def run(self, stop_at_step: int | None = None) -> TrainResult:
-        cfg, t = self.config, self.config.train
-        if t.threads:  # process-wide; on a shared machine fewer intra-op threads than cores avoid oversubscription
-            torch.set_num_threads(t.threads)
-        torch.use_deterministic_algorithms(t.deterministic, warn_only=True)
-        seed_everything(t.seed)
-        store = CheckpointStore(t.checkpoint_url or self.run_dir / "checkpoints")
-        ckpt, corrupt = store.latest_valid(warn=self.log) if self.resume else (None, [])
-        if self.resume and ckpt is None and corrupt:
-            raise CheckpointError(f"--resume: no checkpoint in {store.url} verifies ({len(corrupt)} failed; see the "
-                                  "warnings above)")
-        if not self.resume and store.names():  # a later --resume would mix in another run's (newer) checkpoints
-            raise CheckpointError(f"train.checkpoint_url: {store.url} already holds checkpoints "
-                                  f"({store.names()[-1]} ...) of another run; choose another location or pass --resume")
-        data, tokenizer_bytes = self.hooks.prepare_data(lambda: self._prepare(ckpt), cfg.data, cfg.model.vocab_size)
-        train_windows = TokenWindows(data.train_tokens, cfg.data.seq_len)
-        val_windows = TokenWindows(data.val_tokens, cfg.data.seq_len)
-        val_set = eval_batches(val_windows, t.batch_size, t.eval_batches)
-        sampler = BatchSampler(train_windows, t.batch_size, t.seed)
-
-        model = MoETransformer(cfg.model).to(self.device)
-        if ckpt is None and self.init_weights is not None:
-            load_model_weights(model, self.init_weights, "--init-from")
-        total, active = count_parameters(model)
-        self.hooks.prepare_model(model, self.log)  # expert parallelism: keep this rank's experts, dispatchers
-        optimizer = build_optimizer(model, cfg)
-        scheduler = build_scheduler(optimizer, t)
-        self.log(
-            f"model: {total / 1e6:.2f}M parameters, {active / 1e6:.2f}M active per token; "
-            f"{len(train_windows)} training windows of {cfg.data.seq_len} tokens; device {self.device}"
-        )
-
-        step, initial_val, state = 0, None, {}
-        skips_total, skips_in_a_row = 0, 0
-        if ckpt is not None:
-            sharded = self.hooks.load_checkpoint(ckpt, model, optimizer)  # sharded checkpoint or sharded model
-            if not sharded:
-                load_model_weights(model, ckpt.model_tensors(), f"{ckpt.location}/{MODEL_FILE}")
-            state = ckpt.train_state()
-            try:
-                if not sharded:
-                    optimizer.load_state_dict(state["optimizer"])
-                scheduler.load_state_dict(state["scheduler"])
-                sampler.load_state_dict(state["sampler"])
-                set_rng_state(state["rng"])
-            except (KeyError, ValueError, TypeError, RuntimeError) as e:
-                raise CheckpointError(f"{ckpt.location}/{STATE_FILE}: does not fit this run: "
-                                      f"{e.__class__.__name__}: {str(e).splitlines()[0]}") from None
-            step, initial_val = state["step"], state.get("initial_val_loss")
-            if t.steps < step:
-                raise ConfigError(f"train.steps: {t.steps} is below the step of the checkpoint to resume "
-                                  f"({step}, {ckpt.location}); give at least {step}")
-            retarget_schedule(optimizer, scheduler, t)
-            skips_total, skips_in_a_row = state.get("nonfinite_skips", (0, 0))
-
-        # Everything that can reject the input has run: from here on the run directory is written (by rank 0).
-        if self.hooks.is_main:
-            self._write_run_files(tokenizer_bytes)
-            for name in corrupt:  # never loaded again, kept for inspection
-                self.log(f"moved the corrupt checkpoint {store.location(name)} aside to {store.quarantine(name)}")
-        metrics = self.hooks.metrics_logger(lambda: MetricsLogger(
-            self.run_dir, resume_step=(step if ckpt is not None else -1) if self.resume else None))
-        if ckpt is not None:
-            self.log(f"resumed from {ckpt.location} at step {step}")
-        elif self.resume:
-            self.log(f"warning: no checkpoint in {store.url} yet: starting from step 0")
-        monitor = RoutingMonitor(model, self.hooks.monitor_config(cfg.monitor), self.run_dir, self.log,
-                                 start_step=step)  # routing health
-        if ckpt is not None:
-            monitor.load_state_dict(state.get("monitor"))
-        if initial_val is None:
-            initial_val = evaluate(model, val_set, self.device, t.dtype)
-            metrics.log({"step": 0, "val_loss": initial_val})
-            self.log(f"step 0: val_loss {initial_val:.4f}")
-
-        def checkpoint() -> str:
-            state = {
-                "step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                "sampler": sampler.state_dict(), "rng": rng_state(), "initial_val_loss": initial_val,
-                "config": cfg.to_dict(), "monitor": monitor.state_dict(),
-                "nonfinite_skips": (skips_total, skips_in_a_row),
-            }
-            files = self.hooks.checkpoint_files(model, optimizer, state)  # sharded (a collective) or None
-            if files is None:
-                files = {MODEL_FILE: encode_model(model), STATE_FILE: encode_state(state)}
-            if not self.hooks.is_main:  # rank 0 writes every rank's shards
-                return store.location(checkpoint_name(step))
-            files.update({TOKENIZER_FILE: tokenizer_bytes, CONFIG_FILE: self._config_bytes()})
-            where = store.save(step, files)
-            store.prune(t.keep_checkpoints, t.milestone_every)
-            return where
-
-        end = t.steps if stop_at_step is None else min(t.steps, stop_at_step)
-        tokens_per_step = t.batch_size * t.grad_accum * cfg.data.seq_len
-        losses: list[float] = []
-        val_loss, val_step = None, None
-        bar = tqdm(total=t.steps, initial=step, disable=not self.progress, unit="step", dynamic_ncols=True)
-        model.train()
-        next_batch = self.hooks.local_batch(sampler.next_batch)  # this rank's rows of each global batch
-        t_last, steps_since = time.perf_counter(), 0
-        preempted, where = None, None
-        with GracefulStop() as stop:
-            try:
-                while step < end:
-                    result = train_step(model, next_batch, optimizer, scheduler, t, self.device,
-                                        **self.hooks.step_kwargs())
-                    lr = result.lr
-                    step += 1
-                    steps_since += 1
-                    monitor.end_step(step, result.lm_loss)  # device-side only
-                    loss_value = float(result.lm_loss)  # one host sync per step (the progress bar shows it)
-                    losses.append(loss_value)
-                    bar.update(1)
-                    bar.set_postfix(loss=f"{loss_value:.3f}", lr=f"{lr:.2e}", refresh=False)
-                    if result.skipped:
-                        skips_total += 1
-                        skips_in_a_row += 1
-                        self.log(f"warning: step {step}: non-finite loss ({loss_value}) or gradient norm "
-                                 f"({float(result.grad_norm)}): update skipped ({skips_in_a_row} in a row, "
-                                 f"{skips_total} in total; train.max_nonfinite_skips={t.max_nonfinite_skips})")
-                        metrics.log({"step": step, "skipped_nonfinite": True, "nonfinite_skips": skips_total})
-                    else:
-                        skips_in_a_row = 0
-
-                    if step % t.log_every == 0 or step == end:
-                        now = time.perf_counter()
-                        tps = tokens_per_step * steps_since / (now - t_last)
-                        t_last, steps_since = now, 0
-                        record = {"step": step, "train_loss": loss_value, "lr": lr, "tokens_per_s": tps,
-                                  "aux_loss": float(result.aux_loss), "z_loss": float(result.z_loss),
-                                  "grad_norm": float(result.grad_norm)}
-                        if (t.eval_every and step % t.eval_every == 0) or step == t.steps:
-                            val_loss, val_step = evaluate(model, val_set, self.device, t.dtype), step
-                            record["val_loss"] = val_loss
-                        bar.set_postfix(loss=f"{loss_value:.3f}", lr=f"{lr:.2e}", tok_s=f"{tps:.0f}")
-                        record.update(monitor.flush(step, metrics.writer))
-                        record.update(self.hooks.step_metrics())  # per-rank tokens and bytes exchanged
-                        metrics.log(record)
-                        # monitor.fatal alarms: checkpoint, then one-line error
-                        self.hooks.raise_if_fatal(monitor, checkpoint)
-                    elif (t.eval_every and step % t.eval_every == 0) or step == t.steps:
-                        val_loss, val_step = evaluate(model, val_set, self.device, t.dtype), step
-                        metrics.log({"step": step, "val_loss": val_loss})
-                    saved = (t.ckpt_every and step % t.ckpt_every == 0) or step == end
-                    if saved:
-                        where = checkpoint()
-                    if skips_in_a_row >= t.max_nonfinite_skips:
-                        # Skipped steps changed no weights: this checkpoint holds the last good state (the data
-                        # position and RNG move on, so a resume does not replay the same batches).
-                        where = where if saved else checkpoint()
-                        first = step - skips_in_a_row + 1
-                        raise MoetrainError(
-                            f"train.max_nonfinite_skips: {skips_in_a_row} consecutive steps ({first}-{step}) had a "
-                            f"non-finite loss or gradient, so training stopped; the last good state is in {where}; "
-                            "lower train.lr or check the data, then continue with --resume")
-                    signal = self.hooks.agree_stop(stop.received)  # every rank stops after the same step
-                    if signal:
-                        where = where if saved else checkpoint()
-                        preempted = signal
-                        self.log(f"{preempted}: stopped after step {step} with checkpoint {where}; continue with: "
-                                 f"{resume_hint(self.run_dir, self.hooks.distributed)}")
-                        break
-            finally:
-                bar.close()
-                monitor.close()
-                metrics.close()
-        if val_loss is not None:
-            self.log(f"step {val_step}: val_loss {val_loss:.4f} (before training: {initial_val:.4f})")
-        return TrainResult(self.run_dir, step, initial_val, val_loss, losses, preempted, skips_total)

@@ -1,0 +1,144 @@
+"""``TrainState``: everything a resume restores, with a state-dict API shaped for sharded checkpoints.
+
+What is in it: the model's parameters and persistent buffers (the aux-loss-free expert biases are router buffers,
+so they travel with the model), the optimizer, the LR schedule, the step, every global RNG, the data position
+(the batch sampler), the routing monitor's windows and alarm episodes, the LM loss before training, and the
+non-finite-step counters.
+
+The API follows ``torch.distributed.checkpoint.state_dict`` (``get_model_state_dict`` / ``get_optimizer_state_dict``)
+and torchtitan's ``CheckpointManager`` (one ``Stateful`` per component), split by how each part is distributed:
+
+- :meth:`TrainState.model_state_dict` / :meth:`TrainState.optimizer_state_dict` (sharded): this rank's tensors,
+  keyed by parameter name (FQN), as a sharded checkpoint writes them; :class:`moetrain.train.checkpointer.Checkpointer`
+  presents expert shards to DCP as DTensors of the global shape (``moetrain.parallel.dcp``), so any world size can
+  read them back.
+- :meth:`TrainState.replicated_state_dict` (replicated): tensors and plain Python data, identical on every rank;
+  one rank's copy is written (``train_state.pt``) and every rank loads it.
+
+Issue 17 (FSDP2, pipeline parallel) plugs in here: with DTensor parameters ``model_state_dict`` already holds the
+global view (``get_model_state_dict`` may replace the plain ``state_dict`` call), and a pipeline stage's model holds
+only its own blocks, so its FQNs are a subset (DCP matches them by name across any stage split).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from moetrain.errors import CheckpointError
+
+# The keys of train_state.pt written since format 1 (every one is read back; older checkpoints may lack
+# "monitor" and "nonfinite_skips", which then start afresh).
+STATE_KEYS = ("step", "optimizer", "scheduler", "sampler", "rng", "initial_val_loss", "config", "monitor",
+              "nonfinite_skips")
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's, NumPy's and torch's global generators (CPU and every CUDA device)."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict:
+    """Every global RNG's state, as tensors and plain Python data (loadable with ``torch.load(weights_only=True)``)."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": random.getstate(), "numpy": (kind, keys.tolist(), pos, has_gauss, cached),
+             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore :func:`rng_state` output (the CUDA states only where CUDA is available)."""
+    random.setstate(state["python"])
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+@dataclass
+class TrainState:
+    """The state of one training run on this rank (see the module docstring).
+
+    Attributes:
+        model: this rank's model (expert tensors sliced to its experts under expert parallelism).
+        optimizer: its optimizer (AdamW).
+        scheduler: the LR schedule.
+        sampler: the data position: anything with ``state_dict()`` / ``load_state_dict()``
+            (``moetrain.data.dataset.BatchSampler``); ``None`` when the caller has no data (weights-only use).
+        monitor: the routing monitor (``moetrain.train.monitor.RoutingMonitor``) or ``None``.
+        step: optimizer steps completed.
+        initial_val_loss: validation loss before training (nats/token), ``None`` until measured.
+        nonfinite_total / nonfinite_in_a_row: steps skipped for a non-finite loss or gradient.
+        config: the run config as a dict (saved for inspection; never read back by :meth:`load_replicated`).
+    """
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer | None = None
+    scheduler: Any = None
+    sampler: Any = None
+    monitor: Any = None
+    step: int = 0
+    initial_val_loss: float | None = None
+    nonfinite_total: int = 0
+    nonfinite_in_a_row: int = 0
+    config: dict | None = None
+
+    # -- sharded parts -----------------------------------------------------------------------------------------
+    def model_state_dict(self) -> dict[str, torch.Tensor]:
+        """``model.state_dict()``: this rank's parameters and persistent buffers (expert biases included), keyed
+        by FQN; expert tensors are this rank's [E_l, ...] rows."""
+        return self.model.state_dict()
+
+    def optimizer_state_dict(self) -> dict[str, Any]:
+        """The optimizer's ``state_dict()`` (parameter indices as keys, as PyTorch writes it); the sharded
+        checkpoint re-keys it by FQN (``moetrain.parallel.dcp``) so that it survives a change of layout."""
+        if self.optimizer is None:
+            raise CheckpointError("TrainState.optimizer: no optimizer to save")
+        return self.optimizer.state_dict()
+
+    # -- replicated part ---------------------------------------------------------------------------------------
+    def replicated_state_dict(self, include_optimizer: bool = False) -> dict[str, Any]:
+        """Everything but the model (and, unless ``include_optimizer``, the optimizer): the content of
+        ``train_state.pt`` (keys :data:`STATE_KEYS`), with every global RNG's state read now."""
+        state: dict[str, Any] = {"step": self.step}
+        if include_optimizer:  # the key order of format 1's train_state.pt
+            state["optimizer"] = self.optimizer_state_dict()
+        state |= {
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "sampler": self.sampler.state_dict() if self.sampler is not None else None,
+            "rng": rng_state(), "initial_val_loss": self.initial_val_loss, "config": self.config,
+            "monitor": self.monitor.state_dict() if self.monitor is not None else None,
+            "nonfinite_skips": (self.nonfinite_total, self.nonfinite_in_a_row),
+        }
+        return state
+
+    def load_replicated(self, state: dict[str, Any], where: str) -> None:
+        """Restore :meth:`replicated_state_dict` output: step, schedule, data position, RNG, counters. The
+        monitor's part (``state["monitor"]``) is left to the caller: a monitor is built for the restored step
+        (``RoutingMonitor(start_step=...)``), then given it with ``monitor.load_state_dict``.
+
+        Raises:
+            CheckpointError: a missing key or a state that does not fit (names ``where``, e.g. the file).
+        """
+        try:
+            if self.scheduler is not None:
+                self.scheduler.load_state_dict(state["scheduler"])
+            if self.sampler is not None:
+                self.sampler.load_state_dict(state["sampler"])
+            set_rng_state(state["rng"])
+            self.step = int(state["step"])
+        except (KeyError, ValueError, TypeError, RuntimeError) as e:
+            raise CheckpointError(f"{where}: does not fit this run: "
+                                  f"{e.__class__.__name__}: {str(e).splitlines()[0]}") from None
+        self.initial_val_loss = state.get("initial_val_loss")
+        self.nonfinite_total, self.nonfinite_in_a_row = state.get("nonfinite_skips", (0, 0))
