@@ -73,8 +73,8 @@ def _coerce(value: Any, tp: Any, path: str, legacy: Mapping[str, str] | None = N
         (item_tp, *_rest) = typing.get_args(tp) or (Any,)
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{path}: expected a list, got {type(value).__name__} {value!r}")
-        return tuple(_coerce(v, item_tp, f"{path}[{i}]") for i, v in enumerate(value))
-    if dataclasses.is_dataclass(tp):
+        return tuple(_coerce(v, item_tp, f"{path}[{i}]", legacy) for i, v in enumerate(value))
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
         if not isinstance(value, dict):
