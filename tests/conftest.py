@@ -8,6 +8,8 @@ import pytest
 import torch
 
 SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+# The one skip reason of the tests that need the file (one path in every message).
+SHAKESPEARE_MISSING = f"{SHAKESPEARE} is missing (the shared data file beside the repository)"
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 

@@ -22,7 +22,8 @@ def _pyplot():
     try:
         import matplotlib
     except ImportError:
-        raise MoetrainError("moetrain report needs matplotlib: pip install 'moetrain[report]'") from None
+        raise MoetrainError("moetrain report needs matplotlib, a dependency of moetrain that is missing from this "
+                            "environment: pip install matplotlib (or reinstall moetrain: pip install -e .)") from None
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 
@@ -77,14 +78,18 @@ def loss_lr_figure(log: RunLog, path: Path) -> Path:
 
 
 def expert_load_figure(log: RunLog, path: Path) -> Path:
-    """One heatmap per MoE layer: experts (rows) x logging steps (columns), colour = fraction of the layer's tokens
-    that chose the expert in that interval (balanced = K / E, 1 = every token)."""
+    """One heatmap per MoE layer: experts (rows) x logging steps (columns), colour = the expert's load relative to
+    the balanced share: (fraction of the layer's tokens that chose it in that interval) / (K / E). A diverging
+    scale centred on 1 (white = balanced, red = overloaded, blue = underused) shows the differences around the
+    balanced share that a 0-1 scale hides; the colour bar marks the balanced reference."""
+    from matplotlib.colors import TwoSlopeNorm
+
     plt = _pyplot()
     layers = log.layers()
     k = log.top_k()
     fig, axes = plt.subplots(max(len(layers), 1), 1, figsize=(9, 1.2 + 2.2 * max(len(layers), 1)), squeeze=False,
                              layout="constrained")
-    mesh = None
+    mesh, top = None, 2.0
     for ax, layer in zip(axes[:, 0], layers):
         steps, tokens = log.series(f"moe/layer{layer}/tokens")
         pairs = [(s, t) for s, t in zip(steps, tokens) if isinstance(t, list) and t and sum(t) > 0]
@@ -93,11 +98,14 @@ def expert_load_figure(log: RunLog, path: Path) -> Path:
             continue
         n_experts = max(len(t) for _, t in pairs)
         pairs = [(s, t) for s, t in pairs if len(t) == n_experts]
-        grid = [[t[e] / (sum(t) / k) for _, t in pairs] for e in range(n_experts)]  # [E, n_logs]
+        # share of tokens / balanced share K / E: 1 = balanced  [E, n_logs]
+        grid = [[t[e] / (sum(t) / k) / (k / n_experts) for _, t in pairs] for e in range(n_experts)]
+        top = max(top, max(max(row) for row in grid))
         # Column i covers the logging interval (step_{i-1}, step_i]; the first one starts interval_steps earlier.
         first = next((r.get("moe/interval_steps") for r in log.records if r["step"] == pairs[0][0]), None) or 1
         x_edges = [pairs[0][0] - first] + [s for s, _ in pairs]
-        mesh = ax.pcolormesh(x_edges, [e - 0.5 for e in range(n_experts + 1)], grid, cmap="viridis", vmin=0, vmax=1)
+        mesh = ax.pcolormesh(x_edges, [e - 0.5 for e in range(n_experts + 1)], grid, cmap="RdBu_r",
+                             norm=TwoSlopeNorm(vmin=0.0, vcenter=1.0, vmax=2.0))
         ax.set_ylabel(f"layer {layer}\nexpert")
         if n_experts <= 16:
             ax.set_yticks(range(n_experts))
@@ -107,26 +115,34 @@ def expert_load_figure(log: RunLog, path: Path) -> Path:
     if not layers:
         _empty(axes[0, 0], "no routing statistics logged")
     axes[-1, 0].set_xlabel("step")
-    fig.suptitle("Expert load: fraction of each layer's tokens routed to each expert")
+    fig.suptitle("Expert load relative to the balanced share K / E (1 = balanced)")
     if mesh is not None:
-        fig.colorbar(mesh, ax=axes[:, 0].tolist(), fraction=0.03, pad=0.01, label="share of tokens")
+        for m in (c for ax in axes[:, 0] for c in ax.collections):  # one scale for all layers
+            m.set_norm(TwoSlopeNorm(vmin=0.0, vcenter=1.0, vmax=top))
+        bar = fig.colorbar(mesh, ax=axes[:, 0].tolist(), fraction=0.03, pad=0.01,
+                           label="load / balanced share (0 = unused)")
+        bar.ax.axhline(1.0, color="black", linewidth=1.5)
+        bar.ax.text(1.05, 1.0, "balanced", transform=bar.ax.get_yaxis_transform(), va="center", fontsize=7)
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
 
 
 def drop_figure(log: RunLog, path: Path) -> Path:
-    """Dropped-token fraction per MoE layer over steps (dropless layers report none)."""
+    """Dropped-token fraction per MoE layer over steps. A run that dropped nothing (dropless layers report none; a
+    capacity that was never exceeded reports zeros) gets a note instead of a flat line; the axis starts at 0."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(9, 3.5))
     plotted = False
     for layer in log.layers():
         steps, values = log.series(f"moe/layer{layer}/drop_fraction")
-        if values:
+        if any(isinstance(v, (int, float)) and v > 0 for v in values):
             ax.plot(steps, [100 * v for v in values], marker=".", label=f"layer {layer}")
             plotted = True
-    if not plotted:
-        _empty(ax, "no token drops reported (dropless layers, or no routing statistics yet)")
+    if plotted:
+        ax.set_ylim(bottom=0)
+    else:
+        _empty(ax, "no capacity: nothing dropped (dropless layers, or no token over the capacity)")
     _mark_alarms(ax, [a for a in log.alerts if a.get("kind") == "token_drop"])
     ax.set_xlabel("step")
     ax.set_ylabel("dropped assignments (%)")

@@ -79,11 +79,12 @@ def _cached_rate(dtype: torch.dtype, device: str, size: int, repeats: int, threa
     return _gemm_rate(dtype, torch.device(device), size, repeats)
 
 
-def gemm_peak(dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", size: int = 512,
+def gemm_peak(dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", size: int = 1024,
               repeats: int = 3) -> float:
     """Calibrated GEMM rate in FLOP/s: best of ``repeats`` [size, size] @ [size, size] products in ``dtype`` on
-    ``device`` with the current intra-op threads (cached per process, dtype, device and thread count). At size 512
-    one product is 0.27 GFLOP: ~3 ms in fp32 on one core of this project's CPU; a slow bf16 path takes ~0.3 s."""
+    ``device`` with the current intra-op threads (cached per process, dtype, device and thread count). At size 1024
+    one product is 2.1 GFLOP: ~25 ms in fp32 on one core of this project's CPU (the trainer's MFU and ``moetrain
+    doctor`` use the same calibration); a slow bf16 path (no native bf16) takes seconds."""
     device = torch.device(device)
     return _cached_rate(dtype, str(device), size, repeats, torch.get_num_threads())
 
@@ -146,3 +147,11 @@ def bf16_policy_line(dtype: str, device: torch.device | str) -> str | None:
         return f"train.dtype=bf16: bf16 autocast ({s.reason})"
     return (f"train.dtype=bf16: this CPU has no fast bf16 GEMMs ({s.reason}), so the model computes in fp32 "
             f"(bf16 would be slower here, not faster); set {BF16_ENV}=bf16 to force bf16")
+
+
+def bf16_autocast_is_slow(device_type: str) -> bool:
+    """Whether bf16 autocast is on for ``device_type`` (the caller's ``torch.autocast``) on a CPU where bf16 GEMMs
+    are slow: the model then runs its forward (and so its backward) with autocast off, in fp32
+    (:meth:`moetrain.model.transformer.MoETransformer.forward`). Its outputs are then fp32, not bf16."""
+    return (device_type == "cpu" and torch.is_autocast_enabled("cpu")
+            and torch.get_autocast_dtype("cpu") == torch.bfloat16 and not bf16_compute("cpu"))
