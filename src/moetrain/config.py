@@ -77,6 +77,13 @@ class Config:
             "data.seq_len",
             f"sequence length {self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}",
         )
+        tokens = self.train.tokens_per_batch
+        if tokens:
+            require(self.data.packing == "documents", "train.tokens_per_batch",
+                    f"{tokens} needs data.packing=documents (got {self.data.packing!r}): token budgets batch whole "
+                    "documents")
+            require(tokens >= self.data.seq_len, "train.tokens_per_batch",
+                    f"{tokens} is below data.seq_len={self.data.seq_len}: the longest document chunk would not fit")
         require(
             self.train.batch_size % self.model.execution.bta_tiles == 0,
             "model.execution.bta_tiles",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from moetrain.configlib import require
 
@@ -19,6 +20,13 @@ class DataConfig:
         tokenizer_max_bytes: the BPE tokenizer is trained on at most this many bytes of the training split.
         cache_dir: where tokenizers and token memmaps are cached (``None``: ``$MOETRAIN_CACHE`` or
             ``~/.cache/moetrain``).
+        packing: ``windows``: fixed windows of ``seq_len`` tokens cut from the token stream across document
+            boundaries; ``documents``: whole documents (chunks of ``seq_len`` for longer ones) packed into rows
+            with document-masked attention and positions restarting per document (data/packing.py); needed by
+            ``train.tokens_per_batch``.
+        workers: DataLoader worker processes that build batches in the background (0: in the training process);
+            batches come out in the same order either way, so resuming is exact (data/loader.py).
+        prefetch: batches each worker keeps ready (DataLoader's ``prefetch_factor``; used when ``workers > 0``).
     """
 
     path: str | None = None
@@ -26,8 +34,13 @@ class DataConfig:
     val_fraction: float = 0.01
     tokenizer_max_bytes: int = 16_000_000
     cache_dir: str | None = None
+    packing: Literal["windows", "documents"] = "windows"
+    workers: int = 0
+    prefetch: int = 2
 
     def __post_init__(self) -> None:
         require(self.seq_len >= 2, "seq_len", f"must be >= 2, got {self.seq_len}")
         require(0 < self.val_fraction < 1, "val_fraction", f"must be in (0, 1), got {self.val_fraction}")
+        require(self.workers >= 0, "workers", f"must be >= 0, got {self.workers}")
+        require(self.prefetch >= 1, "prefetch", f"must be >= 1, got {self.prefetch}")
         require(self.tokenizer_max_bytes >= 1, "tokenizer_max_bytes", f"must be >= 1, got {self.tokenizer_max_bytes}")

@@ -16,6 +16,10 @@ class TrainConfig:
         steps: optimizer steps of the whole run (the LR schedule spans these).
         batch_size: sequences per micro-batch.
         grad_accum: micro-batches per optimizer step (global batch = batch_size * grad_accum sequences).
+        tokens_per_batch: a token budget per micro-batch instead of ``batch_size`` rows of ``data.seq_len``
+            (dynamic batching, needs ``data.packing=documents``): length-bucketed documents, one per row, padded
+            to the longest row, rows x longest <= this; each micro-batch's losses are weighted by its real tokens
+            (train/microbatch_weights.py). 0: off. Must be >= ``data.seq_len``.
         lr / min_lr_ratio / warmup_steps: linear warm-up to ``lr``, then cosine decay to ``lr * min_lr_ratio``.
         weight_decay / beta1 / beta2 / eps: AdamW (decay applies to matrices only, not norms or biases).
         grad_clip: clip the global gradient norm to this value (0 disables).
@@ -40,6 +44,7 @@ class TrainConfig:
     steps: int = 300
     batch_size: int = 16
     grad_accum: int = 1
+    tokens_per_batch: int = 0
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 30
@@ -68,7 +73,7 @@ class TrainConfig:
             value = getattr(self, name)
             require(value >= 1, name, f"must be >= 1, got {value}")
         for name in ("warmup_steps", "eval_every", "ckpt_every", "weight_decay", "grad_clip", "milestone_every",
-                     "threads"):
+                     "threads", "tokens_per_batch"):
             value = getattr(self, name)
             require(value >= 0, name, f"must be >= 0, got {value}")
         require(self.lr > 0, "lr", f"must be > 0, got {self.lr}")

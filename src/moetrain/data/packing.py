@@ -1,0 +1,221 @@
+"""Whole documents as training examples (``data.packing=documents``): chunks, packed rows and token-budget
+micro-batches, each a deterministic function of (seed, epoch).
+
+Legend: N = tokens in the split, C = chunks, S = data.seq_len, B = train.batch_size, T = train.tokens_per_batch.
+
+A split is one stream ``doc_0 EOS doc_1 EOS ...`` (data/dataset.py). Document i with n tokens gives n + 1
+(input, target) pairs: the inputs are the EOS before it (its "beginning of sequence") and its n tokens, the
+targets its n tokens and its EOS, i.e. the same predictions as the windows of ``data.packing=windows``, which see
+the previous document instead of a boundary. (The first document of a split has no EOS before it: it gives n
+pairs.) A document of more than S pairs is cut into chunks of S pairs (the last one shorter); every chunk is a
+document of its own to the model (positions restart, no attention to the previous chunk).
+
+Two ways to batch the chunks of an epoch (visited in the order ``default_rng([seed, epoch]).permutation(C)``):
+
+* fixed shape (``train.tokens_per_batch=0``): :func:`pack_rows` fills rows of S positions with whole chunks
+  (best fit among a window of open rows), B rows per micro-batch, padding at the end of a row; attention is
+  document-masked.
+* token budget (``train.tokens_per_batch=T``): :func:`budget_batches` sorts pools of chunks by length and cuts
+  them into micro-batches of one chunk per row, padded to the longest row, with ``rows * longest <= T``: rows of
+  like length, so little padding; a micro-batch of short documents has many rows, one of long documents few.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from moetrain.data.batch import IGNORE_INDEX, PAD_DOCUMENT, PackedBatch
+
+# Rows kept open while packing (best fit among them): more rows, less padding, more time per chunk. 64 gave 0.5%
+# padding on the 20..2,000-token corpus described below, at S=1024 (docs/data.md).
+OPEN_ROWS = 64
+# A token-budget pool holds chunks worth this many budgets: sorted by length, neighbours differ little. On 3,000
+# log-uniform 20..2,000-token documents (S=1024, T=4096) pools of 1 / 4 / 16 / 64 budgets padded 34 / 19 / 7.8 / 2.5%
+# of the positions (tests/test_dynamic_batching.py, docs/data.md).
+POOL_BUDGETS = 64
+
+
+class DocumentChunks:
+    """The chunks of a token stream: chunk c has inputs ``tokens[start[c] : start[c] + length[c]]`` and targets
+    the same span shifted by one token.
+
+    Args:
+        tokens: [N] integer ids, each document followed by ``eos_id`` (a memmap from :class:`PreparedData`); not
+            copied. Tokens after the last EOS (a stream without a final EOS) are ignored.
+        eos_id: the EOS id.
+        seq_len: S, the most pairs per chunk.
+    Raises:
+        ValueError: ``seq_len < 1`` or no chunk (no document in the stream).
+    """
+
+    def __init__(self, tokens: np.ndarray, eos_id: int, seq_len: int):
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+        self.tokens, self.seq_len = tokens, seq_len
+        eos = np.flatnonzero(np.asarray(tokens) == eos_id)  # [docs] positions of the EOS ending each document
+        unit_start = np.concatenate([[0], eos[:-1]]).astype(np.int64)  # inputs begin at the previous EOS
+        unit_len = eos.astype(np.int64) - unit_start  # pairs per document (0 for an empty first unit)
+        keep = unit_len > 0
+        unit_start, unit_len = unit_start[keep], unit_len[keep]
+        pieces = -(-unit_len // seq_len)  # [docs] chunks per document
+        first = np.repeat(np.cumsum(pieces) - pieces, pieces)  # [C] index of the document's first chunk
+        k = np.arange(int(pieces.sum())) - first  # [C] chunk number within its document
+        self.start = np.repeat(unit_start, pieces) + k * seq_len  # [C]
+        self.length = np.minimum(seq_len, np.repeat(unit_start + unit_len, pieces) - self.start)  # [C] in 1..S
+        self.num_documents = int(keep.sum())
+        if len(self.start) == 0:
+            raise ValueError("no document in the token stream (no EOS)")
+
+    def __len__(self) -> int:
+        return len(self.start)
+
+    def pairs(self, c: int) -> tuple[np.ndarray, np.ndarray]:
+        """(inputs, targets) [length[c]] int64 of chunk ``c``."""
+        a, n = int(self.start[c]), int(self.length[c])
+        span = np.asarray(self.tokens[a : a + n + 1]).astype(np.int64)
+        return span[:-1], span[1:]
+
+
+def pack_rows(lengths: np.ndarray, order: np.ndarray, seq_len: int, open_rows: int = OPEN_ROWS) -> list[list[int]]:
+    """Pack chunks into rows of ``seq_len`` positions, keeping every chunk whole.
+
+    Chunks are taken in ``order``; each goes into the open row with the least room that fits it (best fit), else
+    a new row; when more than ``open_rows`` rows are open, the fullest one is closed. A chunk of ``seq_len`` is a
+    row at once. Rows come out in the order they are closed, then the open ones in the order they were opened.
+
+    Args:
+        lengths: [C] chunk lengths, each in 1..seq_len.
+        order: chunk indices to place, in order.
+        seq_len: S.
+        open_rows: rows kept open.
+    Returns:
+        Rows, each a list of chunk indices in placement order; their lengths sum to at most S.
+    """
+    rows: list[list[int]] = []
+    open_ids: list[list[int]] = []
+    room = np.zeros(0, dtype=np.int64)  # [open] free positions per open row
+    for c, n in zip(order.tolist(), lengths[order].tolist()):
+        if n == seq_len:  # a full chunk is a row of its own (most chunks of a corpus of long documents)
+            rows.append([c])
+            continue
+        fits = np.flatnonzero(room >= n)
+        if len(fits):
+            j = int(fits[np.argmin(room[fits])])
+            open_ids[j].append(c)
+            room[j] -= n
+            continue
+        if len(open_ids) == open_rows:
+            j = int(np.argmin(room))
+            rows.append(open_ids.pop(j))
+            room = np.delete(room, j)
+        open_ids.append([c])
+        room = np.append(room, seq_len - n)
+    return rows + open_ids
+
+
+def budget_batches(lengths: np.ndarray, order: np.ndarray, budget: int, rng: np.random.Generator,
+                   pool_budgets: int = POOL_BUDGETS) -> list[list[int]]:
+    """Cut chunks into micro-batches of at most ``budget`` positions (rows x longest row), one chunk per row.
+
+    ``order`` is split into consecutive pools of about ``pool_budgets * budget`` tokens; each pool is sorted by
+    length (stable) and cut greedily: a chunk joins the current micro-batch while ``(rows + 1) * its length <=
+    budget`` (lengths ascend, so the new chunk is the longest), else it starts the next one. The micro-batches of a
+    pool are then shuffled with ``rng``, so lengths do not rise steadily through a pool.
+
+    Args:
+        lengths: [C] chunk lengths, each at most ``budget``.
+        order: chunk indices, in order.
+        budget: T, positions per micro-batch.
+        rng: shuffles the micro-batches within each pool.
+    Returns:
+        Micro-batches, each a list of chunk indices (one row each, ascending length).
+    """
+    out: list[list[int]] = []
+    pool_tokens = pool_budgets * budget
+    ends = np.searchsorted(np.cumsum(lengths[order]), np.arange(pool_tokens, int(lengths[order].sum()), pool_tokens),
+                           side="right")  # pool boundaries, each after ~pool_tokens tokens
+    for pool in np.split(order, ends):
+        if not len(pool):
+            continue
+        pool = pool[np.argsort(lengths[pool], kind="stable")]
+        batches, current = [], []
+        for c in pool.tolist():
+            if current and (len(current) + 1) * int(lengths[c]) > budget:
+                batches.append(current)
+                current = []
+            current.append(c)
+        if current:
+            batches.append(current)
+        out += [batches[i] for i in rng.permutation(len(batches))]
+    return out
+
+
+class DocumentBatches:
+    """Micro-batches of packed documents, addressed by ``(epoch, index)``: a map-style dataset (the same key gives
+    the same batch in any process, so DataLoader workers and a resumed run agree).
+
+    Args:
+        chunks: the split's :class:`DocumentChunks`.
+        batch_size: B, rows per micro-batch (fixed shape; ignored with a token budget).
+        tokens_per_batch: T, the token budget per micro-batch (0: fixed [B, S] micro-batches).
+        seed: the order's seed.
+        shuffle: visit the chunks in a seeded random order (training); ``False``: in stream order (validation).
+    """
+
+    def __init__(self, chunks: DocumentChunks, batch_size: int, tokens_per_batch: int, seed: int,
+                 shuffle: bool = True):
+        if tokens_per_batch and tokens_per_batch < chunks.seq_len:
+            raise ValueError(f"tokens_per_batch {tokens_per_batch} is below seq_len {chunks.seq_len}: the "
+                             "longest chunk would not fit")
+        self.chunks, self.batch_size, self.tokens_per_batch = chunks, batch_size, tokens_per_batch
+        self.seed, self.shuffle = seed, shuffle
+        self._plans: dict[int, list[list[list[int]]]] = {}  # per process: each DataLoader worker plans for itself
+
+    def _plan(self, epoch: int) -> list[list[list[int]]]:
+        if epoch not in self._plans:
+            if len(self._plans) >= 2:  # the current epoch and the next: a batch may be read across the boundary
+                del self._plans[min(self._plans)]
+            self._plans[epoch] = self._make_plan(epoch)
+        return self._plans[epoch]
+
+    def _make_plan(self, epoch: int) -> list[list[list[int]]]:
+        """The epoch's micro-batches, each a list of rows, each a list of chunk indices."""
+        c = len(self.chunks)
+        rng = np.random.default_rng([self.seed, epoch])
+        order = rng.permutation(c) if self.shuffle else np.arange(c)
+        if self.tokens_per_batch:
+            return [[[i] for i in batch] for batch in
+                    budget_batches(self.chunks.length, order, self.tokens_per_batch, rng)]
+        rows = pack_rows(self.chunks.length, order, self.chunks.seq_len)
+        b = self.batch_size
+        if len(rows) < b:  # a split smaller than one micro-batch: one short batch
+            return [rows]
+        return [rows[i : i + b] for i in range(0, len(rows) - b + 1, b)]  # the last partial batch is dropped
+
+    def num_batches(self, epoch: int) -> int:
+        """Micro-batches in ``epoch`` (the plan of an epoch is computed once and cached)."""
+        return len(self._plan(epoch))
+
+    def __getitem__(self, key: tuple[int, int]) -> PackedBatch:
+        epoch, index = key
+        return self.build(self._plan(int(epoch))[int(index)])
+
+    def build(self, rows: list[list[int]]) -> PackedBatch:
+        """The :class:`PackedBatch` of ``rows`` (lists of chunk indices): [b, s] with s = the longest row (fixed
+        shape: S); ``document_ids`` only when a row holds several chunks."""
+        lengths = [sum(int(self.chunks.length[c]) for c in row) for row in rows]
+        s = self.chunks.seq_len if not self.tokens_per_batch else max(lengths)
+        b = len(rows)
+        inputs = np.zeros((b, s), dtype=np.int64)
+        targets = np.full((b, s), IGNORE_INDEX, dtype=np.int64)
+        doc_ids = np.full((b, s), PAD_DOCUMENT, dtype=np.int64)
+        for r, row in enumerate(rows):
+            at = 0
+            for d, c in enumerate(row):
+                x, y = self.chunks.pairs(c)
+                inputs[r, at : at + len(x)], targets[r, at : at + len(x)], doc_ids[r, at : at + len(x)] = x, y, d
+                at += len(x)
+        multi = any(len(row) > 1 for row in rows)
+        return PackedBatch(torch.from_numpy(inputs), torch.from_numpy(targets), torch.from_numpy(doc_ids >= 0),
+                           torch.from_numpy(doc_ids) if multi else None)
