@@ -1,0 +1,206 @@
+"""Training batches in a fixed, resumable order, built in the background by ``torch.utils.data.DataLoader`` workers.
+
+Every micro-batch has a key: the sample position for ``data.packing=windows`` (the :class:`BatchSampler`
+position before it), ``(epoch, index)`` for ``documents``. A batch is a pure function of its key (and the seed), so
+it does not matter which process builds it: with ``data.workers = N > 0`` a DataLoader runs the dataset in N
+worker processes, keys handed out round-robin and batches returned in key order; with 0 the training process
+builds each batch when asked. The state saved in a checkpoint is the key of the next batch the training loop has
+not consumed yet (batches prefetched but not consumed are built again after a resume), so a resumed run sees the
+same batches as an uninterrupted one, bit for bit, whatever ``data.workers`` is.
+
+On CUDA the DataLoader pins batches in page-locked memory (``pin_memory=True``) so the host-to-device copy can run
+asynchronously. The time the step spends waiting in :meth:`BatchLoader.next_batch` is logged as ``data_wait_s`` by
+the trainer (train/console.py).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from moetrain.data.batch import Batch, PackedBatch
+from moetrain.data.dataset import BatchSampler, PreparedData, TokenWindows, eval_batches
+from moetrain.data.packing import DocumentBatches, DocumentChunks
+
+
+class WindowBatches:
+    """Map-style dataset of window micro-batches keyed by sample position: ``[position]`` is what a
+    :class:`BatchSampler` at that position draws next ([B, S] inputs and targets)."""
+
+    def __init__(self, windows: TokenWindows, batch_size: int, seed: int):
+        self.sampler = BatchSampler(windows, batch_size, seed)
+
+    def __getitem__(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self.sampler.position = int(position)
+        return self.sampler.next_batch()
+
+
+class _Keys:
+    """The infinite key sequence from a start state (DataLoader's ``sampler``)."""
+
+    def __init__(self, loader: BatchLoader, start: dict[str, int]):
+        self.loader, self.start = loader, dict(start)
+
+    def __iter__(self) -> Iterator[Any]:
+        return self.loader._keys_from(self.start)
+
+
+class BatchLoader:
+    """The training batch source: :meth:`next_batch`, and :meth:`state_dict` / :meth:`load_state_dict` for
+    checkpoints (the trainer's ``sampler``).
+
+    Args:
+        dataset: :class:`WindowBatches` or :class:`~moetrain.data.packing.DocumentBatches`.
+        seed: the order's seed (saved with the position).
+        workers: DataLoader worker processes (0: build batches in this process).
+        prefetch: batches each worker keeps ready.
+        pin_memory: page-locked batches (for an asynchronous copy to CUDA).
+    """
+
+    def __init__(self, dataset: WindowBatches | DocumentBatches, seed: int, workers: int = 0, prefetch: int = 2,
+                 pin_memory: bool = False):
+        self.dataset, self.seed = dataset, seed
+        self.workers, self.prefetch, self.pin_memory = workers, prefetch, pin_memory
+        self._state = {"position": 0} if isinstance(dataset, WindowBatches) else {"epoch": 0, "index": 0}
+        self._it: Iterator[tuple[Any, Batch]] | None = None
+        self.padding_tokens = 0  # positions that were padding, over the batches returned since the last take
+        self.positions = 0  # all positions of those batches
+
+    # -- keys ----------------------------------------------------------------------------------------------------
+    def _keys_from(self, state: dict[str, int]) -> Iterator[Any]:
+        if "position" in state:
+            b = self.dataset.sampler.batch_size
+            return (state["position"] + i * b for i in itertools.count())
+        return self._document_keys(state["epoch"], state["index"])
+
+    def _document_keys(self, epoch: int, index: int) -> Iterator[tuple[int, int]]:
+        while True:
+            n = self.dataset.num_batches(epoch)
+            for i in range(index, n):
+                yield (epoch, i)
+            epoch, index = epoch + 1, 0
+
+    def _after(self, key: Any) -> dict[str, int]:
+        """The state that resumes right after the batch of ``key``."""
+        if isinstance(key, tuple):
+            epoch, index = key
+            if index + 1 >= self.dataset.num_batches(epoch):
+                return {"epoch": epoch + 1, "index": 0}
+            return {"epoch": epoch, "index": index + 1}
+        return {"position": int(key) + self.dataset.sampler.batch_size}
+
+    # -- batches -------------------------------------------------------------------------------------------------
+    def _start(self) -> Iterator[tuple[Any, Batch]]:
+        keys = _Keys(self, self._state)
+        if self.workers == 0:
+            return ((key, self.dataset[key]) for key in keys)
+        loader = DataLoader(_Keyed(self.dataset), batch_size=None, sampler=keys, num_workers=self.workers,
+                            prefetch_factor=self.prefetch, pin_memory=self.pin_memory, persistent_workers=False)
+        return iter(loader)
+
+    def next_batch(self) -> Batch:
+        """The next micro-batch: ``(inputs, targets)`` [B, S] int64 (windows) or a
+        :class:`~moetrain.data.batch.PackedBatch` (documents). Starts the workers on the first call."""
+        if self._it is None:
+            self._it = self._start()
+        key, batch = next(self._it)
+        if isinstance(key, torch.Tensor):  # the DataLoader collates an int key into a tensor
+            key = int(key)
+        elif isinstance(key, (list, tuple)):
+            key = tuple(int(k) for k in key)
+        self._state = self._after(key)
+        if isinstance(batch, PackedBatch):
+            n = batch.padding_mask.numel()
+            self.positions += n
+            self.padding_tokens += n - batch.real_tokens
+        return batch
+
+    def take_padding_fraction(self) -> float | None:
+        """Share of padding positions over the batches returned since the last call (the ``padding_fraction``
+        metric); ``None`` when none was a PackedBatch (windows never pad). Resets the count."""
+        fraction = self.padding_tokens / self.positions if self.positions else None
+        self.padding_tokens = self.positions = 0
+        return fraction
+
+    # -- checkpoint state ----------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, int]:
+        """``{"position", "seed"}`` (windows: the same as :meth:`BatchSampler.state_dict`) or ``{"epoch",
+        "index", "seed"}`` (documents): the next batch not yet returned."""
+        return {**self._state, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Resume at ``state`` (before the first :meth:`next_batch`; a running loader is restarted).
+
+        Raises:
+            KeyError: ``state`` is of the other packing (a checkpoint of a windows run resumed with documents).
+        """
+        keys = ("position",) if "position" in self._state else ("epoch", "index")
+        self._state = {k: int(state[k]) for k in keys}
+        self.seed = int(state["seed"])
+        if isinstance(self.dataset, WindowBatches):
+            self.dataset.sampler.seed = self.seed
+        else:
+            self.dataset.seed = self.seed
+            self.dataset._plans.clear()
+        self._it = None
+
+
+class _Keyed(torch.utils.data.Dataset):
+    """Yields ``(key, batch)``, so the consumer knows which batch it got (the resume position)."""
+
+    def __init__(self, dataset: WindowBatches | DocumentBatches):
+        self.dataset = dataset
+
+    def __getitem__(self, key):
+        return key, self.dataset[key]
+
+
+@dataclass
+class DataPipeline:
+    """What the trainer reads: the training batch source and the fixed validation batches.
+
+    Fields:
+        train: the :class:`BatchLoader`.
+        val: validation micro-batches (the same packing as training, fixed shape, in stream order).
+        describe: one line for the log (``"1234 training windows of 256 tokens"``).
+    """
+
+    train: BatchLoader
+    val: list[Batch]
+    describe: str
+
+
+def build_pipeline(data: PreparedData, seq_len: int, packing: str, batch_size: int, tokens_per_batch: int,
+                   eval_batch_count: int, seed: int, workers: int = 0, prefetch: int = 2,
+                   pin_memory: bool = False) -> DataPipeline:
+    """The :class:`DataPipeline` of a prepared corpus.
+
+    Args:
+        data: from :func:`~moetrain.data.dataset.prepare_data`.
+        seq_len: ``data.seq_len``.
+        packing: ``data.packing`` (``windows`` or ``documents``).
+        batch_size: ``train.batch_size`` (rows of fixed-shape micro-batches, and of validation batches).
+        tokens_per_batch: ``train.tokens_per_batch`` (0: fixed shape).
+        eval_batch_count: ``train.eval_batches``.
+        seed: ``train.seed``.
+        workers / prefetch: ``data.workers`` / ``data.prefetch``.
+        pin_memory: page-locked batches (training on CUDA).
+    """
+    if packing == "windows":
+        train = TokenWindows(data.train_tokens, seq_len)
+        val = eval_batches(TokenWindows(data.val_tokens, seq_len), batch_size, eval_batch_count)
+        return DataPipeline(BatchLoader(WindowBatches(train, batch_size, seed), seed, workers, prefetch, pin_memory),
+                            val, f"{len(train)} training windows of {seq_len} tokens")
+    chunks = DocumentChunks(data.train_tokens, data.eos_id, seq_len)
+    val_docs = DocumentBatches(DocumentChunks(data.val_tokens, data.eos_id, seq_len), batch_size, 0, seed,
+                               shuffle=False)
+    val = [val_docs[(0, i)] for i in range(min(eval_batch_count, val_docs.num_batches(0)))]
+    budget = f"micro-batches of <= {tokens_per_batch} tokens" if tokens_per_batch else f"rows of {seq_len} tokens"
+    return DataPipeline(
+        BatchLoader(DocumentBatches(chunks, batch_size, tokens_per_batch, seed), seed, workers, prefetch, pin_memory),
+        val, f"{chunks.num_documents} training documents in {len(chunks)} chunks of <= {seq_len} tokens, {budget}")
