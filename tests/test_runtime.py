@@ -1,0 +1,74 @@
+"""The machine-facing defaults of issue 20: the thread choice and the bf16 policy (forced with MOETRAIN_BF16, as
+one would prove the no-bf16 path on an AMX machine)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moetrain.runtime import cpu
+from moetrain.runtime.threads import choose_threads, default_threads
+
+
+@pytest.mark.parametrize("cores, load, want", [(2, 0.0, 2), (2, 1.2, 1), (2, 2.0, 1), (2, 6.0, 1), (16, 3.4, 13),
+                                               (4, None, 4)])
+def test_default_threads_leave_the_loaded_cores(cores, load, want):
+    assert default_threads(cores, load) == want
+
+
+def test_an_explicit_setting_wins_and_a_lower_current_count_is_kept():
+    n = torch.get_num_threads()
+    try:
+        assert choose_threads(2).threads == 2 and torch.get_num_threads() == 2
+        torch.set_num_threads(1)  # e.g. OMP_NUM_THREADS=1
+        assert choose_threads(0).threads == 1
+    finally:
+        torch.set_num_threads(n)
+
+
+@pytest.fixture
+def forced(monkeypatch):
+    def force(value: str):
+        monkeypatch.setenv(cpu.BF16_ENV, value)
+        cpu.bf16_support.cache_clear()
+
+    yield force
+    cpu.bf16_support.cache_clear()
+
+
+def test_forcing_the_no_bf16_path(forced):
+    from moetrain.config import build_config
+    from moetrain.model.transformer import MoETransformer
+    from moetrain.train.step import autocast_context
+
+    forced("fp32")
+    assert not cpu.bf16_compute("cpu")
+    assert "computes in fp32" in cpu.bf16_policy_line("bf16", "cpu")
+    with autocast_context(torch.device("cpu"), "bf16"):
+        assert not torch.is_autocast_enabled("cpu")  # the trainer's bf16 is fp32 here
+    torch.manual_seed(0)
+    model = MoETransformer(build_config("tiny", None, {}).model)
+    ids = torch.randint(0, 512, (2, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # a caller's own autocast
+        out = model(ids)
+    assert out.logits.dtype == torch.float32
+    torch.testing.assert_close(out.logits, model(ids).logits, rtol=0, atol=0)  # exactly the fp32 model
+    forced("bf16")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert model(ids).logits.dtype == torch.bfloat16
+    with autocast_context(torch.device("cpu"), "bf16"):
+        assert torch.is_autocast_enabled("cpu")
+
+
+def test_a_bad_force_value_names_the_variable(forced):
+    from moetrain.errors import ConfigError
+
+    forced("fp16")
+    with pytest.raises(ConfigError, match="MOETRAIN_BF16: must be one of auto, bf16, fp32, got 'fp16'"):
+        cpu.bf16_support("cpu")
+
+
+def test_the_measured_decision_matches_the_rates(forced):
+    forced("auto")
+    s = cpu.bf16_support("cpu")
+    assert s.fast == (s.bf16_flops >= cpu.SLOW_BF16_RATIO * s.fp32_flops) and s.fp32_flops > 0
