@@ -112,8 +112,8 @@ def route(
         score_func: ``softmax`` or ``sigmoid``.
         norm_topk_prob: divide the K chosen scores by their sum (+1e-20, as DeepSeek-V3 and Megatron).
         routed_scaling_factor: multiply the gating weights by this (after renormalisation).
-        num_groups / topk_groups: group-limited routing (see :func:`group_limited_mask`); ``topk_groups=None``
-            or ``== num_groups`` means no limit.
+        num_groups: expert groups of group-limited routing (see :func:`group_limited_mask`); 1 = no groups.
+        topk_groups: groups eligible per token; ``None`` or ``== num_groups`` means no limit.
         expert_bias: [E] added to the scores for the selection only; the gating weights stay unbiased (the
             aux-loss-free balancing of Wang et al., 2024, used by DeepSeek-V3).
     Returns:
