@@ -22,11 +22,15 @@ SETUP_COMMANDS = [
 ]
 
 
-def _hook():
-    spec = importlib.util.spec_from_file_location("config_tables", ROOT / "docs" / "hooks" / "config_tables.py")
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "docs" / "hooks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _hook():
+    return _load("config_tables")
 
 
 def test_field_docs_reads_single_combined_and_continued_entries():
@@ -117,3 +121,29 @@ def test_docs_pages_link_only_to_existing_pages(page):
         if "://" in target:
             continue
         assert (ROOT / "docs" / target).resolve().is_file(), f"{page} links to missing {target}"
+
+
+def test_griffe_extension_separates_sections_written_without_blank_lines():
+    pytest.importorskip("griffe")  # the docs extra
+    ext = _load("griffe_docstrings")
+    text = "Summary.\n\nArgs:\n    x: [T, D].\nReturns:\n    y.\nRaises:\n    ValueError: bad x.\nFields (router):\n    a: b."
+    fixed = ext.separate_sections(text)
+    assert fixed == ("Summary.\n\nArgs:\n    x: [T, D].\n\nReturns:\n    y.\n\nRaises:\n    ValueError: bad x.\n"
+                     "Fields (router):\n    a: b.")  # only griffe's own section titles move
+    import griffe
+
+    kinds = [s.kind.value for s in griffe.Docstring(fixed, parser=griffe.Parser.google).parse()]
+    assert kinds[-3:-1] == ["returns", "raises"]
+
+
+def test_griffe_extension_links_sphinx_roles_through_the_module_scope():
+    griffe = pytest.importorskip("griffe")
+    ext = _load("griffe_docstrings")
+    pkg = griffe.load("moetrain", search_paths=[str(ROOT / "src")], resolve_aliases=False)
+    layer = pkg["moe.layer"]
+    text = ext.link_roles("a :class:`MoEConfig`, a :func:`~moetrain.moe.capacity.expert_capacity` and "
+                          ":func:`no_such_name`", layer)
+    assert '<autoref identifier="moetrain.moe.config.MoEConfig" optional><code>MoEConfig</code></autoref>' in text
+    assert ('<autoref identifier="moetrain.moe.capacity.expert_capacity" optional><code>expert_capacity</code>'
+            "</autoref>") in text
+    assert text.endswith("and <code>no_such_name</code>")
