@@ -13,7 +13,7 @@ from moetrain.model.attention import Attention, KVCache
 from moetrain.model.bta import tiled_attention
 from moetrain.model.config import ModelConfig
 from moetrain.model.ffn import SwiGLU
-from moetrain.model.norm import RMSNorm
+from moetrain.model.norm import make_norm
 from moetrain.moe.layer import MoEAux, MoELayer
 
 
@@ -25,9 +25,9 @@ class Block(nn.Module):
         super().__init__()
         self.is_moe = config.is_moe_layer(index)
         self.bta_tiles = config.execution.bta_tiles
-        self.input_norm = RMSNorm(config.hidden, eps=config.norm_eps)
+        self.input_norm = make_norm(config.norm, config.hidden, config.norm_eps)
         self.attn = Attention(config, index)
-        self.post_attn_norm = RMSNorm(config.hidden, eps=config.norm_eps)
+        self.post_attn_norm = make_norm(config.norm, config.hidden, config.norm_eps)
         self.ffn: nn.Module = (MoELayer(config.hidden, config.moe, config.execution) if self.is_moe
                                else SwiGLU(config.hidden, config.ffn_hidden))
 

@@ -27,7 +27,9 @@ class ModelConfig:
         tie_embeddings: share the embedding and LM-head weights.
         rope_theta: rotary embedding base.
         max_seq_len: longest sequence (prompt + generated tokens) the model is used with.
-        norm_eps: RMSNorm epsilon.
+        norm_eps: epsilon of the norms (RMSNorm or LayerNorm).
+        norm: the block and final norms: ``rmsnorm`` (Mixtral, Qwen, OLMoE) or ``layernorm`` (mean-centred, with a
+            bias; model/norm.py says why; not exportable to the HF MoE families). q/k norms stay RMSNorm.
         moe_every: every N-th block is MoE (block i is MoE when (i + 1) % N == 0, as Qwen2-MoE's
             ``decoder_sparse_step``); 0 makes every block dense.
         first_k_dense: the first K blocks are dense regardless of ``moe_every`` (DeepSeek's ``first_k_dense_replace``).
@@ -50,6 +52,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     max_seq_len: int = 1024
     norm_eps: float = 1e-6
+    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
     moe_every: int = 1
     first_k_dense: int = 0
     init_std: float = 0.02

@@ -84,3 +84,49 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+class LayerNorm(nn.LayerNorm):
+    """LayerNorm (Ba et al., 2016) over the last dim with a learned scale and bias: ``model.norm=layernorm``.
+
+    ``y = (x - mean(x)) / sqrt(var(x) + eps) * weight + bias`` (biased variance), in fp32 (a bf16 input is upcast,
+    the output cast back; ``layer_norm`` is on autocast's fp32 list as well). Parameters ``weight`` and ``bias`` [D]
+    (start at 1 and 0; no weight decay, being 1-D), so state dicts are ``torch.nn.LayerNorm``'s.
+
+    Why offer it beside RMSNorm: the seed lists LayerNorm among the remedies for early loss oscillation. LayerNorm
+    also removes the mean of every hidden vector, which RMSNorm (Zhang & Sennrich, 2019: "re-centring invariance"
+    dropped for speed) lets through to the router and the attention; its bias is a learned offset RMSNorm cannot
+    express. It costs one more reduction per token and D more parameters per norm. The Hugging Face MoE families
+    we export (Mixtral, Qwen2/3-MoE, OLMoE, dots.llm1) all use RMSNorm, so an export of a LayerNorm model is refused
+    naming ``model.norm`` (interop/families.py). Measured effect on a short run: docs/data.md.
+
+    Shapes:
+        x: [..., D] fp32 or bf16 -> same shape and dtype.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__(dim, eps=eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        no_autocast = (torch.autocast(device_type=x.device.type, enabled=False) if x.device.type in ("cpu", "cuda")
+                       else contextlib.nullcontext())
+        with no_autocast:
+            acc = torch.promote_types(x.dtype, torch.float32)
+            y = torch.nn.functional.layer_norm(x.to(acc), self.normalized_shape, self.weight.to(acc),
+                                               self.bias.to(acc), self.eps)
+            return y.to(x.dtype)
+
+
+NORMS = {"rmsnorm": RMSNorm, "layernorm": LayerNorm}
+"""``model.norm`` value -> the norm class (constructor ``(dim, eps)``)."""
+
+
+def make_norm(kind: str, dim: int, eps: float) -> nn.Module:
+    """The ``model.norm`` norm over D = ``dim``.
+
+    Raises:
+        ValueError: an unknown ``kind`` (the config refuses it first, naming ``model.norm``).
+    """
+    if kind not in NORMS:
+        raise ValueError(f"model.norm: must be one of {sorted(NORMS)}, got {kind!r}")
+    return NORMS[kind](dim, eps=eps)

@@ -1,4 +1,4 @@
-"""The decoder-only MoE language model: embedding -> blocks -> RMSNorm -> LM head, with the training loss.
+"""The decoder-only MoE language model: embedding -> blocks -> norm -> LM head, with the training loss.
 
 Legend: B = batch, S = sequence, D = hidden, V = vocabulary.
 """
@@ -16,7 +16,7 @@ from moetrain.model.attention import KVCache
 from moetrain.model.block import Block
 from moetrain.model.config import ModelConfig
 from moetrain.model.fused_ce import linear_cross_entropy
-from moetrain.model.norm import RMSNorm
+from moetrain.model.norm import make_norm
 from moetrain.moe.balancing import CountReducer
 from moetrain.moe.config import MoEConfig
 from moetrain.moe.layer import MoEAux, MoELayer
@@ -41,6 +41,8 @@ class ModelOutput:
         global_aux_loss: Switch loss with the step's global counts (balanced = 1.0), ``global_aux_loss_coeff``.
         z_loss: router z-loss, ``z_loss_coeff``.
         util_loss: std of the experts' mean routing probability, ``util_loss_coeff``.
+        entropy_loss: gate-output smoothing, the mean entropy deficit of the routing distributions (uniform = 0,
+            one-hot = 1; moe/gate_smoothing.py), ``entropy_loss_coeff``.
         moe_loss: scalar fp32 sum of coefficient * loss over the terms above.
         moe: one :class:`MoEAux` per MoE block, in block order.
     """
@@ -54,11 +56,13 @@ class ModelOutput:
     global_aux_loss: torch.Tensor | None = None
     z_loss: torch.Tensor | None = None
     util_loss: torch.Tensor | None = None
+    entropy_loss: torch.Tensor | None = None
     moe_loss: torch.Tensor | None = None
     moe: list[MoEAux] = field(default_factory=list)
 
 
-MOE_LOSS_TERMS = ("aux_loss", "pooled_aux_loss", "seq_aux_loss", "global_aux_loss", "z_loss", "util_loss")
+MOE_LOSS_TERMS = ("aux_loss", "pooled_aux_loss", "seq_aux_loss", "global_aux_loss", "z_loss", "util_loss",
+                  "entropy_loss")
 """The MoE loss fields of :class:`ModelOutput`; each is weighted by ``config.moe.losses.<name>_coeff``."""
 
 
@@ -101,6 +105,7 @@ def assemble_moe_losses(
     out.seq_aux_loss = torch.stack([r.seq_aux_loss for r in records]).mean()
     out.z_loss = torch.stack([r.z_loss for r in records]).mean()
     out.util_loss = torch.stack([r.util_loss for r in records]).mean()
+    out.entropy_loss = torch.stack([zero if r.entropy_loss is None else r.entropy_loss for r in records]).mean()
     if global_counts is None:
         global_counts = counts
         if count_reducer is not None and config.losses.global_aux_loss_coeff > 0 and torch.is_grad_enabled():
@@ -120,7 +125,7 @@ class MoETransformer(nn.Module):
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden)
         self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
-        self.norm = RMSNorm(config.hidden, eps=config.norm_eps)
+        self.norm = make_norm(config.norm, config.hidden, config.norm_eps)
         self.lm_head = nn.Linear(config.hidden, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight

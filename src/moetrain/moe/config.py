@@ -164,6 +164,9 @@ class AuxLossConfig:
         z_loss_coeff: router z-loss (ST-MoE eq. 5: mean squared logsumexp of the router logits).
         util_loss_coeff: expert-utilisation regulariser, the standard deviation over experts of the mean routing
             probability.
+        entropy_loss_coeff: gate-output smoothing against early loss oscillation: the mean entropy deficit of
+            each token's routing distribution, ``(log E - H(p_t)) / log E`` (a confidence penalty on the gate,
+            Pereyra et al., 2017; against StableMoE's routing fluctuation; moe/gate_smoothing.py). 0: off.
     """
 
     aux_loss_coeff: float = 0.01
@@ -172,10 +175,11 @@ class AuxLossConfig:
     global_aux_loss_coeff: float = 0.0
     z_loss_coeff: float = 0.001
     util_loss_coeff: float = 0.0
+    entropy_loss_coeff: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("aux_loss_coeff", "pooled_aux_loss_coeff", "seq_aux_loss_coeff", "global_aux_loss_coeff",
-                     "z_loss_coeff", "util_loss_coeff"):
+                     "z_loss_coeff", "util_loss_coeff", "entropy_loss_coeff"):
             value = getattr(self, name)
             require(value >= 0, name, f"must be >= 0, got {value}")
 

@@ -24,6 +24,7 @@ from moetrain.moe.dispatch import LocalDispatcher
 from moetrain.moe.dispatcher import Dispatcher
 from moetrain.moe.experts import RoutedExperts
 from moetrain.moe.fast_moe import FusedLocalDispatcher
+from moetrain.moe.gate_smoothing import routing_entropy_deficit
 from moetrain.moe.losses import (
     _valid,
     assignment_counts,
@@ -55,6 +56,8 @@ class MoEAux:
         num_tokens: scalar fp32 real tokens.
         router_logits: [T, E] fp32 (for statistics and external losses).
         capacity: C in force, or ``None`` when dropless.
+        entropy_loss: scalar fp32 gate-output smoothing loss, the mean entropy deficit of the tokens' routing
+            distributions (:func:`~moetrain.moe.gate_smoothing.routing_entropy_deficit`; 0 = uniform gates).
     """
 
     aux_loss: torch.Tensor
@@ -67,6 +70,7 @@ class MoEAux:
     num_tokens: torch.Tensor
     router_logits: torch.Tensor
     capacity: int | None = None
+    entropy_loss: torch.Tensor | None = None
 
 
 class MoELayer(nn.Module):
@@ -197,6 +201,7 @@ class MoELayer(nn.Module):
             num_tokens=valid.sum(),
             router_logits=routing.logits,
             capacity=capacity,
+            entropy_loss=routing_entropy_deficit(probs, padding_mask),
         )
 
 

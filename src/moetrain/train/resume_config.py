@@ -24,7 +24,8 @@ from moetrain.errors import ConfigError
 # data.workers / data.prefetch only choose which process builds the batches, never which batches (data/loader.py).
 CHANGEABLE_MODEL_DATA = {"data.cache_dir", "data.workers", "data.prefetch"}
 CHANGEABLE_PREFIX = "model.execution."
-FIXED_TRAIN = {"batch_size", "grad_accum", "tokens_per_batch", "seed", "weight_decay", "beta1", "beta2", "eps", "checkpoint_url"}
+FIXED_TRAIN = {"batch_size", "grad_accum", "tokens_per_batch", "seed", "weight_decay", "beta1", "beta2", "eps",
+               "checkpoint_url"}
 
 
 def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
