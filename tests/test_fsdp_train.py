@@ -112,6 +112,9 @@ CASES = {
     "dp_shard2_zero2_accum2": (2, {"dp_shard": 2, "reshard_after_forward": False}, {"grad_accum": 2}),
     "dp_shard2_ep2": (4, {"dp_shard": 2, "ep": 2}, {}),
     "dp_shard2_ac_full": (2, {"dp_shard": 2, "activation_checkpoint": "full"}, {}),
+    # dense parameters sharded over the 2 EP ranks, experts on a 1-rank mesh (torch 2.13 halved their gradients
+    # under gloo's forced-sum reduction: see fsdp.py)
+    "fsdp_on_ep2": (2, {"ep": 2, "fsdp": "on"}, {}, True),
 }
 
 

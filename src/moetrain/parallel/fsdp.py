@@ -71,6 +71,7 @@ def apply_fsdp(model: nn.Module, mesh: LayoutMesh, dtype: str = "fp32", reshard_
     dense, experts_mesh = mesh.dense_mesh, mesh.expert_mesh
     ep = mesh.layout.ep
     blocks = model.blocks.values() if isinstance(model.blocks, nn.ModuleDict) else model.blocks
+    expert_units = set()
     for block in blocks:
         placement = None
         if getattr(block, "is_moe", False):
@@ -80,6 +81,7 @@ def apply_fsdp(model: nn.Module, mesh: LayoutMesh, dtype: str = "fp32", reshard_
                 fully_shard(layer.experts, mesh=experts_mesh, shard_placement_fn=expert_placement(
                     layer.experts, local, mesh.layout.dp_shard), **common)
                 layer.experts.set_gradient_divide_factor(float(mesh.layout.data_parallel))
+                expert_units.add(layer.experts)
             else:
                 placement = expert_placement(layer.experts, local, mesh.layout.dp_shard * ep)
             fully_shard(layer.router, mesh=dense, **{**common, "mp_policy": router_policy})
@@ -97,7 +99,10 @@ def apply_fsdp(model: nn.Module, mesh: LayoutMesh, dtype: str = "fp32", reshard_
     fully_shard(model, mesh=dense, **{**common, "reshard_after_forward": False})
     if dist.get_backend() == "gloo":  # gloo has no PREMUL_SUM (a custom divide factor): SUM, then divide locally
         for module in model.modules():
-            if isinstance(module, FSDPModule):
+            # Not on an expert unit with one shard (dp_shard = 1): there torch 2.13's foreach_reduce divides by the
+            # custom factor when it copies instead of reduce-scattering, then again after (forced sum): gradients
+            # came out halved at ep=2. Without forcing, that path divides once and all-reduces replicas with SUM.
+            if isinstance(module, FSDPModule) and not (module in expert_units and mesh.layout.dp_shard == 1):
                 module.set_force_sum_reduction_for_comms(True)
     return model
 

@@ -1,0 +1,202 @@
+"""Runs one optimizer step of a pipeline-parallel job: the routing pre-pass, the ``torch.distributed.pipelining``
+schedule over the step's micro-batches, then clipping, AdamW and the expert-bias update, reporting what
+:func:`moetrain.train.step.train_step` reports for one process.
+
+Legend: M = micro-batches per step (``train.grad_accum``), b = rows per rank and micro-batch, S = sequence,
+D = hidden, E = experts, L_s = MoE layers of this rank's stages.
+
+Equivalence with one process (tested in tests/test_pipeline_train.py): each micro-batch's loss is its mean LM
+loss plus the MoE losses, each stage adding its layers' share (:class:`~.pipeline.StageModule`); the schedule
+divides the gradients by M (``scale_grads``) as ``train_step`` divides each loss by ``grad_accum``; FSDP2 averages
+over the data-parallel ranks. The global-batch aux loss needs the step's counts before the first backward: a
+no-grad routing pass through the pipeline (point-to-point sends of the hidden states, stage by stage) collects
+them first, as ``MoETransformer.moe_counts`` does in one process (~1/3 more compute).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+from moetrain.parallel import ac as activation_checkpointing
+from moetrain.parallel.comm import named_collective
+from moetrain.parallel.config import ParallelConfig
+from moetrain.parallel.fsdp import apply_fsdp, clip_grad_norm, init_root
+from moetrain.parallel.launch import parallelize
+from moetrain.parallel.layout import LayoutMesh
+from moetrain.parallel.meta_init import materialise
+from moetrain.parallel.pipeline import StageModule, rank_stages, stage_blocks
+from moetrain.model.transformer import MOE_LOSS_TERMS
+from moetrain.train.step import Accumulated, StepResult, update_expert_biases
+
+SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe, "interleaved_1f1b": ScheduleInterleaved1F1B}
+IGNORE_INDEX = -100
+MOE_TERMS = (*MOE_LOSS_TERMS, "moe_loss")  # what StepResult.moe_losses holds
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of [b, S, V] logits against [b, S] targets (-100 ignored), in fp32."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                           ignore_index=IGNORE_INDEX)
+
+
+class PipelineRunner:
+    """This rank's pipeline stages and schedule.
+
+    Args:
+        model: the whole ``MoETransformer`` (on the meta device for a large model: only this rank's shards of its
+            stages are materialised), not yet sharded.
+        mesh: this rank's :class:`LayoutMesh` (``pp > 1``).
+        parallel: ``parallel`` config (schedule, stages per rank, FSDP2 and checkpointing options).
+        grad_accum: M, micro-batches per step.
+        dtype / seed: ``train.dtype``, ``train.seed``.
+        stats: communication counters for the EP dispatchers.
+    """
+
+    def __init__(self, model: nn.Module, mesh: LayoutMesh, parallel: ParallelConfig, grad_accum: int,
+                 dtype: str = "fp32", seed: int = 0, stats=None):
+        layout = mesh.layout
+        self.mesh, self.m, self.dtype = mesh, grad_accum, dtype
+        self.n_stages = layout.pp * parallel.pp_stages_per_rank
+        ranges = stage_blocks(model.config.n_layers, self.n_stages)
+        self.indices = rank_stages(mesh.pp_rank, layout.pp, parallel.pp_stages_per_rank)
+        self.modules = [StageModule(model, ranges[i], i == 0, i == self.n_stages - 1) for i in self.indices]
+        self.plan = {}
+        for module in self.modules:
+            self.plan.update(parallelize(module, mesh.ep_mesh, parallel.dispatcher, stats))
+            activation_checkpointing.apply(module, parallel.activation_checkpoint)
+            apply_fsdp(module, mesh, dtype, parallel.reshard_after_forward, parallel.cpu_offload)
+            if any(p.is_meta for p in module.parameters()):
+                materialise(module, model.config, mesh.device, seed, self.plan)
+            init_root(module)
+        self.container = nn.ModuleList(self.modules)  # parameters of all this rank's stages, for the optimizer
+        self.stages = [PipelineStage(m, i, self.n_stages, mesh.device, group=mesh.pp_group)
+                       for m, i in zip(self.modules, self.indices)]
+        kind = SCHEDULES[parallel.pp_schedule]
+        if kind is ScheduleInterleaved1F1B:
+            self.schedule = kind(self.stages, n_microbatches=grad_accum, loss_fn=lm_loss)
+        else:
+            self.schedule = kind(self.stages[0], n_microbatches=grad_accum, loss_fn=lm_loss)
+        self.global_aux = model.config.moe.losses.global_aux_loss_coeff > 0
+
+    def holder(self, stage: int) -> int:
+        """Global rank holding pipeline stage ``stage`` in this rank's pipeline."""
+        return self.mesh.pp_ranks[stage % self.mesh.layout.pp]
+
+    @torch.no_grad()
+    def route_counts(self, inputs: list[torch.Tensor]) -> None:
+        """The routing pre-pass: set every local stage's ``step_counts`` to its MoE layers' counts over the step's
+        M micro-batches ``inputs`` ([b, S] each) and all data-parallel ranks of the stage (an all-reduce)."""
+        mine = dict(zip(self.indices, self.modules))
+        carried: list[torch.Tensor] = list(inputs)
+        pending = []
+        hidden = self.modules[0].config.hidden
+        for i in range(self.n_stages):
+            if i not in mine:
+                continue
+            module = mine[i]
+            if i > 0 and self.holder(i - 1) != self.mesh.rank:
+                carried = []
+                for x in inputs:
+                    buf = torch.empty(*x.shape, hidden, device=self.mesh.device)
+                    with named_collective("recv (pipeline routing pre-pass)", self.mesh.pp_group):
+                        dist.recv(buf, src=self.holder(i - 1), group=self.mesh.pp_group)
+                    carried.append(buf)
+            counts, outs = None, []
+            for x in carried:
+                h, records = module.trunk(x)
+                outs.append(h.float())
+                if records:
+                    c = torch.stack([r.tokens_per_expert for r in records])
+                    counts = c if counts is None else counts + c
+            if counts is not None and self.mesh.layout.data_parallel > 1:
+                with named_collective("all_reduce (pipeline stage expert counts)", self.mesh.stage_group):
+                    dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=self.mesh.stage_group)
+            module.step_counts = counts
+            if i + 1 < self.n_stages:
+                if self.holder(i + 1) != self.mesh.rank:
+                    pending += [dist.isend(h.contiguous(), dst=self.holder(i + 1), group=self.mesh.pp_group)
+                                for h in outs]
+                else:
+                    carried = outs
+        with named_collective("isend (pipeline routing pre-pass)", self.mesh.pp_group):
+            for work in pending:
+                work.wait()
+
+    def forward_backward(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> Accumulated:
+        """Run the schedule over this rank's rows of the step's M micro-batches (inputs, targets [b, S]); the
+        gradients accumulate in the stages' parameters. Losses are reduced over the pipeline (every rank returns
+        the same values for its data-parallel slice); counts are this rank's stages' [L_s, E]."""
+        device = self.mesh.device
+        inputs = [x.to(device) for x, _ in batches]
+        targets = [y.to(device) for _, y in batches]
+        for module in self.modules:
+            module.records, module.step_counts = [], None
+        if self.global_aux:
+            self.route_counts(inputs)
+        first, last = 0 in self.indices, self.n_stages - 1 in self.indices
+        losses: list[torch.Tensor] = []
+        args = (torch.cat(inputs),) if first else ()
+        self.schedule.step(*args, target=torch.cat(targets) if last else None, losses=losses if last else None,
+                           return_outputs=False)
+        zero = torch.zeros((), device=device)
+        values = torch.stack([sum(losses, zero).detach() / self.m if last else zero] + [
+            sum((r[name] for m in self.modules for r in m.records), zero) / self.m
+            for name in MOE_TERMS if name != "pooled_aux_loss"])
+        with named_collective("all_reduce (pipeline step losses)", self.mesh.pp_group):
+            dist.all_reduce(values, op=dist.ReduceOp.SUM, group=self.mesh.pp_group)
+        names = [n for n in MOE_TERMS if n != "pooled_aux_loss"]
+        moe = dict(zip(names, values[1:]))
+        moe["pooled_aux_loss"] = zero
+        e = self.modules[0].config.moe.num_experts
+        counts = [sum(r["counts"] for r in m.records) for m in self.modules if m.records]
+        dropped = [sum(r["dropped"] for r in m.records) for m in self.modules if m.records]
+        tpe = torch.cat(counts) if counts else torch.zeros(0, e, device=device)
+        drp = torch.cat(dropped) if dropped else torch.zeros(0, e, device=device)
+        steps = [m.step_counts for m in self.modules if m.step_counts is not None]
+        return Accumulated(lm_loss=values[0], moe_losses={k: moe[k] for k in MOE_TERMS}, tokens_per_expert=tpe,
+                           dropped_per_expert=drp, global_counts=torch.cat(steps) if steps else None)
+
+    def moe_layers(self) -> list[nn.Module]:
+        return [layer for m in self.modules for layer in m.moe_layers()]
+
+    def train_step(self, next_batch, optimizer: torch.optim.Optimizer, scheduler, config, reduce_mean=None,
+                   count_reducer=None) -> StepResult:
+        """One optimizer step, as :func:`moetrain.train.step.train_step` (same skip rule for non-finite values).
+
+        Args:
+            next_batch: returns this rank's rows (inputs, targets [b, S]) of the next micro-batch.
+            reduce_mean / count_reducer: mean of losses / sum of [L_s, E] counts over the stage's data-parallel
+                ranks (``None`` when there is one).
+        """
+        acc = self.forward_backward([next_batch() for _ in range(self.m)])
+        if reduce_mean is not None:
+            names = list(acc.moe_losses)
+            means = reduce_mean(torch.stack([acc.lm_loss, *acc.moe_losses.values()]))
+            acc.lm_loss, acc.moe_losses = means[0], dict(zip(names, means[1:]))
+        max_norm = config.grad_clip if config.grad_clip > 0 else float("inf")
+        grad_norm = clip_grad_norm(self.container, self.mesh, max_norm)
+        result = StepResult(lm_loss=acc.lm_loss, aux_loss=acc.moe_losses["aux_loss"], z_loss=acc.moe_losses["z_loss"],
+                            grad_norm=grad_norm, lr=scheduler.get_last_lr()[0],
+                            tokens_per_expert=list(acc.tokens_per_expert.unbind(0)), moe_losses=acc.moe_losses,
+                            dropped_per_expert=list(acc.dropped_per_expert.unbind(0)))
+        checked = torch.stack([acc.lm_loss, result.aux_loss, result.z_loss, acc.moe_losses["moe_loss"],
+                               grad_norm.to(acc.lm_loss.dtype)])
+        if not bool(torch.isfinite(checked).all()):
+            optimizer.zero_grad(set_to_none=True)
+            result.skipped = True
+            return result
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        if any(layer.router.e_score_correction_bias is not None for layer in self.moe_layers()):
+            counts = acc.global_counts
+            if counts is None:
+                counts = acc.tokens_per_expert
+                if count_reducer is not None:
+                    counts = count_reducer(counts.clone())
+            update_expert_biases(self, counts)
+        return result
