@@ -60,8 +60,8 @@ class Checkpointer:
         url: a local directory or an fsspec URL (see :class:`~moetrain.train.checkpoint.CheckpointStore`).
         layout: this rank's :class:`~moetrain.parallel.dcp.ShardLayout` (mesh and expert shards); default one
             process. The format written follows it: sharded when distributed, single otherwise.
-        keep / milestone_every: after each save, keep the newest ``keep`` checkpoints (0: all) plus multiples of
-            ``milestone_every``.
+        keep: after each save, keep the newest ``keep`` checkpoints (0: all) ...
+        milestone_every: ... plus those of steps that are multiples of this (0: none).
     Raises:
         CheckpointError: an unknown or unavailable storage protocol.
     """

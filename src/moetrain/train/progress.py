@@ -25,7 +25,8 @@ class StepLog:
     Args:
         metrics: a ``MetricsLogger`` (or ``NullMetrics``): ``log(record)``, ``writer``, ``close()``.
         log: prints one line.
-        total_steps / initial_step: the progress bar's length and start (a resumed run starts past 0).
+        total_steps: the progress bar's length.
+        initial_step: the progress bar's start (a resumed run starts past 0).
         tokens_per_step: tokens of one optimizer step over all ranks (batch x grad_accum x seq_len).
         progress: show the progress bar (on a terminal; else plain lines, see :mod:`moetrain.train.console`).
         mfu: the FLOPs model for ``mfu`` (:func:`moetrain.train.console.mfu_model`), or ``None``.
