@@ -138,7 +138,7 @@ def create_app(engine, cache=None, max_body_bytes: int = 1 << 20) -> FastAPI:
         await asyncio.to_thread(engine.stop)
 
     app = FastAPI(title="moetrain serve", lifespan=lifespan)
-    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     served, metrics = engine.served, engine.metrics
 
@@ -199,7 +199,7 @@ def _result(body: CompletionRequest, rid: str, model: str, text: str, token_ids:
 
 async def _complete(engine, cache, body: CompletionRequest, request: Request):
     ids, policy, err = _check(engine, body)
-    if err is not None:
+    if err is not None or ids is None:
         engine.metrics.requests.labels("bad_request").inc()
         return err
     rid, name = next_request_id(), engine.served.name
@@ -215,14 +215,15 @@ async def _complete(engine, cache, body: CompletionRequest, request: Request):
         if hit is not None:
             engine.metrics.cache_hits.inc()
             engine.metrics.requests.labels("cached").inc()
-            events = [Event(hit["text"], tuple(hit["token_ids"]), hit["finish_reason"])]
-            return _respond(body, rid, name, len(ids), events, None, None)
+            cached = [Event(hit["text"], tuple(hit["token_ids"]), hit["finish_reason"])]
+            return _respond(body, rid, name, len(ids), cached, None, None)
         engine.metrics.cache_misses.inc()
     if body.max_tokens == 0:
         return _result(body, rid, name, "", [], "length", len(ids))
-    loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-    req = GenRequest(ids, body.max_tokens, lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev),
-                     body.temperature, body.top_p, body.seed, stops, policy)
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[Event] = asyncio.Queue()
+    req = GenRequest(ids, body.max_tokens, queue.put_nowait, body.temperature, body.top_p, body.seed, stops, policy,
+                     loop=loop, incremental=body.stream)
     try:
         engine.submit(req)
     except QueueFull as e:

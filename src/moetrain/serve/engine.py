@@ -66,6 +66,8 @@ class GenRequest:
     sent: int = 0  # characters of the completion text already emitted
     generator: torch.Generator | None = None
     admitted_at: float = 0.0
+    incremental: bool = True  # an event per token (streaming); False: one event with the whole completion
+    loop: object = None  # an asyncio loop: then ``emit`` is called on it (batched per step), not on this thread
 
 
 class Engine:
@@ -109,6 +111,7 @@ class Engine:
         self._stop = False
         self._thread: threading.Thread | None = None
         self._seeds = random.Random()
+        self._pending: list = []
 
     # --- public, any thread ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -166,8 +169,10 @@ class Engine:
                     self._emit(req, Event("", (), "error", f"{type(e).__name__}: {e}"))
                     self._release(req)
                 self.running = []
+                self._flush()
         for req in [*self.running, *self.waiting]:
             self._emit(req, Event("", (), "error", "server shutting down"))
+        self._flush()
 
     def _admit(self) -> None:
         """Under the lock: free the slots of cancelled sequences, move waiting requests into free slots."""
@@ -205,7 +210,8 @@ class Engine:
         t0 = time.perf_counter()
         self.steps += 1  # counted before any token is emitted, so a client that got its answer sees its steps
         plan = self._plan()
-        seqs = [(r.slot, r.cached, r.prompt_ids if r.cached == 0 else [r.out_ids[-1]]) for r in plan]
+        seqs = [(r.slot or 0, r.cached,  # a running request always holds a slot
+                  r.prompt_ids if r.cached == 0 else [r.out_ids[-1]]) for r in plan]
         batch = StepBatch.build(seqs)
         depth = self.depth()
         segments = tuple((r.policy or self.policy, len(s[2])) for r, s in zip(plan, seqs))
@@ -216,6 +222,7 @@ class Engine:
             req.cached += len(toks)
             req.out_ids.append(sample(row, req.temperature, req.top_p, req.generator))
             self._advance(req)
+        self._flush()
         with self.cond:
             for req in [r for r in self.running if r.finish_reason is not None]:
                 self.running.remove(req)
@@ -243,15 +250,35 @@ class Engine:
                 end -= max(len(s) for s in req.stop) - 1
             while end > 0 and text[end - 1] == "\ufffd":  # an incomplete UTF-8 sequence: wait for its bytes
                 end -= 1
+        if not req.incremental and req.finish_reason is None:
+            return  # a non-streaming client waits for the whole completion: one event at the end
         delta = text[req.sent:end] if end > req.sent else ""
         req.sent = max(req.sent, end)
-        self._emit(req, Event(delta, (req.out_ids[-1],), req.finish_reason))
+        ids = (req.out_ids[-1],) if req.incremental else tuple(req.out_ids)
+        self._emit(req, Event(delta, ids, req.finish_reason))
 
     def _emit(self, req: GenRequest, event: Event) -> None:
+        if req.loop is not None:  # delivered with the step's others, see _flush
+            self._pending.append((req, event))
+            return
         try:
             req.emit(event)
         except RuntimeError:  # the client's event loop is gone: nobody listens
             req.cancelled = True
+
+    def _flush(self) -> None:
+        """Deliver the step's events: one ``call_soon_threadsafe`` per event loop for all of its requests (one
+        wake-up of the HTTP thread per step, not one per sequence: it needs the GIL that this thread holds)."""
+        pending, self._pending = self._pending, []
+        by_loop: dict = {}
+        for req, event in pending:
+            by_loop.setdefault(req.loop, []).append((req, event))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # the loop is closed: nobody listens
+                for req, _ in items:
+                    req.cancelled = True
 
     def _record(self, plan, batch, stats, depth: int, seconds: float) -> None:
         m = self.metrics
@@ -271,6 +298,12 @@ class Engine:
             c = self.model.blocks[self.moe_blocks[0]].ffn.config
             self.last_load_k = self.policy.load_k(moe_field(c, "top_k"), moe_field(c, "num_experts"), depth)
             m.load_top_k.set(self.last_load_k)
+
+
+def _deliver(items) -> None:
+    """On the requests' event loop: hand each its event."""
+    for req, event in items:
+        req.emit(event)
 
 
 _ids = itertools.count()

@@ -49,7 +49,10 @@ class StepBatch:
     @staticmethod
     def build(seqs: list[tuple[int, int, list[int]]]) -> StepBatch:
         """From (slot, start position, new token ids) per sequence."""
-        ids, slots, pos, chunks = [], [], [], []
+        ids: list[int] = []
+        slots: list[int] = []
+        pos: list[int] = []
+        chunks: list[SeqChunk] = []
         for slot, start, toks in seqs:
             ids += toks
             slots += [slot] * len(toks)
