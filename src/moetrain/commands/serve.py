@@ -30,6 +30,8 @@ def add_parser(sub) -> None:
                    "redis://HOST:PORT[/DB] (shared by several servers)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (413 beyond)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level (info logs every request; the bound address is printed at any level)")
     p.set_defaults(func=run)
 
 
@@ -79,9 +81,20 @@ def run(args) -> int:
     import uvicorn
 
     app, engine = build_app(args)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", lifespan="on")
-    server = uvicorn.Server(config)
+    from moetrain.serve.server import BackgroundServer
+
     print(f"moetrain serve: {engine.served.name} ({engine.served.source}), {args.slots} slots, routing "
           f"{engine.policy.policy}, cache {args.cache}", file=sys.stderr)
-    server.run()
+    server = BackgroundServer(app, args.host, args.port, log_level=args.log_level)
+    try:
+        server.start()
+    except RuntimeError as e:
+        raise MoetrainError(f"--host {args.host} --port {args.port}: {e}") from None
+    print(f"moetrain serve: running on {server.url} (Ctrl+C to stop)", file=sys.stderr, flush=True)
+    try:
+        while server.thread.is_alive():
+            server.thread.join(timeout=0.5)
+    except KeyboardInterrupt:
+        server.stop()
+        raise
     return 0

@@ -6,8 +6,8 @@ A variable number of experts per token is expressed as a fixed [T, Kmax] top-k w
 weights of unkept candidates are zero and their assignments are dropped by the dispatcher (they sort after every
 expert's rows and are never computed: the experts see ``sum(keep)`` rows). When every token keeps all Kmax
 candidates (``fixed``, and ``load`` within a step), the step runs exactly the kernel the training layer runs
-(``fused_moe`` on one device, else dispatch -> experts -> combine) with nothing added, so the fixed case is not
-slowed down; the default policy even calls the layer's own router module, so outputs equal the training forward.
+(the fused dispatcher's one Function on one device, else dispatch -> experts -> combine) with nothing added, so
+the fixed case is not slowed down; the default policy even calls the layer's own router module, so outputs equal the training forward.
 """
 
 from __future__ import annotations
@@ -18,11 +18,6 @@ import torch
 import torch.nn.functional as F
 
 from moetrain.serve.routing import Int8Router, RoutingPolicy, moe_field, tokens_k
-
-try:  # the fused single-device kernel of the training layer (moe/fast_moe.py)
-    from moetrain.moe.fast_moe import fused_moe
-except ImportError:  # pragma: no cover - moved by a refactor: fall back to dispatch -> experts -> combine
-    fused_moe = None
 
 _NEVER = 2.0  # a probability mass above 1: the threshold rule never stops early
 
@@ -114,12 +109,9 @@ def experts_forward(layer, tokens: torch.Tensor, ids: torch.Tensor, weights: tor
                     keep: torch.Tensor | None) -> torch.Tensor:
     """Routed experts of ``layer`` for T tokens: [T, D] -> [T, D] (tokens' dtype), assignments with
     ``keep == False`` dropped (never computed)."""
-    from moetrain.moe.dispatch import LocalDispatcher
-
     ex = layer.experts
-    if (keep is None and fused_moe is not None and getattr(ex, "backend", None) == "fused"
-            and type(layer.dispatcher) is LocalDispatcher):
-        return fused_moe(tokens, ids, weights, ex.w_in, ex.down_proj, ex.activation).to(tokens.dtype)
+    if keep is None and layer.dispatcher.fuses_experts:  # the fused backend's one-Function path (moe/fast_moe.py)
+        return layer.dispatcher.forward(tokens, ids, weights, ex).to(tokens.dtype)
     if keep is None:
         rows, tokens_per_expert, meta = layer.dispatcher.dispatch(tokens, ids, weights)
     else:

@@ -14,10 +14,10 @@ class BackgroundServer:
         RuntimeError: the server did not start within ``timeout`` seconds.
     """
 
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
         import uvicorn
 
-        self.config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on",
+        self.config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
                                      timeout_graceful_shutdown=5)
         self.server = uvicorn.Server(self.config)
         self.thread = threading.Thread(target=self.server.run, name="moetrain-uvicorn", daemon=True)
