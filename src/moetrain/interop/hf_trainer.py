@@ -113,7 +113,7 @@ class HFRoutingSums:
             aux, z = float(s.aux_loss) / s.forwards, float(s.z_loss) / s.forwards
             auxes.append(aux)
             zs.append(z)
-            p = f"{prefix}/layer{layer}"  # the trainer's names (moe/layerL/<stat>, README)
+            p = f"{prefix}/layer{layer}"  # the trainer's names (moe/layerL/<stat>, docs/routing-health.md)
             out[f"{p}/aux_loss"], out[f"{p}/z_loss"] = aux, z
             mean = sum(counts) / len(counts)
             out[f"{p}/overload"] = max(counts) / mean if mean > 0 else 0.0

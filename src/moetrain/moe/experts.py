@@ -11,8 +11,8 @@ Every backend has the signature ``fn(x [R, D], w_in, w_out, tokens_per_expert [E
 of expert e follow those of expert e - 1, and rows after the last expert's are ignored (their output is
 unspecified; the dispatcher never reads them).
 
-Four backends, each kept for what it alone does (figures: ``moetrain bench moe --grid readme`` in the README's
-Performance section, 2026-11-30, 2-core CPU, forward + backward time relative to a dense SwiGLU with the same active
+Four backends, each kept for what it alone does (figures: ``moetrain bench moe --grid readme`` in
+docs/performance.md, 2026-11-30, 2-core CPU, forward + backward time relative to a dense SwiGLU with the same active
 FLOPs, fp32 / bf16, E = 8-128):
 
 - ``fused`` (moe/fast_moe.py): the default and the fastest on CPU, 0.90-1.41x dense.
@@ -78,7 +78,7 @@ def grouped_experts(
     """Dropless experts with two ``torch.nn.functional.grouped_mm`` calls (MegaBlocks-style); no host sync.
 
     Kept as the no-sync stock-autograd path (and ``moetrain.hf.accelerate``'s experts): 1.28-4.39x a dense SwiGLU's
-    time on CPU where ``fused`` takes 0.90-1.41x (README Performance, 2026-11-30, 2-core CPU).
+    time on CPU where ``fused`` takes 0.90-1.41x (docs/performance.md, 2026-11-30, 2-core CPU).
 
     ``grouped_mm`` needs 16-byte aligned rows (it raises "strides should be multiple of 16 bytes" otherwise, e.g.
     fp32 with D not a multiple of 4); with unaligned D, I or F this falls back to :func:`loop_experts` (same maths,

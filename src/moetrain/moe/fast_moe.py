@@ -7,8 +7,8 @@ FFN hidden, I = input-projection width (2F for SwiGLU, F for GELU), n = rows of 
 Two entry points run the same Function:
 
 - :func:`fused_moe` (through :class:`FusedLocalDispatcher`, the layer's default dispatcher for the ``fused`` backend):
-  dropless on one device, tokens in and combined outputs out. Earns its keep as the default: in the README's
-  Performance section (``moetrain bench moe --grid readme``, 2026-11-30, 2-core CPU, fp32 / bf16) the layer's
+  dropless on one device, tokens in and combined outputs out. Earns its keep as the default: in
+  docs/performance.md (``moetrain bench moe --grid readme``, 2026-11-30, 2-core CPU, fp32 / bf16) the layer's
   forward + backward took 0.90-1.41x the time of a dense SwiGLU with the same active FLOPs, against 1.28-4.39x for
   the ``grouped_mm`` backend, and ran 1.38-5.10x faster than transformers' best expert implementation.
 - :func:`fused_experts`: the experts alone on rows a dispatcher laid out (the ``fused`` backend with a capacity
