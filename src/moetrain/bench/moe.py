@@ -59,8 +59,9 @@ class Shape:
         return f"E={self.experts} K={self.top_k} D={self.hidden} F={self.ffn} T={self.tokens}"
 
 
-# The table of docs/performance.md (it stood in the README, hence the name). The three shapes have equal active FLOPs (K * F * D = 1M): Mixtral-like coarse experts, and
-# fine-grained experts (OLMoE / Qwen3-MoE style) where each expert sees 8x fewer rows.
+# The table of docs/performance.md (it stood in the README, hence the name). The three shapes have equal active
+# FLOPs (K * F * D = 1M): Mixtral-like coarse experts, and fine-grained experts (OLMoE / Qwen3-MoE style) where
+# each expert sees 8x fewer rows.
 GRIDS = {
     "readme": [Shape(8, 2, 512, 1024, 4096), Shape(64, 8, 512, 256, 4096), Shape(128, 8, 1024, 128, 4096)],
     "tokens": [Shape(8, 2, 512, 1024, 1024), Shape(8, 2, 512, 1024, 16384), Shape(64, 8, 512, 256, 1024),
