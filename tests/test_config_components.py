@@ -189,15 +189,15 @@ def _old_layout(run: Path) -> None:
     moe, execution = data["model"]["moe"], data["model"].pop("execution")
     router, capacity = moe.pop("router"), moe.pop("capacity")
     experts, shared = moe.pop("experts"), moe.pop("shared_expert")
-    moe.update(moe.pop("losses"))
-    moe.update(expert_ffn_hidden=experts["ffn_hidden"], expert_activation=experts["activation"],
-               backend=execution["moe_backend"], recompute_experts=execution["recompute_experts"],
-               shared_expert_ffn_hidden=shared["ffn_hidden"], shared_expert_gate=shared["gate"],
-               router_jitter=router.pop("jitter_eps"), capacity_factor=capacity["factor"],
-               eval_capacity_factor=capacity["eval_factor"], min_capacity=capacity["min_capacity"],
-               drop_policy=capacity["drop_policy"], pad_to_capacity=capacity["pad_to_capacity"], **router)
+    flat = {**moe, **moe.pop("losses"), **router, "expert_ffn_hidden": experts["ffn_hidden"],
+            "expert_activation": experts["activation"], "backend": execution["moe_backend"],
+            "recompute_experts": execution["recompute_experts"], "shared_expert_ffn_hidden": shared["ffn_hidden"],
+            "shared_expert_gate": shared["gate"], "router_jitter": router["jitter_eps"],
+            "capacity_factor": capacity["factor"], "eval_capacity_factor": capacity["eval_factor"],
+            "min_capacity": capacity["min_capacity"], "drop_policy": capacity["drop_policy"],
+            "pad_to_capacity": capacity["pad_to_capacity"]}
+    data["model"]["moe"] = {name: flat[name] for name in OLD_MOE}  # only the fields the old code had
     data["model"]["bta_tiles"] = execution["bta_tiles"]
-    assert len(moe) == 27
     (run / "config.json").write_text(json.dumps(data, indent=2))
 
 
