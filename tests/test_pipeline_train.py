@@ -56,7 +56,7 @@ def _worker(rank: int, world: int, out_dir, parallel: dict, grad_accum: int) -> 
     runner = PipelineRunner(build_meta(cfg.model), mesh, cfg.parallel, grad_accum, seed=cfg.train.seed,
                             stats=hooks.stats)
     ref_params = dict(ref.named_parameters())
-    names = [n for n, _ in runner.container.named_parameters()]
+    names = [n for n, _ in runner.local.named_parameters()]
     out = {"names": names}
 
     # Gradients of one step (no optimizer step), before anything could compensate.
@@ -67,21 +67,20 @@ def _worker(rank: int, world: int, out_dir, parallel: dict, grad_accum: int) -> 
     glob = sampler(data[:grad_accum])
     ref_acc = accumulate_gradients(ref, [glob() for _ in range(grad_accum)], "fp32", torch.device("cpu"))
     worst, scale = 0.0, 0.0
-    for name, p in runner.container.named_parameters():
-        name = name.split(".", 1)[1]  # ModuleList index
+    for name, p in runner.local.named_parameters():
         g = _gathered(p.grad, name, runner.plan, mesh)
         worst = max(worst, (g - ref_params[name].grad).abs().max().item())
         scale = max(scale, ref_params[name].grad.abs().max().item())
     out["grad"], out["grad_scale"] = worst, scale
     lm = hooks.reduce_mean(acc.lm_loss.reshape(1))[0]
     out["first_lm"] = abs(float(lm) - float(ref_acc.lm_loss))
-    runner.container.zero_grad(set_to_none=True)
+    runner.local.zero_grad(set_to_none=True)
     ref.zero_grad(set_to_none=True)
 
     # Three optimizer steps.
     runs = []
     for kind in ("pipeline", "ref"):
-        m = runner.container if kind == "pipeline" else ref
+        m = runner.local if kind == "pipeline" else ref
         opt = build_optimizer(m, cfg)
         sched = build_scheduler(opt, cfg.train)
         rest = sampler(data[grad_accum:])
@@ -97,8 +96,7 @@ def _worker(rank: int, world: int, out_dir, parallel: dict, grad_accum: int) -> 
         out[key] = max(abs(float(a.moe_losses[key]) - float(b.moe_losses[key])) for a, b in zip(*runs))
     out["ref_moe_loss"] = float(runs[1][0].moe_losses["moe_loss"])
     worst = 0.0
-    for name, p in runner.container.named_parameters():
-        name = name.split(".", 1)[1]
+    for name, p in runner.local.named_parameters():
         worst = max(worst, (_gathered(p, name, runner.plan, mesh) - ref_params[name].detach()).abs().max().item())
     out["params"] = worst
     return out
@@ -134,4 +132,4 @@ def test_pipeline_matches_single_process(results, name):
             assert r[key] <= 1e-4, (name, rank, key, r[key])
         assert r["params"] <= 1e-5, (name, rank, r)
     ref = MoETransformer(small_config({}).model)
-    assert {n.split(".", 1)[1] for n in covered} == {n for n, _ in ref.named_parameters()}, "every stage covered"
+    assert covered == {n for n, _ in ref.named_parameters()}, "every stage covered"

@@ -172,7 +172,7 @@ def _pickled(obj: Any) -> io.BytesIO:
 
 
 def save(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, plan: dict[str, ExpertShard],
-         mesh: ParallelMesh, extra: dict[str, Any] | None = None) -> None:
+         mesh: ParallelMesh, extra: dict[str, Any] | None = None, layout: ShardLayout | None = None) -> None:
     """Write a checkpoint of the (sharded) model, its optimizer and ``extra`` (any picklable data: step,
     scheduler, sampler, RNG) into the directory ``path``. A collective: every rank calls it.
 
@@ -183,11 +183,12 @@ def save(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, 
         plan: the expert shards (:func:`moetrain.parallel.sharding.shard_experts`).
         mesh: this rank's mesh position.
         extra: replicated training state (one rank's copy is kept: it must be the same on every rank).
+        layout: overrides ``ShardLayout(mesh, plan)`` (the FSDP2 engine's layout: ``moetrain.parallel.engine``).
     Raises:
         CollectiveError: a peer failed while the checkpoint was written.
     """
     path = Path(path)
-    state = _state_dict(model, optimizer, ShardLayout(mesh, plan))
+    state = _state_dict(model, optimizer, layout or ShardLayout(mesh, plan))
     names = _param_names(model)
     groups = None
     if optimizer is not None:
@@ -207,7 +208,7 @@ def save(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, 
 
 
 def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, plan: dict[str, ExpertShard],
-         mesh: ParallelMesh) -> dict[str, Any]:
+         mesh: ParallelMesh, layout: ShardLayout | None = None) -> dict[str, Any]:
     """Load a checkpoint written by :func:`save` at any EP / world size into this rank's (sharded) model and
     optimizer, in place; return the ``extra`` data.
 
@@ -220,7 +221,7 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, 
         raise CheckpointError(f"{path}: not a complete distributed checkpoint (no {MARKER} or .metadata)")
     if optimizer is not None:
         materialise_optimizer_state(optimizer)
-    state = _state_dict(model, optimizer, ShardLayout(mesh, plan))
+    state = _state_dict(model, optimizer, layout or ShardLayout(mesh, plan))
     state["meta"] = io.BytesIO()
     try:
         with named_collective("torch.distributed.checkpoint.load (read shards)"), _quiet(mesh):
@@ -233,9 +234,17 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, 
     if optimizer is not None:
         names = _param_names(model)
         index = {names[p]: i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
-        local = {index[n]: {k: (v.to_local() if isinstance(v, DTensor) else v) for k, v in s.items()}
+        params = {n: p for p, n in names.items()}
+        # DCP loaded in place: a DTensor parameter (FSDP2) keeps its own (now filled) DTensor moments; a plain
+        # parameter gets the local tensor of its global-shape view.
+        local = {index[n]: {k: (optimizer.state[params[n]][k] if isinstance(params[n], DTensor)
+                                and k in optimizer.state[params[n]] else
+                                v.to_local() if isinstance(v, DTensor) else v) for k, v in s.items()}
                  for n, s in state["optim"].items()}
-        groups = [{**g, "params": [index[n] for n in g["params"]]} for g in meta["param_groups"]]
+        # The saved groups' hyperparameters with this rank's own parameters: under pipeline parallelism the saving
+        # rank held only its stages' parameters (the state itself is keyed by name, complete in the shards).
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[names[p]] for p in mine["params"]]}
+                  for g, mine in zip(meta["param_groups"], optimizer.param_groups)]
         optimizer.load_state_dict({"state": local, "param_groups": groups})
     return meta["extra"]
 
@@ -260,7 +269,7 @@ def save_files(model: nn.Module, optimizer: torch.optim.Optimizer | None, layout
     """
     mesh = layout.mesh
     with tempfile.TemporaryDirectory(prefix="moetrain-dcp-") as tmp:
-        save(Path(tmp), model, optimizer, layout.plan, mesh)
+        save(Path(tmp), model, optimizer, layout.plan, mesh, layout=layout)
         mine = {p.name: p.read_bytes() for p in Path(tmp).iterdir() if p.is_file()}
     if not mesh.distributed:
         return mine
@@ -288,6 +297,6 @@ def load_files(files: dict[str, bytes], model: nn.Module, optimizer: torch.optim
             if name == MARKER or name == ".metadata" or name.endswith(".distcp"):
                 (Path(tmp) / name).write_bytes(raw)
         try:
-            load(Path(tmp), model, optimizer, layout.plan, layout.mesh)
+            load(Path(tmp), model, optimizer, layout.plan, layout.mesh, layout=layout)
         except CheckpointError as e:
             raise CheckpointError(str(e).replace(tmp, where)) from None

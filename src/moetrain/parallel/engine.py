@@ -14,20 +14,57 @@ What differs from the plain data-parallel hooks:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from moetrain.errors import ConfigError
 from moetrain.parallel import ac as activation_checkpointing
 from moetrain.parallel.comm import named_collective
 from moetrain.parallel.config import ParallelConfig
+from moetrain.parallel.dcp import ShardLayout
 from moetrain.parallel.fsdp import apply_fsdp, clip_grad_norm, init_root, local_bytes
 from moetrain.parallel.launch import ParallelHooks, parallelize
 from moetrain.parallel.layout import LayoutMesh
 from moetrain.parallel.meta_init import materialise
+
+
+def _stride(shape: torch.Size) -> tuple[int, ...]:
+    out, acc = [], 1
+    for size in reversed(shape):
+        out.append(acc)
+        acc *= size
+    return tuple(reversed(out))
+
+
+@dataclass(frozen=True)
+class ShardedLayout(ShardLayout):
+    """The checkpoint view of the FSDP2 engine's tensors. FSDP2 parameters (and AdamW moments) are DTensors that
+    carry their placement, except that an expert tensor's DTensor spans only this rank's E / ep experts: it is
+    presented as a view of the global [E, ...] tensor on the ``(ep, dp_shard)`` mesh, rows split over ep, then
+    over dp_shard (FSDP2's ``Shard(0)``) or columns over dp_shard (``Shard(1)``). No copy; replicas (dp_replicate)
+    write the same chunks, which DCP deduplicates.
+
+    Attributes:
+        expert_mesh: :attr:`LayoutMesh.expert_global_mesh`.
+    """
+
+    expert_mesh: DeviceMesh | None = None
+
+    def global_view(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        shard = self.plan.get(name)
+        if shard is None or self.mesh.ep == 1 or tensor.dim() == 0 or self.expert_mesh is None:
+            return super().global_view(name, tensor)
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        inner = tensor.placements[-1] if isinstance(tensor, DTensor) else Replicate()
+        shape = shard.global_shape(tensor.shape)
+        return DTensor.from_local(local, self.expert_mesh, [Shard(0), inner], run_check=False, shape=shape,
+                                  stride=_stride(shape))
 
 
 class ShardedHooks(ParallelHooks):
@@ -119,3 +156,8 @@ class ShardedHooks(ParallelHooks):
                               self.layout_mesh.stage_group):
             dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.layout_mesh.stage_group)
         return out / n
+
+    @property
+    def layout(self) -> ShardedLayout:
+        """This rank's checkpoint layout (:class:`ShardedLayout`), for the ``Checkpointer``."""
+        return ShardedLayout(self.mesh, self.plan, self.layout_mesh.expert_global_mesh)

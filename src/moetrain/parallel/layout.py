@@ -106,6 +106,8 @@ class LayoutMesh:
         stage_group: the R * S * X data-parallel ranks of this pipeline stage (count and loss reductions).
         pp_group: the P ranks of this rank's pipeline (same r, s, x).
         pp_ranks: global ranks of this rank's pipeline, stage order.
+        expert_global_mesh: ``("ep", "dp_shard")`` mesh of this replica and stage: an expert tensor's rows are
+            split over ep, then each slice over dp_shard (how a checkpoint sees the global [E, ...] tensor).
     """
 
     layout: Layout
@@ -118,6 +120,7 @@ class LayoutMesh:
     stage_group: dist.ProcessGroup | None = None
     pp_group: dist.ProcessGroup | None = None
     pp_ranks: list[int] = field(default_factory=list)
+    expert_global_mesh: DeviceMesh | None = None
 
     @property
     def distributed(self) -> bool:
@@ -189,10 +192,13 @@ def build_layout_mesh(layout: Layout, timeout_s: float, device: torch.device) ->
     else:
         dense = _mesh([shard_ep_group], stage.flatten(), ("dp_shard_ep",), dtype)
         expert = _mesh([shard_group], stage[0, :, x], ("dp_shard",), dtype)
+    # Experts as checkpoints see them: rows split over ep, then each EP slice over dp_shard (moetrain.parallel.engine).
+    expert_global = _mesh([ep_group, shard_group], grid[p, r].T, ("ep", "dp_shard"), dtype)
     ep_mesh = ParallelMesh(world_size=world, rank=rank, ep=layout.ep, ep_rank=x,
                            dp=layout.dp_replicate * layout.dp_shard, dp_rank=r * layout.dp_shard + s,
                            device=device, mesh=dense, ep_group=ep_group, dp_group=edp_group)
-    return LayoutMesh(layout, rank, (p, r, s, x), device, ep_mesh, dense, expert, stage_group, pp_group, pp_ranks)
+    return LayoutMesh(layout, rank, (p, r, s, x), device, ep_mesh, dense, expert, stage_group, pp_group, pp_ranks,
+                      expert_global)
 
 
 def all_coords(layout: Layout) -> list[tuple[int, int, int, int]]:

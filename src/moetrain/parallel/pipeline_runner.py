@@ -43,6 +43,24 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
                            ignore_index=IGNORE_INDEX)
 
 
+class LocalModel(nn.Module):
+    """The parts of the model this rank's stages hold, under the whole model's names (``embed_tokens``,
+    ``blocks.<global index>``, ``norm``, ``lm_head``; absent parts are ``None``): what the optimizer, gradient
+    clipping and checkpoints see. Shares the stage modules' submodules; has no forward (the schedule runs the
+    stages)."""
+
+    def __init__(self, stages: list[StageModule]):
+        super().__init__()
+        self.config = stages[0].config
+        self.embed_tokens = next((m.embed_tokens for m in stages if m.first), None)
+        self.blocks = nn.ModuleDict({k: b for m in stages for k, b in m.blocks.items()})
+        self.norm = next((m.norm for m in stages if m.last), None)
+        self.lm_head = next((m.lm_head for m in stages if m.last), None)
+
+    def moe_layers(self) -> list[nn.Module]:
+        return [b.ffn for b in self.blocks.values() if b.is_moe]
+
+
 class PipelineRunner:
     """This rank's pipeline stages and schedule.
 
@@ -72,7 +90,7 @@ class PipelineRunner:
             if any(p.is_meta for p in module.parameters()):
                 materialise(module, model.config, mesh.device, seed, self.plan)
             init_root(module)
-        self.container = nn.ModuleList(self.modules)  # parameters of all this rank's stages, for the optimizer
+        self.local = LocalModel(self.modules)  # this rank's parameters under the model's names
         self.stages = [PipelineStage(m, i, self.n_stages, mesh.device, group=mesh.pp_group)
                        for m, i in zip(self.modules, self.indices)]
         kind = SCHEDULES[parallel.pp_schedule]
@@ -81,6 +99,13 @@ class PipelineRunner:
         else:
             self.schedule = kind(self.stages[0], n_microbatches=grad_accum, loss_fn=lm_loss)
         self.global_aux = model.config.moe.losses.global_aux_loss_coeff > 0
+
+    @property
+    def layout(self):
+        """The checkpoint layout of this rank's stages (:class:`~moetrain.parallel.engine.ShardedLayout`)."""
+        from moetrain.parallel.engine import ShardedLayout
+
+        return ShardedLayout(self.mesh.ep_mesh, self.plan, self.mesh.expert_global_mesh)
 
     def holder(self, stage: int) -> int:
         """Global rank holding pipeline stage ``stage`` in this rank's pipeline."""
@@ -178,7 +203,7 @@ class PipelineRunner:
             means = reduce_mean(torch.stack([acc.lm_loss, *acc.moe_losses.values()]))
             acc.lm_loss, acc.moe_losses = means[0], dict(zip(names, means[1:]))
         max_norm = config.grad_clip if config.grad_clip > 0 else float("inf")
-        grad_norm = clip_grad_norm(self.container, self.mesh, max_norm)
+        grad_norm = clip_grad_norm(self.local, self.mesh, max_norm)
         result = StepResult(lm_loss=acc.lm_loss, aux_loss=acc.moe_losses["aux_loss"], z_loss=acc.moe_losses["z_loss"],
                             grad_norm=grad_norm, lr=scheduler.get_last_lr()[0],
                             tokens_per_expert=list(acc.tokens_per_expert.unbind(0)), moe_losses=acc.moe_losses,
