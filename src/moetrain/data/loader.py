@@ -120,6 +120,14 @@ class BatchLoader:
             self.padding_tokens += n - batch.real_tokens
         return batch
 
+    def close(self) -> None:
+        """Stop the worker processes now (else they live until the iterator is garbage-collected, and a process
+        forked meanwhile inherits it). The position is kept: :meth:`next_batch` starts them again."""
+        shutdown = getattr(self._it, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+        self._it = None
+
     def take_padding_fraction(self) -> float | None:
         """Share of padding positions over the batches returned since the last call (the ``padding_fraction``
         metric); ``None`` when none was a PackedBatch (windows never pad). Resets the count."""

@@ -176,6 +176,14 @@ class MoELayer(nn.Module):
                 f"a dispatcher that drops and pads; {type(self.dispatcher).__name__} is dropless only")
         return keep, capacity, layout
 
+    def _entropy_loss(self, probs: torch.Tensor, padding_mask: torch.Tensor | None) -> torch.Tensor:
+        """The gate-smoothing loss; without autograd when its coefficient is 0 (reported, but saving no [T, E]
+        activations for a backward that would multiply them by 0)."""
+        if self.config.losses.entropy_loss_coeff > 0:
+            return routing_entropy_deficit(probs, padding_mask)
+        with torch.no_grad():
+            return routing_entropy_deficit(probs, padding_mask)
+
     def _record(self, routing: Routing, shape: torch.Size, padding_mask: torch.Tensor | None,
                 keep: torch.Tensor | None, capacity: int | None) -> MoEAux:
         """The layer's losses and counts (all over real tokens)."""
@@ -201,7 +209,7 @@ class MoELayer(nn.Module):
             num_tokens=valid.sum(),
             router_logits=routing.logits,
             capacity=capacity,
-            entropy_loss=routing_entropy_deficit(probs, padding_mask),
+            entropy_loss=self._entropy_loss(probs, padding_mask),
         )
 
 

@@ -193,6 +193,7 @@ class Trainer:
                 s.report.close()
                 s.state.monitor.close()
                 s.report.metrics.close()
+                s.state.sampler.close()  # stops DataLoader workers (data/loader.py)
         if s.val_loss is not None:
             self.log(f"step {s.val_step}: val_loss {s.val_loss:.4f} (before training: {s.state.initial_val_loss:.4f})")
         return TrainResult(self.run_dir, s.state.step, s.state.initial_val_loss, s.val_loss, s.losses, preempted,
