@@ -21,6 +21,7 @@ from moetrain.moe.balancing import CountReducer
 from moetrain.moe.config import MoEConfig
 from moetrain.moe.layer import MoEAux, MoELayer
 from moetrain.moe.losses import global_load_balancing_loss, pooled_load_balancing_loss
+from moetrain.runtime.cpu import bf16_autocast_is_slow
 
 IGNORE_INDEX = -100
 
@@ -172,7 +173,14 @@ class MoETransformer(nn.Module):
             document_ids: [B, S] int64, packed documents (``data.packing=documents``): attention stays within
                 each document and positions restart per document (model/attention.py); ``None``: one sequence
                 per row.
+
+        Under a caller's bf16 autocast on a CPU without fast bf16 GEMMs (no AVX512_BF16 / AMX), the model runs in
+        fp32 instead (100x faster there; :func:`moetrain.runtime.cpu.bf16_autocast_is_slow`, ``MOETRAIN_BF16``).
         """
+        if bf16_autocast_is_slow(input_ids.device.type):
+            with torch.autocast("cpu", enabled=False):
+                return self.forward(input_ids, targets, padding_mask, kv_cache, global_counts, count_reducer,
+                                    return_logits, document_ids)
         x, records = self._trunk(input_ids, padding_mask, kv_cache, document_ids)
         h = self.norm(x)  # [B, S, D]
         fused_loss = targets is not None and not return_logits
