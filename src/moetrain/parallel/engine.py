@@ -30,8 +30,9 @@ from moetrain.parallel.config import ParallelConfig
 from moetrain.parallel.dcp import ShardLayout
 from moetrain.parallel.fsdp import apply_fsdp, clip_grad_norm, init_root, local_bytes
 from moetrain.parallel.launch import ParallelHooks, parallelize
-from moetrain.parallel.layout import LayoutMesh
-from moetrain.parallel.meta_init import materialise
+from moetrain.parallel.layout import Layout, LayoutMesh, build_layout_mesh
+from moetrain.parallel.meta_init import build_meta, materialise
+from moetrain.parallel.pipeline_runner import PipelineRunner
 
 
 def _stride(shape: torch.Size) -> tuple[int, ...]:
@@ -75,21 +76,36 @@ class ShardedHooks(ParallelHooks):
         config: the ``parallel`` section.
         dtype: ``train.dtype`` (mixed-precision policy).
         seed: ``train.seed`` (per-shard initialisation of a model built on the meta device).
+        grad_accum: ``train.grad_accum`` (the pipeline's micro-batches per step).
+        micro_shape: (rows per rank, ``data.seq_len``) of a micro-batch (the pipeline stages' static shapes).
         owns_group: destroy the default process group in :meth:`close`.
     """
 
     def __init__(self, mesh: LayoutMesh, config: ParallelConfig, dtype: str = "fp32", seed: int = 0,
-                 owns_group: bool = False):
+                 owns_group: bool = False, grad_accum: int = 1, micro_shape: tuple[int, int] | None = None):
         super().__init__(mesh.ep_mesh, config.dispatcher, owns_group)
         self.layout_mesh, self.parallel, self.dtype, self.seed = mesh, config, dtype, seed
+        self.grad_accum, self.micro_shape = grad_accum, micro_shape
+        self.runner: PipelineRunner | None = None
+
+    def build_model(self, config, device: torch.device, seed: int = 0, meta_init: bool = False) -> nn.Module:
+        """The whole model on the meta device (no memory): :meth:`prepare_model` materialises this rank's
+        shards only."""
+        return build_meta(config)
 
     def prepare_model(self, model: nn.Module, log: Callable[[str], None] | None = None) -> nn.Module:
         """Slice the experts (EP), attach the dispatchers, wrap blocks for activation checkpointing, then shard
         with FSDP2 (call before building the optimizer); ``log`` gets the mesh line and this rank's bytes."""
         lm = self.layout_mesh
-        if lm.layout.pp > 1:
-            raise ConfigError("parallel.pp: pipeline stages are built by moetrain.parallel.pipeline, not by "
-                              "prepare_model")
+        if lm.layout.pp > 1:  # this rank's stages; the trainer then sees their parameters (LocalModel)
+            self.runner = PipelineRunner(model, lm, self.parallel, self.grad_accum, self.dtype, self.seed, self.stats,
+                                         self.micro_shape)
+            self.plan, self.model = self.runner.plan, self.runner.local
+            if log is not None:
+                log(f"parallel: {lm.layout.describe()}; pipeline stages {self.runner.indices} of "
+                    f"{self.runner.n_stages} on this rank ({self.parallel.pp_schedule}, {self.grad_accum} "
+                    f"micro-batches per step)")
+            return self.runner.local
         self.plan = parallelize(model, lm.ep_mesh, self.dispatcher, self.stats)
         activation_checkpointing.apply(model, self.parallel.activation_checkpoint)
         apply_fsdp(model, lm, self.dtype, self.parallel.reshard_after_forward, self.parallel.cpu_offload)
@@ -161,3 +177,54 @@ class ShardedHooks(ParallelHooks):
     def layout(self) -> ShardedLayout:
         """This rank's checkpoint layout (:class:`ShardedLayout`), for the ``Checkpointer``."""
         return ShardedLayout(self.mesh, self.plan, self.layout_mesh.expert_global_mesh)
+
+    def train_step(self, model: nn.Module, next_batch, optimizer, scheduler, config, device: torch.device):
+        """One optimizer step: the pipeline schedule with pp > 1, else ``train_step`` with these hooks."""
+        if self.runner is None:
+            return super().train_step(model, next_batch, optimizer, scheduler, config, device)
+        return self.runner.train_step(next_batch, optimizer, scheduler, config,
+                                      self.reduce_mean if self.layout_mesh.layout.data_parallel > 1 else None,
+                                      self.count_reducer)
+
+    def evaluate(self, model: nn.Module, batches, device: torch.device, dtype: str) -> float:
+        """Validation loss: through the pipeline with pp > 1, else the model's own forward."""
+        if self.runner is None:
+            return super().evaluate(model, batches, device, dtype)
+        return self.runner.evaluate(batches)
+
+
+def start_sharded(config, device_type: str) -> ShardedHooks:
+    """Join the ``torchrun`` job (or stay one process) and build the FSDP2 engine's mesh; the mesh line is
+    printed by rank 0.
+
+    Raises:
+        ConfigError: the world size does not fit ``pp * dp_replicate * dp_shard * ep``, NCCL on a CPU run.
+    """
+    import datetime
+    import os
+
+    p = config.parallel
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    layout = Layout.from_config(p, world)
+    backend = p.backend if p.backend != "auto" else ("nccl" if device_type == "cuda" else "gloo")
+    if backend == "nccl" and device_type != "cuda":
+        raise ConfigError("parallel.backend: 'nccl' needs train.device=cuda; use 'gloo' (or 'auto') on CPU")
+    device = torch.device("cpu")
+    if device_type == "cuda":
+        device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}")
+        torch.cuda.set_device(device)
+    if world == 1:
+        raise ConfigError(f"parallel: pp={p.pp}, dp_shard={p.dp_shard} need {layout.world} processes; launch with "
+                          f"`torchrun --nproc_per_node {layout.world} -m moetrain train ...`")
+    owns = False
+    if not dist.is_initialized():
+        with named_collective("init_process_group (rendezvous at MASTER_ADDR:MASTER_PORT)"):
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=p.timeout_s),
+                                    device_id=device if backend == "nccl" else None)
+        owns = True
+    mesh = build_layout_mesh(layout, p.timeout_s, device)
+    if mesh.rank == 0:
+        print(f"parallel: {layout.describe()}", flush=True)
+    micro = (config.train.batch_size // layout.data_parallel, config.data.seq_len)
+    return ShardedHooks(mesh, p, config.train.dtype, config.train.seed, owns_group=owns,
+                        grad_accum=config.train.grad_accum, micro_shape=micro)

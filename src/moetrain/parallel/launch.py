@@ -114,6 +114,20 @@ class ParallelHooks:
         return self.mesh.distributed
 
     # -- model and data ---------------------------------------------------------------------------------------
+    def build_model(self, config, device: torch.device, seed: int = 0, meta_init: bool = False) -> nn.Module:
+        """The whole model on ``device``: initialised by ``MoETransformer.reset_parameters``, or with
+        ``meta_init`` (``parallel.meta_init``) by the per-index initialisation of the sharded engine
+        (:mod:`moetrain.parallel.meta_init`), so that one process starts from the weights an FSDP2 / pipeline
+        job starts from. :class:`~moetrain.parallel.engine.ShardedHooks` builds on the meta device instead."""
+        from moetrain.model.transformer import MoETransformer
+
+        model = MoETransformer(config).to(device)
+        if meta_init:
+            from moetrain.parallel.meta_init import init_parameters
+
+            init_parameters(model, config, seed)
+        return model
+
     def prepare_model(self, model: nn.Module, log: Callable[[str], None] | None = None) -> nn.Module:
         """Shard the experts and attach the dispatchers (call before building the optimizer); ``log`` gets one
         line describing the mesh when distributed."""
@@ -190,6 +204,18 @@ class ParallelHooks:
         return data, payload
 
     # -- the step ---------------------------------------------------------------------------------------------
+    def train_step(self, model: nn.Module, next_batch, optimizer, scheduler, config, device: torch.device):
+        """One optimizer step (:func:`moetrain.train.step.train_step` with :meth:`step_kwargs`)."""
+        from moetrain.train.step import train_step
+
+        return train_step(model, next_batch, optimizer, scheduler, config, device, **self.step_kwargs())
+
+    def evaluate(self, model: nn.Module, batches, device: torch.device, dtype: str) -> float:
+        """Validation loss (:func:`moetrain.train.trainer.evaluate`)."""
+        from moetrain.train.trainer import evaluate
+
+        return evaluate(model, batches, device, dtype)
+
     def step_kwargs(self) -> dict[str, Any]:
         """Extra arguments of :func:`moetrain.train.step.train_step` (none for a single process)."""
         if not self.distributed:
@@ -322,6 +348,12 @@ def start(config, device_type: str) -> ParallelHooks:
     Raises:
         ConfigError: an impossible mesh (the message names ``parallel.ep`` and the world size).
     """
+    import os
+
+    if config.parallel.sharded and (int(os.environ.get("WORLD_SIZE", "1")) > 1 or config.parallel.fsdp == "auto"):
+        from moetrain.parallel.engine import start_sharded  # FSDP2 / pipeline engine (parallel.dp_shard, pp)
+
+        return start_sharded(config, device_type)
     owns = not dist.is_initialized()
     mesh = init_distributed(config.parallel, device_type)
     return ParallelHooks(mesh, config.parallel.dispatcher, owns_group=owns and mesh.distributed)

@@ -72,10 +72,13 @@ class PipelineRunner:
         grad_accum: M, micro-batches per step.
         dtype / seed: ``train.dtype``, ``train.seed``.
         stats: communication counters for the EP dispatchers.
+        micro_shape: (b, S) of this rank's micro-batches: the stages' input and output shapes are then given to
+            ``PipelineStage`` (static metadata) instead of inferred by an extra forward in the first step (which
+            would also reach forward hooks: the routing monitor, the exchange counters).
     """
 
     def __init__(self, model: nn.Module, mesh: LayoutMesh, parallel: ParallelConfig, grad_accum: int,
-                 dtype: str = "fp32", seed: int = 0, stats=None):
+                 dtype: str = "fp32", seed: int = 0, stats=None, micro_shape: tuple[int, int] | None = None):
         layout = mesh.layout
         self.mesh, self.m, self.dtype = mesh, grad_accum, dtype
         self.n_stages = layout.pp * parallel.pp_stages_per_rank
@@ -91,7 +94,8 @@ class PipelineRunner:
                 materialise(module, model.config, mesh.device, seed, self.plan)
             init_root(module)
         self.local = LocalModel(self.modules)  # this rank's parameters under the model's names
-        self.stages = [PipelineStage(m, i, self.n_stages, mesh.device, group=mesh.pp_group)
+        self.stages = [PipelineStage(m, i, self.n_stages, mesh.device, group=mesh.pp_group,
+                                     **self._metadata(m, micro_shape))
                        for m, i in zip(self.modules, self.indices)]
         kind = SCHEDULES[parallel.pp_schedule]
         if kind is ScheduleInterleaved1F1B:
@@ -99,6 +103,26 @@ class PipelineRunner:
         else:
             self.schedule = kind(self.stages[0], n_microbatches=grad_accum, loss_fn=lm_loss)
         self.global_aux = model.config.moe.losses.global_aux_loss_coeff > 0
+
+    def _metadata(self, module: StageModule, micro_shape: tuple[int, int] | None) -> dict[str, torch.Tensor]:
+        """``input_args`` / ``output_args`` examples of a stage for micro-batches of ``micro_shape`` (meta
+        tensors: shapes and dtypes only); ``{}`` without a shape (the stage infers them)."""
+        if micro_shape is None:
+            return {}
+        b, seq = micro_shape
+        cfg = module.config
+        act = torch.bfloat16 if self.dtype == "bf16" else torch.float32  # FSDP2's bf16 parameters compute in bf16
+        hidden = torch.empty(b, seq, cfg.hidden, dtype=act, device="meta")
+        # A received activation requires grad: that is what makes the stage compute the gradient it sends back.
+        inputs = (torch.empty(b, seq, dtype=torch.long, device="meta") if module.first
+                  else torch.empty(b, seq, cfg.hidden, dtype=act, device="meta", requires_grad=True))
+        outputs = torch.empty(b, seq, cfg.vocab_size, dtype=act, device="meta") if module.last else hidden
+        meta = {"input_args": (inputs,), "output_args": (outputs,)}
+        if not module.last:  # the gradient a stage receives from the next one
+            meta["output_grads"] = (outputs,)
+        if not module.first:  # the gradient it sends to the previous one
+            meta["input_grads"] = (inputs,)
+        return meta
 
     @property
     def layout(self):
@@ -112,13 +136,16 @@ class PipelineRunner:
         return self.mesh.pp_ranks[stage % self.mesh.layout.pp]
 
     @torch.no_grad()
-    def route_counts(self, inputs: list[torch.Tensor]) -> None:
-        """The routing pre-pass: set every local stage's ``step_counts`` to its MoE layers' counts over the step's
-        M micro-batches ``inputs`` ([b, S] each) and all data-parallel ranks of the stage (an all-reduce)."""
+    def _chain(self, inputs: list[torch.Tensor], what: str) -> dict[int, list]:
+        """A no-grad forward of ``inputs`` ([b, S] token ids each) through every stage, stage by stage, the hidden
+        states [b, S, D] passed point-to-point (sent with ``isend``, so no rank waits on a send while its peer
+        waits on another). Returns, per local stage, one (output, MoE records) per input: the trunk's hidden
+        states, or on the last stage the logits [b, S, V] when ``what`` is ``"logits"``."""
         mine = dict(zip(self.indices, self.modules))
         carried: list[torch.Tensor] = list(inputs)
-        pending = []
+        pending, out = [], {}
         hidden = self.modules[0].config.hidden
+        group = self.mesh.pp_group
         for i in range(self.n_stages):
             if i not in mine:
                 continue
@@ -127,13 +154,35 @@ class PipelineRunner:
                 carried = []
                 for x in inputs:
                     buf = torch.empty(*x.shape, hidden, device=self.mesh.device)
-                    with named_collective("recv (pipeline routing pre-pass)", self.mesh.pp_group):
-                        dist.recv(buf, src=self.holder(i - 1), group=self.mesh.pp_group)
+                    with named_collective(f"recv (pipeline {what} pass, stage {i} from rank "
+                                          f"{self.holder(i - 1)})", group):
+                        dist.recv(buf, src=self.holder(i - 1), group=group)
                     carried.append(buf)
-            counts, outs = None, []
+            results = []
             for x in carried:
                 h, records = module.trunk(x)
-                outs.append(h.float())
+                if module.last and what == "logits":
+                    h = module.lm_head(module.norm(h))
+                results.append((h, records))
+            out[i] = results
+            outs = [h.float().contiguous() for h, _ in results]
+            if i + 1 < self.n_stages:
+                if self.holder(i + 1) != self.mesh.rank:
+                    pending += [dist.isend(h, dst=self.holder(i + 1), group=group) for h in outs]
+                else:
+                    carried = outs
+        with named_collective(f"isend (pipeline {what} pass)", group):
+            for work in pending:
+                work.wait()
+        return out
+
+    def route_counts(self, inputs: list[torch.Tensor]) -> None:
+        """The routing pre-pass: set every local stage's ``step_counts`` to its MoE layers' counts over the step's
+        M micro-batches ``inputs`` ([b, S] each) and all data-parallel ranks of the stage (an all-reduce)."""
+        passes = self._chain(inputs, "routing")
+        for i, module in zip(self.indices, self.modules):
+            counts = None
+            for _, records in passes[i]:
                 if records:
                     c = torch.stack([r.tokens_per_expert for r in records])
                     counts = c if counts is None else counts + c
@@ -141,15 +190,28 @@ class PipelineRunner:
                 with named_collective("all_reduce (pipeline stage expert counts)", self.mesh.stage_group):
                     dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=self.mesh.stage_group)
             module.step_counts = counts
-            if i + 1 < self.n_stages:
-                if self.holder(i + 1) != self.mesh.rank:
-                    pending += [dist.isend(h.contiguous(), dst=self.holder(i + 1), group=self.mesh.pp_group)
-                                for h in outs]
-                else:
-                    carried = outs
-        with named_collective("isend (pipeline routing pre-pass)", self.mesh.pp_group):
-            for work in pending:
-                work.wait()
+
+    @torch.no_grad()
+    def evaluate(self, batches) -> float:
+        """Mean LM loss (nats/token) over ``batches`` of (inputs, targets) [B, S], every rank of the pipeline
+        taking the whole batches (as one process does); the stages are left in train mode."""
+        for m in self.modules:
+            m.eval()
+        total = torch.zeros(2, dtype=torch.float64, device=self.mesh.device)  # loss sum, tokens
+        try:
+            for inputs, targets in batches:
+                outs = self._chain([inputs.to(self.mesh.device)], "logits")
+                if self.n_stages - 1 in outs:
+                    logits = outs[self.n_stages - 1][0][0]
+                    n = targets.numel()
+                    total[0] += float(lm_loss(logits, targets.to(self.mesh.device))) * n
+                    total[1] += n
+        finally:
+            for m in self.modules:
+                m.train()
+        with named_collective("all_reduce (pipeline validation loss)", self.mesh.pp_group):
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.mesh.pp_group)
+        return float(total[0] / total[1].clamp(min=1))
 
     def forward_backward(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> Accumulated:
         """Run the schedule over this rank's rows of the step's M micro-batches (inputs, targets [b, S]); the
@@ -167,6 +229,8 @@ class PipelineRunner:
         args = (torch.cat(inputs),) if first else ()
         self.schedule.step(*args, target=torch.cat(targets) if last else None, losses=losses if last else None,
                            return_outputs=False)
+        for module in self.modules:  # without static shapes the first step adds a shape-inference forward first
+            module.records = module.records[-self.m:]
         zero = torch.zeros((), device=device)
         values = torch.stack([sum(losses, zero).detach() / self.m if last else zero] + [
             sum((r[name] for m in self.modules for r in m.records), zero) / self.m

@@ -40,7 +40,7 @@ from moetrain.train.console import mfu_model
 from moetrain.train.progress import StepLog
 from moetrain.train.schedule import build_scheduler, retarget_schedule
 from moetrain.train.state import TrainState, rng_state, seed_everything, set_rng_state
-from moetrain.train.step import StepResult, autocast_context, train_step
+from moetrain.train.step import StepResult, autocast_context
 
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.json"
@@ -202,8 +202,7 @@ class Trainer:
     def _step(self, s: _Session) -> StepResult:
         """One optimizer step, counted (and reported) as skipped when its loss or gradient was not finite."""
         st, t = s.state, self.config.train
-        result = train_step(st.model, s.next_batch, st.optimizer, st.scheduler, t, self.device,
-                            **self.hooks.step_kwargs())
+        result = self.hooks.train_step(st.model, s.next_batch, st.optimizer, st.scheduler, t, self.device)
         st.step += 1
         st.monitor.end_step(st.step, result.lm_loss)  # device-side only
         loss = float(result.lm_loss)  # one host sync per step (the progress bar shows it)
@@ -241,7 +240,7 @@ class Trainer:
 
     def _evaluate(self, s: _Session) -> float:
         t = self.config.train
-        s.val_loss, s.val_step = evaluate(s.state.model, s.val_set, self.device, t.dtype), s.state.step
+        s.val_loss, s.val_step = self.hooks.evaluate(s.state.model, s.val_set, self.device, t.dtype), s.state.step
         return s.val_loss
 
     def _checkpoint_if_due(self, s: _Session) -> None:
@@ -320,7 +319,7 @@ class Trainer:
         s = _Session(state, checkpointer, tokenizer, val_set, self.hooks.local_batch(state.sampler.next_batch),
                      end=t.steps if stop_at_step is None else min(t.steps, stop_at_step))
         if state.initial_val_loss is None:
-            state.initial_val_loss = evaluate(state.model, val_set, self.device, t.dtype)
+            state.initial_val_loss = self.hooks.evaluate(state.model, val_set, self.device, t.dtype)
             metrics.log({"step": 0, "val_loss": state.initial_val_loss})
             self.log(f"step 0: val_loss {state.initial_val_loss:.4f}")
         s.report = StepLog(metrics, self.log, t.steps, state.step, t.batch_size * t.grad_accum * cfg.data.seq_len,
@@ -363,11 +362,13 @@ class Trainer:
         """A fresh state at step 0: model (``--init-from`` weights on a new run), sharded for this rank,
         optimizer, schedule, data sampler."""
         cfg, t = self.config, self.config.train
-        model = MoETransformer(cfg.model).to(self.device)
+        # FSDP2 / pipeline engine: on the meta device, this rank's shards materialised by prepare_model
+        model = self.hooks.build_model(cfg.model, self.device, t.seed, cfg.parallel.meta_init)
         if ckpt is None and self.init_weights is not None:
             load_model_weights(model, self.init_weights, "--init-from")
         total, active = count_parameters(model)
-        self.hooks.prepare_model(model, self.log)  # expert parallelism: keep this rank's experts, dispatchers
+        # expert parallelism: keep this rank's experts, dispatchers; FSDP2 / pipeline: this rank's shards / stages
+        model = self.hooks.prepare_model(model, self.log)
         optimizer = build_optimizer(model, cfg)
         self.log(
             f"model: {total / 1e6:.2f}M parameters, {active / 1e6:.2f}M active per token; "

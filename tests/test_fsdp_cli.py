@@ -1,0 +1,83 @@
+"""``torchrun ... -m moetrain train`` on the FSDP2 / pipeline engine (``parallel.dp_shard=2``, ``parallel.pp=2``,
+``parallel.pp=2 parallel.ep=2``) trains like one process started from the same per-index initialisation
+(``parallel.meta_init=true``) on the same global batch: losses of 3 steps and the validation losses within 1e-4;
+the mesh line is printed; a pp=2 x ep=2 checkpoint resumes in one process with the losses the job logged.
+
+The Switch loss is off (computed on each rank's rows, it is not the global batch's); the global-batch aux loss is
+on; 2 micro-batches per step (the pipeline's micro-batches).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from _parallel_util import free_port
+from moetrain.cli import main
+from test_parallel_cli import _corpus
+
+LAYOUTS = {"dp_shard2": (2, ["parallel.dp_shard=2"]), "pp2": (2, ["parallel.pp=2"]),
+           "pp2_ep2": (4, ["parallel.pp=2", "parallel.ep=2"])}
+
+
+def _args(tmp: Path, out: str, steps: int = 3) -> list[str]:
+    return ["train", "--preset", "tiny", "--data", str(tmp / "corpus"), "--out", str(tmp / out), "--no-progress",
+            f"data.cache_dir={tmp / 'cache'}", f"train.steps={steps}", "train.log_every=1", "train.eval_batches=1",
+            "train.grad_accum=2", "train.ckpt_every=2", "model.tie_embeddings=false", "parallel.meta_init=true",
+            "model.moe.losses.aux_loss_coeff=0", "model.moe.losses.global_aux_loss_coeff=0.01"]
+
+
+def _losses(run: Path) -> dict[int, tuple]:
+    out = {}
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        d = json.loads(line)
+        if "train_loss" in d or "val_loss" in d:
+            out[d["step"]] = (d.get("train_loss"), d.get("val_loss"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("fsdpcli")
+    _corpus(tmp / "corpus")
+    assert main(_args(tmp, "one")) == 0
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for name, (world, extra) in LAYOUTS.items():
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_addr",
+             "127.0.0.1", "--master_port", str(free_port()), "-m", "moetrain", *_args(tmp, name), *extra],
+            capture_output=True, text=True, env=env, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        (tmp / f"{name}.log").write_text(proc.stdout + proc.stderr)
+    return tmp
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_trains_like_one_process(runs, name):
+    want, got = _losses(runs / "one"), _losses(runs / name)
+    assert sorted(got) == sorted(want) == [0, 1, 2, 3]
+    for step in want:
+        for a, b in zip(got[step], want[step]):
+            assert (a is None) == (b is None) and (a is None or abs(a - b) <= 1e-4), (name, step, got, want)
+    log = (runs / f"{name}.log").read_text()
+    assert log.count("parallel: mesh pp ") >= 1, log[-2000:]
+
+
+def test_pipeline_checkpoint_resumes_in_one_process(runs):
+    """Copy the pp=2 x ep=2 run stopped at its step-2 checkpoint, resume it in one process: step 3's loss is the
+    job's."""
+    run = runs / "resumed"
+    shutil.copytree(runs / "pp2_ep2", run)
+    ckpts = run / "checkpoints"
+    for d in ckpts.iterdir():
+        if d.is_dir() and not d.name.endswith("00000002"):
+            shutil.rmtree(d)
+    assert main([*_args(runs, "resumed"), "--resume", "parallel.pp=1", "parallel.ep=1"]) == 0
+    got, want = _losses(run), _losses(runs / "pp2_ep2")
+    assert abs(got[3][0] - want[3][0]) <= 1e-5, (got, want)
