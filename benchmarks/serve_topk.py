@@ -27,7 +27,7 @@ def main() -> int:
     from moetrain.serve.kv_cache import SlotKVCache
     from moetrain.serve.loader import load_served_model
     from moetrain.serve.moe import StepPolicies
-    from moetrain.serve.routing import RoutingPolicy, moe_field
+    from moetrain.serve.routing import RoutingPolicy
 
     ap = argparse.ArgumentParser()
     ap.add_argument("model_dir")
@@ -39,7 +39,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     sm = load_served_model(args.model_dir)
     cfg, c = sm.model.config, sm.model.moe_layers()[0].config
-    k, e = moe_field(c, "top_k"), moe_field(c, "num_experts")
+    k, e = c.top_k, c.num_experts
     ids = sm.tokenizer.encode(Path(args.text).read_text()[-200_000:]).ids[-args.val_tokens:]
     seq = min(cfg.max_seq_len, 256)
     chunks = [ids[i:i + seq] for i in range(0, len(ids) - seq + 1, seq)]

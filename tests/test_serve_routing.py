@@ -9,7 +9,7 @@ import torch
 from moetrain.config import Config
 from moetrain.model.transformer import MoETransformer
 from moetrain.serve.moe import StepPolicies, serve_moe
-from moetrain.serve.routing import Int8Router, RoutingPolicy, moe_field, tokens_k
+from moetrain.serve.routing import Int8Router, RoutingPolicy, tokens_k
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -40,7 +40,7 @@ def _reference(layer, x, k_min, k_max, p):
     for t in range(x.shape[0]):
         xt = x[t].double()
         logits = w_router @ xt
-        scores = torch.softmax(logits, 0) if moe_field(layer.config, "score_func") == "softmax" else torch.sigmoid(logits)
+        scores = torch.softmax(logits, 0) if layer.config.router.score_func == "softmax" else torch.sigmoid(logits)
         probs = scores / scores.sum()
         order = sorted(range(len(scores)), key=lambda e: (-float(scores[e]), e))
         k, mass = 0, 0.0
@@ -49,7 +49,7 @@ def _reference(layer, x, k_min, k_max, p):
             k += 1
         chosen = order[:k]
         gates = torch.stack([scores[e] for e in chosen])
-        if moe_field(layer.config, "norm_topk_prob"):
+        if layer.config.router.norm_topk_prob:
             gates = gates / gates.sum()
         y = torch.zeros_like(xt)
         for g, e in zip(gates, chosen):

@@ -64,11 +64,9 @@ def build_app(args):
     policy = policy_from_args(args)
     served = load_served_model(args.model_dir)
     if served.model.moe_layers():
-        from moetrain.serve.routing import moe_field
-
         c = served.model.moe_layers()[0].config
         try:
-            policy.bounds(moe_field(c, "top_k"), moe_field(c, "num_experts"))
+            policy.bounds(c.top_k, c.num_experts)
         except ValueError as e:
             raise MoetrainError(f"--{str(e).replace('_', '-')}") from None
     cache = open_cache(args.cache)

@@ -177,10 +177,8 @@ def _check(engine, body: CompletionRequest) -> tuple[list[int] | None, RoutingPo
         try:
             policy = RoutingPolicy(**body.routing.model_dump())
             if engine.moe_blocks:
-                from moetrain.serve.routing import moe_field
-
                 c = engine.model.blocks[engine.moe_blocks[0]].ffn.config
-                policy.bounds(moe_field(c, "top_k"), moe_field(c, "num_experts"))
+                policy.bounds(c.top_k, c.num_experts)
         except ValueError as e:
             field = str(e).split(":")[0]
             return None, None, error(400, f"routing.{e}", f"routing.{field}")

@@ -23,7 +23,7 @@ from moetrain.serve.forward import StepBatch, StepRunner
 from moetrain.serve.kv_cache import SlotKVCache
 from moetrain.serve.metrics import ServeMetrics
 from moetrain.serve.moe import StepPolicies
-from moetrain.serve.routing import RoutingPolicy, moe_field
+from moetrain.serve.routing import RoutingPolicy
 from moetrain.serve.sampling import sample
 
 
@@ -296,7 +296,7 @@ class Engine:
                         m.expert_load.labels(str(block), str(e)).inc(c)
         if self.policy.policy == "load" and self.moe_blocks:
             c = self.model.blocks[self.moe_blocks[0]].ffn.config
-            self.last_load_k = self.policy.load_k(moe_field(c, "top_k"), moe_field(c, "num_experts"), depth)
+            self.last_load_k = self.policy.load_k(c.top_k, c.num_experts, depth)
             m.load_top_k.set(self.last_load_k)
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from moetrain.serve.routing import Int8Router, RoutingPolicy, moe_field, tokens_k
+from moetrain.serve.routing import Int8Router, RoutingPolicy, tokens_k
 
 _NEVER = 2.0  # a probability mass above 1: the threshold rule never stops early
 
@@ -50,7 +50,7 @@ class MoEStepStats:
 
 def _token_bounds(layer_cfg, policies: StepPolicies, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[T] p, k_min, k_max for one layer from the step's policy segments."""
-    k_trained, e = moe_field(layer_cfg, "top_k"), moe_field(layer_cfg, "num_experts")
+    k_trained, e = layer_cfg.top_k, layer_cfg.num_experts
     p, lo, hi = torch.empty(t), torch.empty(t, dtype=torch.int64), torch.empty(t, dtype=torch.int64)
     start = 0
     for policy, n in policies.segments:
@@ -85,21 +85,21 @@ def route_with_policy(layer, tokens: torch.Tensor, policies: StepPolicies, int8:
 
     c = layer.config
     p, lo, hi = _token_bounds(c, policies, tokens.shape[0])
-    groups, topk_groups = moe_field(c, "num_groups"), moe_field(c, "topk_groups")
-    e = moe_field(c, "num_experts")
+    groups, topk_groups = c.router.num_groups, c.router.topk_groups
+    e = c.num_experts
     eligible = (topk_groups or groups) * (e // groups)
     kmax = min(int(hi.max()), eligible)
     with torch.autocast(device_type=tokens.device.type, enabled=False):
         logits = int8.logits(tokens) if int8 is not None else F.linear(tokens.float(), layer.router.weight.float())
-    r = route(logits, kmax, score_func=moe_field(c, "score_func"), norm_topk_prob=False, routed_scaling_factor=1.0,
+    r = route(logits, kmax, score_func=c.router.score_func, norm_topk_prob=False, routed_scaling_factor=1.0,
               num_groups=groups, topk_groups=topk_groups, expert_bias=layer.router.e_score_correction_bias)
     ids = r.topk_ids
     k = tokens_k(r.probs.gather(1, ids), p, lo, hi.clamp(max=kmax))  # [T]
     keep = torch.arange(kmax)[None, :] < k[:, None]  # [T, Kmax]
     w = torch.where(keep, r.topk_weights, 0.0)
-    if moe_field(c, "norm_topk_prob"):
+    if c.router.norm_topk_prob:
         w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)  # the training router's renormalisation, over kept experts
-    scale = moe_field(c, "routed_scaling_factor")
+    scale = c.router.routed_scaling_factor
     if scale != 1.0:
         w = w * scale
     return ids, w, None if bool(keep.all()) else keep
@@ -133,7 +133,7 @@ def serve_moe(layer, x: torch.Tensor, policies: StepPolicies, int8: Int8Router |
         if layer.shared_expert_gate is not None:
             shared = torch.sigmoid(layer.shared_expert_gate(x)) * shared
         y = y + shared.to(y.dtype)
-    e = moe_field(layer.config, "num_experts")
+    e = layer.config.num_experts
     kept_ids = ids if keep is None else ids[keep]
     counts = torch.bincount(kept_ids.reshape(-1), minlength=e)
     k_used = torch.full((ids.shape[0],), ids.shape[1]) if keep is None else keep.sum(dim=1)

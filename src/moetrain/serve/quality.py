@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moetrain.serve.routing import Int8Router, moe_field
+from moetrain.serve.routing import Int8Router
 
 
 @torch.no_grad()
@@ -33,7 +33,7 @@ def int8_router_report(model, input_ids: torch.Tensor) -> dict[str, float]:
     loss_fp32 = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), input_ids[:, 1:].reshape(-1))
     same, total = 0, 0
     for layer, x in zip(layers, inputs):
-        k = moe_field(layer.config, "top_k")
+        k = layer.config.top_k
         fp = layer.router(x).topk_ids.sort(dim=-1).values
         q = Int8Router(layer.router.weight)
         x32 = x.float()
@@ -58,7 +58,7 @@ def _route_int8(layer, logits: torch.Tensor, k: int) -> torch.Tensor:
     from moetrain.moe.router import route
 
     c = layer.config
-    r = route(logits, k, score_func=moe_field(c, "score_func"), norm_topk_prob=moe_field(c, "norm_topk_prob"),
-              routed_scaling_factor=moe_field(c, "routed_scaling_factor"), num_groups=moe_field(c, "num_groups"),
-              topk_groups=moe_field(c, "topk_groups"), expert_bias=layer.router.e_score_correction_bias)
+    r = route(logits, k, score_func=c.router.score_func, norm_topk_prob=c.router.norm_topk_prob,
+              routed_scaling_factor=c.router.routed_scaling_factor, num_groups=c.router.num_groups,
+              topk_groups=c.router.topk_groups, expert_bias=layer.router.e_score_correction_bias)
     return r.topk_ids

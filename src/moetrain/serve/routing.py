@@ -19,30 +19,12 @@ weights; the training path never sees it.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 POLICIES = ("fixed", "threshold", "load")
-
-
-def moe_field(config, name: str):
-    """``config.<name>``, or the field of that name in one of its sub-config dataclasses (the MoE config is being
-    split into router / capacity / experts sub-configs; serving reads the values wherever they live).
-
-    Raises:
-        AttributeError: no such field at either level.
-    """
-    if hasattr(config, name):
-        return getattr(config, name)
-    if dataclasses.is_dataclass(config):
-        for f in dataclasses.fields(config):
-            sub = getattr(config, f.name)
-            if dataclasses.is_dataclass(sub) and hasattr(sub, name):
-                return getattr(sub, name)
-    raise AttributeError(f"MoE config {type(config).__name__} has no field {name!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
