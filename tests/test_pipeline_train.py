@@ -15,7 +15,7 @@ import torch
 from _parallel_util import spawn
 from moetrain.model.transformer import MoETransformer
 from moetrain.parallel.engine import ShardedHooks
-from moetrain.parallel.fsdp import full_tensor
+from moetrain.parallel.fsdp import full_tensor, local_bytes
 from moetrain.parallel.layout import Layout, build_layout_mesh
 from moetrain.parallel.meta_init import build_meta, init_parameters
 from moetrain.parallel.pipeline_runner import PipelineRunner
@@ -88,6 +88,7 @@ def _worker(rank: int, world: int, out_dir, parallel: dict, grad_accum: int, sta
         sched = build_scheduler(opt, cfg.train)
         rest = sampler(data[grad_accum:])
         if kind == "pipeline":
+            pipeline_opt = opt
             steps = [runner.train_step(hooks.local_batch(rest), opt, sched, cfg.train, hooks.reduce_mean,
                                        hooks.count_reducer) for _ in range(STEPS)]
         else:
@@ -102,6 +103,8 @@ def _worker(rank: int, world: int, out_dir, parallel: dict, grad_accum: int, sta
     for name, p in runner.local.named_parameters():
         worst = max(worst, (_gathered(p, name, runner.plan, mesh) - ref_params[name].detach()).abs().max().item())
     out["params"] = worst
+    runner.forward_backward([hooks.local_batch(sampler(data[:grad_accum]))() for _ in range(grad_accum)])
+    out["held"] = local_bytes(runner.local, pipeline_opt)
     return out
 
 
@@ -124,7 +127,8 @@ def results(tmp_path_factory) -> dict:
 def test_pipeline_matches_single_process(results, name):
     covered = set()
     for rank, r in enumerate(results[name]):
-        covered.update(r.pop("names"))
+        covered.update(r["names"])
+        r = {k: v for k, v in r.items() if k not in ("names", "held")}
         print(name, rank, r)
         assert r["grad"] <= 1e-5 * max(1.0, r["grad_scale"]), (name, rank, r)
         assert r["first_lm"] <= 1e-5 and r["first_moe"] <= 1e-5, (name, rank, r)
@@ -137,3 +141,18 @@ def test_pipeline_matches_single_process(results, name):
         assert r["params"] <= 1e-5, (name, rank, r)
     ref = MoETransformer(small_config({}).model)
     assert covered == {n for n, _ in ref.named_parameters()}, "every stage covered"
+
+
+@pytest.mark.parametrize("name", ["pp2_1f1b_accum2", "pp2_ep2_1f1b_accum2"])
+def test_held_bytes_match_the_planner(results, name):
+    """The busiest rank's live parameters + gradients + AdamW moments within 10% of the planner's figure
+    (moetrain.analysis.params.sharded_params: ceil(L / pp) blocks plus the larger pipeline end)."""
+    from moetrain.analysis.params import count_params, sharded_params
+    from moetrain.analysis.shape import ModelShape
+
+    world, parallel, accum = CASES[name][:3]
+    shape = ModelShape.from_config(_config(parallel, accum).model)
+    predicted = 16 * sharded_params(count_params(shape), shape.n_layers, parallel.get("ep", 1), parallel["pp"], 1)
+    held = max(r["held"]["total"] for r in results[name])
+    print(name, "busiest rank", held, "planner", predicted)
+    assert abs(held / predicted - 1) <= 0.10, (held, predicted)

@@ -56,6 +56,9 @@ def check(config, world: int) -> tuple[Layout, list[range]]:
     if t.batch_size % layout.data_parallel:
         raise ConfigError(f"train.batch_size: {t.batch_size} sequences per micro-batch do not split over the "
                           f"{layout.data_parallel} data-parallel ranks per stage (dp_replicate x dp_shard x ep)")
+    from moetrain.parallel.pipeline_runner import check_microbatches
+
+    check_microbatches(p, t.grad_accum)
     local = t.batch_size // layout.data_parallel
     tiles = m.execution.bta_tiles
     if local % tiles:

@@ -14,8 +14,9 @@ What differs from the plain data-parallel hooks:
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -25,7 +26,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from moetrain.errors import ConfigError
 from moetrain.parallel import ac as activation_checkpointing
-from moetrain.parallel.comm import named_collective
+from moetrain.parallel.comm import CollectiveError, named_collective
 from moetrain.parallel.config import ParallelConfig
 from moetrain.parallel.dcp import ShardLayout
 from moetrain.parallel.fsdp import apply_fsdp, clip_grad_norm, init_root, local_bytes
@@ -66,6 +67,26 @@ class ShardedLayout(ShardLayout):
         shape = shard.global_shape(tensor.shape)
         return DTensor.from_local(local, self.expert_mesh, [Shard(0), inner], run_check=False, shape=shape,
                                   stride=_stride(shape))
+
+
+_COMM_WORDS = ("gloo", "Gloo", "NCCL", "nccl", "Connection", "connection", "timed out", "Timed out", "peer",
+               "Socket", "socket")
+
+
+@contextmanager
+def fsdp_collectives(name: str, group: dist.ProcessGroup | None = None) -> Iterator[None]:
+    """:func:`~moetrain.parallel.comm.named_collective` around a whole step, whose collectives run inside
+    FSDP2 and ``torch.distributed.pipelining`` (all-gathers, reduce-scatters, point-to-point sends): a
+    ``DistError`` or a backend error becomes one line naming ``name``; any other error (a shape, an allocation)
+    passes through unchanged."""
+    try:
+        yield
+    except RuntimeError as e:
+        comm = isinstance(e, (CollectiveError, dist.DistError)) or any(w in str(e) for w in _COMM_WORDS)
+        if not comm:
+            raise
+        with named_collective(name, group):
+            raise
 
 
 class ShardedHooks(ParallelHooks):
@@ -181,16 +202,22 @@ class ShardedHooks(ParallelHooks):
     def train_step(self, model: nn.Module, next_batch, optimizer, scheduler, config, device: torch.device):
         """One optimizer step: the pipeline schedule with pp > 1, else ``train_step`` with these hooks."""
         if self.runner is None:
-            return super().train_step(model, next_batch, optimizer, scheduler, config, device)
-        return self.runner.train_step(next_batch, optimizer, scheduler, config,
-                                      self.reduce_mean if self.layout_mesh.layout.data_parallel > 1 else None,
-                                      self.count_reducer)
+            with fsdp_collectives("FSDP2 all-gather / reduce-scatter (forward and backward of the step)",
+                                  self.layout_mesh.stage_group):
+                return super().train_step(model, next_batch, optimizer, scheduler, config, device)
+        with fsdp_collectives("pipeline step (stage send / recv of activations and gradients, FSDP2 all-gather / "
+                              "reduce-scatter)", self.layout_mesh.pp_group):
+            return self.runner.train_step(next_batch, optimizer, scheduler, config,
+                                          self.reduce_mean if self.layout_mesh.layout.data_parallel > 1 else None,
+                                          self.count_reducer)
 
     def evaluate(self, model: nn.Module, batches, device: torch.device, dtype: str) -> float:
         """Validation loss: through the pipeline with pp > 1, else the model's own forward."""
         if self.runner is None:
-            return super().evaluate(model, batches, device, dtype)
-        return self.runner.evaluate(batches)
+            with fsdp_collectives("FSDP2 all-gather (evaluation forward)", self.layout_mesh.stage_group):
+                return super().evaluate(model, batches, device, dtype)
+        with fsdp_collectives("pipeline evaluation (stage send / recv)", self.layout_mesh.pp_group):
+            return self.runner.evaluate(batches)
 
 
 def start_sharded(config, device_type: str) -> ShardedHooks:

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
+from moetrain.errors import ConfigError
 from moetrain.parallel import ac as activation_checkpointing
 from moetrain.parallel.comm import named_collective
 from moetrain.parallel.config import ParallelConfig
@@ -41,6 +42,18 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy of [b, S, V] logits against [b, S] targets (-100 ignored), in fp32."""
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
                            ignore_index=IGNORE_INDEX)
+
+
+def check_microbatches(parallel: ParallelConfig, grad_accum: int) -> None:
+    """Raise :class:`ConfigError` unless a step has enough micro-batches for the schedule: 1F1B and Interleaved
+    1F1B need at least one per stage (``torch.distributed.pipelining``), and fewer would leave stages idle anyway
+    (the bubble is (stages - 1) / micro-batches of the step)."""
+    stages = parallel.pp * parallel.pp_stages_per_rank
+    if parallel.pp > 1 and parallel.pp_schedule != "gpipe" and grad_accum < stages:
+        raise ConfigError(f"train.grad_accum: {grad_accum} micro-batches per step are fewer than the {stages} "
+                          f"pipeline stages (parallel.pp x pp_stages_per_rank) that parallel.pp_schedule="
+                          f"'{parallel.pp_schedule}' needs; use train.grad_accum >= {stages} (the micro-batches "
+                          "of a pipeline step)")
 
 
 class LocalModel(nn.Module):
@@ -82,6 +95,7 @@ class PipelineRunner:
         layout = mesh.layout
         self.mesh, self.m, self.dtype = mesh, grad_accum, dtype
         self.n_stages = layout.pp * parallel.pp_stages_per_rank
+        check_microbatches(parallel, grad_accum)
         ranges = stage_blocks(model.config.n_layers, self.n_stages)
         self.indices = rank_stages(mesh.pp_rank, layout.pp, parallel.pp_stages_per_rank)
         self.modules = [StageModule(model, ranges[i], i == 0, i == self.n_stages - 1) for i in self.indices]
