@@ -156,3 +156,18 @@ def test_held_bytes_match_the_planner(results, name):
     held = max(r["held"]["total"] for r in results[name])
     print(name, "busiest rank", held, "planner", predicted)
     assert abs(held / predicted - 1) <= 0.10, (held, predicted)
+
+
+def test_monitor_names_a_stage_layers_by_their_block(tmp_path):
+    """The routing monitor of a pipeline rank observes its stages' MoE layers under their global block index."""
+    from moetrain.parallel.pipeline import StageModule
+    from moetrain.parallel.pipeline_runner import LocalModel
+    from moetrain.train.monitor import RoutingMonitor
+    from moetrain.train.monitor_config import MonitorConfig
+
+    model = MoETransformer(small_config({}).model)
+    local = LocalModel([StageModule(model, range(2, 4), first=False, last=True)])
+    monitor = RoutingMonitor(local, MonitorConfig(), tmp_path)
+    assert monitor.stats.layer_ids == [2, 3]
+    assert [layer for _, layer in monitor.layers] == [model.blocks[2].ffn, model.blocks[3].ffn]
+    monitor.close()

@@ -78,8 +78,11 @@ class RoutingMonitor:
     def __init__(self, model: torch.nn.Module, config: MonitorConfig, run_dir: Path,
                  log: Callable[[str], None] = print, start_step: int = 0):
         self.config, self.run_dir, self.enabled = config, Path(run_dir), config.enabled
-        blocks = list(getattr(model, "blocks", []))
-        self.layers = [(i, b.ffn) for i, b in enumerate(blocks) if getattr(b, "is_moe", False)]
+        blocks = getattr(model, "blocks", [])
+        # A pipeline stage's blocks (moetrain.parallel.pipeline_runner.LocalModel) are keyed by their global index.
+        indexed = ([(int(k), b) for k, b in blocks.items()] if isinstance(blocks, torch.nn.ModuleDict)
+                   else list(enumerate(blocks)))
+        self.layers = [(i, b.ffn) for i, b in indexed if getattr(b, "is_moe", False)]
         moe_cfg = self.layers[0][1].config if self.layers else None
         self.num_experts = moe_cfg.num_experts if moe_cfg else 0
         self.top_k = moe_cfg.top_k if moe_cfg else 1
