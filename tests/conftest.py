@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,9 @@ SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinysha
 SHAKESPEARE_MISSING = f"{SHAKESPEARE} is missing (the shared data file beside the repository)"
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
+# bf16 tests test bf16 whatever the CPU: without native bf16 the library would run them in fp32
+# (moetrain.runtime.cpu); the policy's own tests override this.
+os.environ.setdefault("MOETRAIN_BF16", "bf16")
 
 
 def sample_text(n_bytes: int) -> bytes:

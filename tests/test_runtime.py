@@ -68,7 +68,29 @@ def test_a_bad_force_value_names_the_variable(forced):
         cpu.bf16_support("cpu")
 
 
-def test_the_measured_decision_matches_the_rates(forced):
+@pytest.mark.parametrize(("flags", "env", "fast"), [
+    ({"avx512_bf16"}, {}, True),
+    ({"amx_bf16", "avx512_bf16"}, {}, True),
+    (set(), {}, False),  # AVX2-only: the ~100x slower path
+    ({"avx512_bf16"}, {"ONEDNN_MAX_CPU_ISA": "AVX2"}, False),  # the reproduction of docs/robustness.md
+    ({"avx512_bf16"}, {"ONEDNN_MAX_CPU_ISA": "avx512_core_amx"}, True),
+    ({"avx512_bf16"}, {"ATEN_CPU_CAPABILITY": "avx2"}, False),
+])
+def test_the_decision_follows_the_cpu_features(forced, monkeypatch, flags, env, fast):
+    for name in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: set(flags) | {"avx2", "fma"})
     forced("auto")
     s = cpu.bf16_support("cpu")
-    assert s.fast == (s.bf16_flops >= cpu.SLOW_BF16_RATIO * s.fp32_flops) and s.fp32_flops > 0
+    assert s.fast is fast
+    assert s.flags == tuple(sorted(flags))
+    assert (next(iter(env.values())).upper() in s.reason.upper()) if env and not fast else True
+
+
+def test_the_decision_does_not_time_anything(forced, monkeypatch):
+    """The model's numerics must not depend on a timing: no GEMM is run to decide."""
+    monkeypatch.setattr(cpu, "_gemm_rate", lambda *a, **k: pytest.fail("bf16_support timed a GEMM"))
+    forced("auto")
+    cpu.bf16_support("cpu")

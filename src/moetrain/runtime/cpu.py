@@ -6,10 +6,12 @@ AMD EPYC limited to AVX2 (``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL
 1024^3 GEMMs ran at 0.86 GFLOP/s in bf16 against 88 GFLOP/s in fp32, 100x slower (docs/robustness.md). So on
 such a CPU bf16 autocast computes in fp32 (:func:`bf16_compute`): the result is fp32 maths, at fp32 speed.
 
-The decision is measured, not guessed from flags (an ISA limit such as ``ONEDNN_MAX_CPU_ISA`` hides the flags'
-features from the kernels): a bf16 GEMM slower than 0.8x the fp32 one means "no fast bf16". The environment
-variable ``MOETRAIN_BF16`` forces it: ``fp32`` (compute in fp32 under bf16 autocast, e.g. to prove the fallback on an
-AMX machine), ``bf16`` (always autocast), ``auto`` (default: measure).
+The decision is read from the CPU, not timed (a timing on a shared machine, or one taken inside a caller's
+autocast, flips from run to run, and the model's numerics must not): bf16 counts as fast where ``/proc/cpuinfo`` lists
+``avx512_bf16`` or ``amx_bf16`` and no kernel-library ISA limit hides them (``ONEDNN_MAX_CPU_ISA`` below
+``AVX512_CORE_BF16``, ``ATEN_CPU_CAPABILITY=default|avx2``). The calibrated rates are reported by ``moetrain doctor``.
+The environment variable ``MOETRAIN_BF16`` forces it: ``fp32`` (compute in fp32 under bf16 autocast, e.g. to prove
+the fallback on an AMX machine), ``bf16`` (always autocast), ``auto`` (default: from the CPU's features).
 """
 
 from __future__ import annotations
@@ -23,9 +25,20 @@ import torch
 
 BF16_ENV = "MOETRAIN_BF16"
 
-# A bf16 GEMM at under this share of the fp32 rate counts as slow. Native bf16 measures 2-2.5x fp32; the scalar
-# fallback ~0.01x; nothing in between has been seen, so the threshold is not delicate.
-SLOW_BF16_RATIO = 0.8
+# oneDNN ISA limits (ONEDNN_MAX_CPU_ISA) that still include native bf16 GEMMs; any other named limit hides them.
+_BF16_ISAS = {"ALL", "DEFAULT", "AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX512_CORE_AMX", "AVX512_CORE_AMX_FP16",
+              "AVX10_1_512", "AVX10_1_512_AMX", "AVX10_1_512_AMX_FP16", "AVX10_2_512", "AVX10_2_512_AMX_2"}
+
+
+def isa_limit() -> str | None:
+    """The environment variable that hides native bf16 from the kernels (``NAME=value``), or ``None``."""
+    onednn = os.environ.get("ONEDNN_MAX_CPU_ISA", os.environ.get("DNNL_MAX_CPU_ISA", "")).strip().upper()
+    if onednn and onednn not in _BF16_ISAS:
+        return f"ONEDNN_MAX_CPU_ISA={onednn}"
+    aten = os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower()
+    if aten in ("default", "avx2"):
+        return f"ATEN_CPU_CAPABILITY={aten}"
+    return None
 
 
 def cpu_model() -> str:
@@ -95,24 +108,22 @@ class Bf16Support:
 
     Attributes:
         fast: bf16 autocast computes in bf16 (else in fp32, :func:`bf16_compute`).
-        fp32_flops / bf16_flops: calibrated GEMM rates (FLOP/s); 0 when forced without measuring.
         flags: the native-bf16 CPU flags present.
         reason: one line for the user.
     """
 
     fast: bool
-    fp32_flops: float
-    bf16_flops: float
     flags: tuple[str, ...]
     reason: str
 
 
 @functools.lru_cache(maxsize=None)
 def bf16_support(device: str = "cpu") -> Bf16Support:
-    """Measure (once per process) whether bf16 GEMMs are fast on ``device``; CUDA is taken as fast.
+    """Whether bf16 GEMMs are fast on ``device`` (decided once per process from the CPU's features and the
+    ``MOETRAIN_BF16`` / ISA-limit environment; see the module doc); CUDA is taken as fast.
 
     Raises:
-        ValueError: ``MOETRAIN_BF16`` is set to something other than ``auto``, ``bf16``, ``fp32``.
+        ConfigError: ``MOETRAIN_BF16`` is set to something other than ``auto``, ``bf16``, ``fp32``.
     """
     forced = os.environ.get(BF16_ENV, "auto").strip().lower() or "auto"
     if forced not in ("auto", "bf16", "fp32"):
@@ -121,16 +132,15 @@ def bf16_support(device: str = "cpu") -> Bf16Support:
         raise ConfigError(f"{BF16_ENV}: must be one of auto, bf16, fp32, got {forced!r}")
     flags = tuple(bf16_flags())
     if torch.device(device).type != "cpu":
-        return Bf16Support(forced != "fp32", 0.0, 0.0, flags, f"bf16 on {device}")
+        return Bf16Support(forced != "fp32", flags, f"bf16 on {device}")
     if forced != "auto":
-        why = f"{BF16_ENV}={forced}"
-        return Bf16Support(forced == "bf16", 0.0, 0.0, flags, why)
-    fp32 = gemm_peak(torch.float32, "cpu", size=256, repeats=2)
-    bf16 = gemm_peak(torch.bfloat16, "cpu", size=256, repeats=2)
-    fast = bf16 >= SLOW_BF16_RATIO * fp32
-    features = ", ".join(flags) if flags else "no avx512_bf16 / amx_bf16"
-    reason = f"bf16 GEMM {bf16 / 1e9:.1f} GFLOP/s vs fp32 {fp32 / 1e9:.1f} GFLOP/s ({features})"
-    return Bf16Support(fast, fp32, bf16, flags, reason)
+        return Bf16Support(forced == "bf16", flags, f"{BF16_ENV}={forced}")
+    if not flags:
+        return Bf16Support(False, flags, "no avx512_bf16 / amx_bf16: bf16 GEMMs take a slow path (~100x fp32)")
+    limit = isa_limit()
+    if limit is not None:
+        return Bf16Support(False, flags, f"{', '.join(flags)} hidden from the kernels by {limit}")
+    return Bf16Support(True, flags, f"native bf16 GEMMs ({', '.join(flags)})")
 
 
 def bf16_compute(device: torch.device | str = "cpu") -> bool:
