@@ -18,8 +18,16 @@ does not verify is never used. Either way a checkpoint is trusted only after eve
 its manifest, and each file is read once (verified bytes are what gets deserialised, so nothing changes between
 check and use).
 
+Replacing files of a checkpoint (:meth:`CheckpointStore.replace_files`, used to drop the optimizer state of older
+checkpoints, ``train.optimizer_state=newest``): locally only. The new version is built beside it in a hidden
+``.tmp-step_...-replace-...`` directory (unchanged files hard-linked, or copied where links fail; new files and a new
+manifest written and fsynced), then swapped in by two renames. A crash leaves the old verified checkpoint, or the new
+one, or (between the two renames) neither under its name but the complete new version in the temporary directory,
+which the next save renames into place once it verifies.
+
 Fault injection (tests only): ``MOETRAIN_CKPT_WRITE_DELAY=SECONDS`` sleeps after each file written, so a test can
-kill the process in the middle of a checkpoint write.
+kill the process in the middle of a checkpoint write; :func:`_replace_stage` is called between the steps of a file
+replacement, so a test can raise there.
 """
 
 from __future__ import annotations
@@ -48,6 +56,7 @@ FORMAT_VERSION = 1
 WRITE_DELAY_ENV = "MOETRAIN_CKPT_WRITE_DELAY"
 _NAME = re.compile(r"^step_(\d{8})$")
 _STALE_PREFIXES = (".tmp-step_", ".trash-step_")
+_REPLACE = re.compile(r"^\.tmp-(step_\d{8})-replace-\d+$")  # CheckpointStore.replace_files' new version
 
 
 def checkpoint_name(step: int) -> str:
@@ -87,6 +96,37 @@ def write_file_atomic(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     _fsync_dir(path.parent)
+
+
+def _replace_stage(stage: str) -> None:
+    """Called between the steps of :meth:`CheckpointStore.replace_files` (``built``, ``old_moved``, ``new_in``);
+    a no-op that tests monkeypatch to simulate a crash there."""
+
+
+def _manifest(step: int, files: dict[str, bytes], meta: dict[str, Any] | None = None) -> bytes:
+    """``manifest.json``: format, step, each file's size and SHA-256, optional ``meta``, and the SHA-256 of all
+    that."""
+    body: dict[str, Any] = {"format": FORMAT_VERSION, "step": step,
+                            "files": {f: {"bytes": len(b), "sha256": _sha256(b)} for f, b in files.items()}}
+    if meta:
+        body["meta"] = meta
+    return json.dumps({**body, "manifest_sha256": _sha256(_canonical(body))}, indent=1).encode()
+
+
+def _write_synced(path: Path, raw: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(raw)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _link(src: Path, dst: Path) -> bool:
+    """Hard-link ``src`` as ``dst`` (no bytes copied); ``False`` where the filesystem refuses."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        return False
+    return True
 
 
 def _write_delay() -> None:
@@ -269,9 +309,7 @@ class CheckpointStore:
             MachineError: a local write failed (full or read-only disk); its temporary directory is removed.
         """
         name = checkpoint_name(step)
-        body = {"format": FORMAT_VERSION, "step": step,
-                "files": {f: {"bytes": len(b), "sha256": _sha256(b)} for f, b in files.items()}}
-        manifest = json.dumps({**body, "manifest_sha256": _sha256(_canonical(body))}, indent=1).encode()
+        manifest = _manifest(step, files)
         if self.local:
             self._save_local(name, files, manifest)
         else:
@@ -309,6 +347,57 @@ class CheckpointStore:
         if trash is not None:
             shutil.rmtree(trash, ignore_errors=True)
 
+    def manifest(self, name: str) -> dict[str, Any] | None:
+        """The parsed ``manifest.json`` of checkpoint ``name``, not verified (a cheap look at its ``meta``);
+        ``None`` when it is missing or unreadable."""
+        try:
+            manifest = json.loads(self._read(name, MANIFEST))
+        except (OSError, ValueError):
+            return None
+        return manifest if isinstance(manifest, dict) else None
+
+    def replace_files(self, ckpt: LoadedCheckpoint, new: dict[str, bytes], meta: dict[str, Any]) -> bool:
+        """Replace some files of a verified local checkpoint (the other files and the step unchanged) and record
+        ``meta`` in its new manifest; crash-safe (module docstring): every moment, what is under the checkpoint's
+        name verifies. Returns ``False`` (nothing done) on an object store, which has no atomic rename.
+
+        Args:
+            ckpt: the checkpoint as read by :meth:`read_verified` (its unchanged files are hard-linked from disk;
+                their verified bytes are written instead where a link fails).
+            new: file name -> new bytes (each must be one of ``ckpt``'s files).
+            meta: JSON data for the manifest's ``meta`` entry (e.g. ``{"optimizer_state": False}``).
+        Raises:
+            MachineError: a write failed (full or read-only disk); the temporary directory is removed and the
+                checkpoint is untouched.
+        """
+        if not self.local:
+            return False
+        from moetrain.runtime.oserrors import writing
+
+        files = {**ckpt.files, **new}
+        final, tmp = self.root / ckpt.name, self.root / f".tmp-{ckpt.name}-replace-{os.getpid()}"
+        with writing(f"checkpoint {ckpt.name}", tmp):
+            try:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir()
+                for file, raw in files.items():
+                    if file in new or not _link(final / file, tmp / file):
+                        _write_synced(tmp / file, raw)
+                _write_synced(tmp / MANIFEST, _manifest(ckpt.step, files, meta))
+                _fsync_dir(tmp)
+            except OSError:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+        _replace_stage("built")
+        trash = self.root / f".trash-{ckpt.name}-{os.getpid()}"
+        os.rename(final, trash)
+        _replace_stage("old_moved")
+        os.rename(tmp, final)
+        _fsync_dir(self.root)
+        _replace_stage("new_in")
+        shutil.rmtree(trash, ignore_errors=True)
+        return True
+
     def _save_remote(self, name: str, files: dict[str, bytes], manifest: bytes) -> None:
         manifest_path = self._remote(name, MANIFEST)
         if self.fs.exists(manifest_path):  # invalidate the old checkpoint before touching its files
@@ -320,9 +409,17 @@ class CheckpointStore:
         self.fs.invalidate_cache(self.root)
 
     def _remove_stale(self) -> None:
-        """Temporary directories left by a crashed save (one trainer writes a run's checkpoints at a time)."""
+        """Temporary directories left by a crashed save (one trainer writes a run's checkpoints at a time). A
+        replacement interrupted between its two renames (the checkpoint's name is free, its new version complete in
+        ``.tmp-step_...-replace-...``) is renamed into place first, and kept only if it verifies."""
         for p in self.root.iterdir():
-            if p.is_dir() and p.name.startswith(_STALE_PREFIXES):
+            replaced = _REPLACE.match(p.name)
+            if p.is_dir() and replaced and not (self.root / replaced.group(1)).exists():
+                os.rename(p, self.root / replaced.group(1))
+                _fsync_dir(self.root)
+                if self.verify(replaced.group(1)) is not None:
+                    self.delete(replaced.group(1))
+            elif p.is_dir() and p.name.startswith(_STALE_PREFIXES):
                 shutil.rmtree(p, ignore_errors=True)
 
     def delete(self, name: str) -> None:

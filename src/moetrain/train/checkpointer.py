@@ -12,7 +12,18 @@ read back only after every byte verifies.
   ``moetrain.json``: :mod:`moetrain.parallel.dcp`) holding the model and the optimizer keyed by FQN, expert shards
   as global-shape DTensors; and ``train_state.pt`` without ``optimizer``.
 
-Both add ``tokenizer.json`` and ``config.json`` (the run's, so a checkpoint is self-contained). Loading reads either
+Both add ``tokenizer.json`` and ``config.json`` (the run's, so a checkpoint is self-contained).
+
+Optimizer state (``optimizer_state``, the trainer's ``train.optimizer_state``): with ``"newest"`` (the default), once
+a checkpoint is committed, the older ones kept beside it (single format, local storage) lose the ``optimizer`` entry
+of their ``train_state.pt`` (AdamW's two moments per parameter: twice the fp32 weights' size), through
+:meth:`~moetrain.train.checkpoint.CheckpointStore.replace_files` (crash-safe; their manifest's ``meta`` then says
+``"optimizer_state": false``). Sharded checkpoints keep theirs (the moments sit in the same DCP shards as the
+weights, so dropping them would mean rewriting every shard), as do checkpoints on object stores (no atomic rename).
+Loading a checkpoint without optimizer state restores everything else and starts the moments afresh, with a one-line
+warning naming the checkpoint.
+
+Loading reads either
 format into any layout: sharded into one process or another EP size (DCP reshards), single into a sharded model
 (expert rows and their AdamW moments sliced to this rank). The on-disk layout is that of format 1, unchanged since
 before the ``Checkpointer`` existed (tests/data/legacy_checkpoints holds checkpoints written by that code).
@@ -46,6 +57,7 @@ from moetrain.train.checkpoint import (
 from moetrain.train.state import TrainState
 
 SINGLE, SHARDED = "single", "sharded"
+OPTIMIZER_STATES = ("newest", "all")
 
 
 def checkpoint_format(files: dict[str, bytes]) -> str:
@@ -62,15 +74,21 @@ class Checkpointer:
             process. The format written follows it: sharded when distributed, single otherwise.
         keep: after each save, keep the newest ``keep`` checkpoints (0: all) ...
         milestone_every: ... plus those of steps that are multiples of this (0: none).
+        optimizer_state: ``"newest"``: after each save, the older kept checkpoints lose their optimizer state
+            (single format on local storage; see the module docstring); ``"all"``: every checkpoint keeps it.
     Raises:
         CheckpointError: an unknown or unavailable storage protocol.
+        ValueError: ``optimizer_state`` is not one of :data:`OPTIMIZER_STATES`.
     """
 
     def __init__(self, url: str | os.PathLike, layout: ShardLayout | None = None, keep: int = 0,
-                 milestone_every: int = 0):
+                 milestone_every: int = 0, optimizer_state: str = "newest"):
+        if optimizer_state not in OPTIMIZER_STATES:
+            raise ValueError(f"optimizer_state: must be one of {OPTIMIZER_STATES}, got {optimizer_state!r}")
         self.store = CheckpointStore(url)
         self.layout = layout if layout is not None else ShardLayout.single()
         self.keep, self.milestone_every = keep, milestone_every
+        self.optimizer_state = optimizer_state
 
     def __repr__(self) -> str:
         return f"Checkpointer({self.store.url!r}, world_size={self.layout.mesh.world_size})"
@@ -108,38 +126,77 @@ class Checkpointer:
         where = self.store.save(state.step, files)
         if self.keep > 0:
             self.store.prune(self.keep, self.milestone_every)
+        if self.optimizer_state == "newest":
+            self.drop_old_optimizer_states(keep=checkpoint_name(state.step))
         return where
 
+    def drop_old_optimizer_states(self, keep: str) -> list[str]:
+        """Remove the optimizer state from every checkpoint but ``keep`` (the one just committed) and those newer
+        than it: single format on local storage only, each verified first (a corrupt one is left for
+        :meth:`latest` to report) and rewritten crash-safely (:meth:`CheckpointStore.replace_files`). Returns the
+        names rewritten. A checkpoint already without it is recognised from its manifest alone (nothing read)."""
+        if not self.store.local:
+            return []
+        done = []
+        for name in self.store.names():
+            if name >= keep:
+                break
+            manifest = self.store.manifest(name)
+            if manifest is None or manifest.get("meta", {}).get("optimizer_state") is False:
+                continue
+            if STATE_FILE not in manifest.get("files", {}) or dcp.is_dcp_files(dict.fromkeys(manifest["files"], b"")):
+                continue
+            try:
+                ckpt = self.store.read_verified(name)
+                saved = ckpt.train_state()
+            except CheckpointError:
+                continue
+            if saved.pop("optimizer", None) is None:
+                continue
+            if self.store.replace_files(ckpt, {STATE_FILE: encode_state(saved)}, {"optimizer_state": False}):
+                done.append(name)
+        return done
+
     # -- loading -----------------------------------------------------------------------------------------------
-    def load(self, ckpt: LoadedCheckpoint, state: TrainState) -> dict[str, Any]:
+    def load(self, ckpt: LoadedCheckpoint, state: TrainState,
+             warn: Callable[[str], None] = print) -> dict[str, Any]:
         """Load a verified checkpoint of either format into ``state`` (model, optimizer, schedule, data position,
         RNG, step, counters), resharding to this layout; returns the ``train_state.pt`` content (its ``monitor``
-        entry is for the caller's routing monitor, see :meth:`TrainState.load_replicated`).
+        entry is for the caller's routing monitor, see :meth:`TrainState.load_replicated`). A checkpoint without
+        optimizer state (``optimizer_state="newest"``, an older one) leaves the optimizer's moments empty (they
+        start afresh at the next step) and says so through ``warn``.
 
         Raises:
             CheckpointError: it does not fit (another model shape, a missing or extra tensor, an optimizer of
                 other parameters): the message names the file.
         """
         saved = ckpt.train_state()
-        self.load_weights(ckpt, state.model, state.optimizer, saved)
+        self.load_weights(ckpt, state.model, state.optimizer, saved, warn)
         state.load_replicated(saved, f"{ckpt.location}/{STATE_FILE}")
+        if "optimizer" not in saved and state.optimizer is not None and state.scheduler is not None:
+            # the next step's LR lives in the optimizer's param groups, which were not restored: take the schedule's
+            for group, lr in zip(state.optimizer.param_groups, state.scheduler.get_last_lr()):
+                group["lr"] = lr
         return saved
 
     def load_weights(self, ckpt: LoadedCheckpoint, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                     saved: dict[str, Any] | None = None) -> None:
+                     saved: dict[str, Any] | None = None, warn: Callable[[str], None] = print) -> None:
         """Load the model (and, given one, the optimizer) of ``ckpt`` into this layout
         (:func:`load_weights`)."""
-        load_weights(ckpt, model, optimizer, self.layout, saved)
+        load_weights(ckpt, model, optimizer, self.layout, saved, warn)
 
 
 def load_weights(ckpt: LoadedCheckpoint, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                 layout: ShardLayout, saved: dict[str, Any] | None = None) -> None:
+                 layout: ShardLayout, saved: dict[str, Any] | None = None,
+                 warn: Callable[[str], None] = print) -> None:
     """Load the model (and, given one, the optimizer) of a verified checkpoint of either format into ``layout``:
     sharded files are resharded by DCP; single-format expert tensors and their AdamW moments are sliced to this
-    rank's rows.
+    rank's rows. A single-format checkpoint without optimizer state leaves ``optimizer`` as it is (fresh: its
+    moments start from zero at the next step) and calls ``warn`` with one line naming the checkpoint.
 
     Args:
         saved: ``ckpt.train_state()`` if already read (the single format's optimizer is in it).
+        warn: where the no-optimizer-state warning goes.
     Raises:
         CheckpointError: another model shape, a missing or extra tensor, or an optimizer of other parameters; the
             message names the file.
@@ -152,8 +209,13 @@ def load_weights(ckpt: LoadedCheckpoint, model: nn.Module, optimizer: torch.opti
     if optimizer is None:
         return
     where = f"{ckpt.location}/{STATE_FILE}"
+    saved = saved if saved is not None else ckpt.train_state()
+    if "optimizer" not in saved:
+        warn(f"warning: checkpoint {ckpt.location} holds no optimizer state (train.optimizer_state=newest keeps it "
+             "in the newest checkpoint only): weights loaded, AdamW moments start afresh")
+        return
     try:
-        state = (saved if saved is not None else ckpt.train_state())["optimizer"]
+        state = saved["optimizer"]
         if layout.plan:  # index-keyed: name each entry by its parameter to slice expert moments
             names = {p: n for n, p in model.named_parameters()}
             index_names = [names[p] for g in optimizer.param_groups for p in g["params"]]

@@ -33,6 +33,15 @@ class TrainConfig:
         keep_checkpoints: how many of the newest checkpoints are kept (milestones come on top).
         milestone_every: checkpoints at multiples of this step are never deleted (0: none are kept beyond
             ``keep_checkpoints``).
+        optimizer_state: which checkpoints keep the optimizer state (AdamW's two moments per parameter, twice the
+            fp32 weights' bytes). ``newest`` (default): once a checkpoint is committed, the older ones kept beside it
+            (``keep_checkpoints``, milestones) are rewritten without it, crash-safely; they keep the weights, expert
+            biases, LR schedule, data position, RNG and counters, so eval / generate / export use them as before,
+            and a resume from one (e.g. after the newest was deleted or found corrupt) loads everything but the
+            moments, which restart from zero, with a one-line warning (the run then no longer equals an
+            uninterrupted one exactly). ``all``: every checkpoint keeps it (any one resumes exactly). Sharded
+            (torchrun, DCP) checkpoints and those on object stores always keep it: the moments share the DCP shards
+            with the weights, and object stores have no atomic rename (train/checkpointer.py).
         checkpoint_url: where checkpoints go: ``None`` = ``RUN_DIR/checkpoints``; a local path or an fsspec URL such
             as ``s3://bucket/prefix`` (needs s3fs; endpoint and credentials from the AWS environment variables).
         max_nonfinite_skips: a step with a non-finite loss or gradient norm is skipped (no update); this many
@@ -63,6 +72,7 @@ class TrainConfig:
     ckpt_every: int = 100
     keep_checkpoints: int = 2
     milestone_every: int = 0
+    optimizer_state: Literal["newest", "all"] = "newest"
     checkpoint_url: str | None = None
     max_nonfinite_skips: int = 5
     threads: int = 0

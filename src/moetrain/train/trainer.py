@@ -287,7 +287,7 @@ class Trainer:
         torch.use_deterministic_algorithms(t.deterministic, warn_only=True)
         seed_everything(t.seed)
         checkpointer = Checkpointer(t.checkpoint_url or self.run_dir / "checkpoints", keep=t.keep_checkpoints,
-                                    milestone_every=t.milestone_every)
+                                    milestone_every=t.milestone_every, optimizer_state=t.optimizer_state)
         ckpt, corrupt = self._find_checkpoint(checkpointer)
         data, tokenizer = self.hooks.prepare_data(lambda: self._prepare(ckpt), cfg.data, cfg.model.vocab_size)
         pipeline = self._pipeline(data)
@@ -386,7 +386,7 @@ class Trainer:
         """
         if ckpt is None:
             return None
-        saved = checkpointer.load(ckpt, state)
+        saved = checkpointer.load(ckpt, state, warn=self.log)
         t = self.config.train
         if t.steps < state.step:
             raise ConfigError(f"train.steps: {t.steps} is below the step of the checkpoint to resume "
