@@ -26,6 +26,14 @@ def add_parser(sub) -> None:
     p.add_argument("--load-high", type=int, default=None, help="load: queue depth where k reaches k_min "
                    "(default: 2 x --slots)")
     p.add_argument("--int8-router", action="store_true", help="route with int8 router weights (per-row scale)")
+    p.add_argument("--expert-memory-budget", default=None, metavar="BYTES",
+                   help="most bytes of routed experts resident (e.g. 64M); hot experts stay, cold ones are paged in "
+                   "from the memory-mapped safetensors file through an LRU (default: all resident)")
+    p.add_argument("--hot-share", type=float, default=0.5,
+                   help="share of --expert-memory-budget pinned for the hottest experts (the rest is the LRU pool)")
+    p.add_argument("--calibration-text", default=None, metavar="FILE",
+                   help="rank experts by a calibration pass over this text (default: the run's routing statistics "
+                   "in metrics.jsonl, else uniform)")
     p.add_argument("--cache", default="memory", help="response cache: memory (LRU), memory:N, off, or "
                    "redis://HOST:PORT[/DB] (shared by several servers)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (413 beyond)")
@@ -69,10 +77,43 @@ def build_app(args):
             policy.bounds(c.top_k, c.num_experts)
         except ValueError as e:
             raise MoetrainError(f"--{str(e).replace('_', '-')}") from None
+    store = open_store(args, served)
     cache = open_cache(args.cache)
     engine = Engine(served, num_slots=args.slots, max_queue=args.max_queue, policy=policy,
-                    int8_router=args.int8_router)
+                    int8_router=args.int8_router, expert_store=store)
     return create_app(engine, cache, args.max_body_bytes), engine
+
+
+def open_store(args, served):
+    """The hot/cold :class:`~moetrain.serve.expert_store.ExpertStore` asked for by ``--expert-memory-budget``, or
+    ``None``."""
+    budget = getattr(args, "expert_memory_budget", None)
+    if budget is None:
+        return None
+    from pathlib import Path
+
+    from moetrain.serve.expert_store import ExpertStore, parse_bytes, routed_expert_bytes
+    from moetrain.serve.expert_usage import served_usage
+
+    try:
+        n = parse_bytes(str(budget))
+    except ValueError as e:
+        raise MoetrainError(f"--expert-memory-budget: {e}") from None
+    if not served.model.moe_layers():
+        raise MoetrainError("--expert-memory-budget: the model has no MoE layers")
+    text = None
+    if args.calibration_text is not None:
+        try:
+            text = Path(args.calibration_text).read_text()
+        except OSError as e:
+            raise MoetrainError(f"--calibration-text: {e}") from None
+    usage = served_usage(served, text)
+    total = routed_expert_bytes(served.model)
+    store = ExpertStore(served.model, n, usage, served.experts_file(), hot_share=args.hot_share)
+    print(f"moetrain serve: expert memory budget {n:,} of {total:,} bytes ({100 * n / total:.0f}%), "
+          f"{len(store.pinned)} hot experts pinned, {len(store.pool)} in the LRU pool; usage from {usage.source}",
+          file=sys.stderr)
+    return store
 
 
 def run(args) -> int:

@@ -80,14 +80,16 @@ class Engine:
         policy: the server's routing policy (requests may bring their own).
         metrics: where to count; a fresh :class:`ServeMetrics` if ``None``.
         int8_router: route with int8 router weights (:class:`~moetrain.serve.routing.Int8Router`).
-        experts_fn: the routed-experts computation (the hot/cold expert store's, or the layers' own).
+        experts_fn: the routed-experts computation (default: the layers' own kernels).
+        expert_store: a :class:`~moetrain.serve.expert_store.ExpertStore` computing the routed experts under its
+            memory budget (overrides ``experts_fn``); its page-ins and resident bytes are exported as metrics.
         max_prefill_tokens: prompt tokens prefilled per step at most (at least one prompt always is), so a burst
             of long prompts does not stall decoding sequences for long.
     """
 
     def __init__(self, served, num_slots: int = 16, max_queue: int = 64, policy: RoutingPolicy | None = None,
                  metrics: ServeMetrics | None = None, int8_router: bool = False, experts_fn=None,
-                 max_prefill_tokens: int = 2048):
+                 max_prefill_tokens: int = 2048, expert_store=None):
         from moetrain.serve.moe import experts_forward
         from moetrain.serve.routing import Int8Router
 
@@ -101,7 +103,11 @@ class Engine:
         self.moe_blocks = [i for i, b in enumerate(self.model.blocks) if b.is_moe]
         routers = {i: Int8Router(self.model.blocks[i].ffn.router.weight) for i in self.moe_blocks} if int8_router \
             else {}
+        self.expert_store = expert_store
+        if expert_store is not None:
+            experts_fn = expert_store.experts_forward
         self.runner = StepRunner(self.model, self.cache, routers, experts_fn or experts_forward)
+        self._pageins = 0
         self.waiting: collections.deque[GenRequest] = collections.deque()
         self.running: list[GenRequest] = []
         self.free_slots = list(range(num_slots))[::-1]
@@ -294,6 +300,11 @@ class Engine:
                 for e, c in enumerate(s.counts.tolist()):
                     if c:
                         m.expert_load.labels(str(block), str(e)).inc(c)
+        if self.expert_store is not None:
+            st = self.expert_store.stats
+            m.expert_pageins.inc(st.misses - self._pageins)
+            self._pageins = st.misses
+            m.expert_resident_bytes.set(self.expert_store.measure())
         if self.policy.policy == "load" and self.moe_blocks:
             c = self.model.blocks[self.moe_blocks[0]].ffn.config
             self.last_load_k = self.policy.load_k(c.top_k, c.num_experts, depth)

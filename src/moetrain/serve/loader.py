@@ -25,6 +25,8 @@ class ServedModel:
             of every response-cache key, so two servers of the same checkpoint share cache entries and a new
             checkpoint never reads an old entry.
         source: ``run`` or ``hf``.
+        root: the served directory (resolved).
+        checkpoint: a run's checkpoint directory (its location) and ``step``; ``None`` for a Hugging Face directory.
     """
 
     model: Any
@@ -33,6 +35,17 @@ class ServedModel:
     name: str
     fingerprint: str
     source: str
+    root: str = ""
+    checkpoint: str | None = None
+    step: int | None = None
+
+    def experts_file(self) -> str | None:
+        """The local single-format checkpoint's ``model.safetensors`` (holding the [E, ...] expert weights this model
+        loaded), or ``None`` (a Hugging Face directory, a sharded or remote checkpoint)."""
+        if self.checkpoint is None:
+            return None
+        f = Path(self.checkpoint) / "model.safetensors"
+        return str(f) if f.is_file() else None
 
 
 def load_served_model(path: str) -> ServedModel:
@@ -67,15 +80,16 @@ def load_served_model(path: str) -> ServedModel:
         tokenizer = Tokenizer.from_file(str(root / "tokenizer.json"))
         weights = sorted(p for p in root.iterdir() if p.name.endswith(".safetensors"))
         ident = [str(root.resolve())] + [f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in weights]
-        source = "hf"
+        source, checkpoint, step = "hf", None, None
     else:
         from moetrain.commands.run_dir import load_run
 
         run = load_run(str(root))
         model, tokenizer = run.model.float().eval(), run.tokenizer
         ident = [str(root.resolve()), run.checkpoint.location, str(run.checkpoint.step)]
-        source = "run"
+        source, checkpoint, step = "run", run.checkpoint.location, run.checkpoint.step
     for p in model.parameters():
         p.requires_grad_(False)
     fingerprint = hashlib.sha256("\n".join(ident).encode()).hexdigest()
-    return ServedModel(model, tokenizer, tokenizer.token_to_id(EOS_TOKEN), root.resolve().name, fingerprint, source)
+    return ServedModel(model, tokenizer, tokenizer.token_to_id(EOS_TOKEN), root.resolve().name, fingerprint, source,
+                       str(root.resolve()), checkpoint, step)
