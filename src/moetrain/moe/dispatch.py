@@ -26,6 +26,7 @@ up to summation order: tests/test_perf_experts.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 
@@ -181,12 +182,13 @@ class _PermuteRows(torch.autograd.Function):
     """rows = x[token_ids]; d x[t] = sum_k d rows[rows_of[t, k]] in k order."""
 
     @staticmethod
-    def forward(ctx, x, token_ids, rows_of):  # noqa: D102
+    def forward(ctx: Any, x: torch.Tensor, token_ids: torch.Tensor, rows_of: torch.Tensor  # noqa: D102
+                ) -> torch.Tensor:
         ctx.save_for_backward(rows_of)
         return x.index_select(0, token_ids)
 
     @staticmethod
-    def backward(ctx, grad):  # noqa: D102
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # noqa: D102
         (rows_of,) = ctx.saved_tensors
         t, k = rows_of.shape
         picked = grad.index_select(0, rows_of.reshape(-1)).view(t, k, grad.shape[1])  # [T, K, D]
@@ -203,14 +205,16 @@ def permute_rows(x: torch.Tensor, token_ids: torch.Tensor, rows_of: torch.Tensor
     Returns:
         [N, D] rows, same dtype as x.
     """
-    return _PermuteRows.apply(x, token_ids, rows_of)
+    # Function.apply is untyped in torch's stubs (here and below).
+    return cast(torch.Tensor, _PermuteRows.apply(x, token_ids, rows_of))  # type: ignore[no-untyped-call]
 
 
 class _CombineRows(torch.autograd.Function):
     """out[t] = sum_k w[t, k] * y[rows_of[t, k]], accumulated in fp32 in k order, returned in y's dtype."""
 
     @staticmethod
-    def forward(ctx, y, rows_of, weights, token_ids):  # noqa: D102
+    def forward(ctx: Any, y: torch.Tensor, rows_of: torch.Tensor, weights: torch.Tensor,  # noqa: D102
+                token_ids: torch.Tensor) -> torch.Tensor:
         t, k = rows_of.shape
         acc = torch.promote_types(y.dtype, torch.float32)  # fp32 accumulator (fp64 for fp64)
         out = torch.zeros(t, y.shape[1], dtype=acc, device=y.device)  # [T, D]
@@ -221,7 +225,8 @@ class _CombineRows(torch.autograd.Function):
         return out.to(y.dtype)
 
     @staticmethod
-    def backward(ctx, grad):  # noqa: D102
+    def backward(ctx: Any, grad: torch.Tensor  # noqa: D102
+                 ) -> tuple[torch.Tensor | None, None, torch.Tensor | None, None]:
         y, rows_of, weights, token_ids = ctx.saved_tensors
         t, k = rows_of.shape
         g_rows = grad.index_select(0, token_ids)  # [N, D] d out[token of row r]
@@ -251,4 +256,4 @@ def combine_rows(y: torch.Tensor, rows_of: torch.Tensor, weights: torch.Tensor, 
     Returns:
         [T, D] in y's dtype, summed in fp32 in k order (deterministic).
     """
-    return _CombineRows.apply(y, rows_of, weights, token_ids)
+    return cast(torch.Tensor, _CombineRows.apply(y, rows_of, weights, token_ids))  # type: ignore[no-untyped-call]

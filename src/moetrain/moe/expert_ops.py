@@ -65,6 +65,7 @@ def act_recompute(h: torch.Tensor, a: torch.Tensor | None, sg: torch.Tensor | No
     """Backward's recomputation from h [n, I]: sg = silu(gate) [n, F] (SwiGLU), and, when ``a`` [n, F] is given,
     the activation itself (silu(gate) * up from the same sg, or gelu(h))."""
     if activation == "swiglu":
+        assert sg is not None, "act_recompute: SwiGLU needs sg"
         ffn = sg.shape[1]
         _silu_out(h[:, :ffn], out=sg)
         if a is not None:
@@ -77,6 +78,7 @@ def act_grad(da: torch.Tensor, h: torch.Tensor, dh: torch.Tensor, sg: torch.Tens
     """dh [n, I] = d/dh of the activation applied to da [n, F] (overwritten); sg = silu(gate) from
     :func:`act_recompute` (SwiGLU only)."""
     if activation == "swiglu":
+        assert sg is not None, "act_grad: SwiGLU needs sg"
         ffn = da.shape[1]
         gate, up = h[:, :ffn], h[:, ffn:]
         # a = silu(g) * u  =>  du = da * silu(g),  dg = silu'(g) * (da * u)

@@ -27,6 +27,8 @@ FLOPs, fp32 / bf16, E = 8-128):
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -43,11 +45,11 @@ class _ContiguousGrad(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x):  # noqa: D102
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad):  # noqa: D102
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # noqa: D102
         return grad.contiguous()
 
 
@@ -60,12 +62,12 @@ class _ZeroIdleGrad(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, weight, tokens_per_expert):  # noqa: D102
+    def forward(ctx: Any, weight: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:  # noqa: D102
         ctx.save_for_backward(tokens_per_expert)
         return weight.view_as(weight)
 
     @staticmethod
-    def backward(ctx, grad):  # noqa: D102
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: D102
         (tokens_per_expert,) = ctx.saved_tensors
         active = (tokens_per_expert > 0).reshape(-1, *([1] * (grad.dim() - 1)))
         return torch.where(active, grad, 0.0), None
@@ -97,12 +99,13 @@ def grouped_experts(
     if not grouped_mm_aligned(dtype, x.shape[1], w_in.shape[1], w_out.shape[2]):
         return loop_experts(x, w_in, w_out, tokens_per_expert, activation)
     offs = torch.cumsum(tokens_per_expert, dim=0).to(torch.int32)  # [E] end offset of each group
-    w_in = _ZeroIdleGrad.apply(w_in, tokens_per_expert)
-    w_out = _ZeroIdleGrad.apply(w_out, tokens_per_expert)
+    # Function.apply is untyped in torch's stubs.
+    w_in = _ZeroIdleGrad.apply(w_in, tokens_per_expert)  # type: ignore[no-untyped-call]
+    w_out = _ZeroIdleGrad.apply(w_out, tokens_per_expert)  # type: ignore[no-untyped-call]
     h = F.grouped_mm(x.to(dtype), w_in.to(dtype).transpose(-2, -1), offs=offs)  # [R, 2F] or [R, F]
-    a = activate(_ContiguousGrad.apply(h), activation)
+    a = activate(_ContiguousGrad.apply(h), activation)  # type: ignore[no-untyped-call]
     y = F.grouped_mm(a, w_out.to(dtype).transpose(-2, -1), offs=offs)  # [R, D]
-    return _ContiguousGrad.apply(y)
+    return cast(torch.Tensor, _ContiguousGrad.apply(y))  # type: ignore[no-untyped-call]
 
 
 def padded_experts(
@@ -147,12 +150,14 @@ def loop_experts(
     return torch.cat(outs, dim=0)
 
 
-def grouped_swiglu(x, gate_up_proj, down_proj, tokens_per_expert):
+def grouped_swiglu(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+                   tokens_per_expert: torch.Tensor) -> torch.Tensor:
     """:func:`grouped_experts` with SwiGLU (``gate_up_proj`` [E, 2F, D], ``down_proj`` [E, D, F])."""
     return grouped_experts(x, gate_up_proj, down_proj, tokens_per_expert, "swiglu")
 
 
-def loop_swiglu(x, gate_up_proj, down_proj, tokens_per_expert):
+def loop_swiglu(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+                tokens_per_expert: torch.Tensor) -> torch.Tensor:
     """:func:`loop_experts` with SwiGLU (``gate_up_proj`` [E, 2F, D], ``down_proj`` [E, D, F])."""
     return loop_experts(x, gate_up_proj, down_proj, tokens_per_expert, "swiglu")
 
@@ -209,5 +214,6 @@ class RoutedExperts(nn.Module):
         if self.backend == "fused":  # recomputes inside its own Function when asked
             return fused_experts(*args, recompute=self.recompute)
         if self.recompute and torch.is_grad_enabled():
-            return checkpoint(BACKENDS[self.backend], *args, use_reentrant=False)
+            # torch.utils.checkpoint returns Any
+            return cast(torch.Tensor, checkpoint(BACKENDS[self.backend], *args, use_reentrant=False))
         return BACKENDS[self.backend](*args)

@@ -56,7 +56,8 @@ run the same maths and are tested against the unfused layer on CPU (tests/test_p
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -90,6 +91,10 @@ BLOCKS_PER_WORKER = 4
 MIN_BLOCK_ROWS = 256
 MODES = ("auto", "tiles", "grouped")
 
+_Block = tuple[int, int, list[tuple[int, int, int]]]  # (first row, rows, [(expert, first row in the block, rows)])
+_Needs = tuple[bool, bool, bool, bool]  # gradients wanted: x rows, gating weights, w_in, w_out
+_RowGrads = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+
 
 def _sum_k(rows: torch.Tensor, rows_of: torch.Tensor, native: bool = False) -> torch.Tensor:
     """out[t] = sum_k rows[rows_of[t, k]]: [N, D] -> [T, D] in rows' dtype, in a fixed order (deterministic).
@@ -107,14 +112,15 @@ def _sum_k(rows: torch.Tensor, rows_of: torch.Tensor, native: bool = False) -> t
     if native:
         out = hugepages.advise(rows.new_empty(rows_of.shape[0], rows.shape[1]))
         t = rows_of.shape[0]
-        parts = max(1, min(workers_for(rows.device), t))
-        spans = [(t * i // parts, t * (i + 1) // parts) for i in range(parts)]
+        shares = max(1, min(workers_for(rows.device), t))
+        spans = [(t * i // shares, t * (i + 1) // shares) for i in range(shares)]
         run_largest_first(lambda span: cpu_kernels.sum_k(rows, rows_of, out, *span), spans,
                           [b - a for a, b in spans])
         return out
     buf = scratch("sum_k", (rows_of.shape[0], rows.shape[1]), rows.dtype, rows.device) if k > 1 else None  # [T, D]
 
     def gather_add(out: torch.Tensor, j: int) -> torch.Tensor:
+        assert buf is not None  # allocated whenever k > 1, the only case with a second row to add
         torch.index_select(rows, 0, rows_of[:, j], out=buf)
         return out.add_(buf)
 
@@ -124,7 +130,7 @@ def _sum_k(rows: torch.Tensor, rows_of: torch.Tensor, native: bool = False) -> t
         for j in range(1, k):
             gather_add(out, j)
         return out
-    parts = []  # pairs first, then a tree over the pair sums
+    parts: list[torch.Tensor] = []  # pairs first, then a tree over the pair sums
     for j in range(0, k, 2):
         part = rows.index_select(0, rows_of[:, j])
         parts.append(gather_add(part, j + 1) if j + 1 < k else part)
@@ -188,14 +194,16 @@ def _shape_stable(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16)
 
 
-def _blocks(counts: list[int], block_rows: int) -> list[tuple[int, int, list[tuple[int, int, int]]]]:
+def _blocks(counts: list[int], block_rows: int) -> list[_Block]:
     """Consecutive experts packed into blocks of about ``block_rows`` rows (at least one expert each).
 
     Returns (first row, rows, [(expert, first row within the block, rows)]) per block, experts with rows only.
     GEMMs run per expert, everything else (gathers, activation, scaling) once per block: at E = 64-128 a per-expert
     elementwise op would cost more in call overhead than in arithmetic.
     """
-    blocks, start, cur, cur_rows = [], 0, [], 0
+    blocks: list[_Block] = []
+    cur: list[tuple[int, int, int]] = []
+    start = cur_rows = 0
     for e, n in enumerate(counts):
         if n == 0:
             continue
@@ -209,7 +217,8 @@ def _blocks(counts: list[int], block_rows: int) -> list[tuple[int, int, list[tup
     return blocks
 
 
-def _run_blocks(fn, counts: list[int], block_rows: int) -> None:
+def _run_blocks(fn: Callable[[int, int, list[tuple[int, int, int]], int], None], counts: list[int],
+                block_rows: int) -> None:
     """``fn(first row, rows, experts, most)`` for every block (:func:`_blocks`) on the CPU workers
     (moe/kernels/cpu/workers.py), ``most`` being the largest block's rows (every worker's scratch size)."""
     blocks = _blocks(counts, block_rows)
@@ -218,17 +227,21 @@ def _run_blocks(fn, counts: list[int], block_rows: int) -> None:
     run_largest_first(lambda block: fn(*block, most), blocks, sizes)
 
 
-def _forward_tiles(x, w_in, w_out, token_ids, w_rows, counts, activation, block_rows, native, keep_h=True):
+def _forward_tiles(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, token_ids: torch.Tensor,
+                   w_rows: torch.Tensor, counts: list[int], activation: str, block_rows: int, native: bool,
+                   keep_h: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     n_rows, hidden = token_ids.numel(), x.shape[1]
     ffn = w_out.shape[2]
     # [N, I], saved (unless recomputed in backward)
     h = hugepages.advise(x.new_empty(n_rows, w_in.shape[1])) if keep_h else None
     y = scratch("fwd.y", (n_rows, hidden), x.dtype, x.device)  # [N, D] gated expert outputs, combined in the caller
 
-    def run(s, n, experts, most):  # one block, with the worker's own scratch buffers (workspace.py: per thread)
+    def run(s: int, n: int, experts: list[tuple[int, int, int]], most: int) -> None:
+        # one block, with the worker's own scratch buffers (workspace.py: per thread)
         xs = scratch("fwd.xs", (most, hidden), x.dtype, x.device)  # [n, D] this block's input rows
         a = scratch("fwd.a", (most, ffn), x.dtype, x.device)  # [n, F] their activation
-        hb = h[s : s + n] if keep_h else scratch("fwd.h", (most, w_in.shape[1]), x.dtype, x.device)[:n]  # [n, I]
+        # [n, I]; h is None when not keep_h
+        hb = h[s : s + n] if h is not None else scratch("fwd.h", (most, w_in.shape[1]), x.dtype, x.device)[:n]
         torch.index_select(x, 0, token_ids[s : s + n], out=xs[:n])
         for e, r, m in experts:
             torch.mm(xs[r : r + m], w_in[e].T, out=hb[r : r + m])
@@ -244,7 +257,9 @@ def _forward_tiles(x, w_in, w_out, token_ids, w_rows, counts, activation, block_
     return y, h
 
 
-def _backward_tiles(dout, x, w_in, w_out, h, token_ids, w_rows, counts, activation, needs, block_rows, native):
+def _backward_tiles(dout: torch.Tensor, x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor,
+                    h: torch.Tensor | None, token_ids: torch.Tensor, w_rows: torch.Tensor, counts: list[int],
+                    activation: str, needs: _Needs, block_rows: int, native: bool) -> _RowGrads:
     need_x, need_w, need_in, need_out = needs
     n_rows, hidden = token_ids.numel(), x.shape[1]
     ffn = w_out.shape[2]
@@ -259,8 +274,10 @@ def _backward_tiles(dout, x, w_in, w_out, h, token_ids, w_rows, counts, activati
                 if grad is not None:
                     grad[e].zero_()
 
-    def run(s, n, experts, most):  # one block, with the worker's own scratch buffers (workspace.py: per thread)
-        def buf(name, width):
+    # Each optional buffer below is None exactly when its need_* flag (or recompute: h None) says it is not used.
+    def run(s: int, n: int, experts: list[tuple[int, int, int]], most: int) -> None:
+        # one block, with the worker's own scratch buffers (workspace.py: per thread)
+        def buf(name: str, width: int) -> torch.Tensor:
             return scratch("bwd." + name, (most, width), x.dtype, x.device)
 
         g = buf("g", hidden)  # [n, D] dL/dy for this block's rows
@@ -273,6 +290,7 @@ def _backward_tiles(dout, x, w_in, w_out, h, token_ids, w_rows, counts, activati
         dh = buf("dh", w_in.shape[1])  # [n, I] dL/dh
         we = w_rows[s : s + n, None]
         if h is None:  # recompute: gather the rows again and rerun the input projection
+            assert hs is not None and xs is not None
             he = hs[:n]
             torch.index_select(x, 0, token_ids[s : s + n], out=xs[:n])
             for e, r, m in experts:
@@ -283,25 +301,31 @@ def _backward_tiles(dout, x, w_in, w_out, h, token_ids, w_rows, counts, activati
         for e, r, m in experts:
             torch.mm(g[r : r + m], w_out[e], out=dz[r : r + m])
         if native:  # one pass (moe/kernels/cpu/native.py): w * a, dL/dh and dL/dw
-            cpu_kernels.swiglu_backward(he, dz[:n], w_rows[s : s + n], a[:n] if need_out else None, dh[:n],
-                                        dw_rows[s : s + n] if need_w else None)
+            # native: a is allocated iff need_out, dw_rows iff need_w
+            cpu_kernels.swiglu_backward(he, dz[:n], w_rows[s : s + n], a[:n] if a is not None else None, dh[:n],
+                                        dw_rows[s : s + n] if dw_rows is not None else None)
         else:
             act_recompute(he, a[:n] if a is not None else None, sg[:n] if sg is not None else None, activation)
             if need_w:
+                assert a is not None and prod is not None and dw_rows is not None
                 torch.mul(dz[:n], a[:n], out=prod[:n])
                 torch.sum(prod[:n], dim=1, dtype=acc, out=dw_rows[s : s + n])
             if need_out:
+                assert a is not None
                 a[:n].mul_(we)
         if need_out:
+            assert a is not None and d_out is not None
             for e, r, m in experts:
                 torch.mm(g[r : r + m].T, a[r : r + m], out=d_out[e])
         if not native:
             dz[:n].mul_(we)
             act_grad(dz[:n], he, dh[:n], sg[:n] if sg is not None else None, activation)
         if need_x:
+            assert dx_rows is not None
             for e, r, m in experts:
                 torch.mm(dh[r : r + m], w_in[e], out=dx_rows[s + r : s + r + m])
         if need_in:
+            assert xs is not None and d_in is not None
             if h is not None:
                 torch.index_select(x, 0, token_ids[s : s + n], out=xs[:n])
             for e, r, m in experts:
@@ -322,7 +346,8 @@ def _zero_idle(grad: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     return torch.where((counts > 0).view(-1, 1, 1), grad, 0)
 
 
-def _forward_grouped(x, w_in, w_out, token_ids, w_rows, offs, activation):
+def _forward_grouped(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, token_ids: torch.Tensor,
+                     w_rows: torch.Tensor, offs: torch.Tensor, activation: str) -> tuple[torch.Tensor, torch.Tensor]:
     x_rows = x.index_select(0, token_ids)  # [N, D]
     h = F.grouped_mm(x_rows, w_in.transpose(-2, -1), offs=offs)  # [N, I]
     a = x.new_empty(h.shape[0], w_out.shape[2])
@@ -331,7 +356,9 @@ def _forward_grouped(x, w_in, w_out, token_ids, w_rows, offs, activation):
     return F.grouped_mm(a, w_out.transpose(-2, -1), offs=offs), h  # [N, D]
 
 
-def _backward_grouped(dout, x, w_in, w_out, h, token_ids, w_rows, offs, activation, needs):
+def _backward_grouped(dout: torch.Tensor, x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor,
+                      h: torch.Tensor | None, token_ids: torch.Tensor, w_rows: torch.Tensor, offs: torch.Tensor,
+                      activation: str, needs: _Needs) -> _RowGrads:
     need_x, need_w, need_in, need_out = needs
     if h is None:  # recompute the pre-activation (one more grouped GEMM)
         h = F.grouped_mm(x.index_select(0, token_ids), w_in.transpose(-2, -1), offs=offs)
@@ -340,10 +367,15 @@ def _backward_grouped(dout, x, w_in, w_out, h, token_ids, w_rows, offs, activati
     a = torch.empty_like(dz) if need_w or need_out else None
     sg = torch.empty_like(dz) if activation == "swiglu" else None
     act_recompute(h, a, sg, activation)
-    dx_rows = dw_rows = d_in = d_out = None
+    dx_rows: torch.Tensor | None = None
+    dw_rows: torch.Tensor | None = None
+    d_in: torch.Tensor | None = None
+    d_out: torch.Tensor | None = None
     if need_w:
+        assert a is not None
         dw_rows = (dz * a).sum(dim=1, dtype=torch.promote_types(x.dtype, torch.float32))
     if need_out:
+        assert a is not None
         a.mul_(w_rows[:, None])
         d_out = _zero_idle(F.grouped_mm(g.T, a, offs=offs), offs)  # [E, D, F]
     dz.mul_(w_rows[:, None])
@@ -360,7 +392,9 @@ class _FusedMoE(torch.autograd.Function):
     """out = sum_k w_k * expert_k(x); ``groups`` is a list of host counts (tiles) or device offsets (grouped)."""
 
     @staticmethod
-    def forward(ctx, x, weights, w_in, w_out, token_ids, rows_of, groups, activation, block_rows, recompute):  # noqa: D102
+    def forward(ctx: Any, x: torch.Tensor, weights: torch.Tensor, w_in: torch.Tensor,  # noqa: D102
+                w_out: torch.Tensor, token_ids: torch.Tensor, rows_of: torch.Tensor, groups: list[int] | torch.Tensor,
+                activation: str, block_rows: int, recompute: bool) -> torch.Tensor:
         w_rows = torch.zeros(token_ids.numel(), dtype=weights.dtype, device=x.device)
         w_rows.scatter_(0, rows_of.reshape(-1), weights.reshape(-1))  # [N] gating weight of each row (0: padding)
         w_rows_c = w_rows.to(x.dtype)
@@ -381,7 +415,9 @@ class _FusedMoE(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable  # written with out= kernels: a second derivative raises instead of being silently wrong
-    def backward(ctx, dout):  # noqa: D102
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[  # noqa: D102
+            torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None,
+            None, None, None, None, None, None]:
         needs = tuple(ctx.needs_input_grad[:4])
         dout = dout.contiguous()
         if ctx.counts is not None:
@@ -458,7 +494,8 @@ def _check(mode: str, activation: str, x: torch.Tensor, w_in: torch.Tensor, w_ou
         raise ValueError(message)
 
 
-def _prepare(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, mode: str):
+def _prepare(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, mode: str
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]:
     """Operands in the compute dtype (x contiguous) and the mode ``auto`` resolves to: grouped on CUDA in bf16 with
     aligned rows, else tiles."""
     dtype = compute_dtype(x, w_in)
@@ -468,22 +505,27 @@ def _prepare(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, mode: str
     return x, w_in, w_out, mode
 
 
-def _launch(x, weights, w_in, w_out, layout, activation, mode, block_rows, recompute) -> torch.Tensor:
+def _launch(x: torch.Tensor, weights: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor,
+            layout: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], activation: str, mode: str,
+            block_rows: int | None, recompute: bool) -> torch.Tensor:
     """Shared tail of :func:`fused_moe` and :func:`fused_experts`: pads the groups where GEMM shapes must repeat
     (:func:`pad_groups`), sizes the blocks and applies the Function. ``layout`` is (token_ids [N], rows_of [T, K],
     topk_ids [T, K], counts [E]) as :func:`~moetrain.moe.dispatch.route_dropless` returns them."""
     token_ids, rows_of, topk_ids, counts = layout
     if mode == "tiles" and _shape_stable(x):
         token_ids, rows_of, counts = pad_groups(token_ids, rows_of, topk_ids, counts)
-    groups = torch.cumsum(counts, 0).to(torch.int32) if mode == "grouped" else [int(c) for c in counts.tolist()]
+    groups: torch.Tensor | list[int] = (torch.cumsum(counts, 0).to(torch.int32) if mode == "grouped"
+                                        else [int(c) for c in counts.tolist()])
     if block_rows is None:
         block_rows = BLOCK_ELEMENTS // max(w_in.shape[1], x.shape[1])
         workers = workers_for(x.device) if isinstance(groups, list) else 1
-        if workers > 1:  # a few blocks per worker, so that the largest-first queue evens out the workers' loads
+        # a few blocks per worker, so that the largest-first queue evens out the workers' loads
+        if workers > 1 and isinstance(groups, list):
             per_block = -(-sum(groups) // (BLOCKS_PER_WORKER * workers))
             block_rows = min(block_rows, max(MIN_BLOCK_ROWS, per_block))
-    return _FusedMoE.apply(x, weights, w_in, w_out, token_ids, rows_of, groups, activation, max(1, block_rows),
-                           recompute)
+    out = _FusedMoE.apply(x, weights, w_in, w_out, token_ids, rows_of, groups,  # type: ignore[no-untyped-call]
+                          activation, max(1, block_rows), recompute)  # Function.apply is untyped in torch's stubs
+    return cast(torch.Tensor, out)
 
 
 def fused_experts(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, tokens_per_expert: torch.Tensor,

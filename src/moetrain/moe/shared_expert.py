@@ -32,6 +32,6 @@ class SharedExpert(nn.Module):
         self.down_proj = nn.Linear(ffn_hidden, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.activation == "swiglu":
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        return self.down_proj(F.gelu(self.up_proj(x)))
+        a = F.silu(self.gate_proj(x)) * self.up_proj(x) if self.activation == "swiglu" else F.gelu(self.up_proj(x))
+        y: torch.Tensor = self.down_proj(a)  # [..., D]
+        return y

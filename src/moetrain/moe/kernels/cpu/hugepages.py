@@ -29,6 +29,7 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+from collections.abc import Callable
 
 import torch
 
@@ -38,12 +39,13 @@ _MADV_HUGEPAGE = 14  # <sys/mman.h>, Linux
 # a mapping of its own, unmapped on free.
 OWN_MAPPING_BYTES = 32 << 20
 
-_madvise = None
+_madvise: Callable[[int, int, int], int] | None = None
 if sys.platform.startswith("linux"):
     try:
-        _madvise = ctypes.CDLL(None, use_errno=True).madvise
-        _madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-        _madvise.restype = ctypes.c_int
+        _libc_madvise = ctypes.CDLL(None, use_errno=True).madvise
+        _libc_madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        _libc_madvise.restype = ctypes.c_int
+        _madvise = _libc_madvise
     except (OSError, AttributeError):  # no libc symbol (static or unusual builds): no advice, same results
         _madvise = None
 
@@ -83,6 +85,6 @@ def advise(tensor: torch.Tensor, *, kept: bool = False) -> torch.Tensor:
         return tensor
     first = -(-start // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
     end = (start + nbytes) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
-    if start and end > first:
+    if start and end > first and _madvise is not None:  # not None: enabled() said so
         _madvise(first, end - first, _MADV_HUGEPAGE)
     return tensor

@@ -47,6 +47,7 @@ import subprocess
 import tempfile
 import threading
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -78,13 +79,15 @@ def _compiler() -> list[str] | None:
     a file as a whole (a path with spaces); else the first of ``cc``, ``gcc``, ``clang`` found."""
     cc = os.environ.get("CC", "").strip()
     if cc:
-        if shutil.which(cc):
-            return [shutil.which(cc)]
+        whole = shutil.which(cc)
+        if whole:
+            return [whole]
         argv = shlex.split(cc)
         return [shutil.which(argv[0]) or argv[0], *argv[1:]]
     for name in ("cc", "gcc", "clang"):
-        if shutil.which(name):
-            return [shutil.which(name)]
+        found = shutil.which(name)
+        if found:
+            return [found]
     return None
 
 
@@ -258,12 +261,13 @@ def _dtype(name: str, t: torch.Tensor) -> torch.dtype:
     return t.dtype
 
 
-def _function(name: str, dtype: torch.dtype):
+def _function(name: str, dtype: torch.dtype) -> Callable[..., None]:
     """The library's ``moetrain_<name>_<f32|bf16>``; RuntimeError when the kernels are not available."""
     lib = library()
     if lib is None:
         raise RuntimeError(f"native CPU kernel {name} unavailable: {_why_not}")
-    return getattr(lib, f"moetrain_{name}_{_SUFFIX[dtype]}")
+    fn: Callable[..., None] = getattr(lib, f"moetrain_{name}_{_SUFFIX[dtype]}")  # restype None (_build)
+    return fn
 
 
 def _check(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> int:
