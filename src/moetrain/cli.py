@@ -17,7 +17,8 @@ import sys
 from moetrain.errors import MoetrainError
 
 # Subcommand modules, in help order; each defines add_parser(subparsers).
-COMMANDS = ["train", "generate", "eval", "report", "stats", "plan", "bench", "doctor", "export", "upcycle", "serve"]
+COMMANDS = ["train", "generate", "eval", "report", "stats", "plan", "bench", "doctor", "export", "upcycle", "serve",
+            "placement"]
 
 
 class OneLineArgumentParser(argparse.ArgumentParser):

@@ -1,0 +1,65 @@
+"""``moetrain placement RUN_DIR --ep N --redundant R``: an expert-to-rank map with the hottest experts replicated
+(EPLB), from the run's routing statistics, written in SGLang's ``--init-expert-location`` format and in ours
+(moetrain/serve/placement.py, docs/serving.md)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from moetrain.errors import MoetrainError
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("placement", help="expert-to-rank placement with replicated hot experts (EPLB; SGLang JSON)")
+    p.add_argument("model_dir", help="a moetrain run directory (or a Hugging Face directory with --calibration-text)")
+    p.add_argument("--ep", type=int, required=True, help="expert-parallel ranks N")
+    p.add_argument("--redundant", type=int, default=0, help="extra expert replicas R per layer (E + R divisible by N)")
+    p.add_argument("--calibration-text", default=None, metavar="FILE",
+                   help="count expert usage with a calibration pass over this text (default: the run's "
+                   "metrics.jsonl routing statistics)")
+    p.add_argument("--out", default=None, metavar="DIR", help="where to write the two JSON files (default: MODEL_DIR)")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from moetrain.serve.expert_usage import served_usage
+    from moetrain.serve.loader import load_served_model
+    from moetrain.serve.placement import LayerPlacement, place, placement_dict, sglang_json
+
+    served = load_served_model(args.model_dir)
+    model = served.model
+    blocks = [i for i, b in enumerate(model.blocks) if b.is_moe]
+    if not blocks:
+        raise MoetrainError(f"{args.model_dir}: the model has no MoE layers")
+    text = None
+    if args.calibration_text is not None:
+        try:
+            text = Path(args.calibration_text).read_text()
+        except OSError as e:
+            raise MoetrainError(f"--calibration-text: {e}") from None
+    usage = served_usage(served, text)
+    if usage.source == "uniform":
+        raise MoetrainError(f"{args.model_dir}: no routing statistics (metrics.jsonl with moe/layer*/tokens); "
+                            "pass --calibration-text FILE")
+    e = model.blocks[blocks[0]].ffn.config.num_experts
+    layers = place(usage.counts, args.ep, args.redundant)
+    out = Path(args.out or args.model_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"placement-ep{args.ep}-r{args.redundant}"
+    ours, sgl = out / f"{stem}.json", out / f"{stem}.sglang.json"
+    ours.write_text(json.dumps(placement_dict(layers, blocks, args.ep, args.redundant, e, usage.source), indent=1))
+    sgl.write_text(json.dumps(sglang_json(layers, blocks, model.config.n_layers, e)))
+    print(f"expert usage: {usage.source}; {e} experts, {args.redundant} redundant, {args.ep} ranks "
+          f"({(e + args.redundant) // args.ep} physical experts per rank)")
+    print("predicted load per rank, max / mean (1.00 = balanced):")
+    before, after = [], []
+    for b, lp in zip(blocks, layers):
+        before.append(LayerPlacement.imbalance(lp.load_before))
+        after.append(LayerPlacement.imbalance(lp.load_after))
+        hot = [x for x in range(e) if lp.replicas[x] > 1]
+        print(f"  layer {b}: {before[-1]:.3f} -> {after[-1]:.3f}" + (f"  (replicated: {hot})" if hot else ""))
+    print(f"  mean over layers: {sum(before) / len(before):.3f} -> {sum(after) / len(after):.3f}")
+    print(f"wrote {ours} (moetrain serve) and {sgl} (sglang --init-expert-location)", file=sys.stderr)
+    return 0
