@@ -145,4 +145,5 @@ class Attention(nn.Module):
             # New query i (absolute position past + i) sees keys 0 .. past + i.
             mask = torch.ones(s, past + s, dtype=torch.bool, device=x.device).tril(diagonal=past)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, self.n_heads * self.head_size))
+        y: torch.Tensor = self.o_proj(out.transpose(1, 2).reshape(b, s, self.n_heads * self.head_size))
+        return y

@@ -54,8 +54,10 @@ class Block(nn.Module):
 
     def attend(self, x: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
         """The attention branch ``attn(input_norm(x))``: [b, S, D] -> [b, S, D] (what BTA tiles and recomputes)."""
-        return self.attn(self.input_norm(x), kv_cache)
+        y: torch.Tensor = self.attn(self.input_norm(x), kv_cache)
+        return y
 
     def attend_documents(self, x: torch.Tensor, document_ids: torch.Tensor) -> torch.Tensor:
         """:meth:`attend` for packed documents: x [b, S, D], document_ids [b, S] int64 -> [b, S, D]."""
-        return self.attn(self.input_norm(x), document_ids=document_ids)
+        y: torch.Tensor = self.attn(self.input_norm(x), document_ids=document_ids)
+        return y

@@ -18,4 +18,5 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(ffn_hidden, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        y: torch.Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return y

@@ -21,6 +21,8 @@ the forward; the loss is not differentiable twice.
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import torch
 
 from moetrain.moe.kernels.cpu.workspace import scratch
@@ -40,7 +42,8 @@ def _buffer(name: str, h: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk_rows):  # noqa: D102
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,  # noqa: D102
+                chunk_rows: int) -> torch.Tensor:
         n, _ = hidden.shape
         acc = torch.promote_types(hidden.dtype, torch.float32)  # softmax / lse / weight-gradient accumulator dtype
         valid = targets != IGNORE_INDEX  # [N]
@@ -70,9 +73,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
             probs.mul_(row_scale / total)
             probs.scatter_add_(1, tc, -row_scale)
             grad = probs if probs.dtype == hidden.dtype else _buffer("grad_lp", h, weight, hidden.dtype).copy_(probs)
-            if need_h:
+            if d_hidden is not None:  # need_h
                 torch.mm(grad, weight, out=d_hidden[r0 : r0 + chunk_rows])
-            if need_w:
+            if d_weight is not None:  # need_w
                 if grad.dtype == acc:
                     d_weight.addmm_(grad.T, h)
                 else:  # low precision: GEMM in bf16 (fp32 accumulation inside), summed over chunks in fp32
@@ -82,7 +85,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return loss * scale
 
     @staticmethod
-    def backward(ctx, grad_loss):  # noqa: D102
+    def backward(ctx: Any, grad_loss: torch.Tensor  # noqa: D102
+                 ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
         d_hidden, d_weight = ctx.saved_tensors
         dh = d_hidden * grad_loss.to(d_hidden.dtype) if d_hidden is not None else None
         dw = (d_weight * grad_loss).to(ctx.weight_dtype) if d_weight is not None else None
@@ -113,4 +117,6 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
         dtype = weight.dtype
     rows = chunk_rows or max(1, CHUNK_ELEMENTS // weight.shape[0])
     with torch.autocast(hidden.device.type, enabled=False):
-        return _LinearCrossEntropy.apply(hidden.to(dtype).contiguous(), weight.to(dtype), targets, rows)
+        loss = _LinearCrossEntropy.apply(  # type: ignore[no-untyped-call]  # Function.apply: untyped in torch
+            hidden.to(dtype).contiguous(), weight.to(dtype), targets, rows)
+        return cast(torch.Tensor, loss)

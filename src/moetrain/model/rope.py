@@ -14,6 +14,7 @@ concatenation and two products per call, and its backward the same again.
 from __future__ import annotations
 
 import functools
+from typing import Any, cast
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -64,13 +65,13 @@ def _rotate(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
 
 class _Rope(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, c, s):  # noqa: D102
+    def forward(ctx: Any, x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:  # noqa: D102
         ctx.save_for_backward(c, s)
         return _rotate(x, c, s)
 
     @staticmethod
     @once_differentiable  # written with out= kernels: a second derivative raises instead of being wrong
-    def backward(ctx, grad):  # noqa: D102
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # noqa: D102
         c, s = ctx.saved_tensors
         return _rotate(grad, c, -s), None, None  # the inverse rotation
 
@@ -80,4 +81,5 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     halves equal, as :func:`rope_cos_sin` builds them) -> rotated x, same shape and dtype (computed in x's dtype,
     as transformers does)."""
     h = x.shape[-1] // 2
-    return _Rope.apply(x, cos[..., :h].to(x.dtype), sin[..., :h].to(x.dtype))
+    rotated = _Rope.apply(x, cos[..., :h].to(x.dtype), sin[..., :h].to(x.dtype))  # type: ignore[no-untyped-call]
+    return cast(torch.Tensor, rotated)  # Function.apply is untyped in torch's stubs

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -91,7 +92,9 @@ def assemble_moe_losses(
         device: where the losses live; ``None``: the logits' device.
     """
     records = out.moe
-    device = out.logits.device if device is None else device
+    if device is None:
+        assert out.logits is not None, "assemble_moe_losses: pass device= when the output has no logits"
+        device = out.logits.device
     zero = torch.zeros((), device=device)
     if not records:
         for name in MOE_LOSS_TERMS:
@@ -187,14 +190,16 @@ class MoETransformer(nn.Module):
         logits = None if fused_loss else self.lm_head(h)  # [B, S, V]
         out = ModelOutput(logits=logits, moe=records)
         assemble_moe_losses(out, self.config.moe, global_counts, count_reducer, device=x.device)
-        if fused_loss:
-            out.lm_loss = linear_cross_entropy(h.reshape(-1, h.shape[-1]), self.lm_head.weight, targets.reshape(-1))
-        elif targets is not None:
-            out.lm_loss = F.cross_entropy(
-                logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX
-            )
         if targets is not None:
-            out.loss = out.lm_loss + out.moe_loss
+            if logits is None:  # fused_loss
+                lm_loss = linear_cross_entropy(h.reshape(-1, h.shape[-1]), self.lm_head.weight, targets.reshape(-1))
+            else:
+                lm_loss = F.cross_entropy(
+                    logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX
+                )
+            assert out.moe_loss is not None  # assemble_moe_losses set it
+            out.lm_loss = lm_loss
+            out.loss = lm_loss + out.moe_loss
         return out
 
     def _trunk(
@@ -226,7 +231,7 @@ class MoETransformer(nn.Module):
         return torch.stack([r.tokens_per_expert for r in records])
 
     def moe_layers(self) -> list[MoELayer]:
-        return [b.ffn for b in self.blocks if b.is_moe]
+        return [cast(MoELayer, b.ffn) for b in self.blocks if b.is_moe]  # is_moe: the block's ffn is a MoELayer
 
 
 def count_parameters(model: MoETransformer) -> tuple[int, int]:
