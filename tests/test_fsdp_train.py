@@ -162,3 +162,41 @@ def test_dp_shard_shrinks_held_bytes(results):
             ratio = r["held"]["total"] / (4 * r["ref_bytes"]["params"])  # one process: weights, grads, 2 moments
             print(name, "held / one process", ratio)
             assert abs(ratio - 1 / factor) <= 0.1 / factor, (name, ratio)
+
+
+def _bf16_worker(rank: int, world: int, out_dir) -> dict:
+    """dp_shard=2 with train.dtype=bf16: FSDP2 computes in bf16 (the router in fp32) on fp32 sharded masters."""
+    cfg = small_config({"dp_shard": 2}, dtype="bf16")
+    mesh = build_layout_mesh(Layout.from_config(cfg.parallel, world), 60, torch.device("cpu"))
+    hooks = ShardedHooks(mesh, cfg.parallel, cfg.train.dtype, cfg.train.seed)
+    model = hooks.prepare_model(build_meta(cfg.model))
+    seen = {}
+    layer = model.blocks[0].ffn
+    def watch(name):
+        def hook(module, args) -> None:  # a pre-hook returning a value would replace the inputs
+            seen.setdefault(name, next(module.parameters()).dtype)
+        return hook
+
+    layer.router.register_forward_pre_hook(watch("router"))
+    layer.experts.register_forward_pre_hook(watch("experts"))
+    opt = build_optimizer(model, cfg)
+    sched = build_scheduler(opt, cfg.train)
+    data = hooks.local_batch(sampler(batches(cfg, STEPS)))
+    losses = [float(train_step(model, data, opt, sched, cfg.train, torch.device("cpu"), **hooks.step_kwargs()).lm_loss)
+              for _ in range(STEPS)]
+    return {"seen": seen, "losses": losses, "masters": {str(p.dtype) for p in model.parameters()}}
+
+
+def test_bf16_mixed_precision_keeps_the_router_fp32(tmp_path):
+    ref_cfg = small_config({})
+    ref = MoETransformer(ref_cfg.model)
+    init_parameters(ref, ref_cfg.model, ref_cfg.train.seed)
+    opt = build_optimizer(ref, ref_cfg)
+    sched = build_scheduler(opt, ref_cfg.train)
+    want = [float(train_step(ref, sampler(batches(ref_cfg, STEPS)), opt, sched, ref_cfg.train,
+                             torch.device("cpu")).lm_loss)]
+    for r in spawn(_bf16_worker, 2, tmp_path, timeout_s=300):
+        assert r["seen"] == {"router": torch.float32, "experts": torch.bfloat16}, r["seen"]
+        assert r["masters"] == {"torch.float32"}
+        assert all(abs(loss) < 1e9 for loss in r["losses"])
+        assert abs(r["losses"][0] - want[0]) < 0.05, (r["losses"], want)  # bf16 compute vs fp32: same start

@@ -171,3 +171,15 @@ def test_monitor_names_a_stage_layers_by_their_block(tmp_path):
     assert monitor.stats.layer_ids == [2, 3]
     assert [layer for _, layer in monitor.layers] == [model.blocks[2].ffn, model.blocks[3].ffn]
     monitor.close()
+
+
+def test_pp2_dp_shard2_ep2_on_8_ranks_matches_single_process(tmp_path):
+    """The issue's largest layout: 8 gloo ranks (~6 s on 2 idle cores: tiny shapes, one thread per rank)."""
+    parallel = {"pp": 2, "dp_shard": 2, "ep": 2}
+    for rank, r in enumerate(spawn(_worker, 8, tmp_path, parallel, 2, timeout_s=600)):
+        r = {k: v for k, v in r.items() if k not in ("names", "held")}
+        print(rank, r)
+        assert r["grad"] <= 1e-5 * max(1.0, r["grad_scale"]), (rank, r)
+        for key in ("lm_loss", "grad_norm", "global_aux_loss", "seq_aux_loss", "z_loss", "moe_loss"):
+            assert r[key] <= 1e-4, (rank, key, r[key])
+        assert r["params"] <= 1e-5, (rank, r)
