@@ -37,8 +37,8 @@ def run(args) -> int:
     if args.calibration_text is not None:
         try:
             text = Path(args.calibration_text).read_text()
-        except OSError as e:
-            raise MoetrainError(f"--calibration-text: {e}") from None
+        except OSError as err:
+            raise MoetrainError(f"--calibration-text: {err}") from None
     usage = served_usage(served, text)
     if usage.source == "uniform":
         raise MoetrainError(f"{args.model_dir}: no routing statistics (metrics.jsonl with moe/layer*/tokens); "

@@ -11,6 +11,9 @@ from moetrain.errors import MoetrainError
 def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve a run or HF directory over HTTP (OpenAI /v1/completions)")
     p.add_argument("model_dir", help="a moetrain run directory, or a Hugging Face directory (moetrain export/upcycle)")
+    p.add_argument("overrides", nargs="*", metavar="parallel.FIELD=VALUE",
+                   help="expert-parallel serving under torchrun: parallel.ep=N (and parallel.timeout_s, "
+                   "parallel.backend); rank 0 serves HTTP")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="TCP port (0: any free port; the bound one is printed)")
     p.add_argument("--slots", type=int, default=16, help="sequences decoded together (KV-cache slots)")
@@ -55,8 +58,10 @@ def policy_from_args(args):
         raise MoetrainError(f"--{str(e).replace('_', '-')}") from None
 
 
-def build_app(args):
-    """(app, engine) from parsed arguments (loads the model)."""
+def build_app(args, mesh=None):
+    """(app, engine) from parsed arguments (loads the model). With an expert-parallel ``mesh``
+    (serve/expert_parallel.py) the experts are sharded over its ranks; the app is ``None`` on ranks other than 0,
+    whose engine only lends its step runner to :func:`moetrain.serve.expert_parallel.follow`."""
     import torch
 
     from moetrain.serve.api import create_app
@@ -77,11 +82,50 @@ def build_app(args):
             policy.bounds(c.top_k, c.num_experts)
         except ValueError as e:
             raise MoetrainError(f"--{str(e).replace('_', '-')}") from None
+    if mesh is not None:
+        from moetrain.serve.expert_parallel import (HEARTBEAT_S, BroadcastRunner, ep_experts_fn, parallel_config,
+                                                    shard_for_serving)
+
+        shard_for_serving(served.model, mesh)
+        engine = Engine(served, num_slots=args.slots, max_queue=args.max_queue, policy=policy,
+                        int8_router=args.int8_router, experts_fn=ep_experts_fn(mesh))
+        if mesh.rank != 0:
+            return None, engine
+        engine.runner = engine.peers = BroadcastRunner(engine.runner, mesh)
+        # a heartbeat well within the collectives' time-out, so idle followers never time out
+        engine.idle_s = min(HEARTBEAT_S, parallel_config(list(args.overrides)).timeout_s / 4)
+        return create_app(engine, open_cache(args.cache), args.max_body_bytes), engine
     store = open_store(args, served)
     cache = open_cache(args.cache)
     engine = Engine(served, num_slots=args.slots, max_queue=args.max_queue, policy=policy,
                     int8_router=args.int8_router, expert_store=store)
     return create_app(engine, cache, args.max_body_bytes), engine
+
+
+def expert_parallel_mesh(args):
+    """The EP mesh asked for by ``parallel.ep=N`` under torchrun, or ``None`` for one process.
+
+    Raises:
+        MoetrainError: bad overrides, world size different from ``ep``, or combined with
+            ``--expert-memory-budget``.
+    """
+    import os
+
+    from moetrain.serve.expert_parallel import parallel_config
+
+    cfg = parallel_config(list(getattr(args, "overrides", None) or []))
+    if cfg.ep == 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return None
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != cfg.ep:
+        raise MoetrainError(f"parallel.ep: serve needs one process per EP rank; ep={cfg.ep} but WORLD_SIZE={world} "
+                            f"(torchrun --nproc_per_node {cfg.ep} -m moetrain serve ... parallel.ep={cfg.ep})")
+    if getattr(args, "expert_memory_budget", None) is not None:
+        raise MoetrainError("--expert-memory-budget: not available with parallel.ep > 1 (each rank already holds "
+                            "only its E / ep experts)")
+    from moetrain.parallel.mesh import init_distributed
+
+    return init_distributed(cfg)
 
 
 def open_store(args, served):
@@ -117,13 +161,18 @@ def open_store(args, served):
 
 
 def run(args) -> int:
-    import uvicorn
+    mesh = expert_parallel_mesh(args)
+    app, engine = build_app(args, mesh)
+    if mesh is not None and mesh.rank != 0:
+        from moetrain.serve.expert_parallel import follow
 
-    app, engine = build_app(args)
+        follow(engine.runner, mesh)
+        return 0
     from moetrain.serve.server import BackgroundServer
 
+    ep = f", experts over {mesh.ep} processes (parallel.ep)" if mesh is not None else ""
     print(f"moetrain serve: {engine.served.name} ({engine.served.source}), {args.slots} slots, routing "
-          f"{engine.policy.policy}, cache {args.cache}", file=sys.stderr)
+          f"{engine.policy.policy}, cache {args.cache}{ep}", file=sys.stderr)
     server = BackgroundServer(app, args.host, args.port, log_level=args.log_level)
     try:
         server.start()

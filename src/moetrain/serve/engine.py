@@ -118,6 +118,11 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._seeds = random.Random()
         self._pending: list = []
+        # expert-parallel serving (serve/expert_parallel.py): the other ranks follow this engine's steps; this
+        # thread sends them a heartbeat when idle for idle_s seconds and a stop when it ends (the only thread
+        # that talks to them, so messages keep their order)
+        self.peers = None
+        self.idle_s = 10.0
 
     # --- public, any thread ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -164,7 +169,9 @@ class Engine:
             with self.cond:
                 self._admit()
                 while not self.running and not self._stop:
-                    self.cond.wait()
+                    woken = self.cond.wait(timeout=self.idle_s if self.peers is not None else None)
+                    if not woken and self.peers is not None and not self._stop:
+                        self.peers.heartbeat()
                     self._admit()
                 if self._stop:
                     break
@@ -179,6 +186,8 @@ class Engine:
         for req in [*self.running, *self.waiting]:
             self._emit(req, Event("", (), "error", "server shutting down"))
         self._flush()
+        if self.peers is not None:
+            self.peers.stop()
 
     def _admit(self) -> None:
         """Under the lock: free the slots of cancelled sequences, move waiting requests into free slots."""

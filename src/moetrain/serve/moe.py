@@ -7,7 +7,8 @@ weights of unkept candidates are zero and their assignments are dropped by the d
 expert's rows and are never computed: the experts see ``sum(keep)`` rows). When every token keeps all Kmax
 candidates (``fixed``, and ``load`` within a step), the step runs exactly the kernel the training layer runs
 (the fused dispatcher's one Function on one device, else dispatch -> experts -> combine) with nothing added, so
-the fixed case is not slowed down; the default policy even calls the layer's own router module, so outputs equal the training forward.
+the fixed case is not slowed down; the default policy even calls the layer's own router module, so outputs equal
+the training forward.
 """
 
 from __future__ import annotations
