@@ -70,6 +70,7 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         require(self.ep >= 1, "ep", f"must be >= 1, got {self.ep}")
+        require(self.timeout_s > 0, "timeout_s", f"must be > 0 seconds, got {self.timeout_s}")
         for name in ("pp", "dp_shard", "pp_stages_per_rank"):
             require(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
         require(self.dp_replicate >= 0, "dp_replicate", f"must be >= 0 (0 = the rest of the world), got "
@@ -83,4 +84,3 @@ class ParallelConfig:
     def sharded(self) -> bool:
         """Whether this layout runs on the FSDP2 engine (sharding or pipelining) rather than plain data parallel."""
         return self.fsdp == "on" or (self.fsdp == "auto" and (self.dp_shard > 1 or self.pp > 1))
-        require(self.timeout_s > 0, "timeout_s", f"must be > 0 seconds, got {self.timeout_s}")
