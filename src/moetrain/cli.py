@@ -17,8 +17,8 @@ import sys
 from moetrain.errors import MoetrainError
 
 # Subcommand modules, in help order; each defines add_parser(subparsers).
-COMMANDS = ["train", "generate", "eval", "report", "stats", "plan", "bench", "doctor", "export", "upcycle", "serve",
-            "placement"]
+COMMANDS = ["train", "generate", "eval", "report", "stats", "compare", "plan", "bench", "doctor", "export", "upcycle",
+            "serve", "placement"]
 
 
 class OneLineArgumentParser(argparse.ArgumentParser):
@@ -56,9 +56,11 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if args.command is None:  # `moetrain` alone runs the default job
         args, extra = parser.parse_known_args([*argv, "train"])
-    # FIELD=VALUE overrides may appear anywhere after the command (argparse only takes a trailing positional list).
+    # FIELD=VALUE overrides may appear anywhere after the command (argparse only takes a trailing positional list);
+    # a command with extra_positionals (compare's variants) takes any positional there and sorts them itself.
     if extra:
-        if not hasattr(args, "overrides") or any(e.startswith("-") or "=" not in e for e in extra):
+        loose = getattr(args, "extra_positionals", False)
+        if not hasattr(args, "overrides") or any(e.startswith("-") or ("=" not in e and not loose) for e in extra):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides = [*args.overrides, *extra]
     from moetrain.runtime.oserrors import quiet_thread_os_errors

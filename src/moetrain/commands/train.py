@@ -219,6 +219,10 @@ def _train(args, config, run_dir: Path, resume: bool, init, notes: list[str], ch
     if result.preempted:
         say(f"stopped by {result.preempted} after step {result.steps} with a checkpoint; continue with: {again}")
         return 0
+    if result.out_of_time:
+        say(f"stopped after step {result.steps} of {config.train.steps}: train.time_budget_s="
+            f"{config.train.time_budget_s:g} s ran out; evaluated and checkpointed; continue with: {again}")
+        return 0
     if result.steps < config.train.steps:
         say(f"stopped after step {result.steps} of {config.train.steps} (--stop-at-step) with a checkpoint; "
             f"continue with: {again}")

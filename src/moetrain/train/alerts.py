@@ -88,7 +88,11 @@ def dead_alert(step: int, layer: int, experts: list[int], idle: int, n_experts: 
                          f"consecutive steps (threshold monitor.dead_steps={config.dead_steps})")
 
 
-def evaluate_alarms(snap: Snapshot, config: MonitorConfig, top_k: int) -> dict[tuple, Alert]:
+# An alarm episode's key: (kind,) or (kind, layer) or (kind, layer, expert).
+AlertKey = tuple[str | int, ...]
+
+
+def evaluate_alarms(snap: Snapshot, config: MonitorConfig, top_k: int) -> dict[AlertKey, Alert]:
     """Every alarm condition that holds in ``snap``, keyed by episode key (see the module docstring).
 
     Args:
@@ -96,10 +100,10 @@ def evaluate_alarms(snap: Snapshot, config: MonitorConfig, top_k: int) -> dict[t
         config: thresholds.
         top_k: K (collapse is not evaluated when K equals the number of experts).
     """
-    out: dict[tuple, Alert] = {}
+    out: dict[AlertKey, Alert] = {}
     span = f"steps {snap.first_step}-{snap.step}" if snap.steps > 1 else f"step {snap.step}"
 
-    def add(key: tuple, kind: str, layer: int | None, experts: list[int], value: float, threshold: float,
+    def add(key: AlertKey, kind: str, layer: int | None, experts: list[int], value: float, threshold: float,
             message: str) -> None:
         out[key] = Alert(step=snap.step, kind=kind, layer=layer, experts=tuple(experts), value=float(value),
                          threshold=float(threshold), message=message, remedy=REMEDIES[kind],
@@ -131,7 +135,8 @@ def evaluate_alarms(snap: Snapshot, config: MonitorConfig, top_k: int) -> dict[t
             add(("token_drop", ls.layer), "token_drop", ls.layer, hot, ls.drop_fraction, config.drop_fraction,
                 f"layer {ls.layer}: {ls.drop_fraction:.1%} of token assignments dropped over {span} (threshold "
                 f"monitor.drop_fraction={config.drop_fraction:.1%}); {which} (max/mean load {ls.overload:.2f})")
-    if config.spike_factor > 0 and snap.spike_ratio is not None and snap.spike_ratio > config.spike_factor:
+    if (config.spike_factor > 0 and snap.spike_ratio is not None and snap.spike_loss is not None
+            and snap.spike_ratio > config.spike_factor):  # spike_loss is set with spike_ratio
         median = snap.spike_loss / snap.spike_ratio
         add(("loss_spike",), "loss_spike", None, [], snap.spike_ratio, config.spike_factor,
             f"loss spike at step {snap.spike_step}: LM loss {snap.spike_loss:.4f} is {snap.spike_ratio:.2f}x the "
@@ -155,7 +160,7 @@ class AlertTracker:
 
     def __init__(self, config: MonitorConfig, path: Path, top_k: int, log: Callable[[str], None] = print):
         self.config, self.path, self.top_k, self.log = config, path, top_k, log
-        self.active: set[tuple] = set()
+        self.active: set[AlertKey] = set()
         self.fatal: Alert | None = None
 
     def update(self, snap: Snapshot) -> list[Alert]:
@@ -168,6 +173,7 @@ class AlertTracker:
             if key in self.active:
                 continue
             if alert.kind == "dead_expert":
+                assert alert.layer is not None  # a dead expert's alarm names its layer
                 dead.setdefault(alert.layer, []).append(alert)
             else:
                 new.append(alert)

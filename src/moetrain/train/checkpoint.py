@@ -55,6 +55,13 @@ MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 WRITE_DELAY_ENV = "MOETRAIN_CKPT_WRITE_DELAY"
 _NAME = re.compile(r"^step_(\d{8})$")
+
+
+def _step_of(name: str) -> int:
+    """The step in a checkpoint directory name that :data:`_NAME` matched (``names()`` lists only those)."""
+    match = _NAME.match(name)
+    assert match is not None, name
+    return int(match.group(1))
 _STALE_PREFIXES = (".tmp-step_", ".trash-step_")
 _REPLACE = re.compile(r"^\.tmp-(step_\d{8})-replace-\d+$")  # CheckpointStore.replace_files' new version
 
@@ -141,7 +148,7 @@ def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     Two entries are the same tensor when they view the same storage with the same offset, shape and stride; empty
     tensors (whose storage pointer is 0) are never merged.
     """
-    seen: set[tuple] = set()
+    seen: set[tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype]] = set()
     out = {}
     for name, t in model.state_dict(keep_vars=False).items():
         if t.device.type != "meta" and t.numel() > 0:
@@ -179,7 +186,9 @@ class LoadedCheckpoint:
             CheckpointError: it does not deserialise (e.g. written by an incompatible version).
         """
         try:
-            return torch.load(io.BytesIO(self.files[STATE_FILE]), map_location="cpu", weights_only=True)
+            state: dict[str, Any] = torch.load(io.BytesIO(self.files[STATE_FILE]), map_location="cpu",
+                                               weights_only=True)
+            return state
         except Exception as e:  # noqa: BLE001 -- torch.load raises many types (UnpicklingError, RuntimeError, ...)
             raise CheckpointError(f"{self.location}/{STATE_FILE}: cannot load: {str(e).splitlines()[0]}") from None
 
@@ -195,7 +204,7 @@ class CheckpointStore:
         CheckpointError: an unknown protocol, or one whose fsspec implementation is not installed.
     """
 
-    def __init__(self, url: str | os.PathLike):
+    def __init__(self, url: str | os.PathLike[str]):
         import fsspec
         from fsspec.implementations.local import LocalFileSystem
 
@@ -221,7 +230,7 @@ class CheckpointStore:
         return f"{base}/{file}" if file else base
 
     def _remote(self, *parts: str) -> str:
-        return "/".join([self.root, *parts])
+        return "/".join([str(self.root), *parts])  # remote: root is already a str
 
     # -- listing and reading -----------------------------------------------------------------------------------
     def names(self) -> list[str]:
@@ -242,7 +251,8 @@ class CheckpointStore:
         """Raises FileNotFoundError when missing; other I/O errors propagate."""
         if self.local:
             return (self.root / name / file).read_bytes()
-        return self.fs.cat_file(self._remote(name, file))
+        data: bytes = self.fs.cat_file(self._remote(name, file))
+        return data
 
     def read_verified(self, name: str) -> LoadedCheckpoint:
         """Read every file of checkpoint ``name`` once and check it against the manifest.
@@ -258,7 +268,7 @@ class CheckpointStore:
             files = body["files"]
             if manifest["manifest_sha256"] != _sha256(_canonical(body)):
                 raise CorruptCheckpoint(f"{manifest_loc}: SHA-256 of the manifest does not match (corrupt)")
-            if body["step"] != int(_NAME.match(name).group(1)):
+            if body["step"] != _step_of(name):
                 raise CorruptCheckpoint(f"{manifest_loc}: step {body['step']} does not match the directory name")
         except FileNotFoundError:
             raise CorruptCheckpoint(f"{manifest_loc}: missing (checkpoint never completed?)") from None
@@ -289,7 +299,7 @@ class CheckpointStore:
     def latest_valid(self, warn: Callable[[str], None] = print) -> tuple[LoadedCheckpoint | None, list[str]]:
         """The newest checkpoint that verifies, and the names of the newer ones that did not (each is reported
         through ``warn`` with its location and reason). ``(None, [...])`` when none verifies."""
-        skipped = []
+        skipped: list[str] = []
         for name in reversed(self.names()):
             try:
                 return self.read_verified(name), skipped
@@ -443,7 +453,7 @@ class CheckpointStore:
         names = self.names()
         kept = set(names[-keep:]) if keep > 0 else set()
         if milestone_every > 0:
-            kept |= {n for n in names if int(_NAME.match(n).group(1)) % milestone_every == 0}
+            kept |= {n for n in names if _step_of(n) % milestone_every == 0}
         deleted = [n for n in names if n not in kept]
         for n in deleted:
             self.delete(n)

@@ -81,7 +81,7 @@ class Checkpointer:
         ValueError: ``optimizer_state`` is not one of :data:`OPTIMIZER_STATES`.
     """
 
-    def __init__(self, url: str | os.PathLike, layout: ShardLayout | None = None, keep: int = 0,
+    def __init__(self, url: str | os.PathLike[str], layout: ShardLayout | None = None, keep: int = 0,
                  milestone_every: int = 0, optimizer_state: str = "newest"):
         if optimizer_state not in OPTIMIZER_STATES:
             raise ValueError(f"optimizer_state: must be one of {OPTIMIZER_STATES}, got {optimizer_state!r}")
@@ -229,7 +229,7 @@ def load_weights(ckpt: LoadedCheckpoint, model: nn.Module, optimizer: torch.opti
                               f"{e.__class__.__name__}: {str(e).splitlines()[0]}") from None
 
 
-def load_latest_model(url: str | os.PathLike, model: nn.Module,
+def load_latest_model(url: str | os.PathLike[str], model: nn.Module,
                       warn: Callable[[str], None] = print) -> LoadedCheckpoint:
     """Load the newest valid checkpoint under ``url`` (either format, resharded to one process) into ``model``
     (for eval / generate / export); returns that checkpoint (its step, location and verified files: drop it once

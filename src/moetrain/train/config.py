@@ -48,6 +48,11 @@ class TrainConfig:
             consecutive skips stop the run with an error after a checkpoint of the last good state.
         threads: ``torch.set_num_threads`` at the start of training (0: PyTorch's default, one per core); fewer
             intra-op threads avoid oversubscribing a machine shared with other jobs.
+        time_budget_s: a wall-clock budget in seconds (0: none): the run stops after the step during which this
+            process's training loop passed it (the clock starts after the evaluation before training; the periodic
+            evaluations and checkpoints on the way count), with a final evaluation and a checkpoint as at
+            ``steps``, which stays the upper bound and the length of the LR schedule. A resumed run gets the budget
+            again from its resume. Each record of ``metrics.jsonl`` holds the same clock as ``elapsed_s``.
     """
 
     steps: int = 300
@@ -76,6 +81,7 @@ class TrainConfig:
     checkpoint_url: str | None = None
     max_nonfinite_skips: int = 5
     threads: int = 0
+    time_budget_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "grad_accum", "log_every", "keep_checkpoints", "eval_batches",
@@ -83,7 +89,7 @@ class TrainConfig:
             value = getattr(self, name)
             require(value >= 1, name, f"must be >= 1, got {value}")
         for name in ("warmup_steps", "eval_every", "ckpt_every", "weight_decay", "grad_clip", "milestone_every",
-                     "threads", "tokens_per_batch"):
+                     "threads", "tokens_per_batch", "time_budget_s"):
             value = getattr(self, name)
             require(value >= 0, name, f"must be >= 0, got {value}")
         require(self.lr > 0, "lr", f"must be > 0, got {self.lr}")

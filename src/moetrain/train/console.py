@@ -22,9 +22,16 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Callable, NamedTuple
+from typing import IO, TYPE_CHECKING, Callable, NamedTuple, TypeVar
 
 from tqdm.auto import tqdm
+
+if TYPE_CHECKING:  # imported where used: importing the console stays light
+    import torch
+
+    from moetrain.config import Config
+
+T = TypeVar("T")
 
 
 class MfuModel(NamedTuple):
@@ -34,7 +41,7 @@ class MfuModel(NamedTuple):
     peak_flops: float  # calibrated GEMM FLOP/s of this device in the compute dtype
 
 
-def mfu_model(config, device) -> MfuModel:
+def mfu_model(config: Config, device: torch.device) -> MfuModel:
     """:class:`MfuModel` of a full config on ``device`` (calibrates the GEMM peak once per process)."""
     import torch
 
@@ -56,7 +63,7 @@ def format_duration(seconds: float) -> str:
     return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
 
 
-def use_bar(enabled: bool, stream=None) -> bool:
+def use_bar(enabled: bool, stream: IO[str] | None = None) -> bool:
     """A bar only when asked for and stderr (where tqdm draws) is a terminal."""
     stream = sys.stderr if stream is None else stream
     return bool(enabled) and hasattr(stream, "isatty") and stream.isatty()
@@ -88,10 +95,10 @@ class Console:
         self._t_last, self._steps_since, self._wait_since = self._t0, 0, 0.0
         self.data_wait_s = 0.0  # whole run
 
-    def timed(self, next_batch: Callable[[], object]) -> Callable[[], object]:
+    def timed(self, next_batch: Callable[[], T]) -> Callable[[], T]:
         """``next_batch`` with its time added to ``data_wait_s``."""
 
-        def wrapper():
+        def wrapper() -> T:
             t0 = time.perf_counter()
             try:
                 return next_batch()

@@ -41,7 +41,8 @@ class MetricsLogger:
             values = [Summary.Value(tag=key, simple_value=float(value)) for key, value in record.items()
                       if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)]
             if values:
-                self.writer._get_file_writer().add_summary(Summary(value=values), record["step"])
+                writer = self.writer._get_file_writer()  # type: ignore[no-untyped-call]  # untyped in torch
+                writer.add_summary(Summary(value=values), record["step"])
 
     def close(self) -> None:
         if self.writer is not None:

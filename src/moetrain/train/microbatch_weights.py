@@ -15,11 +15,13 @@ equal shape the weights are ``None`` and the step divides by g exactly as before
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from moetrain.data.batch import Batch, PackedBatch, model_inputs
+from moetrain.model.transformer import ModelOutput, MoETransformer
 
 _SEQUENCE_TERMS = frozenset({"seq_aux_loss"})
 """The :data:`~moetrain.model.transformer.MOE_LOSS_TERMS` that are means over sequences, not tokens."""
@@ -38,7 +40,7 @@ class MicroBatchWeights:
     rows: tuple[float, ...]
 
 
-def micro_batch_weights(batches: list[Batch]) -> MicroBatchWeights | None:
+def micro_batch_weights(batches: Sequence[Batch]) -> MicroBatchWeights | None:
     """The weights of ``batches``; ``None`` when none is a :class:`PackedBatch` (equal plain micro-batches: 1 / g).
 
     One host sync per micro-batch (the counts), before the first forward.
@@ -60,29 +62,34 @@ def scaled(value: torch.Tensor, weights: MicroBatchWeights | None, i: int, g: in
     return value * (weights.rows[i] if term in _SEQUENCE_TERMS else weights.tokens[i])
 
 
-def term_share(model, out, name: str, weights: MicroBatchWeights | None, i: int, g: int) -> torch.Tensor:
+def term_share(model: MoETransformer, out: ModelOutput, name: str, weights: MicroBatchWeights | None, i: int,
+               g: int) -> torch.Tensor:
     """Micro-batch i's share of the reported term ``name`` of ``out`` (detached): :func:`scaled`, and for
     ``moe_loss`` the same split as :func:`step_loss` (its sequence-level part by row weight)."""
-    value = getattr(out, name).detach()
+    value: torch.Tensor = getattr(out, name).detach()
     if name != "moe_loss" or weights is None:
         return scaled(value, weights, i, g, name)
+    assert out.lm_loss is not None  # a forward with targets
     return step_loss(model, out, weights, i, g).detach() - out.lm_loss.detach() * weights.tokens[i]
 
 
-def step_loss(model, out, weights: MicroBatchWeights | None, i: int, g: int) -> torch.Tensor:
+def step_loss(model: MoETransformer, out: ModelOutput, weights: MicroBatchWeights | None, i: int, g: int
+              ) -> torch.Tensor:
     """Micro-batch i's share of the step's loss, to backward: ``out.loss / g`` without weights; else
     ``tokens[i] * out.loss`` with the sequence-level aux loss moved to its row weight (its coefficient read from
     ``model.config.moe.losses``)."""
+    assert out.loss is not None  # a forward with targets
     if weights is None:
         return out.loss / g
     loss = out.loss * weights.tokens[i]
     coeff = model.config.moe.losses.seq_aux_loss_coeff
     if coeff:
+        assert out.seq_aux_loss is not None  # assemble_moe_losses sets every term
         loss = loss + coeff * out.seq_aux_loss * (weights.rows[i] - weights.tokens[i])
     return loss
 
 
-def batch_moe_counts(model, batch: Batch) -> torch.Tensor:
+def batch_moe_counts(model: MoETransformer, batch: Batch) -> torch.Tensor:
     """``model.moe_counts`` of ``batch`` (the global-batch pre-pass): [L, E] fp32, real tokens only."""
     inputs, _, kwargs = model_inputs(batch)
     return model.moe_counts(inputs, **kwargs)

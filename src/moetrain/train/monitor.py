@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -38,6 +38,11 @@ from moetrain.parallel.ac import in_recompute
 from moetrain.train.alerts import ALERTS_FILE, AlertTracker, TrainingAlarm, truncate_alerts
 from moetrain.train.monitor_config import MonitorConfig
 from moetrain.train.routing_stats import RoutingStats, Snapshot
+
+if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
+
+    from moetrain.moe.layer import MoELayer
 
 # A 5-stop approximation of matplotlib's "viridis" (perceptually uniform, readable in grey), so training needs no
 # matplotlib for the TensorBoard heatmap.
@@ -49,13 +54,14 @@ def colorize(values: np.ndarray, vmax: float) -> np.ndarray:
     x = np.clip(values / max(vmax, 1e-12), 0.0, 1.0) * (len(_VIRIDIS) - 1)
     lo = np.floor(x).astype(int).clip(0, len(_VIRIDIS) - 2)
     frac = (x - lo)[..., None]
-    return ((1 - frac) * _VIRIDIS[lo] + frac * _VIRIDIS[lo + 1]).round().astype(np.uint8)
+    rgb: np.ndarray = ((1 - frac) * _VIRIDIS[lo] + frac * _VIRIDIS[lo + 1]).round().astype(np.uint8)
+    return rgb
 
 
 def _router_bias(layer: torch.nn.Module, num_experts: int) -> torch.Tensor | None:
     """The layer's aux-loss-free routing bias: a router buffer [E] whose name contains ``bias`` (``None`` if the
     router has none)."""
-    router = getattr(layer, "router", None)
+    router: torch.nn.Module | None = getattr(layer, "router", None)
     if router is None:
         return None
     for name, buf in router.named_buffers(recurse=False):
@@ -82,7 +88,8 @@ class RoutingMonitor:
         # A pipeline stage's blocks (moetrain.parallel.pipeline_runner.LocalModel) are keyed by their global index.
         indexed = ([(int(k), b) for k, b in blocks.items()] if isinstance(blocks, torch.nn.ModuleDict)
                    else list(enumerate(blocks)))
-        self.layers = [(i, b.ffn) for i, b in indexed if getattr(b, "is_moe", False)]
+        # is_moe: the block's ffn is a MoELayer
+        self.layers = [(i, cast("MoELayer", b.ffn)) for i, b in indexed if getattr(b, "is_moe", False)]
         moe_cfg = self.layers[0][1].config if self.layers else None
         self.num_experts = moe_cfg.num_experts if moe_cfg else 0
         self.top_k = moe_cfg.top_k if moe_cfg else 1
@@ -92,14 +99,18 @@ class RoutingMonitor:
         self.alerts = AlertTracker(config, self.run_dir / ALERTS_FILE, self.top_k, log)
         if start_step > 0:  # resumed: the steps after the checkpoint run again, so do their alarms
             truncate_alerts(self.run_dir / ALERTS_FILE, start_step)
-        self.history: list[deque] = [deque(maxlen=config.heatmap_history) for _ in self.layers]
-        self.flushes, self._writer, self._last_step, self._heatmap_step = 0, None, None, None
+        # per layer, the last heatmap_history logging steps' token shares [E]
+        self.history: list[deque[list[float]]] = [deque(maxlen=config.heatmap_history) for _ in self.layers]
+        self.flushes = 0
+        self._writer: Any = None  # a SummaryWriter
+        self._last_step: int | None = None
+        self._heatmap_step: int | None = None
         if self.enabled and config.tb_heatmap:
             try:  # import Pillow now (a one-off ~0.1 s), not in the middle of training at the first heatmap
                 import PIL.Image  # noqa: F401
             except ImportError:
                 pass
-        self._handles: list = []
+        self._handles: list[RemovableHandle] = []
         self.attach()
 
     def attach(self) -> None:
@@ -114,7 +125,7 @@ class RoutingMonitor:
             handle.remove()
         self._handles = []
 
-    def _hook(self, pos: int):
+    def _hook(self, pos: int) -> Callable[[torch.nn.Module, Any, Any], None]:
         def hook(module: torch.nn.Module, inputs: Any, output: Any) -> None:
             # Training forwards with gradients only: evaluation (model.eval()), generation, and the no-grad routing
             # pre-pass of the global-batch aux loss (MoETransformer.moe_counts) must not count.
@@ -182,13 +193,14 @@ class RoutingMonitor:
             self.history[pos].append([t * self.top_k / total for t in tokens] if total > 0 else [0.0] * len(tokens))
             if self.config.tb_histograms and total > 0:
                 # Raw buckets: bucket e is expert e, its height the expert's tokens (a bar chart over experts).
-                values += histogram_raw(
+                values += histogram_raw(  # type: ignore[no-untyped-call]  # untyped in torch
                     f"{tag}/tokens_per_expert", min=0.0, max=float(len(tokens) - 1), num=float(total),
                     sum=float(sum(e * t for e, t in enumerate(tokens))),
                     sum_squares=float(sum(e * e * t for e, t in enumerate(tokens))),
                     bucket_limits=[e + 0.5 for e in range(len(tokens))], bucket_counts=list(tokens)).value
             if self.config.tb_histograms and ls.bias is not None:
-                values += histogram(f"{tag}/bias", np.asarray(ls.bias), bins="auto").value
+                values += histogram(  # type: ignore[no-untyped-call]  # untyped in torch
+                    f"{tag}/bias", np.asarray(ls.bias), bins="auto").value
         if self.config.tb_heatmap and self.flushes % self.config.tb_heatmap_every == 0:
             values += self._heatmaps()
             self._heatmap_step = step
@@ -196,7 +208,7 @@ class RoutingMonitor:
             writer._get_file_writer().add_summary(Summary(value=values), step)
         self._writer, self._last_step = writer, step
 
-    def _heatmaps(self) -> list:
+    def _heatmaps(self) -> list[Any]:
         """One image per layer: experts as rows, logging steps as columns, colour = share of the layer's tokens
         (0..1, 1 = every token chose the expert). ``[]`` without Pillow (TensorBoard encodes PNGs with it)."""
         try:
@@ -205,14 +217,15 @@ class RoutingMonitor:
             return []
         from torch.utils.tensorboard.summary import image
 
-        out = []
+        out: list[Any] = []  # Summary.Value protos
         for pos, ls in enumerate(self.last_snapshot.layers):
             if not self.history[pos]:
                 continue
             shares = np.asarray(self.history[pos], dtype=np.float64).T  # [E, H]
             rows, cols = max(1, 64 // shares.shape[0]), max(1, 256 // shares.shape[1])  # ~64 x 256 px
             rgb = np.repeat(np.repeat(colorize(shares, 1.0), rows, axis=0), cols, axis=1)  # [H, W, 3]
-            out += image(f"moe/layer{ls.layer}/load_heatmap", rgb, dataformats="HWC").value
+            out += image(  # type: ignore[no-untyped-call]  # untyped in torch
+                f"moe/layer{ls.layer}/load_heatmap", rgb, dataformats="HWC").value
         return out
 
     def state_dict(self) -> dict[str, Any]:

@@ -11,6 +11,9 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -21,7 +24,8 @@ class GracefulStop:
 
     def __init__(self) -> None:
         self.received: str | None = None
-        self._previous: dict[int, object] = {}
+        # what signal.signal returns: a handler, SIG_DFL / SIG_IGN, or None (not installed from Python)
+        self._previous: dict[int, Callable[[int, FrameType | None], Any] | int | signal.Handlers | None] = {}
 
     def __enter__(self) -> "GracefulStop":
         if threading.current_thread() is threading.main_thread():
@@ -29,12 +33,12 @@ class GracefulStop:
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
 
-    def _handle(self, signum: int, frame) -> None:
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
         # os.write, not print: the handler may interrupt a print to the same stream (a reentrant-call error).
         if self.received is not None:

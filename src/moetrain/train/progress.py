@@ -5,18 +5,39 @@ Records written (one JSON object per line, see :class:`~moetrain.train.metrics.M
 
 - at a logging step: ``step``, ``train_loss``, ``lr``, ``tokens_per_s`` (since the previous logging step),
   ``aux_loss``, ``z_loss``, ``grad_norm``, ``mfu``, ``data_wait_s`` (see :mod:`moetrain.train.console`),
-  ``val_loss`` when evaluated at that step, then the routing monitor's
-  and the parallel hooks' fields;
-- at an evaluation step that is not a logging step: ``step``, ``val_loss``;
+  ``elapsed_s``, ``val_loss`` when evaluated at that step, then the routing monitor's
+  and the parallel hooks' fields; the first one of a run (not of a resume) also ``first_batch_sha256``;
+- at an evaluation step that is not a logging step: ``step``, ``val_loss``, ``elapsed_s``;
 - at a skipped (non-finite) step: ``step``, ``skipped_nonfinite``, ``nonfinite_skips``.
+
+``elapsed_s`` is the wall-clock seconds from the start of this process's training loop (after the evaluation
+before training) to the end of that step, the evaluations and checkpoints before it included (the clock of
+``train.time_budget_s``; a resumed run starts it again). ``first_batch_sha256`` (:func:`batch_fingerprint`) names the
+tokens of the first micro-batch the run trained on, so two runs can show that they started on the same data.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import hashlib
+import time
+from typing import Any, Callable, TypeVar
 
+from moetrain.data.batch import Batch, model_inputs
 from moetrain.train.console import Console, MfuModel, use_bar
 from moetrain.train.step import StepResult
+
+B = TypeVar("B", bound=Batch)
+
+
+def batch_fingerprint(batch: Batch) -> str:
+    """The first 16 hex digits of the SHA-256 of a micro-batch's input and target token ids (int64, with their
+    shapes, [B, S] each): equal for the same tokens in the same order, whatever the model."""
+    inputs, targets, _ = model_inputs(batch)
+    h = hashlib.sha256()
+    for t in (inputs, targets):
+        h.update(repr(tuple(t.shape)).encode())
+        h.update(t.detach().to("cpu").long().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
 
 
 class StepLog:
@@ -36,10 +57,28 @@ class StepLog:
                  tokens_per_step: int, progress: bool, mfu: MfuModel | None = None):
         self.metrics, self.log, self.tokens_per_step = metrics, log, tokens_per_step
         self.console = Console(total_steps, initial_step, tokens_per_step, mfu, use_bar(progress), log)
+        self.t0 = time.perf_counter()
+        self.elapsed_s = 0.0  # at the end of the latest step (see the module docstring)
+        self.last_step = total_steps  # the step whose validation line the trainer's closing line prints instead
+        self.first_batch: str | None = None  # batch_fingerprint of the first micro-batch, until it is logged
+
+    def fingerprinted(self, next_batch: Callable[[], B]) -> Callable[[], B]:
+        """``next_batch`` whose first micro-batch's :func:`batch_fingerprint` goes into the next logging record."""
+        seen = False
+
+        def wrapper() -> B:
+            nonlocal seen
+            batch = next_batch()
+            if not seen:
+                seen, self.first_batch = True, batch_fingerprint(batch)
+            return batch
+
+        return wrapper
 
     def step(self, loss: float, lr: float) -> None:
         """One optimizer step done (``loss``: its LM loss)."""
         self.console.step(loss, lr)
+        self.elapsed_s = time.perf_counter() - self.t0
 
     def skipped(self, step: int, result: StepResult, loss: float, total: int, in_a_row: int, limit: int) -> None:
         """A step whose update was skipped for a non-finite loss or gradient norm."""
@@ -51,9 +90,13 @@ class StepLog:
     def train_record(self, step: int, result: StepResult, loss: float) -> dict[str, Any]:
         """The logging step's record so far (the caller adds ``val_loss`` and monitor fields, then
         :meth:`write`); tokens/s, mfu and data_wait_s count the steps since the previous logging step."""
-        return {"step": step, "train_loss": loss, "lr": result.lr, **self.console.logging_step(loss, result.lr),
-                "aux_loss": float(result.aux_loss), "z_loss": float(result.z_loss),
-                "grad_norm": float(result.grad_norm)}
+        record: dict[str, Any] = {
+            "step": step, "train_loss": loss, "lr": result.lr, **self.console.logging_step(loss, result.lr),
+            "aux_loss": float(result.aux_loss), "z_loss": float(result.z_loss), "grad_norm": float(result.grad_norm),
+            "elapsed_s": self.elapsed_s}
+        if self.first_batch is not None:
+            record["first_batch_sha256"], self.first_batch = self.first_batch, None
+        return record
 
     def write(self, record: dict[str, Any]) -> None:
         self.metrics.log(record)
@@ -62,11 +105,11 @@ class StepLog:
 
     def val(self, step: int, val_loss: float) -> None:
         """An evaluation at a step that is not a logging step."""
-        self.metrics.log({"step": step, "val_loss": val_loss})
+        self.metrics.log({"step": step, "val_loss": val_loss, "elapsed_s": self.elapsed_s})
         self._val_line(step, val_loss)
 
     def _val_line(self, step: int, val_loss: float) -> None:
-        if step < self.console.total:  # the last one is in the trainer's closing line
+        if step < self.last_step:  # the last one is in the trainer's closing line
             self.log(f"step {step}: val_loss {val_loss:.4f}")
 
     def close(self) -> None:

@@ -38,7 +38,7 @@ import copy
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict, cast
 
 import torch
 
@@ -170,7 +170,7 @@ class RoutingStats:
         self.layer_ids, self.num_experts, self.top_k, self.device = list(layer_ids), num_experts, top_k, device
         self.spike_window, self.spike_warmup, self.collapse_window = spike_window, spike_warmup, collapse_window
         n_layers = len(self.layer_ids)
-        f64 = {"device": device, "dtype": torch.float64}
+        f64: dict[str, Any] = {"device": device, "dtype": torch.float64}
         # Interval accumulators, float64 so counts stay exact far beyond fp32's 2**24.
         self.counts = torch.zeros(n_layers, num_experts, **f64)  # [L, E] this interval
         self.dropped = torch.zeros(n_layers, num_experts, **f64)  # [L, E] this interval, when reported per expert
@@ -200,7 +200,8 @@ class RoutingStats:
         self._loss_steps: list[int] = []  # their step numbers
         self.loss_history: list[float] = []  # the last W losses, oldest first (NaN: non-finite)
         self.spike: tuple[float, int, float] | None = None  # this interval's (max ratio, its step, its loss)
-        self.nonfinite_count, self.nonfinite_last = 0, None
+        self.nonfinite_count = 0
+        self.nonfinite_last: int | None = None
         self.step = start_step
         self.interval_start = start_step
 
@@ -232,10 +233,14 @@ class RoutingStats:
         # call costs microseconds of Python), but detached: a queued loss would keep the step's autograd graph
         # alive until the fold.
         vectors = [record.tokens_per_expert.detach()]
-        if self.drop_mode == "expert":
-            vectors.append(getattr(record, self.drop_field).detach())
-        elif self.drop_mode == "scalar":
-            scalars.append(getattr(record, self.drop_field).detach().sum())
+        assert self.loss_terms is not None  # set by _init_columns
+        if self.drop_mode is not None:  # "expert" or "scalar": set from drop_field
+            assert self.drop_field is not None
+            dropped = getattr(record, self.drop_field).detach()
+            if self.drop_mode == "expert":
+                vectors.append(dropped)
+            else:
+                scalars.append(dropped.sum())
         scalars += [getattr(record, name).detach() for name in self.loss_terms]
         self._obs_pos.append(pos)
         self._obs_slot.append(len(self._steps))  # the step being run: closed by the next end_step
@@ -278,6 +283,7 @@ class RoutingStats:
         width = 0 if self.scalars is None else self.scalars.shape[1]
         n_vec = 2 if self.drop_mode == "expert" else 1
         if n:
+            assert self.scalars is not None  # set by the first observation
             pos = self._index(tuple(self._obs_pos[:n]))
             values = torch.stack(self._obs_scalars[:n * width]).view(n, width).to(f64)  # [n, C]
             vectors = torch.stack(self._obs_vectors[:n * n_vec]).reshape(n, n_vec, e).to(f64)  # [n, V, E]
@@ -307,7 +313,8 @@ class RoutingStats:
             if any(loss is None for loss in self._losses):
                 nan = torch.full((), math.nan, device=self.device)
                 self._losses = [nan if x is None else x for x in self._losses]
-            self._loss_chunks.append(torch.stack(self._losses).to(self.device, f64).reshape(-1))
+            losses = cast(list[torch.Tensor], self._losses)  # no None left
+            self._loss_chunks.append(torch.stack(losses).to(self.device, f64).reshape(-1))
             self._loss_steps += self._steps
         self.steps_seen += p
         self._obs_pos, self._obs_slot = self._obs_pos[n:], [s - p for s in self._obs_slot[n:]]
@@ -389,8 +396,9 @@ class RoutingStats:
                     layer.dropped = dropped[i * e:(i + 1) * e] if self.drop_mode == "expert" else None
                     total = sum(layer.dropped) if layer.dropped is not None else row[2]
                     layer.drop_fraction = total / assigned
-            if biases[i] is not None:
-                layer.bias = take(biases[i].numel())
+            bias = biases[i]
+            if bias is not None:
+                layer.bias = take(bias.numel())
             layers.append(layer)
         snap = Snapshot(step=self.step, first_step=self.interval_start + 1, steps=self.step - self.interval_start,
                         layers=layers, nonfinite_steps=self.nonfinite_count, nonfinite_step=self.nonfinite_last,
@@ -439,7 +447,15 @@ class RoutingStats:
         self.scalars = None if state["scalars"] is None else state["scalars"].to(self.device)
 
 
-def load_statistics(tokens: list[float], top_k: int) -> dict[str, float | None]:
+class LoadStatistics(TypedDict):
+    """What :func:`load_statistics` returns (:class:`LayerStats` fields of the same names)."""
+
+    cv: float | None
+    overload: float | None
+    max_share: float | None
+
+
+def load_statistics(tokens: list[float], top_k: int) -> LoadStatistics:
     """``cv``, ``overload`` and ``max_share`` of one layer's per-expert assignment counts (``None`` when the layer
     saw no tokens). See the module docstring for the definitions."""
     total = sum(tokens)

@@ -69,7 +69,7 @@ class RunLock:
         self._lock = lock
         return self
 
-    def __exit__(self, exc_type, *exc) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         if exc_type is not None and self._created_lock_file and not (self.run_dir / "config.json").exists():
             self.path.unlink(missing_ok=True)  # still held: nobody else can have taken it meanwhile
         if self._lock is not None:

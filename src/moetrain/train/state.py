@@ -45,17 +45,19 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def rng_state() -> dict:
+def rng_state() -> dict[str, Any]:
     """Every global RNG's state, as tensors and plain Python data (loadable with ``torch.load(weights_only=True)``)."""
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {"python": random.getstate(), "numpy": (kind, keys.tolist(), pos, has_gauss, cached),
+    numpy_state = np.random.get_state(legacy=True)  # legacy=True is the default: a tuple for the global MT19937
+    assert isinstance(numpy_state, tuple)
+    kind, keys, pos, has_gauss, cached = numpy_state
+    state: dict[str, Any] = {"python": random.getstate(), "numpy": (kind, keys.tolist(), pos, has_gauss, cached),
              "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
-def set_rng_state(state: dict) -> None:
+def set_rng_state(state: dict[str, Any]) -> None:
     """Restore :func:`rng_state` output (the CUDA states only where CUDA is available)."""
     random.setstate(state["python"])
     kind, keys, pos, has_gauss, cached = state["numpy"]
@@ -91,7 +93,7 @@ class TrainState:
     initial_val_loss: float | None = None
     nonfinite_total: int = 0
     nonfinite_in_a_row: int = 0
-    config: dict | None = None
+    config: dict[str, Any] | None = None
 
     # -- sharded parts -----------------------------------------------------------------------------------------
     def model_state_dict(self) -> dict[str, torch.Tensor]:

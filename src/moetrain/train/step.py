@@ -16,20 +16,21 @@ optimizer, from the counts of all micro-batches (and ranks).
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable, cast
 
 import torch
 
-from moetrain.data.batch import model_inputs, to_device
+from moetrain.data.batch import Batch, model_inputs, to_device
 from moetrain.model.transformer import MOE_LOSS_TERMS, MoETransformer
 from moetrain.moe.balancing import CountReducer
 from moetrain.train.config import TrainConfig
 from moetrain.train.microbatch_weights import batch_moe_counts, micro_batch_weights, scaled, step_loss, term_share
 
 
-def autocast_context(device: torch.device, dtype: str):
+def autocast_context(device: torch.device, dtype: str) -> AbstractContextManager[Any]:
     """bf16 autocast for ``dtype == "bf16"``, else a no-op. The router opts out of it (see moe/router.py). On a CPU
     without fast bf16 GEMMs (no AVX512_BF16 / AMX) bf16 computes in fp32 instead: a no-op too
     (:func:`moetrain.runtime.cpu.bf16_compute`; the trainer says so once at start)."""
@@ -101,7 +102,7 @@ def needs_global_counts(model: MoETransformer, grad_accum: int, count_reducer: C
 
 def accumulate_gradients(
     model: MoETransformer,
-    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    batches: Sequence[Batch],
     dtype: str,
     device: torch.device,
     count_reducer: CountReducer | None = None,
@@ -123,33 +124,35 @@ def accumulate_gradients(
     # (train/microbatch_weights.py); plain equal micro-batches keep the 1 / g below (weights None).
     batches = [to_device(b, device) for b in batches]
     weights = micro_batch_weights(batches)
-    global_counts = None
+    global_counts: torch.Tensor | None = None
     if needs_global_counts(model, g, count_reducer):
         # Same mode and the same random numbers (router jitter) as the passes below, so they route identically.
         devices = [device] if device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices), autocast_context(device, dtype):
-            global_counts = sum(batch_moe_counts(model, b) for b in batches)
+            # a tensor: there is at least one micro-batch
+            global_counts = cast(torch.Tensor, sum(batch_moe_counts(model, b) for b in batches))
         if count_reducer is not None:
             global_counts = count_reducer(global_counts)
     zero = torch.zeros((), device=device)
     lm = zero.clone()
     losses = {name: zero.clone() for name in _STEP_MOE_TERMS}
-    counts = dropped = None
+    counts: torch.Tensor | None = None
+    dropped: torch.Tensor | None = None
     for i, batch in enumerate(batches):
         inputs, targets, batch_kwargs = model_inputs(batch)  # + padding_mask, document_ids of a PackedBatch
         with autocast_context(device, dtype):
             out = model(inputs, targets, **batch_kwargs, global_counts=global_counts,
                         count_reducer=count_reducer if global_counts is None else None,
                         return_logits=False)  # fused LM head + loss: no [B, S, V] logits (model/fused_ce.py)
-        step_loss(model, out, weights, i, g).backward()
+        step_loss(model, out, weights, i, g).backward()  # type: ignore[no-untyped-call]  # untyped in torch
         lm += scaled(out.lm_loss.detach(), weights, i, g)
         for name in _STEP_MOE_TERMS:
             losses[name] += term_share(model, out, name, weights, i, g)
         if out.moe:
             c = torch.stack([r.tokens_per_expert for r in out.moe])
             d = torch.stack([r.dropped_per_expert for r in out.moe])
-            counts, dropped = (c, d) if counts is None else (counts + c, dropped + d)
-    if counts is None:
+            counts, dropped = (c, d) if counts is None or dropped is None else (counts + c, dropped + d)
+    if counts is None or dropped is None:  # no MoE layer
         counts = dropped = torch.zeros(0, model.config.moe.num_experts, device=device)
     return Accumulated(lm_loss=lm, moe_losses=losses, tokens_per_expert=counts, dropped_per_expert=dropped,
                        global_counts=global_counts)
@@ -169,7 +172,7 @@ def update_expert_biases(model: MoETransformer, counts: torch.Tensor) -> None:
 
 def train_step(
     model: MoETransformer,
-    next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+    next_batch: Callable[[], Batch],
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     config: TrainConfig,
@@ -202,7 +205,7 @@ def train_step(
     max_norm = config.grad_clip if config.grad_clip > 0 else float("inf")
     grad_norm = (torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) if sync_grads is None
                  else sync_grads(max_norm))
-    lr = scheduler.get_last_lr()[0]
+    lr = float(scheduler.get_last_lr()[0])  # a float already (LambdaLR)
     result = StepResult(lm_loss=lm, aux_loss=aux, z_loss=z, grad_norm=grad_norm, lr=lr, tokens_per_expert=counts,
                         moe_losses=acc.moe_losses, dropped_per_expert=dropped)
     # A non-finite loss or gradient would poison the weights and AdamW's moments for good: skip the update and

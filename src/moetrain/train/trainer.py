@@ -18,12 +18,13 @@ import shlex
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from collections.abc import Iterable
+from typing import Any, Callable, cast
 
 import torch
 
 from moetrain.config import Config
-from moetrain.data.batch import model_inputs, real_tokens
+from moetrain.data.batch import Batch, model_inputs, real_tokens
 from moetrain.data.dataset import PreparedData, prepare_data
 from moetrain.data.loader import DataPipeline, build_pipeline
 from moetrain.errors import CheckpointError, ConfigError, MoetrainError
@@ -84,7 +85,7 @@ def build_optimizer(model: torch.nn.Module, config: Config) -> torch.optim.AdamW
 
 
 @torch.no_grad()
-def evaluate(model: MoETransformer, batches, device: torch.device, dtype: str) -> float:
+def evaluate(model: MoETransformer, batches: Iterable[Batch], device: torch.device, dtype: str) -> float:
     """Mean LM loss (nats/token) over ``batches`` of (inputs, targets) [B, S] or PackedBatch (weighted by real
     tokens); the model is left in train mode."""
     model.eval()
@@ -115,6 +116,7 @@ class TrainResult:
     losses: list[float]
     preempted: str | None = None  # the signal that stopped the run early ("SIGTERM"), if any
     nonfinite_skips: int = 0  # steps skipped for a non-finite loss or gradient over the whole run
+    out_of_time: bool = False  # stopped early by train.time_budget_s (after a final evaluation and checkpoint)
 
 
 @dataclass
@@ -132,19 +134,21 @@ class _Session:
         losses: the LM loss of every step of this call.
         val_loss / val_step: the latest evaluation.
         saved_at: location of the checkpoint of the current step, once written.
+        out_of_time: ``train.time_budget_s`` ran out; ``end`` is then the current step (the last).
     """
 
     state: TrainState
     checkpointer: Checkpointer
     tokenizer: bytes
-    val_set: list
+    val_set: list[Batch]
     next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]]
-    report: StepLog | None = None
+    report: StepLog
     end: int = 0
     losses: list[float] = field(default_factory=list)
     val_loss: float | None = None
     val_step: int | None = None
     saved_at: str | None = None
+    out_of_time: bool = False
 
 
 class Trainer:
@@ -169,7 +173,8 @@ class Trainer:
 
     # -- the loop ----------------------------------------------------------------------------------------------
     def run(self, stop_at_step: int | None = None) -> TrainResult:
-        """Train to ``train.steps`` (or ``stop_at_step``), evaluating, logging and checkpointing on the way.
+        """Train to ``train.steps`` (or ``stop_at_step``, or the step that runs out ``train.time_budget_s``),
+        evaluating, logging and checkpointing on the way.
 
         Raises:
             CheckpointError: ``--resume`` with no checkpoint that verifies, or a checkpoint that does not fit.
@@ -183,6 +188,7 @@ class Trainer:
             try:
                 while s.state.step < s.end:
                     result = self._step(s)
+                    self._stop_if_out_of_time(s)
                     self._report(s, result)
                     self._checkpoint_if_due(s)
                     self._stop_if_diverged(s)
@@ -197,11 +203,12 @@ class Trainer:
         if s.val_loss is not None:
             self.log(f"step {s.val_step}: val_loss {s.val_loss:.4f} (before training: {s.state.initial_val_loss:.4f})")
         return TrainResult(self.run_dir, s.state.step, s.state.initial_val_loss, s.val_loss, s.losses, preempted,
-                           s.state.nonfinite_total)
+                           s.state.nonfinite_total, s.out_of_time)
 
     def _step(self, s: _Session) -> StepResult:
         """One optimizer step, counted (and reported) as skipped when its loss or gradient was not finite."""
         st, t = s.state, self.config.train
+        assert st.optimizer is not None  # _build_state made it
         result = self.hooks.train_step(st.model, s.next_batch, st.optimizer, st.scheduler, t, self.device)
         st.step += 1
         st.monitor.end_step(st.step, result.lm_loss)  # device-side only
@@ -221,7 +228,7 @@ class Trainer:
         """At a logging step: the metrics record (with the evaluation when one is due), then the routing alarms;
         otherwise just the evaluation when due."""
         t, step = self.config.train, s.state.step
-        eval_due = bool(t.eval_every and step % t.eval_every == 0) or step == t.steps
+        eval_due = bool(t.eval_every and step % t.eval_every == 0) or step == t.steps or s.out_of_time
         if not (step % t.log_every == 0 or step == s.end):
             if eval_due:
                 s.report.val(step, self._evaluate(s))
@@ -237,6 +244,17 @@ class Trainer:
         s.report.write(record)
         # monitor.fatal alarms: checkpoint, then one-line error
         self.hooks.raise_if_fatal(s.state.monitor, functools.partial(self._save, s))
+
+    def _stop_if_out_of_time(self, s: _Session) -> None:
+        """Make the current step the last (evaluated, logged and checkpointed as at ``train.steps``) when its end
+        passed ``train.time_budget_s`` seconds of the loop; every rank stops after the same step (one all-reduce
+        per step when distributed, only with a budget)."""
+        budget = self.config.train.time_budget_s
+        if not budget or s.state.step >= s.end:
+            return
+        if self.hooks.agree_stop("train.time_budget_s" if s.report.elapsed_s >= budget else None):
+            s.end, s.out_of_time = s.state.step, True
+            s.report.last_step = s.state.step
 
     def _evaluate(self, s: _Session) -> float:
         t = self.config.train
@@ -316,15 +334,17 @@ class Trainer:
                                        start_step=state.step)  # routing health
         if saved is not None:
             state.monitor.load_state_dict(saved.get("monitor"))
-        s = _Session(state, checkpointer, tokenizer, val_set, self.hooks.local_batch(state.sampler.next_batch),
-                     end=t.steps if stop_at_step is None else min(t.steps, stop_at_step))
+        next_batch = self.hooks.local_batch(state.sampler.next_batch)
         if state.initial_val_loss is None:
             state.initial_val_loss = self.hooks.evaluate(state.model, val_set, self.device, t.dtype)
             metrics.log({"step": 0, "val_loss": state.initial_val_loss})
             self.log(f"step 0: val_loss {state.initial_val_loss:.4f}")
-        s.report = StepLog(metrics, self.log, t.steps, state.step, t.batch_size * t.grad_accum * cfg.data.seq_len,
-                           self.progress, mfu=mfu_model(cfg, self.device))
-        s.next_batch = s.report.console.timed(s.next_batch)  # data_wait_s
+        report = StepLog(metrics, self.log, t.steps, state.step, t.batch_size * t.grad_accum * cfg.data.seq_len,
+                         self.progress, mfu=mfu_model(cfg, self.device))
+        if state.step == 0:  # first_batch_sha256 in the first logging record: which tokens the run started on
+            next_batch = report.fingerprinted(next_batch)
+        s = _Session(state, checkpointer, tokenizer, val_set, report.console.timed(next_batch),  # data_wait_s
+                     report, end=t.steps if stop_at_step is None else min(t.steps, stop_at_step))
         state.model.train()
         return s
 
@@ -366,7 +386,7 @@ class Trainer:
         model = self.hooks.build_model(cfg.model, self.device, t.seed, cfg.parallel.meta_init)
         if ckpt is None and self.init_weights is not None:
             load_model_weights(model, self.init_weights, "--init-from")
-        total, active = count_parameters(model)
+        total, active = count_parameters(cast(MoETransformer, model))  # build_model's MoETransformer
         # expert parallelism: keep this rank's experts, dispatchers; FSDP2 / pipeline: this rank's shards / stages
         model = self.hooks.prepare_model(model, self.log)
         optimizer = build_optimizer(model, cfg)
@@ -391,6 +411,7 @@ class Trainer:
         if t.steps < state.step:
             raise ConfigError(f"train.steps: {t.steps} is below the step of the checkpoint to resume "
                               f"({state.step}, {ckpt.location}); give at least {state.step}")
+        assert state.optimizer is not None  # _build_state made it
         retarget_schedule(state.optimizer, state.scheduler, t)
         return saved
 

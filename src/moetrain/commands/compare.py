@@ -1,0 +1,629 @@
+"""``moetrain compare VARIANT [VARIANT ...] --out DIR``: train variants of a config on the same tokens and seeds,
+side by side on this machine, then tabulate and plot their validation losses per token and per second.
+
+A VARIANT is a config file (what ``train --config`` reads; named after its stem, or a ``config.json`` after its
+directory) or ``NAME:FIELD=VALUE,...`` (``moe:`` alone is the preset as is); its fields go over ``--preset`` and the
+shared ``FIELD=VALUE`` overrides.
+Every (variant, seed) is one child process ``python -m moetrain train --config DIR/configs/NAME-sSEED.json --out
+DIR/runs/NAME-sSEED``, whose config is resolved and validated here first, so a bad spec costs no training. The
+command sets ``train.seed`` (``--seeds``), ``train.threads`` (``--threads-per-run``) and, when given,
+``data.path`` (``--data``), ``train.steps`` (``--steps``) and ``train.time_budget_s`` (``--seconds``) over every
+variant's own value. The corpus is tokenized once here before any run starts (the runs then read the same token
+cache), and the runs start in waves of ``--parallel``, each wave holding the variants of one seed next to each
+other, so that the runs compared share the machine alike.
+
+What DIR holds at the end: ``compare-command.json`` (the command line, written first), ``configs/`` and ``logs/``
+(each run's config and console output), ``runs/`` (the run directories), ``compare.json`` (every run: variant,
+seed, parameters, every evaluation with tokens seen and wall seconds, median tokens/s, the fingerprint of the
+first batch; see :func:`summarize_run`), ``compare.md`` (the machine, a table, whether the variants of each seed
+saw the same first batch) and ``loss_vs_tokens.png`` / ``loss_vs_seconds.png``.
+
+Errors: a bad variant, seed list or field is a :class:`~moetrain.errors.ConfigError` naming the variant and the
+field (one line, exit status 2, before anything is written); an existing non-empty DIR is refused unless
+``--overwrite``. A run that fails is a row without losses in the table, and the command then exits with status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from moetrain.errors import ConfigError, MoetrainError
+
+MARKER = "compare-command.json"  # the command's settings, written first: what --overwrite may delete
+FIGURES = ("loss_vs_tokens.png", "loss_vs_seconds.png")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+_FIELD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*=")
+# Split NAME:a=1,b=[1,2] at the commas that start another FIELD=.
+_ITEM_SPLIT = re.compile(r",(?=\s*[A-Za-z_][A-Za-z0-9_.]*\s*=)")
+_LINE_STYLES = ("-", "--", ":", "-.")
+_BF16_FLAGS = ("avx2", "avx512_bf16", "amx_bf16")
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("compare", help="train config variants on the same tokens and seeds side by side; table and "
+                       "loss-vs-tokens / loss-vs-seconds plots")
+    p.add_argument("variants", nargs="*", metavar="VARIANT",
+                   help="a config file (.toml / .json) or NAME:FIELD=VALUE,FIELD=VALUE (NAME: alone = the preset); "
+                   "e.g. dense:model.moe_every=0,model.ffn_hidden=1024 moe:")
+    p.add_argument("--out", required=True, help="output directory (must be new or empty unless --overwrite)")
+    p.add_argument("--preset", help="the preset under every variant (default: a config file's own, else cpu-small)")
+    p.add_argument("--data", help="text file, directory, glob or .jsonl for every run (data.path)")
+    budget = p.add_mutually_exclusive_group()
+    budget.add_argument("--steps", type=int, help="optimizer steps of every run (train.steps)")
+    budget.add_argument("--seconds", type=float,
+                        help="wall-clock seconds of every run's training loop (train.time_budget_s; train.steps stays "
+                        "the upper bound and the LR schedule's length)")
+    p.add_argument("--seeds", default="0", help="comma-separated train.seed values, each run by every variant "
+                   "(default 0)")
+    p.add_argument("--threads-per-run", type=int, default=1, help="train.threads of every run (default 1)")
+    p.add_argument("--parallel", type=int,
+                   help="runs at a time (default: usable cores // --threads-per-run, at least 1)")
+    p.add_argument("--overwrite", action="store_true", help="delete an existing DIR of an earlier compare first")
+    p.set_defaults(func=run, overrides=[], extra_positionals=True)
+
+
+# -- the variants ------------------------------------------------------------------------------------------------
+@dataclass
+class Variant:
+    """One variant from the command line.
+
+    Attributes:
+        name: its name (the spec's NAME, or the config file's stem); names the run directories.
+        spec: the command-line text.
+        file_data: the config file's fields (``None`` for a NAME:... spec).
+        overrides: the spec's FIELD=VALUE fields, nested (``{"model": {"moe_every": 0}}``).
+    """
+
+    name: str
+    spec: str
+    file_data: dict[str, Any] | None = None
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+
+def is_override(item: str) -> bool:
+    """Whether a positional argument is a shared ``FIELD=VALUE`` override rather than a variant (a config file that
+    exists is always a variant)."""
+    return _FIELD.match(item) is not None and not Path(item).is_file()
+
+
+def parse_variant(spec: str) -> Variant:
+    """A :class:`Variant` from a config file path or ``NAME:FIELD=VALUE,FIELD=VALUE``.
+
+    Raises:
+        ConfigError: an unreadable config file, a bad name, or an item that is not FIELD=VALUE (the message starts
+            with ``variant 'SPEC':``).
+    """
+    from moetrain.config import upgrade
+    from moetrain.configlib import load_file, parse_overrides
+
+    where = f"variant '{spec}'"
+    path = Path(spec)
+    if path.is_file():
+        try:
+            data = upgrade(load_file(path))
+        except ConfigError as e:
+            raise ConfigError(f"{where}: {str(e).removeprefix('--config ')}") from None
+        stem = path.parent.resolve().name if path.stem == "config" else path.stem  # RUN_DIR/config.json: RUN_DIR
+        return Variant(re.sub(r"[^A-Za-z0-9_.-]", "-", stem).lstrip(".-_") or "config", spec, data)
+    if ":" not in spec:
+        raise ConfigError(f"{where}: no such config file, and not NAME:FIELD=VALUE,... (NAME: alone runs the preset "
+                          "as is)")
+    name, _, rest = spec.partition(":")
+    if not _NAME.fullmatch(name):
+        raise ConfigError(f"{where}: the name '{name}' must start with a letter or digit and hold only letters, "
+                          "digits, '.', '_' and '-'")
+    items = [item.strip() for item in _ITEM_SPLIT.split(rest)] if rest.strip() else []
+    try:
+        overrides = upgrade(parse_overrides(items))
+    except ConfigError as e:
+        raise ConfigError(f"variant '{name}': {e}") from None
+    return Variant(name, spec, None, overrides)
+
+
+def parse_seeds(text: str) -> list[int]:
+    """``"0,1"`` -> ``[0, 1]``.
+
+    Raises:
+        ConfigError: an item that is not an integer, a repeated seed, or no seed.
+    """
+    try:
+        seeds = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise ConfigError(f"--seeds: expected comma-separated integers such as 0,1, got '{text}'") from None
+    if not seeds:
+        raise ConfigError("--seeds: give at least one seed, e.g. --seeds 0")
+    if len(set(seeds)) != len(seeds):
+        raise ConfigError(f"--seeds: a seed is repeated in '{text}'")
+    return seeds
+
+
+def _nested_get(data: dict[str, Any] | None, path: str) -> Any:
+    node: Any = data or {}
+    for part in path.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def forced_fields(args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    """The fields the command sets over every variant's own: ``train.seed``, ``train.threads`` and, when given,
+    ``data.path``, ``train.steps``, ``train.time_budget_s``; nested."""
+    train: dict[str, Any] = {"seed": seed, "threads": args.threads_per_run}
+    if args.steps is not None:
+        train["steps"] = args.steps
+    if args.seconds is not None:
+        train["time_budget_s"] = args.seconds
+    forced: dict[str, Any] = {"train": train}
+    if args.data is not None:
+        forced["data"] = {"path": args.data}
+    return forced
+
+
+def resolve(variant: Variant, preset: str | None, shared: dict[str, Any], forced: dict[str, Any]) -> Any:
+    """The variant's :class:`~moetrain.config.Config`: preset, then the config file, then the shared overrides,
+    then the variant's own overrides, then ``forced``.
+
+    Raises:
+        ConfigError: unknown or invalid fields (the message starts with ``variant 'NAME':`` and names the field).
+    """
+    from moetrain.config import build_config
+    from moetrain.configlib import merge
+
+    try:
+        return build_config(preset, variant.file_data, merge(merge(shared, variant.overrides), forced))
+    except ConfigError as e:
+        raise ConfigError(f"variant '{variant.name}': {e}") from None
+
+
+# -- the runs ----------------------------------------------------------------------------------------------------
+@dataclass
+class Run:
+    """One (variant, seed) child run.
+
+    Attributes:
+        variant / seed: what it trains.
+        config: its resolved :class:`~moetrain.config.Config`.
+        name: ``NAME-sSEED``: its run directory, config and log file names.
+        params_total / params_active: parameters of the model, and those active per token (top-k of each MoE
+            layer's experts), counted on the meta device.
+        exit_code: the child's exit status (``None`` until it ended).
+        seconds: the child process's wall time (s), start-up and data loading included.
+    """
+
+    variant: str
+    seed: int
+    config: Any
+    name: str
+    params_total: int = 0
+    params_active: int = 0
+    exit_code: int | None = None
+    seconds: float = 0.0
+
+
+def count_params(config: Any) -> tuple[int, int]:
+    """(total, active) parameters of ``config.model`` (built on the meta device, no memory)."""
+    import torch
+
+    from moetrain.model.transformer import MoETransformer, count_parameters
+
+    with torch.device("meta"):
+        model = MoETransformer(config.model)
+    return count_parameters(model)
+
+
+def default_parallel(threads_per_run: int) -> int:
+    """Runs at a time: the usable cores (``os.sched_getaffinity``) // ``threads_per_run``, at least 1."""
+    from moetrain.runtime.threads import usable_cores
+
+    return max(1, usable_cores() // threads_per_run)
+
+
+def _child_env(threads: int) -> dict[str, str]:
+    """This environment for a child run: one process (no torchrun variables), ``threads`` OpenMP threads,
+    unbuffered output (its log grows as it runs)."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
+    return env
+
+
+def child_command(out: Path, run: Run) -> list[str]:
+    """The child's command line."""
+    return [sys.executable, "-m", "moetrain", "train", "--config", str(out / "configs" / f"{run.name}.json"),
+            "--out", str(out / "runs" / run.name), "--no-progress"]
+
+
+def run_waves(out: Path, runs: list[Run], parallel: int, threads: int) -> None:
+    """Run ``runs`` in order, ``parallel`` at a time: each wave starts together and ends before the next starts
+    (so the runs of a wave share the machine for their whole length). Sets each run's ``exit_code`` and
+    ``seconds``; console output goes to ``DIR/logs/NAME-sSEED.log``. On Ctrl-C the running children get SIGTERM
+    (they stop with a checkpoint) and the interrupt is raised again."""
+    env = _child_env(threads)
+    waves = [runs[i:i + parallel] for i in range(0, len(runs), parallel)]
+    for n, wave in enumerate(waves, 1):
+        print(f"wave {n}/{len(waves)}: {', '.join(r.name for r in wave)}", flush=True)
+        procs: list[tuple[Run, subprocess.Popen[bytes], float]] = []
+        try:
+            for r in wave:
+                with open(out / "logs" / f"{r.name}.log", "wb") as log:
+                    procs.append((r, subprocess.Popen(child_command(out, r), stdout=log, stderr=subprocess.STDOUT,
+                                                      stdin=subprocess.DEVNULL, env=env), time.perf_counter()))
+            pending = list(procs)
+            while pending:
+                time.sleep(0.2)
+                for item in list(pending):
+                    r, proc, t0 = item
+                    code = proc.poll()
+                    if code is None:
+                        continue
+                    pending.remove(item)
+                    r.exit_code, r.seconds = code, time.perf_counter() - t0
+                    status = "done" if code == 0 else f"FAILED (exit {code}; see {out / 'logs' / (r.name + '.log')})"
+                    print(f"  {r.name}: {status} in {r.seconds:.0f} s", flush=True)
+        except BaseException:
+            for _, proc, _ in procs:
+                if proc.poll() is None:
+                    proc.terminate()
+            for _, proc, _ in procs:
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+            raise
+
+
+# -- the results -------------------------------------------------------------------------------------------------
+def summarize_run(out: Path, run: Run) -> dict[str, Any]:
+    """One run's entry of ``compare.json``, from its ``metrics.jsonl``.
+
+    Keys: ``variant``, ``seed``, ``run_dir``, ``log``, ``exit_code``, ``process_seconds`` (the child's wall time,
+    s), ``params_total`` / ``params_active``, ``tokens_per_step`` (batch_size x grad_accum x seq_len, padding
+    included), ``steps`` (the last step logged), ``stopped_by`` (``steps``, ``time budget`` or ``incomplete``),
+    ``evals`` (every evaluation: ``step``, ``tokens`` seen, ``seconds`` of the training loop (``elapsed_s``, 0 at
+    step 0), ``val_loss`` in nats/token), ``final_val_loss``, ``median_tokens_per_s`` (over the logging
+    intervals) and ``first_batch_sha256`` (the tokens of its first batch). A run that wrote no metrics has empty
+    ``evals`` and ``None`` values.
+    """
+    from moetrain.report.runlog import load_run_log
+
+    cfg = run.config
+    tokens_per_step = cfg.train.batch_size * cfg.train.grad_accum * cfg.data.seq_len
+    run_dir = out / "runs" / run.name
+    records: list[dict[str, Any]] = []
+    try:
+        records = load_run_log(run_dir).records
+    except MoetrainError:  # the run failed before writing anything
+        pass
+    evals: dict[int, dict[str, Any]] = {}
+    for rec in records:
+        if rec.get("val_loss") is not None:
+            step = rec["step"]
+            seconds = 0.0 if step == 0 else rec.get("elapsed_s")
+            evals[step] = {"step": step, "tokens": step * tokens_per_step, "seconds": seconds,
+                           "val_loss": rec["val_loss"]}
+    rates = [r["tokens_per_s"] for r in records if isinstance(r.get("tokens_per_s"), (int, float))]
+    sha = next((r["first_batch_sha256"] for r in records if r.get("first_batch_sha256")), None)
+    steps = max((r["step"] for r in records), default=0)
+    if steps >= cfg.train.steps:
+        stopped_by = "steps"
+    elif cfg.train.time_budget_s and run.exit_code == 0 and steps > 0:
+        stopped_by = "time budget"
+    else:
+        stopped_by = "incomplete"
+    ordered = [evals[s] for s in sorted(evals)]
+    return {
+        "variant": run.variant, "seed": run.seed, "run_dir": str(run_dir), "log": str(out / "logs" / f"{run.name}.log"),
+        "exit_code": run.exit_code, "process_seconds": round(run.seconds, 2),
+        "params_total": run.params_total, "params_active": run.params_active, "tokens_per_step": tokens_per_step,
+        "steps": steps, "stopped_by": stopped_by, "evals": ordered,
+        "final_val_loss": ordered[-1]["val_loss"] if ordered and steps > 0 else None,
+        "median_tokens_per_s": statistics.median(rates) if rates else None, "first_batch_sha256": sha,
+    }
+
+
+def machine_info() -> dict[str, Any]:
+    """The date, CPU model (``/proc/cpuinfo``), the bf16-related CPU flags, usable cores, torch and Python
+    versions."""
+    import platform
+
+    import torch
+
+    from moetrain.runtime.cpu import cpu_flags, cpu_model
+    from moetrain.runtime.threads import usable_cores
+
+    flags = cpu_flags()
+    return {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "cpu_model": cpu_model(),
+            "cpu_flags": {f: f in flags for f in _BF16_FLAGS}, "usable_cores": usable_cores(),
+            "torch": torch.__version__, "python": platform.python_version()}
+
+
+def _loadavg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
+def eval_columns(summaries: list[dict[str, Any]]) -> list[int]:
+    """The steps that get a column of their own: every evaluation step > 0 but a run's last one when a time budget
+    stopped it there (those only show as its final loss)."""
+    steps: set[int] = set()
+    for s in summaries:
+        for e in s["evals"]:
+            last_of_budget = s["stopped_by"] == "time budget" and e["step"] == s["steps"]
+            if e["step"] > 0 and not last_of_budget:
+                steps.add(e["step"])
+    return sorted(steps)
+
+
+def _millions(n: int) -> str:
+    return f"{n / 1e6:.2f}M"
+
+
+def markdown_table(summaries: list[dict[str, Any]]) -> str:
+    """The runs as a markdown table: variant, seed, params (active), val loss at each evaluation step, steps run,
+    training seconds, final val loss, median tokens/s; ``-`` where a run has no value."""
+    columns = eval_columns(summaries)
+    header = ["variant", "seed", "params (active)", *(f"val @ {s}" for s in columns), "steps", "train s",
+              "final val loss", "median tokens/s"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    for s in summaries:
+        by_step = {e["step"]: e for e in s["evals"]}
+        cells = [s["variant"], str(s["seed"]), f"{_millions(s['params_total'])} ({_millions(s['params_active'])})"]
+        cells += [f"{by_step[c]['val_loss']:.3f}" if c in by_step and by_step[c]["val_loss"] is not None else "-"
+                  for c in columns]
+        last = s["evals"][-1] if s["evals"] and s["steps"] > 0 else None
+        seconds = last["seconds"] if last is not None else None
+        steps = str(s["steps"]) if s["exit_code"] == 0 else f"{s['steps']} (exit {s['exit_code']})"
+        cells += [steps, "-" if seconds is None else f"{seconds:.1f}",
+                  "-" if s["final_val_loss"] is None else f"{s['final_val_loss']:.3f}",
+                  "-" if s["median_tokens_per_s"] is None else f"{s['median_tokens_per_s']:.0f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def same_tokens(summaries: list[dict[str, Any]]) -> dict[int, bool | None]:
+    """Per seed: whether every run of it logged the same ``first_batch_sha256`` (``None``: a run logged none)."""
+    out: dict[int, bool | None] = {}
+    for seed in dict.fromkeys(s["seed"] for s in summaries):
+        shas = [s["first_batch_sha256"] for s in summaries if s["seed"] == seed]
+        out[seed] = None if None in shas else len(set(shas)) == 1
+    return out
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    """``compare.md``: the machine and settings, the table, and the same-tokens check of each seed."""
+    m, st = report["machine"], report["settings"]
+    flags = ", ".join(f"{f} {'yes' if v else 'no'}" for f, v in m["cpu_flags"].items())
+
+    def load(values: list[float] | None) -> str:
+        return "unknown" if values is None else " / ".join(f"{v:.2f}" for v in values)
+
+    if st["seconds"] is not None:
+        budget = f"{st['seconds']:g} s of training each (train.time_budget_s)"
+    else:
+        budget = f"{st['steps']} steps" if st["steps"] is not None else "train.steps of the configs"
+    lines = [
+        "# moetrain compare", "",
+        f"{m['date']}; CPU {m['cpu_model']} ({flags}); torch {m['torch']}; {m['usable_cores']} usable cores; "
+        f"load average (1 / 5 / 15 min) before {load(report['loadavg_before'])}, "
+        f"after {load(report['loadavg_after'])}.",
+        "",
+        f"Preset {st['preset'] or 'default'}, data {st['data'] or 'the config'}, budget {budget}, seeds "
+        f"{', '.join(map(str, st['seeds']))}, {st['parallel']} run(s) at a time with {st['threads_per_run']} "
+        f"thread(s) each; shared overrides: {' '.join(st['overrides']) or 'none'}.",
+        "", "Variants: " + "; ".join(f"`{v['name']}` = `{v['spec']}`" for v in report["variants"]) + ".", "",
+        markdown_table(report["runs"]), "",
+        "Val loss in nats/token on the same validation batches; `train s`: wall seconds of the training loop at the "
+        "last evaluation; tokens/s: the median over the logging intervals.", "",
+    ]
+    for seed, same in report["same_first_batch"].items():
+        shas = {s["variant"]: s["first_batch_sha256"] for s in report["runs"] if s["seed"] == seed}
+        if same:
+            lines.append(f"- seed {seed}: every variant trained on the same first batch "
+                         f"(sha256 {next(iter(shas.values()))}).")
+        else:
+            text = ", ".join(f"{k} {v or 'none logged'}" for k, v in shas.items())
+            lines.append(f"- seed {seed}: the first batches DIFFER ({text}): a variant changes the data, the "
+                         "tokenizer (model.vocab_size) or the batch shape, or a run failed.")
+    return "\n".join(lines) + "\n"
+
+
+def write_figures(out: Path, summaries: list[dict[str, Any]]) -> list[Path]:
+    """``loss_vs_tokens.png`` and ``loss_vs_seconds.png``: validation loss per run, colour per variant, line style
+    per seed. The evaluation before training (step 0, far above the rest) is left out when a run has later ones.
+
+    Raises:
+        MoetrainError: matplotlib is missing.
+    """
+    from moetrain.report.figures import _empty, _pyplot
+
+    plt = _pyplot()
+    colours = {v: f"C{i % 10}" for i, v in enumerate(dict.fromkeys(s["variant"] for s in summaries))}
+    styles = {seed: _LINE_STYLES[i % len(_LINE_STYLES)]
+              for i, seed in enumerate(dict.fromkeys(s["seed"] for s in summaries))}
+    paths = []
+    for name, key, label in ((FIGURES[0], "tokens", "tokens seen"),
+                             (FIGURES[1], "seconds", "wall-clock seconds of training")):
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        for s in summaries:
+            points = [(e[key], e["val_loss"]) for e in s["evals"] if e[key] is not None and e["val_loss"] is not None]
+            if len(points) > 1:
+                points = points[1:] if s["evals"][0]["step"] == 0 else points
+            if points:
+                ax.plot(*zip(*points), linestyle=styles[s["seed"]], marker="o", markersize=3,
+                        color=colours[s["variant"]], label=f"{s['variant']} (seed {s['seed']})")
+        if ax.lines:
+            ax.legend(fontsize=8)
+        else:
+            _empty(ax, "no validation losses logged")
+        ax.set_xlabel(label)
+        ax.set_ylabel("validation loss (nats/token)")
+        ax.set_title(f"Validation loss against {label}")
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=100)
+        plt.close(fig)
+        paths.append(out / name)
+    return paths
+
+
+# -- the command -------------------------------------------------------------------------------------------------
+def _check_out(out: Path, overwrite: bool) -> None:
+    """Refuse an existing non-empty DIR (unless ``overwrite`` and it is an earlier compare's) before any work.
+
+    Raises:
+        MoetrainError: DIR is a file, a parent is a file, or DIR is non-empty without ``overwrite``, or is not a
+            compare directory.
+    """
+    if out.exists() and not out.is_dir():
+        raise MoetrainError(f"--out {out}: exists and is not a directory")
+    if any(p.exists() and not p.is_dir() for p in out.parents):
+        raise MoetrainError(f"--out {out}: a parent path is a file, not a directory")
+    if out.is_dir() and any(out.iterdir()):
+        if not overwrite:
+            raise MoetrainError(f"--out {out}: exists and is not empty; pass --overwrite to replace an earlier "
+                                "compare there, or choose another --out")
+        if not (out / MARKER).is_file():
+            raise MoetrainError(f"--overwrite: '{out}' is not a moetrain compare directory (no {MARKER}); refusing "
+                                "to delete it")
+
+
+def _notes(variant: Variant, shared: dict[str, Any], forced: dict[str, Any]) -> list[str]:
+    """A note for each field the variant or the shared overrides set that the command replaces."""
+    notes = []
+    flags = {"train.seed": "--seeds", "train.threads": "--threads-per-run", "data.path": "--data",
+             "train.steps": "--steps", "train.time_budget_s": "--seconds"}
+    for path, flag in flags.items():
+        value = _nested_get(forced, path)
+        if value is None:
+            continue
+        for source in (variant.file_data, shared, variant.overrides):
+            given = _nested_get(source, path)
+            if given is not None and given != value:
+                notes.append(f"note: variant '{variant.name}': {path}={given!r} is replaced by {flag} ({value!r})")
+                break
+    return notes
+
+
+def _prepare_data(configs: list[Any]) -> None:
+    """Tokenize each distinct corpus once, here, so the runs read one token cache and start alike (two runs
+    building the same cache at once would both train the tokenizer).
+
+    Raises:
+        DataError: a missing path or unusable corpus (as ``train`` would say).
+    """
+    from moetrain.data.dataset import prepare_data
+
+    seen = set()
+    for cfg in configs:
+        key = json.dumps([cfg.to_dict()["data"], cfg.model.vocab_size], sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            prepare_data(cfg.data, cfg.model.vocab_size, log=lambda line: print(line, flush=True))
+
+
+def run(args: argparse.Namespace) -> int:
+    from moetrain.configlib import parse_overrides
+
+    items = [*args.variants, *args.overrides]
+    shared_items = [i for i in items if is_override(i)]
+    variants = [parse_variant(i) for i in items if not is_override(i)]
+    if not variants:
+        raise ConfigError("compare: give at least one VARIANT (a config file or NAME:FIELD=VALUE,...; NAME: alone "
+                          "is the preset), e.g. moetrain compare dense:model.moe_every=0 moe: --out DIR")
+    names: dict[str, str] = {}
+    for v in variants:
+        if v.name in names:
+            raise ConfigError(f"variant '{v.spec}': its name '{v.name}' is taken by variant '{names[v.name]}'; "
+                              "give each variant its own NAME")
+        names[v.name] = v.spec
+    seeds = parse_seeds(args.seeds)
+    if args.threads_per_run < 1:
+        raise ConfigError(f"--threads-per-run: must be >= 1, got {args.threads_per_run}")
+    if args.parallel is not None and args.parallel < 1:
+        raise ConfigError(f"--parallel: must be >= 1, got {args.parallel}")
+    if args.seconds is not None and not args.seconds > 0:
+        raise ConfigError(f"--seconds: must be > 0, got {args.seconds:g}")
+    if args.steps is not None and args.steps < 1:
+        raise ConfigError(f"--steps: must be >= 1, got {args.steps}")
+    from moetrain.config import upgrade
+
+    shared = upgrade(parse_overrides(shared_items))
+    parallel = args.parallel or default_parallel(args.threads_per_run)
+
+    runs: list[Run] = []
+    notes: list[str] = []
+    for seed in seeds:  # seed-major: one wave holds the variants of one seed
+        for v in variants:
+            forced = forced_fields(args, seed)
+            config = resolve(v, args.preset, shared, forced)
+            if seed == seeds[0]:
+                notes += _notes(v, shared, forced)
+            runs.append(Run(v.name, seed, config, f"{v.name}-s{seed}"))
+    out = Path(args.out)
+    _check_out(out, args.overwrite)
+    from moetrain.report.figures import _pyplot
+
+    _pyplot()  # matplotlib missing: one line now rather than after the training
+    for note in notes:
+        print(note, file=sys.stderr)
+    counts: dict[str, tuple[int, int]] = {}
+    for r in runs:
+        if r.variant not in counts:
+            counts[r.variant] = count_params(r.config)
+        r.params_total, r.params_active = counts[r.variant]
+    _prepare_data([r.config for r in runs])  # after every check: a mistyped --data costs nothing here
+
+    if out.exists():
+        shutil.rmtree(out)  # _check_out allowed it: empty, or an earlier compare with --overwrite
+    for sub in ("configs", "logs", "runs"):
+        (out / sub).mkdir(parents=True, exist_ok=True)
+    settings = {"preset": args.preset, "data": args.data, "steps": args.steps, "seconds": args.seconds,
+                "seeds": seeds, "threads_per_run": args.threads_per_run, "parallel": parallel,
+                "overrides": shared_items}
+    command = {"variants": [v.spec for v in variants], **settings, "cwd": os.getcwd(),
+               "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    (out / MARKER).write_text(json.dumps(command, indent=2) + "\n")
+    for r in runs:
+        (out / "configs" / f"{r.name}.json").write_text(json.dumps(r.config.to_dict(), indent=2) + "\n")
+
+    machine, before = machine_info(), _loadavg()
+    print(f"{len(runs)} runs, {parallel} at a time with {args.threads_per_run} thread(s) each; logs in "
+          f"{out / 'logs'}", flush=True)
+    run_waves(out, runs, parallel, args.threads_per_run)
+    after = _loadavg()
+
+    summaries = [summarize_run(out, r) for r in runs]
+    report = {
+        "machine": machine, "loadavg_before": before, "loadavg_after": after,
+        "settings": settings,
+        "variants": [{"name": v.name, "spec": v.spec} for v in variants],
+        "runs": summaries, "same_first_batch": same_tokens(summaries),
+    }
+    (out / "compare.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "compare.md").write_text(render_markdown(report))
+    figures = write_figures(out, summaries)
+    for path in [out / "compare.json", out / "compare.md", *figures]:
+        print(f"wrote {path}")
+    print()
+    print(markdown_table(summaries))
+    failed = [r for r in runs if r.exit_code != 0]
+    if failed:
+        print(f"moetrain: error: {len(failed)} of {len(runs)} runs failed: "
+              + ", ".join(f"{r.name} (exit {r.exit_code}, {out / 'logs' / (r.name + '.log')})" for r in failed),
+              file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,161 @@
+"""`moetrain compare`: variants trained side by side on the same tokens; the table, the JSON, the plots; the
+trainer's wall-clock budget (train.time_budget_s) that `--seconds` sets; one-line errors for bad specs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from moetrain.cli import main
+from moetrain.commands.compare import is_override, parse_variant
+
+from conftest import sample_text
+
+DENSE = "dense:model.moe_every=0,model.ffn_hidden=128"  # the tiny preset's dense twin: the same active size
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("corpus") / "text.txt"
+    path.write_bytes(sample_text(200_000))
+    return path
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+def _compare(out: Path, corpus: Path, cache: Path, *extra: str) -> int:
+    return main(["compare", *extra, "--out", str(out), "--preset", "tiny", "--data", str(corpus),
+                 f"data.cache_dir={cache}", "train.eval_every=3", "train.log_every=3", "train.eval_batches=1"])
+
+
+def test_two_variants_train_on_the_same_tokens_and_are_tabulated(tmp_path, corpus, cache, capsys):
+    out = tmp_path / "cmp"
+    assert _compare(out, corpus, cache, DENSE, "moe:", "--steps", "6") == 0
+    printed = capsys.readouterr().out
+    for name in ("compare.json", "compare.md", "loss_vs_tokens.png", "loss_vs_seconds.png", "compare-command.json"):
+        assert (out / name).is_file(), name
+    assert (out / "loss_vs_tokens.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    report = json.loads((out / "compare.json").read_text())
+    runs = {r["variant"]: r for r in report["runs"]}
+    assert list(runs) == ["dense", "moe"] and all(r["seed"] == 0 and r["exit_code"] == 0 for r in runs.values())
+    dense, moe = runs["dense"], runs["moe"]
+    assert dense["params_total"] == dense["params_active"]  # no experts
+    assert moe["params_active"] < moe["params_total"]  # 2 of 4 experts per token
+    for r in (dense, moe):
+        assert [e["step"] for e in r["evals"]] == [0, 3, 6] and r["steps"] == 6 and r["stopped_by"] == "steps"
+        assert [e["tokens"] for e in r["evals"]] == [0, 3 * 8 * 64, 6 * 8 * 64]  # batch 8 x seq 64 per step
+        assert r["evals"][0]["seconds"] == 0 and 0 < r["evals"][1]["seconds"] < r["evals"][2]["seconds"]
+        assert r["final_val_loss"] == r["evals"][-1]["val_loss"] < r["evals"][0]["val_loss"]
+        assert r["median_tokens_per_s"] > 0
+        config = json.loads((out / "configs" / f"{r['variant']}-s0.json").read_text())
+        assert config["train"]["seed"] == 0 and config["train"]["threads"] == 1
+        assert config["data"]["path"] == str(corpus)
+        assert json.loads((Path(r["run_dir"]) / "config.json").read_text()) == config  # what the child trained
+
+    # The same tokens: each run logged the fingerprint of the first batch it trained on; they are equal, and equal
+    # to the first batch of seed 0 rebuilt here from the shared token cache (and seed 1's differs: not a constant).
+    assert dense["first_batch_sha256"] == moe["first_batch_sha256"] is not None
+    assert report["same_first_batch"] == {"0": True}
+    from moetrain.config import Config
+    from moetrain.data.dataset import prepare_data
+    from moetrain.data.loader import build_pipeline
+    from moetrain.train.progress import batch_fingerprint
+
+    cfg = Config.from_dict(json.loads((out / "configs" / "moe-s0.json").read_text()))
+    data = prepare_data(cfg.data, cfg.model.vocab_size, tokenizer_path=Path(moe["run_dir"]) / "tokenizer.json",
+                        log=lambda line: None)
+
+    def first_batch(seed: int) -> str:
+        pipeline = build_pipeline(data, cfg.data.seq_len, "windows", cfg.train.batch_size, 0, 1, seed)
+        try:
+            return batch_fingerprint(pipeline.train.next_batch())
+        finally:
+            pipeline.train.close()
+
+    assert first_batch(0) == moe["first_batch_sha256"] != first_batch(1)
+
+    md = (out / "compare.md").read_text()
+    table = [line for line in md.splitlines() if line.startswith("|")]
+    assert table[0] == ("| variant | seed | params (active) | val @ 3 | val @ 6 | steps | train s | final val loss | "
+                        "median tokens/s |")
+    assert [row.split(" | ")[0:2] for row in table[2:]] == [["| dense", "0"], ["| moe", "0"]]
+    assert f"| {moe['final_val_loss']:.3f} |" in table[3]
+    assert "CPU " in md and "avx512_bf16" in md and "load average" in md and "torch " in md
+    assert "every variant trained on the same first batch" in md
+    assert printed.rstrip().endswith(table[-1])  # the table is printed last
+
+    # An existing DIR is never replaced silently.
+    capsys.readouterr()
+    assert _compare(out, corpus, cache, "moe:", "--steps", "6") == 2
+    assert capsys.readouterr().err.startswith(f"moetrain: error: --out {out}: exists and is not empty")
+
+
+def test_seconds_budget_stops_the_run_after_a_final_evaluation(tmp_path, corpus, cache, capsys):
+    out = tmp_path / "cmp"
+    # train.steps stays the upper bound (and the schedule); 10 ms of training ends it far earlier
+    assert _compare(out, corpus, cache, "moe:", "--seconds", "0.01", "train.steps=1000") == 0
+    report = json.loads((out / "compare.json").read_text())
+    (r,) = report["runs"]
+    assert r["stopped_by"] == "time budget" and 1 <= r["steps"] < 1000
+    last = r["evals"][-1]
+    assert last["step"] == r["steps"] and last["seconds"] >= 0.01 and r["final_val_loss"] == last["val_loss"]
+    run_dir = Path(r["run_dir"])
+    assert (run_dir / "checkpoints" / f"step_{r['steps']:08d}").is_dir()  # checkpointed where it stopped
+    log = (out / "logs" / "moe-s0.log").read_text()
+    assert f"stopped after step {r['steps']} of 1000: train.time_budget_s=0.01 s ran out" in log
+    assert json.loads((out / "configs" / "moe-s0.json").read_text())["train"]["time_budget_s"] == 0.01
+    assert "| moe | 0 |" in (out / "compare.md").read_text()
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("dense:model.moe_evry=0", "variant 'dense': model.moe_evry: unknown config key; did you mean 'model.moe_every'?"),
+    ("dense:model.moe_every=-1", "variant 'dense': model.moe_every: must be >= 0, got -1"),
+    ("dense:moe_every", "variant 'dense': override 'moe_every': expected FIELD=VALUE"),
+    ("no such:x=1", "variant 'no such:x=1': the name 'no such' must start with"),
+    ("nosuch.toml", "variant 'nosuch.toml': no such config file, and not NAME:FIELD=VALUE"),
+])
+def test_a_bad_spec_is_one_line_and_exit_2(tmp_path, capsys, spec, message):
+    out = tmp_path / "cmp"
+    assert main(["compare", spec, "moe:", "--out", str(out), "--preset", "tiny"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"moetrain: error: {message}"), err
+    assert not out.exists()  # checked before anything is written
+
+
+def test_other_one_line_errors(tmp_path, capsys):
+    out = str(tmp_path / "cmp")
+    cases = [
+        (["compare", "moe:", "moe:train.lr=1e-3", "--out", out],
+         "variant 'moe:train.lr=1e-3': its name 'moe' is taken"),
+        (["compare", "moe:", "--out", out, "--seeds", "0,x"], "--seeds: expected comma-separated integers"),
+        (["compare", "--out", out, "train.lr=1e-3"], "compare: give at least one VARIANT"),
+        (["compare", "moe:", "--out", out, "--preset", "tiny", "train.nope=1"], "variant 'moe': train.nope: unknown"),
+    ]
+    for argv, message in cases:
+        assert main(argv) == 2
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1 and err[0].startswith(f"moetrain: error: {message}"), err
+    with pytest.raises(SystemExit) as e:  # argparse's own errors: one line too
+        main(["compare", "moe:", "--out", out, "--steps", "3", "--seconds", "3"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip() == ("moetrain compare: error: argument --seconds: not allowed with argument "
+                                               "--steps (see moetrain compare --help)")
+
+
+def test_spec_parsing(tmp_path):
+    v = parse_variant("wide:model.ffn_hidden=256,model.moe.experts.ffn_hidden=128,train.lr=1e-3")
+    assert v.name == "wide" and v.overrides == {"model": {"ffn_hidden": 256, "moe": {"experts": {"ffn_hidden": 128}}},
+                                                "train": {"lr": 1e-3}}
+    assert parse_variant("moe:").overrides == {}
+    assert parse_variant("x:a.b=[1,2],c=3").overrides == {"a": {"b": [1, 2]}, "c": 3}  # commas inside a value
+    config = tmp_path / "my run.toml"
+    config.write_text("[model]\nmoe_every = 0\n")
+    v = parse_variant(str(config))
+    assert v.name == "my-run" and v.file_data == {"model": {"moe_every": 0}}
+    assert is_override("train.lr=1e-3") and not is_override("moe:") and not is_override("dense:train.lr=1")
