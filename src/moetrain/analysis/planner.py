@@ -107,6 +107,7 @@ def plan_layout(
     if best is not None and untiled is not None and best.workload.bta_tiles > 1:
         if best.step_s > untiled.step_s * (1 - BTA_MIN_GAIN):
             best = untiled
+    assert smallest is not None  # per_rank >= 1 (global_batch >= data_parallel), so mb = g = 1 always ran
     return Candidate(layout=layout, best=best, untiled=untiled, smallest=smallest, tiled=tiled)
 
 
@@ -119,6 +120,12 @@ class Plan:
     reason: str
     bta_reason: str
     notes: list[str] = field(default_factory=list)
+
+
+def _best_step_s(c: Candidate) -> float:
+    """The step time of fitting candidate ``c``'s best option."""
+    assert c.best is not None  # only called on fitting candidates
+    return c.best.step_s
 
 
 def plan(
@@ -138,7 +145,7 @@ def plan(
     for fam in families:
         fitting = [c for c in cands if c.layout.family == fam and c.fits]
         if fitting:
-            chosen = min(fitting, key=lambda c: c.best.step_s)
+            chosen = min(fitting, key=_best_step_s)
             reason = rule + (f"; fastest fitting {fam} layout" if fam == first
                              else f"; no {' or '.join(families[:families.index(fam)])} layout fits in memory "
                                   f"(or divides {devices} devices), so {fam}: the fastest fitting one")
@@ -150,10 +157,11 @@ def plan(
             f"{hw.mem_bytes / 1e9:.0f} GB; add devices" if least else "no layout divides the devices and batch")
         return Plan(cands, None, reason, "")
     notes = []
-    faster = [c for c in cands if c.fits and c.best.step_s < chosen.best.step_s * 0.95]
+    faster = [c for c in cands if c.fits and _best_step_s(c) < _best_step_s(chosen) * 0.95]
     if faster:
-        f = min(faster, key=lambda c: c.best.step_s)
-        notes.append(f"{f.layout.label} ({f.layout.family}) is estimated {1 - f.best.step_s / chosen.best.step_s:.0%} "
+        f = min(faster, key=_best_step_s)
+        gain = 1 - _best_step_s(f) / _best_step_s(chosen)
+        notes.append(f"{f.layout.label} ({f.layout.family}) is estimated {gain:.0%} "
                      f"faster; the expert-count rule prefers {chosen.layout.family}")
     return Plan(cands, chosen, reason, bta_reason(chosen), notes)
 
@@ -161,6 +169,7 @@ def plan(
 def bta_reason(c: Candidate) -> str:
     """Why G was chosen for candidate ``c``."""
     b, u = c.best, c.untiled
+    assert b is not None  # only fitting candidates have a G (plan() calls this for its recommendation)
     g = b.workload.bta_tiles
     if g > 1:
         gain = 1 - b.step_s / u.step_s if u else float("nan")

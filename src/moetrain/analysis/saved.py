@@ -12,11 +12,15 @@ backward, which :func:`tile_attention_bytes` measures by running the region's fu
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable, cast
 
 import torch
-from torch import nn
+
+if TYPE_CHECKING:
+    from moetrain.model.block import Block
+    from moetrain.model.transformer import MoETransformer
 
 
 def _key(t: torch.Tensor) -> tuple[str, int]:
@@ -97,7 +101,7 @@ class SavedBytes:
         return sum(self.blocks) + self.other + self.tile_recompute
 
 
-def saved_bytes_per_block(model: nn.Module, input_ids: torch.Tensor, targets: torch.Tensor,
+def saved_bytes_per_block(model: MoETransformer, input_ids: torch.Tensor, targets: torch.Tensor,
                           return_logits: bool = True) -> SavedBytes:
     """Run one training forward of ``model`` (an MoETransformer) on [B, S] int64 ids and targets and count the bytes
     saved for backward, per block. Backward is not run; the graph is freed on return. ``return_logits=False``
@@ -107,7 +111,8 @@ def saved_bytes_per_block(model: nn.Module, input_ids: torch.Tensor, targets: to
         :class:`SavedBytes`.
     """
     counter = SavedTensorCounter(exclude=model.parameters())
-    tile_inputs: list[tuple[nn.Module, torch.Tensor]] = []
+    tile_inputs: list[tuple[Block, torch.Tensor]] = []
+    blocks = cast("Sequence[Block]", model.blocks)  # the model's nn.ModuleList of Blocks
 
     def enter(i):
         def hook(block, args):
@@ -125,7 +130,7 @@ def saved_bytes_per_block(model: nn.Module, input_ids: torch.Tensor, targets: to
         return lambda module, args: counter.use(f"block{i}.ffn")
 
     handles = []
-    for i, block in enumerate(model.blocks):
+    for i, block in enumerate(blocks):
         handles.append(block.register_forward_pre_hook(enter(i)))
         handles.append(block.post_attn_norm.register_forward_pre_hook(ffn(i)))
         handles.append(block.register_forward_hook(leave))
@@ -136,7 +141,7 @@ def saved_bytes_per_block(model: nn.Module, input_ids: torch.Tensor, targets: to
         for h in handles:
             h.remove()
     del out
-    n = len(model.blocks)
+    n = len(blocks)
     attention = [counter.buckets.get(f"block{i}.attn", 0) for i in range(n)]
     result = SavedBytes(
         blocks=[attention[i] + counter.buckets.get(f"block{i}.ffn", 0) for i in range(n)],
@@ -149,7 +154,7 @@ def saved_bytes_per_block(model: nn.Module, input_ids: torch.Tensor, targets: to
     return result
 
 
-def tile_attention_bytes(block: nn.Module, tile: torch.Tensor, params: Iterable[torch.Tensor] = ()) -> int:
+def tile_attention_bytes(block: Block, tile: torch.Tensor, params: Iterable[torch.Tensor] = ()) -> int:
     """Bytes saved for backward by one block's attention branch (``block.attend``) on ``tile`` [b, S, D]: what a
     BTA tile holds while it is recomputed, or the untiled attention's share when ``tile`` is the whole batch.
 

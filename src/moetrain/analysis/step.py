@@ -168,7 +168,7 @@ def estimate(
     local_experts = shape.num_experts / layout.ep * n_moe
     # Forward, backward (2x), plus a whole forward again under full checkpointing, or the input projections'
     # share of one (2 of 3 SwiGLU matrices, 1 of 2 GELU) when only the experts are recomputed.
-    passes = 3 + (1 if work.checkpoint else 0)
+    passes: float = 3 + (1 if work.checkpoint else 0)
     if work.recompute_experts and not work.checkpoint:
         passes += (shape.expert_mats - 1) / shape.expert_mats
     exp_flops = inten.flops * local_experts * passes

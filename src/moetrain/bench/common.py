@@ -121,7 +121,7 @@ def machine_info() -> dict:
     native CPU kernels were in use (built here on the first call)."""
     from moetrain.moe.kernels.cpu import native as cpu_kernels
 
-    info = {
+    info: dict[str, object] = {
         "platform": platform.platform(),
         "processor": platform.processor(),
         "cpus": os.cpu_count(),

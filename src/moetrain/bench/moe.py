@@ -30,8 +30,10 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from moetrain.bench import add_measurement_args, check_device
 from moetrain.errors import ConfigError
@@ -131,7 +133,7 @@ def _build(shape: Shape, dtype, names: list[str], seed: int, vary_routing: bool 
     down = torch.randn(e, d, f, generator=g) * f**-0.5
     x = torch.randn(t, d, generator=g).to(device, dtype)
     grad_out = torch.randn(t, d, generator=g).to(device, dtype)
-    built = {}
+    built: dict[str, tuple[Callable[[], None], Callable[[], Any] | None]] = {}
 
     if "dense" in names:
         dense_w = [gate_up[0].to(device, dtype).requires_grad_(), down[0].to(device, dtype).requires_grad_()]
@@ -150,8 +152,10 @@ def _build(shape: Shape, dtype, names: list[str], seed: int, vary_routing: bool 
         from transformers import MixtralConfig
         from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
+        # experts_implementation: taken by PreTrainedConfig's **kwargs (transformers >= 5); MixtralConfig's typed
+        # dataclass __init__ does not declare it.
         cfg = MixtralConfig(hidden_size=d, intermediate_size=f, num_local_experts=e, num_experts_per_tok=k,
-                            router_jitter_noise=0.0, experts_implementation=impl)
+                            router_jitter_noise=0.0, experts_implementation=impl)  # type: ignore[call-arg]
         block = MixtralSparseMoeBlock(cfg)
         with torch.no_grad():
             block.gate.weight.copy_(router)
@@ -243,7 +247,7 @@ def bench_shape(shape: Shape, dtype_name: str, names: list[str], reps: int, warm
     times = interleaved_times({n: s for n, (s, _) in built.items()}, rounds=reps, warmup=warmup, sync=sync,
                               clock=clock)
     dense_median = statistics.median(times["dense"])
-    rows = {}
+    rows: dict[str, dict[str, Any]] = {}  # JSON-ready: floats, the times list, None
     for name in built:
         s = summary(times[name])
         rows[name] = {

@@ -81,6 +81,7 @@ def run(args) -> int:
         print(f"recommended: none. {result.reason}")
         return 0
     r = result.recommended.best
+    assert r is not None  # plan() recommends only a fitting candidate
     print(f"recommended: {result.recommended.layout.label}, micro-batch {r.workload.micro_batch} x "
           f"{r.grad_accum} accumulation steps, activation checkpointing {_ckpt_words(r.workload)}: "
           f"{r.memory / 1e9:.1f} GB/device, ~{r.step_s:.2f} s/step, {r.comm_share:.0%} communication")

@@ -56,13 +56,16 @@ class PackedBatch:
 
     def to(self, device: torch.device, non_blocking: bool = False) -> PackedBatch:
         """The same batch on ``device`` (``non_blocking`` pays off from pinned memory)."""
-        move = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)  # noqa: E731
-        return PackedBatch(move(self.inputs), move(self.targets), move(self.padding_mask), move(self.document_ids))
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, non_blocking=non_blocking)
+
+        ids = None if self.document_ids is None else move(self.document_ids)
+        return PackedBatch(move(self.inputs), move(self.targets), move(self.padding_mask), ids)
 
     def pin_memory(self) -> PackedBatch:
         """Page-locked copies (``torch.utils.data.DataLoader(pin_memory=True)`` calls this)."""
-        pin = lambda t: None if t is None else t.pin_memory()  # noqa: E731
-        return PackedBatch(pin(self.inputs), pin(self.targets), pin(self.padding_mask), pin(self.document_ids))
+        ids = None if self.document_ids is None else self.document_ids.pin_memory()
+        return PackedBatch(self.inputs.pin_memory(), self.targets.pin_memory(), self.padding_mask.pin_memory(), ids)
 
 
 Batch = tuple[torch.Tensor, torch.Tensor] | PackedBatch

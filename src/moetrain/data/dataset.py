@@ -180,6 +180,7 @@ def _build_entry(entry: Path, files: Sequence[Path], source: str, cfg: DataConfi
     else:
         tok = given
     eos_id = tok.token_to_id(EOS_TOKEN)
+    assert eos_id is not None  # train_tokenizer puts EOS_TOKEN at id 0; load_tokenizer rejects a tokenizer without it
 
     entry.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()

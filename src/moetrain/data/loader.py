@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.utils.data import DataLoader
@@ -74,25 +74,26 @@ class BatchLoader:
     # -- keys ----------------------------------------------------------------------------------------------------
     def _keys_from(self, state: dict[str, int]) -> Iterator[Any]:
         if "position" in state:
-            b = self.dataset.sampler.batch_size
+            b = cast(WindowBatches, self.dataset).sampler.batch_size  # a "position" state: windows
             return (state["position"] + i * b for i in itertools.count())
         return self._document_keys(state["epoch"], state["index"])
 
     def _document_keys(self, epoch: int, index: int) -> Iterator[tuple[int, int]]:
+        dataset = cast(DocumentBatches, self.dataset)  # an ("epoch", "index") state: documents
         while True:
-            n = self.dataset.num_batches(epoch)
+            n = dataset.num_batches(epoch)
             for i in range(index, n):
                 yield (epoch, i)
             epoch, index = epoch + 1, 0
 
     def _after(self, key: Any) -> dict[str, int]:
         """The state that resumes right after the batch of ``key``."""
-        if isinstance(key, tuple):
+        if isinstance(key, tuple):  # (epoch, index): documents
             epoch, index = key
-            if index + 1 >= self.dataset.num_batches(epoch):
+            if index + 1 >= cast(DocumentBatches, self.dataset).num_batches(epoch):
                 return {"epoch": epoch + 1, "index": 0}
             return {"epoch": epoch, "index": index + 1}
-        return {"position": int(key) + self.dataset.sampler.batch_size}
+        return {"position": int(key) + cast(WindowBatches, self.dataset).sampler.batch_size}  # an int key: windows
 
     # -- batches -------------------------------------------------------------------------------------------------
     def _start(self) -> Iterator[tuple[Any, Batch]]:
@@ -201,7 +202,7 @@ def build_pipeline(data: PreparedData, seq_len: int, packing: str, batch_size: i
     """
     if packing == "windows":
         train = TokenWindows(data.train_tokens, seq_len)
-        val = eval_batches(TokenWindows(data.val_tokens, seq_len), batch_size, eval_batch_count)
+        val: list[Batch] = list(eval_batches(TokenWindows(data.val_tokens, seq_len), batch_size, eval_batch_count))
         return DataPipeline(BatchLoader(WindowBatches(train, batch_size, seed), seed, workers, prefetch, pin_memory),
                             val, f"{len(train)} training windows of {seq_len} tokens")
     chunks = DocumentChunks(data.train_tokens, data.eos_id, seq_len)

@@ -139,7 +139,8 @@ def budget_batches(lengths: np.ndarray, order: np.ndarray, budget: int, rng: np.
         if not len(pool):
             continue
         pool = pool[np.argsort(lengths[pool], kind="stable")]
-        batches, current = [], []
+        batches: list[list[int]] = []
+        current: list[int] = []
         for c in pool.tolist():
             if current and (len(current) + 1) * int(lengths[c]) > budget:
                 batches.append(current)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from moetrain.configlib import from_dict
 from moetrain.errors import ConfigError
@@ -89,7 +89,7 @@ class Family:
     num_experts_key: str = "num_experts"
     expert_ffn_key: str = "moe_intermediate_size"
     dense_ffn_key: str | None = "intermediate_size"
-    qk_norm: str = "none"
+    qk_norm: Literal["none", "head", "full"] = "none"
     disk_layouts: tuple[ExpertLayout, ...] = (FUSED, PER_EXPERT)
     legacy_moe_name: str | None = None
     shared_name: str = "shared_expert"

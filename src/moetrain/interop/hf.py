@@ -1,5 +1,6 @@
 """Hugging Face checkpoints in and out: :func:`to_hf` writes a directory that ``transformers`` loads with the same
-logits; :func:`from_hf` builds our model from such a directory or from an in-memory ``PreTrainedModel``.
+logits; :func:`from_hf` builds our model from such a directory or from an in-memory ``PreTrainedModel``. (The HF
+``Trainer`` integration, ``moetrain.hf``, is :mod:`moetrain.interop.hf_trainer`.)
 
 Legend: E = experts, D = hidden, F = expert FFN hidden.
 
@@ -271,6 +272,7 @@ def load_tensors(src: TensorSource, family: Family, cfg: ModelConfig, layouts: t
     for name, shape in expected.items():
         i = layer_index(name)
         if name.endswith("ffn.experts.gate_up_proj"):
+            assert i is not None  # expert tensors are in blocks (blocks.{i}.ffn.experts.*)
             gate_up, down, moe_block[i] = _read_layer_experts(src, family, cfg, i, layouts)
             out[name], out[name.replace("gate_up_proj", "down_proj")] = gate_up, down
     for name, shape in expected.items():

@@ -23,6 +23,7 @@ twice.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 from torch import nn
@@ -143,15 +144,16 @@ class AcceleratedMoeBlock(nn.Module):
         self.score_func, shared, self.shared_gated = SUPPORTED_BLOCKS[kind]
         self.source_class = kind
         self.layer = layer
-        self.gate = block.gate
-        self.experts = block.experts
+        # The HF block's submodules (nn.Module.__getattr__ types them Tensor | Module): its router, its experts.
+        self.gate = cast(nn.Module, block.gate)
+        self.experts = cast(nn.Module, block.experts)
         self.shared_name = shared
         if shared is not None:
             self.add_module(shared, getattr(block, shared))
             if self.shared_gated:
-                self.shared_expert_gate = block.shared_expert_gate
+                self.shared_expert_gate = cast(nn.Module, block.shared_expert_gate)
         self.jitter_noise = float(getattr(block, "jitter_noise", 0.0) or 0.0)
-        self.num_experts = self.experts.gate_up_proj.shape[0]
+        self.num_experts = self._expert_weights()[0].shape[0]
         self._dispatcher = LocalDispatcher(self.num_experts)
         self._expert_fn = _EXPERT_FNS[backend]
         self._stats = stats
@@ -166,7 +168,8 @@ class AcceleratedMoeBlock(nn.Module):
         # The HF router decides (its hooks record router_logits for output_router_logits=True).
         router_logits, topk_weights, topk_ids = self.gate(x)  # [T, E], [T, K], [T, K]
         rows, tokens_per_expert, meta = self._dispatcher.dispatch(x, topk_ids, topk_weights)
-        y = self._expert_fn(rows, self.experts.gate_up_proj, self.experts.down_proj, tokens_per_expert)
+        gate_up, down = self._expert_weights()
+        y = self._expert_fn(rows, gate_up, down, tokens_per_expert)
         out = self._dispatcher.combine(y, meta).to(x.dtype)  # [T, D]
         if self.shared_name is not None:
             shared = getattr(self, self.shared_name)(x)
@@ -176,6 +179,10 @@ class AcceleratedMoeBlock(nn.Module):
         if self.training:
             self._stats.record(self.layer, router_logits, topk_ids, self.score_func)
         return out.reshape(shape)
+
+    def _expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The HF experts' ``gate_up_proj`` [E, 2F, D] and ``down_proj`` [E, D, F] (its parameters, as they are now)."""
+        return cast(torch.Tensor, self.experts.gate_up_proj), cast(torch.Tensor, self.experts.down_proj)
 
 
 def accelerate(model: nn.Module, backend: str = "grouped_mm") -> HFRoutingSums:
@@ -221,7 +228,8 @@ def _callback_base():
     return TrainerCallback
 
 
-class MoELoggingCallback(_callback_base()):
+# transformers' TrainerCallback, resolved at import time (a clear error without the hf extra): mypy cannot follow it.
+class MoELoggingCallback(_callback_base()):  # type: ignore[misc]
     """A ``transformers.TrainerCallback`` that adds the routing statistics of :func:`accelerate`'s blocks to every
     training log (see :meth:`HFRoutingSums.summary` for the keys), then resets them, so each log covers the steps
     since the previous one.

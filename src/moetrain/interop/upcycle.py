@@ -17,6 +17,7 @@ import dataclasses
 import json
 import shutil
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -24,6 +25,7 @@ from moetrain.configlib import FieldError
 from moetrain.errors import ConfigError, MoetrainError
 from moetrain.interop.hf import CONFIG_FILE, from_hf, read_hf_config, to_hf
 from moetrain.model.config import ModelConfig
+from moetrain.model.ffn import SwiGLU
 from moetrain.model.transformer import MoETransformer
 from moetrain.moe.config import ExpertsConfig, MoEConfig, RouterConfig, SharedExpertConfig
 
@@ -81,7 +83,8 @@ def upcycle_model(dense: MoETransformer, num_experts: int, top_k: int, router_st
             out[name] = t.detach().cpu().clone()
     e, d = num_experts, cfg.hidden
     for i, block in enumerate(dense.blocks):
-        gate, up, down = block.ffn.gate_proj.weight, block.ffn.up_proj.weight, block.ffn.down_proj.weight
+        ffn = cast(SwiGLU, block.ffn)  # a dense model (upcycled_config checked): every block's FFN is a SwiGLU
+        gate, up, down = ffn.gate_proj.weight, ffn.up_proj.weight, ffn.down_proj.weight
         p = f"blocks.{i}.ffn"
         out[f"{p}.experts.gate_up_proj"] = torch.cat([gate, up]).cpu().expand(e, -1, -1).clone()  # [E, 2F, D]
         out[f"{p}.experts.down_proj"] = down.cpu().expand(e, -1, -1).clone()  # [E, D, F]

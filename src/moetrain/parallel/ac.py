@@ -20,11 +20,14 @@ routing monitor's) apart from the real forward.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 from torch.distributed._composable import checkpoint
 
 from moetrain.errors import ConfigError
+from moetrain.model.block import Block
 
 MODES = ("none", "full", "selective")
 
@@ -35,9 +38,10 @@ def in_recompute() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def _blocks(model: nn.Module) -> list[nn.Module]:
+def _blocks(model: nn.Module) -> list[Block]:
     blocks = model.blocks
-    return list(blocks.values()) if isinstance(blocks, nn.ModuleDict) else list(blocks)
+    modules = blocks.values() if isinstance(blocks, nn.ModuleDict) else cast(nn.ModuleList, blocks)
+    return [cast(Block, b) for b in modules]
 
 
 def apply(model: nn.Module, mode: str) -> list[str]:
@@ -56,14 +60,13 @@ def apply(model: nn.Module, mode: str) -> list[str]:
     names = {m: n for n, m in model.named_modules()}
     done = []
     for block in _blocks(model):
+        targets: list[nn.Module] = []
         if mode == "full":
             targets = [block]
         elif mode == "selective":
-            targets = [] if getattr(block, "bta_tiles", 1) > 1 else [block.attn]
-            if getattr(block, "is_moe", False):
-                targets.append(block.ffn.experts)
-        else:
-            targets = []
+            targets = [] if block.bta_tiles > 1 else [block.attn]
+            if block.is_moe:
+                targets.append(cast(nn.Module, block.ffn.experts))
         for module in targets:
             checkpoint(module, use_reentrant=False, preserve_rng_state=True)
             done.append(names[module])

@@ -14,6 +14,7 @@ cross-check. In the capacity layout each local expert gets P * C slots (C per so
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -86,9 +87,10 @@ class AllGatherDispatcher(Dispatcher):
         pad = (0, 0, 0, t_max - t)
         if keep is None:
             keep = torch.ones_like(topk_ids, dtype=torch.bool)
-        x_all = AllGather.apply(F.pad(tokens, pad), self.group, p, f"all_gather (MoE tokens, {self.name})")
-        w_all = AllGather.apply(F.pad(topk_weights, pad), self.group, p,
-                                f"all_gather (MoE gating weights, {self.name})")
+        x_all = cast(torch.Tensor, AllGather.apply(  # type: ignore[no-untyped-call]
+            F.pad(tokens, pad), self.group, p, f"all_gather (MoE tokens, {self.name})"))
+        w_all = cast(torch.Tensor, AllGather.apply(  # type: ignore[no-untyped-call]
+            F.pad(topk_weights, pad), self.group, p, f"all_gather (MoE gating weights, {self.name})"))
         # Expert ids and keep flags travel together (padding rows: not kept).
         ids_keep = torch.cat([topk_ids, keep.to(topk_ids.dtype)], dim=1)
         ids_keep = all_gather_rows(F.pad(ids_keep, pad), self.group, p, f"all_gather (MoE expert ids, {self.name})")
@@ -97,10 +99,10 @@ class AllGatherDispatcher(Dispatcher):
         layout = None if capacity is None else p * capacity
         rows, counts, local_meta = self.permuter.dispatch(x_all, ids_all, w_all, keep=keep_all & mine,
                                                           capacity=layout)
-        per_expert = rows.shape[0] // self.num_experts if layout is not None else None
         if layout is None:  # other experts' rows are all "dropped": this rank's rows come first
             before, n = 0, int(counts.sum())  # host sync
         else:
+            per_expert = rows.shape[0] // self.num_experts
             before, n = self.local_experts.start * per_expert, len(self.local_experts) * per_expert
         # An empty [0, D] input trips grouped_mm; rows past the last expert's are ignored by every backend.
         grouped = F.pad(rows[before : before + n], (0, 0, 0, 1 if n == 0 else 0))
@@ -124,7 +126,8 @@ class AllGatherDispatcher(Dispatcher):
         Raises:
             CollectiveError: a peer failed in the reduce-scatter.
         """
-        y = KeepGradPath.apply(expert_out, meta.received)[: meta.num_rows]
+        y = cast(torch.Tensor, KeepGradPath.apply(expert_out, meta.received))  # type: ignore[no-untyped-call]
+        y = y[: meta.num_rows]
         after = meta.rows_total - meta.rows_before - y.shape[0]
         # Partial sums in the local combine's accumulation dtype (fp32, fp64 for fp64: a cast through fp32 lost
         # ~6e-8 in fp64): reduce-scattered, they add up as it would.
@@ -133,5 +136,6 @@ class AllGatherDispatcher(Dispatcher):
         partial = self.permuter.combine(full, meta.local)  # [P * T_max, D] in acc
         if self.stats is not None and torch.is_grad_enabled():  # training passes only
             self.stats.combine_bytes_sent += partial.numel() * partial.element_size()
-        out = ReduceScatter.apply(partial, self.group, self.ep, f"reduce_scatter (MoE combine, {self.name})")
+        out = cast(torch.Tensor, ReduceScatter.apply(  # type: ignore[no-untyped-call]
+            partial, self.group, self.ep, f"reduce_scatter (MoE combine, {self.name})"))
         return out[: meta.num_tokens].to(y.dtype)

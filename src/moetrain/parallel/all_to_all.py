@@ -26,6 +26,7 @@ rank's micro-batch sends to one expert (Megatron-Core computes it from the local
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -108,8 +109,9 @@ class AllToAllDispatcher(Dispatcher):
                                       f"all_to_all_single (MoE token counts, {self.name})").view(p, e_local)
         # One host sync for both split lists (all_to_all_single takes Python ints).
         send, recv = torch.stack([counts.view(p, e_local).sum(1), counts_recv.sum(1)]).tolist()
-        received = AllToAll.apply(rows[: sum(send)], recv, send, self.group,
-                                  f"all_to_all_single (MoE token dispatch, {self.name})")  # [R, D]
+        received = cast(torch.Tensor, AllToAll.apply(  # type: ignore[no-untyped-call]
+            rows[: sum(send)], recv, send, self.group,
+            f"all_to_all_single (MoE token dispatch, {self.name})"))  # [R, D]
         block_expert = torch.arange(e_local, device=tokens.device).repeat(p)  # [P * E_l] expert of each (source, e)
         row_expert = torch.repeat_interleave(block_expert, counts_recv.reshape(-1), output_size=sum(recv))  # [R]
         regroup = torch.sort(row_expert, stable=True).indices  # [R]
@@ -135,11 +137,13 @@ class AllToAllDispatcher(Dispatcher):
         Raises:
             CollectiveError: a peer failed during the return exchange.
         """
-        y = KeepGradPath.apply(expert_out, meta.received)[: meta.regroup.numel()]
+        y = cast(torch.Tensor, KeepGradPath.apply(expert_out, meta.received))  # type: ignore[no-untyped-call]
+        y = y[: meta.regroup.numel()]
         inverse = torch.empty_like(meta.regroup)
         inverse[meta.regroup] = torch.arange(meta.regroup.numel(), device=meta.regroup.device)
-        back = AllToAll.apply(y[inverse], meta.send_splits, meta.recv_splits, self.group,
-                              f"all_to_all_single (MoE combine, {self.name})")  # [S, D] in this rank's layout
+        back = cast(torch.Tensor, AllToAll.apply(  # type: ignore[no-untyped-call]
+            y[inverse], meta.send_splits, meta.recv_splits, self.group,
+            f"all_to_all_single (MoE combine, {self.name})"))  # [S, D] in this rank's layout
         if self.stats is not None and torch.is_grad_enabled():  # training passes only
             self.stats.combine_bytes_sent += y.shape[0] * y.shape[1] * y.element_size()
         # Dropped rows were never sent; the local combine ignores them, zeros stand in.

@@ -113,7 +113,8 @@ class ShardLayout:
         return full[shard.offset : shard.offset + shard.local_rows]
 
 
-def _param_names(model: nn.Module) -> dict[nn.Parameter, str]:
+def _param_names(model: nn.Module) -> dict[torch.Tensor, str]:
+    # Keyed by Tensor (the parameters): it is indexed with the keys of ``optimizer.state`` (typed Tensor).
     return {p: name for name, p in model.named_parameters()}
 
 
@@ -246,7 +247,8 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, 
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[names[p]] for p in mine["params"]]}
                   for g, mine in zip(meta["param_groups"], optimizer.param_groups)]
         optimizer.load_state_dict({"state": local, "param_groups": groups})
-    return meta["extra"]
+    extra: dict[str, Any] = meta["extra"]  # what save() stored (meta comes from torch.load: Any)
+    return extra
 
 
 def is_dcp_files(files: dict[str, bytes]) -> bool:
@@ -278,6 +280,7 @@ def save_files(model: nn.Module, optimizer: torch.optim.Optimizer | None, layout
         dist.gather_object(mine, gathered, dst=0)
     if not mesh.is_main:
         return {}
+    assert gathered is not None  # rank 0 (is_main) allocated it above
     files: dict[str, bytes] = {}
     for part in gathered:
         files.update(part)

@@ -11,10 +11,16 @@ counted from the meta model's shapes (with FSDP2's row padding), next to the pla
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
 
 from moetrain.errors import ConfigError
 from moetrain.parallel.layout import Layout
 from moetrain.parallel.pipeline import stage_blocks
+
+if TYPE_CHECKING:
+    from moetrain.config import Config
 
 STATE_BYTES = 16  # fp32 weight + fp32 gradient + AdamW's two fp32 moments, per parameter
 
@@ -31,7 +37,7 @@ class DryRun:
     lines: list[str]
 
 
-def _ceil_rows(shape, shards: int) -> int:
+def _ceil_rows(shape: tuple[int, ...] | torch.Size, shards: int) -> int:
     """Elements of the largest FSDP2 shard of a tensor of ``shape`` over ``shards`` ranks (dim 0, padded)."""
     rest = 1
     for d in shape[1:]:
@@ -39,7 +45,7 @@ def _ceil_rows(shape, shards: int) -> int:
     return -(-shape[0] // shards) * rest if len(shape) else 1
 
 
-def check(config, world: int) -> tuple[Layout, list[range]]:
+def check(config: Config, world: int) -> tuple[Layout, list[range]]:
     """The layout and pipeline stages of ``config`` on ``world`` ranks.
 
     Raises:
@@ -67,7 +73,7 @@ def check(config, world: int) -> tuple[Layout, list[range]]:
     return layout, stages
 
 
-def dry_run(config, world: int) -> DryRun:
+def dry_run(config: Config, world: int) -> DryRun:
     """Validate and lay out ``config`` for ``world`` ranks (see the module docstring).
 
     Raises:
@@ -109,7 +115,7 @@ def dry_run(config, world: int) -> DryRun:
     return DryRun(layout, stages, per_rank * STATE_BYTES, planner * STATE_BYTES, lines)
 
 
-def too_large(config, world: int, device_type: str, free_bytes: float) -> str | None:
+def too_large(config: Config, world: int, device_type: str, free_bytes: float) -> str | None:
     """Why ``config`` cannot train on ``world`` ranks of this machine, or ``None`` when its sharded training state
     fits: the per-rank bytes of parameters + gradients + AdamW state (:func:`dry_run`) against ``free_bytes``, and
     the smallest layout the planner finds for such devices (``moetrain plan``'s defaults: 1024 sequences of 4096
@@ -135,6 +141,7 @@ def too_large(config, world: int, device_type: str, free_bytes: float) -> str | 
     else:
         n, result = found
         best = result.recommended
+        assert best is not None and best.best is not None  # smallest_fitting returns plans with a fitting pick
         fit = (f"the smallest layout that fits is {n} {hw_name} devices as {best.layout.label} "
                f"({best.best.memory / 1e9:.1f} GB/device with activations); write its config with `moetrain plan "
                f"--preset {config.preset} --devices {n} --device {hw_name} --emit FILE.toml`")

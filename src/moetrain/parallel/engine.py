@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,14 @@ from moetrain.parallel.launch import ParallelHooks, parallelize
 from moetrain.parallel.layout import Layout, LayoutMesh, build_layout_mesh
 from moetrain.parallel.meta_init import build_meta, materialise
 from moetrain.parallel.pipeline_runner import PipelineRunner
+
+if TYPE_CHECKING:
+    from moetrain.config import Config
+    from moetrain.data.batch import Batch
+    from moetrain.model.config import ModelConfig
+    from moetrain.model.transformer import MoETransformer
+    from moetrain.train.config import TrainConfig
+    from moetrain.train.step import StepResult
 
 
 def _stride(shape: torch.Size) -> tuple[int, ...]:
@@ -109,7 +118,8 @@ class ShardedHooks(ParallelHooks):
         self.grad_accum, self.micro_shape = grad_accum, micro_shape
         self.runner: PipelineRunner | None = None
 
-    def build_model(self, config, device: torch.device, seed: int = 0, meta_init: bool = False) -> nn.Module:
+    def build_model(self, config: ModelConfig, device: torch.device, seed: int = 0, meta_init: bool = False
+                    ) -> nn.Module:
         """The whole model on the meta device (no memory): :meth:`prepare_model` materialises this rank's
         shards only."""
         return build_meta(config)
@@ -119,8 +129,8 @@ class ShardedHooks(ParallelHooks):
         with FSDP2 (call before building the optimizer); ``log`` gets the mesh line and this rank's bytes."""
         lm = self.layout_mesh
         if lm.layout.pp > 1:  # this rank's stages; the trainer then sees their parameters (LocalModel)
-            self.runner = PipelineRunner(model, lm, self.parallel, self.grad_accum, self.dtype, self.seed, self.stats,
-                                         self.micro_shape)
+            self.runner = PipelineRunner(cast("MoETransformer", model), lm, self.parallel, self.grad_accum, self.dtype,
+                                         self.seed, self.stats, self.micro_shape)
             self.plan, self.model = self.runner.plan, self.runner.local
             if log is not None:
                 log(f"parallel: {lm.layout.describe()}; pipeline stages {self.runner.indices} of "
@@ -131,7 +141,7 @@ class ShardedHooks(ParallelHooks):
         activation_checkpointing.apply(model, self.parallel.activation_checkpoint)
         apply_fsdp(model, lm, self.dtype, self.parallel.reshard_after_forward, self.parallel.cpu_offload)
         if any(p.is_meta for p in model.parameters()):  # built by meta_init.build_meta: this rank's shards only
-            materialise(model, model.config, lm.device, self.seed, self.plan)
+            materialise(model, cast("ModelConfig", model.config), lm.device, self.seed, self.plan)
         init_root(model)
         self.model = model
         if log is not None:
@@ -181,6 +191,7 @@ class ShardedHooks(ParallelHooks):
     def sync_grads(self, max_norm: float) -> torch.Tensor:
         """FSDP2 reduced the gradients during backward; clip them by the global norm and return it."""
         self._steps += 1
+        assert self.model is not None, "sync_grads before prepare_model"
         return clip_grad_norm(self.model, self.layout_mesh, max_norm)
 
     def reduce_mean(self, values: torch.Tensor) -> torch.Tensor:
@@ -199,7 +210,9 @@ class ShardedHooks(ParallelHooks):
         """This rank's checkpoint layout (:class:`ShardedLayout`), for the ``Checkpointer``."""
         return ShardedLayout(self.mesh, self.plan, self.layout_mesh.expert_global_mesh)
 
-    def train_step(self, model: nn.Module, next_batch, optimizer, scheduler, config, device: torch.device):
+    def train_step(self, model: nn.Module, next_batch: Callable[[], Batch], optimizer: torch.optim.Optimizer,
+                   scheduler: torch.optim.lr_scheduler.LRScheduler, config: TrainConfig, device: torch.device
+                   ) -> StepResult:
         """One optimizer step: the pipeline schedule with pp > 1, else ``train_step`` with these hooks."""
         if self.runner is None:
             with fsdp_collectives("FSDP2 all-gather / reduce-scatter (forward and backward of the step)",
@@ -207,20 +220,23 @@ class ShardedHooks(ParallelHooks):
                 return super().train_step(model, next_batch, optimizer, scheduler, config, device)
         with fsdp_collectives("pipeline step (stage send / recv of activations and gradients, FSDP2 all-gather / "
                               "reduce-scatter)", self.layout_mesh.pp_group):
-            return self.runner.train_step(next_batch, optimizer, scheduler, config,
+            # Pipelining takes fixed-shape (inputs, targets) micro-batches (packed documents are refused with
+            # several ranks by the trainer).
+            windows = cast(Callable[[], tuple[torch.Tensor, torch.Tensor]], next_batch)
+            return self.runner.train_step(windows, optimizer, scheduler, config,
                                           self.reduce_mean if self.layout_mesh.layout.data_parallel > 1 else None,
                                           self.count_reducer)
 
-    def evaluate(self, model: nn.Module, batches, device: torch.device, dtype: str) -> float:
+    def evaluate(self, model: nn.Module, batches: Iterable[Batch], device: torch.device, dtype: str) -> float:
         """Validation loss: through the pipeline with pp > 1, else the model's own forward."""
         if self.runner is None:
             with fsdp_collectives("FSDP2 all-gather (evaluation forward)", self.layout_mesh.stage_group):
                 return super().evaluate(model, batches, device, dtype)
         with fsdp_collectives("pipeline evaluation (stage send / recv)", self.layout_mesh.pp_group):
-            return self.runner.evaluate(batches)
+            return self.runner.evaluate(cast(Iterable[tuple[torch.Tensor, torch.Tensor]], batches))
 
 
-def start_sharded(config, device_type: str) -> ShardedHooks:
+def start_sharded(config: Config, device_type: str) -> ShardedHooks:
     """Join the ``torchrun`` job (or stay one process) and build the FSDP2 engine's mesh; the mesh line is
     printed by rank 0.
 

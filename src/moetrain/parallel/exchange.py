@@ -9,6 +9,8 @@ order, in forward and in backward.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -19,7 +21,9 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def all_to_all_rows(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group, name: str):
+def all_to_all_rows(
+    x: torch.Tensor, output_splits: list[int], input_splits: list[int], group: dist.ProcessGroup | None, name: str
+) -> torch.Tensor:
     """Non-differentiable ``all_to_all_single`` along dim 0: ``x`` [sum(input_splits), ...] ->
     [sum(output_splits), ...]; rows ``input_splits[p]`` go to rank p of ``group``."""
     out = x.new_empty((sum(output_splits), *x.shape[1:]))
@@ -32,18 +36,19 @@ class AllToAll(torch.autograd.Function):
     """``all_to_all_single`` with uneven splits; backward sends the gradients back with the splits swapped."""
 
     @staticmethod
-    def forward(ctx, x, output_splits: list[int], input_splits: list[int], group, name: str):  # noqa: D102
+    def forward(ctx: Any, x: torch.Tensor, output_splits: list[int], input_splits: list[int],  # noqa: D102
+                group: dist.ProcessGroup | None, name: str) -> torch.Tensor:
         ctx.splits, ctx.group, ctx.name = (output_splits, input_splits), group, name
         return all_to_all_rows(x, output_splits, input_splits, group, name)
 
     @staticmethod
-    def backward(ctx, grad):  # noqa: D102
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:  # noqa: D102
         output_splits, input_splits = ctx.splits
         g = all_to_all_rows(grad, input_splits, output_splits, ctx.group, f"{ctx.name} [backward]")
         return g, None, None, None, None
 
 
-def all_gather_rows(x: torch.Tensor, group, size: int, name: str) -> torch.Tensor:
+def all_gather_rows(x: torch.Tensor, group: dist.ProcessGroup | None, size: int, name: str) -> torch.Tensor:
     """Non-differentiable all-gather along dim 0: [R, ...] on each of ``size`` ranks -> [size * R, ...]."""
     out = x.new_empty((size * x.shape[0], *x.shape[1:]))
     with named_collective(name, group):
@@ -51,7 +56,7 @@ def all_gather_rows(x: torch.Tensor, group, size: int, name: str) -> torch.Tenso
     return out
 
 
-def reduce_scatter_rows(x: torch.Tensor, group, size: int, name: str) -> torch.Tensor:
+def reduce_scatter_rows(x: torch.Tensor, group: dist.ProcessGroup | None, size: int, name: str) -> torch.Tensor:
     """Non-differentiable sum-reduce-scatter along dim 0: [size * R, ...] -> [R, ...] (rank p gets block p)."""
     out = x.new_empty((x.shape[0] // size, *x.shape[1:]))
     with named_collective(name, group):
@@ -64,12 +69,13 @@ class AllGather(torch.autograd.Function):
     gradient every rank computed for them)."""
 
     @staticmethod
-    def forward(ctx, x, group, size: int, name: str):  # noqa: D102
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup | None, size: int,  # noqa: D102
+                name: str) -> torch.Tensor:
         ctx.group, ctx.size, ctx.name = group, size, name
         return all_gather_rows(x, group, size, name)
 
     @staticmethod
-    def backward(ctx, grad):  # noqa: D102
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # noqa: D102
         return reduce_scatter_rows(grad, ctx.group, ctx.size, f"{ctx.name} [backward]"), None, None, None
 
 
@@ -77,12 +83,13 @@ class ReduceScatter(torch.autograd.Function):
     """Sum-reduce-scatter along dim 0; backward: all-gather of the gradient."""
 
     @staticmethod
-    def forward(ctx, x, group, size: int, name: str):  # noqa: D102
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup | None, size: int,  # noqa: D102
+                name: str) -> torch.Tensor:
         ctx.group, ctx.size, ctx.name = group, size, name
         return reduce_scatter_rows(x, group, size, name)
 
     @staticmethod
-    def backward(ctx, grad):  # noqa: D102
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # noqa: D102
         return all_gather_rows(grad, ctx.group, ctx.size, f"{ctx.name} [backward]"), None, None, None
 
 
@@ -96,12 +103,12 @@ class KeepGradPath(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, y, received):  # noqa: D102
+    def forward(ctx: Any, y: torch.Tensor, received: torch.Tensor) -> torch.Tensor:  # noqa: D102
         ctx.received_meta = (received.shape, received.dtype, received.device)
         return y.view_as(y)
 
     @staticmethod
-    def backward(ctx, grad):  # noqa: D102
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:  # noqa: D102
         shape, dtype, device = ctx.received_meta
         zero = torch.zeros(shape, dtype=dtype, device=device) if ctx.needs_input_grad[1] else None
         return grad, zero

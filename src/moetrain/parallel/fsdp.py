@@ -24,15 +24,24 @@ Reduce-scatters run on a separate stream on CUDA and overlap backward; on gloo (
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import cast
+
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from moetrain.errors import ConfigError
+from moetrain.model.block import Block
+from moetrain.moe.layer import MoELayer
 from moetrain.parallel.comm import named_collective
 from moetrain.parallel.layout import LayoutMesh
+
+
+PlacementFn = Callable[[nn.Parameter], Shard | None]
 
 
 def mixed_precision(dtype: str) -> tuple[MixedPrecisionPolicy, MixedPrecisionPolicy]:
@@ -65,38 +74,38 @@ def apply_fsdp(model: nn.Module, mesh: LayoutMesh, dtype: str = "fp32", reshard_
         raise ConfigError("parallel.cpu_offload: FSDP2's CPUOffloadPolicy needs CUDA (it copies host shards to the "
                           "accelerator); on a CPU run the parameters are already in host memory: set it to false")
     policy, router_policy = mixed_precision(dtype)
-    common = {"mp_policy": policy, "reshard_after_forward": reshard_after_forward}
-    if cpu_offload:
-        common["offload_policy"] = CPUOffloadPolicy()
-    dense, experts_mesh = mesh.dense_mesh, mesh.expert_mesh
-    ep = mesh.layout.ep
-    blocks = model.blocks.values() if isinstance(model.blocks, nn.ModuleDict) else model.blocks
-    expert_units = set()
-    for block in blocks:
+    offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+
+    def shard(module: nn.Module | list[nn.Module], on: DeviceMesh | None, reshard: bool = reshard_after_forward,
+              mp: MixedPrecisionPolicy = policy, placement: PlacementFn | None = None) -> None:
+        fully_shard(module, mesh=on, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload,
+                    shard_placement_fn=placement)
+
+    dense, ep, expert_units = mesh.dense_mesh, mesh.layout.ep, set()
+    for block in stage_blocks(model):
         placement = None
-        if getattr(block, "is_moe", False):
-            layer = block.ffn
-            local = next(layer.experts.parameters()).shape[0]  # E / ep
+        if block.is_moe:
+            layer = cast(MoELayer, block.ffn)
+            experts = cast(nn.Module, layer.experts)
+            local = next(experts.parameters()).shape[0]  # E / ep
             if ep > 1:
-                fully_shard(layer.experts, mesh=experts_mesh, shard_placement_fn=expert_placement(
-                    layer.experts, local, mesh.layout.dp_shard), **common)
-                layer.experts.set_gradient_divide_factor(float(mesh.layout.data_parallel))
-                expert_units.add(layer.experts)
+                shard(experts, mesh.expert_mesh, placement=expert_placement(experts, local, mesh.layout.dp_shard))
+                cast(FSDPModule, experts).set_gradient_divide_factor(float(mesh.layout.data_parallel))
+                expert_units.add(experts)
             else:
-                placement = expert_placement(layer.experts, local, mesh.layout.dp_shard * ep)
-            fully_shard(layer.router, mesh=dense, **{**common, "mp_policy": router_policy})
-        fully_shard(block, mesh=dense, shard_placement_fn=placement, **common)
-    embed, norm, head = (getattr(model, n, None) for n in ("embed_tokens", "norm", "lm_head"))
-    tied = embed is not None and head is not None and head.weight is embed.weight
-    if tied:
-        fully_shard([embed, norm, head], mesh=dense, **common)
+                placement = expert_placement(experts, local, mesh.layout.dp_shard * ep)
+            shard(cast(nn.Module, layer.router), dense, mp=router_policy)
+        shard(block, dense, placement=placement)
+    embed, norm, head = (cast(nn.Module | None, getattr(model, n, None)) for n in ("embed_tokens", "norm", "lm_head"))
+    if embed is not None and head is not None and head.weight is embed.weight:  # tied: one unit
+        shard([m for m in (embed, norm, head) if m is not None], dense)
     else:
         if embed is not None:
-            fully_shard(embed, mesh=dense, **common)
+            shard(embed, dense)
         tail = [m for m in (norm, head) if m is not None]
         if tail:  # gathered again at once in backward: resharding it after forward would only add an all-gather
-            fully_shard(tail, mesh=dense, **{**common, "reshard_after_forward": False})
-    fully_shard(model, mesh=dense, **{**common, "reshard_after_forward": False})
+            shard(tail, dense, reshard=False)
+    shard(model, dense, reshard=False)
     if dist.get_backend() == "gloo":  # gloo has no PREMUL_SUM (a custom divide factor): SUM, then divide locally
         for module in model.modules():
             # Not on an expert unit with one shard (dp_shard = 1): there torch 2.13's foreach_reduce divides by the
@@ -107,21 +116,32 @@ def apply_fsdp(model: nn.Module, mesh: LayoutMesh, dtype: str = "fp32", reshard_
     return model
 
 
+def stage_blocks(model: nn.Module) -> list[Block]:
+    """The transformer blocks of ``model`` (a ``ModuleList``, or a pipeline stage's ``ModuleDict``)."""
+    blocks = model.blocks
+    modules = blocks.values() if isinstance(blocks, nn.ModuleDict) else cast(nn.ModuleList, blocks)
+    return [cast(Block, b) for b in modules]
+
+
 def init_root(model: nn.Module) -> None:
     """Fix ``model`` as FSDP2's root now (after materialisation: FSDP2 refuses meta parameters here). FSDP2 picks
     its root at the first forward, but the trainer's first call may be the no-grad routing pre-pass
     (``MoETransformer.moe_counts``), which enters the blocks without the root's forward."""
-    model._get_fsdp_state()._lazy_init()
+    cast(FSDPModule, model)._get_fsdp_state()._lazy_init()
 
 
-def expert_placement(experts: nn.Module, local_experts: int, shards: int):
+def expert_placement(experts: nn.Module, local_experts: int, shards: int) -> PlacementFn | None:
     """FSDP2 ``shard_placement_fn`` for expert tensors [E_l, ...]: ``Shard(0)`` (whole experts per rank) when there
     are at least as many local experts as shards, else ``Shard(1)`` (torchtitan's rule: dim-0 sharding of fewer
     experts than ranks would pad every rank to a whole expert); ``None`` (FSDP2's default) for other tensors."""
     if local_experts >= shards:
         return None
     mine = set(experts.parameters())
-    return lambda p: Shard(1) if p in mine else None
+
+    def place(p: nn.Parameter) -> Shard | None:
+        return Shard(1) if p in mine else None
+
+    return place
 
 
 def set_gradient_sync(model: nn.Module, sync: bool) -> None:

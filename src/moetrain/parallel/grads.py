@@ -30,30 +30,30 @@ from moetrain.parallel.mesh import ParallelMesh
 
 def _params(model: nn.Module, expert_names: set[str]) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
     """(non-expert, expert) trainable parameters, in ``named_parameters`` order (the same on every rank)."""
-    dense, experts = [], []
+    dense: list[nn.Parameter] = []
+    experts: list[nn.Parameter] = []
     for name, p in model.named_parameters():
         if p.requires_grad:
             (experts if name in expert_names else dense).append(p)
     return dense, experts
 
 
-def _all_reduce_sum(params: list[nn.Parameter], group, scale: float, name: str) -> None:
+def _all_reduce_sum(params: list[nn.Parameter], group: dist.ProcessGroup | None, scale: float, name: str) -> None:
     """``p.grad = scale * sum over group of p.grad`` for ``params``, one flat buffer per dtype; a missing
     gradient counts as zeros (and is materialised, so every replica steps the parameter)."""
-    by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}  # the gradients, in ``params`` order
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        by_dtype.setdefault(p.grad.dtype, []).append(p)
+        by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
     for dtype in sorted(by_dtype, key=str):  # same order on every rank
-        group_params = by_dtype[dtype]
-        grads = [p.grad for p in group_params]
-        flat = _flatten_dense_tensors(grads)
+        grads = by_dtype[dtype]
+        flat: torch.Tensor = _flatten_dense_tensors(grads)  # type: ignore[no-untyped-call]  # torch._utils: untyped
         if dist.get_world_size(group) > 1:
             with named_collective(f"all_reduce ({name})", group):
                 dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
         flat.mul_(scale)
-        for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+        for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):  # type: ignore[no-untyped-call]
             g.copy_(synced)
 
 

@@ -26,7 +26,8 @@ from __future__ import annotations
 import dataclasses
 import tempfile
 from pathlib import Path
-from typing import Any, Callable
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, Callable, cast
 
 import torch
 import torch.distributed as dist
@@ -40,6 +41,17 @@ from moetrain.parallel.dcp import ShardLayout
 from moetrain.parallel.grads import all_reduce_mean, clip_grad_norm, sync_gradients
 from moetrain.parallel.mesh import ParallelMesh, init_distributed, single_process
 from moetrain.parallel.sharding import ExpertShard, moe_layers, shard_experts
+
+if TYPE_CHECKING:  # imported where used at run time (train/ imports this module)
+    from moetrain.config import Config
+    from moetrain.data.batch import Batch
+    from moetrain.data.config import DataConfig
+    from moetrain.model.config import ModelConfig
+    from moetrain.train.checkpoint import LoadedCheckpoint
+    from moetrain.train.config import TrainConfig
+    from moetrain.train.monitor import RoutingMonitor
+    from moetrain.train.monitor_config import MonitorConfig
+    from moetrain.train.step import StepResult
 
 DISPATCHERS = {"all_to_all": AllToAllDispatcher, "all_gather": AllGatherDispatcher}
 
@@ -114,7 +126,8 @@ class ParallelHooks:
         return self.mesh.distributed
 
     # -- model and data ---------------------------------------------------------------------------------------
-    def build_model(self, config, device: torch.device, seed: int = 0, meta_init: bool = False) -> nn.Module:
+    def build_model(self, config: ModelConfig, device: torch.device, seed: int = 0, meta_init: bool = False
+                    ) -> nn.Module:
         """The whole model on ``device``: initialised by ``MoETransformer.reset_parameters``, or with
         ``meta_init`` (``parallel.meta_init``) by the per-index initialisation of the sharded engine
         (:mod:`moetrain.parallel.meta_init`), so that one process starts from the weights an FSDP2 / pipeline
@@ -163,7 +176,7 @@ class ParallelHooks:
 
         return mine if self.distributed else next_batch
 
-    def prepare_data(self, prepare: Callable[[], tuple[Any, bytes]], data_config, vocab_size: int
+    def prepare_data(self, prepare: Callable[[], tuple[Any, bytes]], data_config: DataConfig, vocab_size: int
                      ) -> tuple[Any, bytes]:
         """Rank 0 runs ``prepare()`` (tokenizer training, tokenization, cache) first; the other ranks then prepare
         the same corpus with rank 0's tokenizer (a cache hit on the same node), so every rank tokenizes
@@ -180,7 +193,8 @@ class ParallelHooks:
             return prepare()
         from moetrain.data.dataset import prepare_data
 
-        result, message = None, [None]
+        # rank 0's outcome: ("ok", tokenizer.json bytes) or ("error", message)
+        message: list[tuple[str, bytes | str] | None] = [None]
         if self.is_main:
             try:
                 result = prepare()
@@ -194,8 +208,10 @@ class ParallelHooks:
             return result
         with named_collective("broadcast_object_list (tokenizer from rank 0)"):
             dist.broadcast_object_list(message, src=0)
-        kind, payload = message[0]
-        if kind == "error":
+        outcome = message[0]
+        assert outcome is not None  # filled by rank 0's broadcast
+        _, payload = outcome
+        if isinstance(payload, str):  # ("error", message)
             raise MoetrainError(f"rank 0 could not prepare the data: {payload}")
         with tempfile.TemporaryDirectory(prefix="moetrain-tok-") as tmp:
             path = Path(tmp) / "tokenizer.json"
@@ -204,17 +220,23 @@ class ParallelHooks:
         return data, payload
 
     # -- the step ---------------------------------------------------------------------------------------------
-    def train_step(self, model: nn.Module, next_batch, optimizer, scheduler, config, device: torch.device):
+    def train_step(self, model: nn.Module, next_batch: Callable[[], Batch], optimizer: torch.optim.Optimizer,
+                   scheduler: torch.optim.lr_scheduler.LRScheduler, config: TrainConfig, device: torch.device
+                   ) -> StepResult:
         """One optimizer step (:func:`moetrain.train.step.train_step` with :meth:`step_kwargs`)."""
+        from moetrain.model.transformer import MoETransformer
         from moetrain.train.step import train_step
 
-        return train_step(model, next_batch, optimizer, scheduler, config, device, **self.step_kwargs())
+        # the model build_model made (a MoETransformer, experts sharded in place)
+        return train_step(cast(MoETransformer, model), next_batch, optimizer, scheduler, config, device,
+                          **self.step_kwargs())
 
-    def evaluate(self, model: nn.Module, batches, device: torch.device, dtype: str) -> float:
+    def evaluate(self, model: nn.Module, batches: Iterable[Batch], device: torch.device, dtype: str) -> float:
         """Validation loss (:func:`moetrain.train.trainer.evaluate`)."""
+        from moetrain.model.transformer import MoETransformer
         from moetrain.train.trainer import evaluate
 
-        return evaluate(model, batches, device, dtype)
+        return evaluate(cast(MoETransformer, model), batches, device, dtype)
 
     def step_kwargs(self) -> dict[str, Any]:
         """Extra arguments of :func:`moetrain.train.step.train_step` (none for a single process)."""
@@ -239,6 +261,7 @@ class ParallelHooks:
         """All-reduce the gradients (:func:`~moetrain.parallel.grads.sync_gradients`), clip them to ``max_norm`` by
         the global norm and return it. Called once per optimizer step by ``train_step``."""
         self._steps += 1
+        assert self.model is not None, "ParallelHooks.sync_grads: call prepare_model first"
         sync_gradients(self.model, self.mesh, set(self.plan))
         return clip_grad_norm(self.model, self.mesh, set(self.plan), max_norm)
 
@@ -277,7 +300,7 @@ class ParallelHooks:
         :class:`~moetrain.train.checkpointer.Checkpointer` saves and loads through."""
         return ShardLayout(self.mesh, self.plan)
 
-    def load_checkpoint(self, ckpt, model: nn.Module, optimizer: torch.optim.Optimizer) -> bool:
+    def load_checkpoint(self, ckpt: LoadedCheckpoint, model: nn.Module, optimizer: torch.optim.Optimizer) -> bool:
         """Load the weights and optimizer state of ``ckpt`` (a verified ``LoadedCheckpoint``, either format) into
         this rank's model and optimizer through :func:`moetrain.train.checkpointer.load_weights` (resharded to this
         layout). Returns ``True``.
@@ -290,7 +313,7 @@ class ParallelHooks:
         load_weights(ckpt, model, optimizer, self.layout)
         return True
 
-    def monitor_config(self, config):
+    def monitor_config(self, config: MonitorConfig) -> MonitorConfig:
         """The routing monitor's config for this rank: rank 0's only (it sees rank 0's tokens and writes the
         alerts); disabled on the others."""
         return config if self.is_main else dataclasses.replace(config, enabled=False)
@@ -299,7 +322,7 @@ class ParallelHooks:
         """``make()`` (the metrics writer) on rank 0, a :class:`NullMetrics` on the other ranks."""
         return make() if self.is_main else NullMetrics()
 
-    def raise_if_fatal(self, monitor, checkpoint: Callable[[], Any]) -> None:
+    def raise_if_fatal(self, monitor: RoutingMonitor, checkpoint: Callable[[], Any]) -> None:
         """``monitor.raise_if_fatal(checkpoint)`` with the decision made on rank 0 and shared (one broadcast),
         so that every rank writes the checkpoint (a collective) and stops together.
 
@@ -339,7 +362,7 @@ class ParallelHooks:
             dist.destroy_process_group()
 
 
-def start(config, device_type: str) -> ParallelHooks:
+def start(config: Config, device_type: str) -> ParallelHooks:
     """Join the ``torchrun`` job (``WORLD_SIZE`` > 1) or stay a single process, per the run config.
 
     Args:

@@ -143,12 +143,14 @@ def _groups(grid: torch.Tensor, vary: tuple[int, ...], rank: int, timeout: datet
     order, as ``new_group`` requires) and return the one holding ``rank`` with its ranks."""
     fixed = [d for d in range(grid.dim()) if d not in vary]
     moved = grid.permute(*fixed, *vary).reshape(-1, *[grid.shape[d] for d in vary])
-    mine, mine_ranks = None, []
+    mine: dist.ProcessGroup | None = None
+    mine_ranks: list[int] = []
     for block in moved:
         ranks = block.flatten().tolist()
         group = dist.new_group(ranks, timeout=timeout)
         if rank in ranks:
             mine, mine_ranks = group, ranks
+    assert mine is not None, f"rank {rank} is in no slice of the grid"
     return mine, mine_ranks
 
 

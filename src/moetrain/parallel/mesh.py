@@ -96,7 +96,8 @@ def build_mesh(ep: int, timeout_s: float, device: torch.device | str | None = No
     device = torch.device(device)
     timeout = datetime.timedelta(seconds=timeout_s)
     grid = torch.arange(world).view(dp, ep)  # grid[dp_rank, ep_rank] = global rank
-    ep_group = dp_group = None
+    ep_group: dist.ProcessGroup | None = None
+    dp_group: dist.ProcessGroup | None = None
     with named_collective("new_group (building the DP x EP mesh)"):
         # Every rank must create every sub-group, in the same order.
         for ranks in grid.tolist():
@@ -107,6 +108,8 @@ def build_mesh(ep: int, timeout_s: float, device: torch.device | str | None = No
             group = dist.new_group(ranks, timeout=timeout)
             if rank in ranks:
                 dp_group = group
+    # Every rank is in exactly one row (its EP group) and one column (its DP group) of the grid.
+    assert ep_group is not None and dp_group is not None
     mesh = DeviceMesh.from_group([dp_group, ep_group], device.type, mesh=grid, mesh_dim_names=("dp", "ep"))
     return ParallelMesh(world_size=world, rank=rank, ep=ep, ep_rank=rank % ep, dp=dp, dp_rank=rank // ep,
                         device=device, mesh=mesh, ep_group=ep_group, dp_group=dp_group)

@@ -13,13 +13,20 @@ Interleaved 1F1B).
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 
 from moetrain.errors import ConfigError
+from moetrain.model.block import Block
+from moetrain.model.config import ModelConfig
 from moetrain.model.transformer import MOE_LOSS_TERMS
+from moetrain.moe.layer import MoEAux, MoELayer
 from moetrain.moe.losses import global_load_balancing_loss
+
+if TYPE_CHECKING:
+    from moetrain.model.transformer import MoETransformer
 
 
 def stage_blocks(n_layers: int, stages: int, head_weight: float = 0.0) -> list[range]:
@@ -59,12 +66,12 @@ class _AttachLoss(torch.autograd.Function):
     schedule's ``1 / micro-batches`` gradient scaling then applies to them as to the LM loss."""
 
     @staticmethod
-    def forward(ctx, h: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, h: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(loss)
         return h.view_as(h)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         (loss,) = ctx.saved_tensors
         return grad, torch.ones_like(loss)
 
@@ -78,61 +85,76 @@ class StageModule(nn.Module):
     The stage adds its MoE layers' share of ``moe_loss`` (each per-layer term divided by the model's number of MoE
     layers, as ``assemble_moe_losses`` averages over layers) through :class:`_AttachLoss`. Per step, the runner
     sets ``step_counts`` ([L_s, E] global-batch counts of this stage's MoE layers, from the routing pre-pass) and
-    reads and clears ``records`` (one list of ``MoEAux`` per micro-batch forward): pipelining fixes a stage's
+    reads and clears ``records`` (one detached summary per micro-batch forward: the loss terms, ``counts`` and
+    ``dropped`` [L_s, E]): pipelining fixes a stage's
     forward signature to the tensors passed between stages.
 
     Args:
         model: the whole model (meta or real); its modules are shared, not copied.
         blocks: the global indices of this stage's blocks.
-        first / last: holds the embedding / the final norm and LM head.
+        first: the stage holds the embedding.
+        last: the stage holds the final norm and the LM head.
     Raises:
         ConfigError: ``pooled_aux_loss_coeff > 0`` (pooled over all layers at once: not split over stages).
     """
 
-    def __init__(self, model: nn.Module, blocks: range, first: bool, last: bool):
+    def __init__(self, model: "MoETransformer", blocks: range, first: bool, last: bool):
         super().__init__()
-        losses = model.config.moe.losses
-        if losses.pooled_aux_loss_coeff > 0:
+        config: ModelConfig = model.config
+        if config.moe.losses.pooled_aux_loss_coeff > 0:
             raise ConfigError("model.moe.losses.pooled_aux_loss_coeff: the pooled loss spans all layers at once and "
                               "cannot be split over pipeline stages; use aux_loss_coeff or global_aux_loss_coeff")
-        self.config = model.config
+        self.config = config
         self.first, self.last = first, last
-        self.embed_tokens = model.embed_tokens if first else None
-        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in blocks})
-        self.norm = model.norm if last else None
-        self.lm_head = model.lm_head if last else None
-        self.moe_total = sum(1 for b in model.blocks if b.is_moe)
+        all_blocks = [cast(Block, b) for b in model.blocks]
+        self.embed_tokens: nn.Module | None = model.embed_tokens if first else None
+        self.blocks = nn.ModuleDict({str(i): all_blocks[i] for i in blocks})
+        self.norm: nn.Module | None = model.norm if last else None
+        self.lm_head: nn.Module | None = model.lm_head if last else None
+        self.moe_total = sum(1 for b in all_blocks if b.is_moe)
         self.step_counts: torch.Tensor | None = None
-        self.records: list[list] = []
+        self.records: list[dict[str, torch.Tensor]] = []
 
-    def moe_layers(self) -> list[nn.Module]:
-        return [b.ffn for b in self.blocks.values() if b.is_moe]
+    def stage_blocks(self) -> list[Block]:
+        return [cast(Block, b) for b in self.blocks.values()]
 
-    def trunk(self, x: torch.Tensor) -> tuple[torch.Tensor, list]:
+    def moe_layers(self) -> list[MoELayer]:
+        return [cast(MoELayer, b.ffn) for b in self.stage_blocks() if b.is_moe]
+
+    def trunk(self, x: torch.Tensor) -> tuple[torch.Tensor, list[MoEAux]]:
         """Embedding (first stage) and blocks: ([b, S, D], the MoE records)."""
-        h = self.embed_tokens(x) if self.first else x
-        records = []
-        for block in self.blocks.values():
+        h = self.embed_tokens(x) if self.embed_tokens is not None else x
+        records: list[MoEAux] = []
+        for block in self.stage_blocks():
             h, aux = block(h)
             if aux is not None:
                 records.append(aux)
         return h, records
 
-    def moe_terms(self, records: list) -> dict[str, torch.Tensor]:
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head of the last stage: [b, S, D] -> [b, S, V] logits."""
+        assert self.norm is not None and self.lm_head is not None, "head() of a stage that is not the last"
+        return cast(torch.Tensor, self.lm_head(self.norm(h)))
+
+    def moe_terms(self, records: list[MoEAux]) -> dict[str, torch.Tensor]:
         """This stage's share of each MoE loss term (sum over its layers / the model's MoE layers)."""
         zero = torch.zeros((), device=records[0].prob_sum.device) if records else torch.zeros(())
         n = max(self.moe_total, 1)
-        # Every per-layer term of assemble_moe_losses (a mean over the model's MoE layers); a layer may report
-        # None for a term it does not compute (counted as 0, as assemble_moe_losses does).
-        out = {name: sum((zero if getattr(r, name, None) is None else getattr(r, name) for r in records), zero) / n
+
+        def term(r: MoEAux, name: str) -> torch.Tensor:
+            value = getattr(r, name, None)  # a layer may report None for a term it does not compute: 0
+            return zero if value is None else cast(torch.Tensor, value)
+
+        # Every per-layer term of assemble_moe_losses (a mean over the model's MoE layers).
+        out = {name: sum((term(r, name) for r in records), zero) / n
                for name in MOE_LOSS_TERMS if name not in ("pooled_aux_loss", "global_aux_loss")}
         counts = self.step_counts
-        if counts is None and records:
-            counts = torch.stack([r.tokens_per_expert for r in records])
+        if counts is None:
+            counts = torch.stack([r.tokens_per_expert for r in records]) if records else zero.new_zeros(0, 0)
         out["global_aux_loss"] = sum((global_load_balancing_loss(r.prob_sum, r.num_tokens, counts[i].to(zero.device))
                                       for i, r in enumerate(records)), zero) / n
         losses = self.config.moe.losses
-        out["moe_loss"] = sum(getattr(losses, f"{k}_coeff") * v for k, v in out.items())
+        out["moe_loss"] = sum((getattr(losses, f"{k}_coeff") * v for k, v in out.items()), zero)
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -140,12 +162,12 @@ class StageModule(nn.Module):
         [b, S, V] logits on the last stage."""
         h, records = self.trunk(x)
         if self.last:
-            h = self.lm_head(self.norm(h))  # [b, S, V]: the fused LM head + loss does not fit pipelining's loss_fn
+            h = self.head(h)  # [b, S, V]: the fused LM head + loss does not fit pipelining's loss_fn
         if records and torch.is_grad_enabled():
             terms = self.moe_terms(records)
             summary = {k: v.detach() for k, v in terms.items()}
             summary["counts"] = torch.stack([r.tokens_per_expert for r in records])  # [L_s, E]
             summary["dropped"] = torch.stack([r.dropped_per_expert for r in records])
             self.records.append(summary)  # detached: keeps no graph alive
-            h = _AttachLoss.apply(h, terms["moe_loss"])
+            h = cast(torch.Tensor, _AttachLoss.apply(h, terms["moe_loss"]))  # type: ignore[no-untyped-call]
         return h

@@ -15,25 +15,37 @@ them first, as ``MoETransformer.moe_counts`` does in one process (~1/3 more comp
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
+from torch.distributed.pipelining.stage import _PipelineStageBase
 
 from moetrain.errors import ConfigError
 from moetrain.parallel import ac as activation_checkpointing
-from moetrain.parallel.comm import named_collective
+from moetrain.model.config import ModelConfig
+from moetrain.moe.layer import MoEAux, MoELayer
+from moetrain.parallel.comm import CommStats, named_collective
 from moetrain.parallel.config import ParallelConfig
 from moetrain.parallel.fsdp import apply_fsdp, clip_grad_norm, init_root
 from moetrain.parallel.launch import parallelize
 from moetrain.parallel.layout import LayoutMesh
 from moetrain.parallel.meta_init import materialise
 from moetrain.parallel.pipeline import StageModule, rank_stages, stage_blocks
+from moetrain.parallel.sharding import ExpertShard
 from moetrain.model.transformer import MOE_LOSS_TERMS
-from moetrain.train.step import Accumulated, StepResult, update_expert_biases
+from moetrain.train.config import TrainConfig
+from moetrain.train.step import Accumulated, StepResult
 
-SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe, "interleaved_1f1b": ScheduleInterleaved1F1B}
+if TYPE_CHECKING:
+    from moetrain.model.transformer import MoETransformer
+    from moetrain.parallel.engine import ShardedLayout
+
 IGNORE_INDEX = -100
 MOE_TERMS = (*MOE_LOSS_TERMS, "moe_loss")  # what StepResult.moe_losses holds
 
@@ -69,9 +81,10 @@ class LocalModel(nn.Module):
         self.blocks = nn.ModuleDict({k: b for m in stages for k, b in m.blocks.items()})
         self.norm = next((m.norm for m in stages if m.last), None)
         self.lm_head = next((m.lm_head for m in stages if m.last), None)
+        self._stages = stages  # a plain list: not registered twice as submodules
 
-    def moe_layers(self) -> list[nn.Module]:
-        return [b.ffn for b in self.blocks.values() if b.is_moe]
+    def moe_layers(self) -> list[MoELayer]:
+        return [layer for m in self._stages for layer in m.moe_layers()]
 
 
 class PipelineRunner:
@@ -83,48 +96,54 @@ class PipelineRunner:
         mesh: this rank's :class:`LayoutMesh` (``pp > 1``).
         parallel: ``parallel`` config (schedule, stages per rank, FSDP2 and checkpointing options).
         grad_accum: M, micro-batches per step.
-        dtype / seed: ``train.dtype``, ``train.seed``.
+        dtype: ``train.dtype``.
+        seed: ``train.seed``.
         stats: communication counters for the EP dispatchers.
         micro_shape: (b, S) of this rank's micro-batches: the stages' input and output shapes are then given to
             ``PipelineStage`` (static metadata) instead of inferred by an extra forward in the first step (which
             would also reach forward hooks: the routing monitor, the exchange counters).
     """
 
-    def __init__(self, model: nn.Module, mesh: LayoutMesh, parallel: ParallelConfig, grad_accum: int,
-                 dtype: str = "fp32", seed: int = 0, stats=None, micro_shape: tuple[int, int] | None = None):
+    def __init__(self, model: "MoETransformer", mesh: LayoutMesh, parallel: ParallelConfig, grad_accum: int,
+                 dtype: str = "fp32", seed: int = 0, stats: CommStats | None = None,
+                 micro_shape: tuple[int, int] | None = None):
         layout = mesh.layout
         self.mesh, self.m, self.dtype = mesh, grad_accum, dtype
         self.n_stages = layout.pp * parallel.pp_stages_per_rank
         check_microbatches(parallel, grad_accum)
-        ranges = stage_blocks(model.config.n_layers, self.n_stages)
+        config: ModelConfig = model.config
+        self.config = config
+        ranges = stage_blocks(config.n_layers, self.n_stages)
         self.indices = rank_stages(mesh.pp_rank, layout.pp, parallel.pp_stages_per_rank)
         self.modules = [StageModule(model, ranges[i], i == 0, i == self.n_stages - 1) for i in self.indices]
-        self.plan = {}
+        self.plan: dict[str, ExpertShard] = {}
         for module in self.modules:
             self.plan.update(parallelize(module, mesh.ep_mesh, parallel.dispatcher, stats))
             activation_checkpointing.apply(module, parallel.activation_checkpoint)
             apply_fsdp(module, mesh, dtype, parallel.reshard_after_forward, parallel.cpu_offload)
             if any(p.is_meta for p in module.parameters()):
-                materialise(module, model.config, mesh.device, seed, self.plan)
+                materialise(module, config, mesh.device, seed, self.plan)
             init_root(module)
         self.local = LocalModel(self.modules)  # this rank's parameters under the model's names
         self.stages = [PipelineStage(m, i, self.n_stages, mesh.device, group=mesh.pp_group,
                                      **self._metadata(m, micro_shape))
                        for m, i in zip(self.modules, self.indices)]
-        kind = SCHEDULES[parallel.pp_schedule]
-        if kind is ScheduleInterleaved1F1B:
-            self.schedule = kind(self.stages, n_microbatches=grad_accum, loss_fn=lm_loss)
+        self.schedule: PipelineScheduleSingle | PipelineScheduleMulti
+        if parallel.pp_schedule == "interleaved_1f1b":
+            stages: list[_PipelineStageBase] = list(self.stages)
+            self.schedule = ScheduleInterleaved1F1B(stages, n_microbatches=grad_accum, loss_fn=lm_loss)
         else:
-            self.schedule = kind(self.stages[0], n_microbatches=grad_accum, loss_fn=lm_loss)
-        self.global_aux = model.config.moe.losses.global_aux_loss_coeff > 0
+            single = Schedule1F1B if parallel.pp_schedule == "1f1b" else ScheduleGPipe
+            self.schedule = single(self.stages[0], n_microbatches=grad_accum, loss_fn=lm_loss)
+        self.global_aux = config.moe.losses.global_aux_loss_coeff > 0
 
-    def _metadata(self, module: StageModule, micro_shape: tuple[int, int] | None) -> dict[str, torch.Tensor]:
+    def _metadata(self, module: StageModule, micro_shape: tuple[int, int] | None) -> dict[str, Any]:
         """``input_args`` / ``output_args`` examples of a stage for micro-batches of ``micro_shape`` (meta
         tensors: shapes and dtypes only); ``{}`` without a shape (the stage infers them)."""
         if micro_shape is None:
             return {}
         b, seq = micro_shape
-        cfg = module.config
+        cfg = self.config
         act = torch.bfloat16 if self.dtype == "bf16" else torch.float32  # FSDP2's bf16 parameters compute in bf16
         hidden = torch.empty(b, seq, cfg.hidden, dtype=act, device="meta")
         # A received activation requires grad: that is what makes the stage compute the gradient it sends back.
@@ -139,7 +158,7 @@ class PipelineRunner:
         return meta
 
     @property
-    def layout(self):
+    def layout(self) -> "ShardedLayout":
         """The checkpoint layout of this rank's stages (:class:`~moetrain.parallel.engine.ShardedLayout`)."""
         from moetrain.parallel.engine import ShardedLayout
 
@@ -150,15 +169,16 @@ class PipelineRunner:
         return self.mesh.pp_ranks[stage % self.mesh.layout.pp]
 
     @torch.no_grad()
-    def _chain(self, inputs: list[torch.Tensor], what: str) -> dict[int, list]:
+    def _chain(self, inputs: list[torch.Tensor], what: str) -> dict[int, list[tuple[torch.Tensor, list[MoEAux]]]]:
         """A no-grad forward of ``inputs`` ([b, S] token ids each) through every stage, stage by stage, the hidden
         states [b, S, D] passed point-to-point (sent with ``isend``, so no rank waits on a send while its peer
         waits on another). Returns, per local stage, one (output, MoE records) per input: the trunk's hidden
         states, or on the last stage the logits [b, S, V] when ``what`` is ``"logits"``."""
         mine = dict(zip(self.indices, self.modules))
         carried: list[torch.Tensor] = list(inputs)
-        pending, out = [], {}
-        hidden = self.modules[0].config.hidden
+        pending: list[Any] = []
+        out: dict[int, list[tuple[torch.Tensor, list[MoEAux]]]] = {}
+        hidden = self.config.hidden
         group = self.mesh.pp_group
         for i in range(self.n_stages):
             if i not in mine:
@@ -176,7 +196,7 @@ class PipelineRunner:
             for x in carried:
                 h, records = module.trunk(x)
                 if module.last and what == "logits":
-                    h = module.lm_head(module.norm(h))
+                    h = module.head(h)
                 results.append((h, records))
             out[i] = results
             outs = [h.float().contiguous() for h, _ in results]
@@ -206,7 +226,7 @@ class PipelineRunner:
             module.step_counts = counts
 
     @torch.no_grad()
-    def evaluate(self, batches) -> float:
+    def evaluate(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> float:
         """Mean LM loss (nats/token) over ``batches`` of (inputs, targets) [B, S], every rank of the pipeline
         taking the whole batches (as one process does); the stages are left in train mode."""
         for m in self.modules:
@@ -254,26 +274,28 @@ class PipelineRunner:
         names = [n for n in MOE_TERMS if n != "pooled_aux_loss"]
         moe = dict(zip(names, values[1:]))
         moe["pooled_aux_loss"] = zero
-        e = self.modules[0].config.moe.num_experts
-        counts = [sum(r["counts"] for r in m.records) for m in self.modules if m.records]
-        dropped = [sum(r["dropped"] for r in m.records) for m in self.modules if m.records]
+        e = self.config.moe.num_experts
+        counts = [torch.stack([r["counts"] for r in m.records]).sum(0) for m in self.modules if m.records]
+        dropped = [torch.stack([r["dropped"] for r in m.records]).sum(0) for m in self.modules if m.records]
         tpe = torch.cat(counts) if counts else torch.zeros(0, e, device=device)
         drp = torch.cat(dropped) if dropped else torch.zeros(0, e, device=device)
         steps = [m.step_counts for m in self.modules if m.step_counts is not None]
         return Accumulated(lm_loss=values[0], moe_losses={k: moe[k] for k in MOE_TERMS}, tokens_per_expert=tpe,
                            dropped_per_expert=drp, global_counts=torch.cat(steps) if steps else None)
 
-    def moe_layers(self) -> list[nn.Module]:
+    def moe_layers(self) -> list[MoELayer]:
         return [layer for m in self.modules for layer in m.moe_layers()]
 
-    def train_step(self, next_batch, optimizer: torch.optim.Optimizer, scheduler, config, reduce_mean=None,
-                   count_reducer=None) -> StepResult:
+    def train_step(self, next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+                   optimizer: torch.optim.Optimizer, scheduler: Any, config: TrainConfig,
+                   reduce_mean: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                   count_reducer: Callable[[torch.Tensor], torch.Tensor] | None = None) -> StepResult:
         """One optimizer step, as :func:`moetrain.train.step.train_step` (same skip rule for non-finite values).
 
         Args:
             next_batch: returns this rank's rows (inputs, targets [b, S]) of the next micro-batch.
-            reduce_mean / count_reducer: mean of losses / sum of [L_s, E] counts over the stage's data-parallel
-                ranks (``None`` when there is one).
+            reduce_mean: mean of losses over the stage's data-parallel ranks (``None`` when there is one).
+            count_reducer: sum of [L_s, E] counts over the stage's data-parallel ranks (``None`` when there is one).
         """
         acc = self.forward_backward([next_batch() for _ in range(self.m)])
         if reduce_mean is not None:
@@ -301,5 +323,8 @@ class PipelineRunner:
                 counts = acc.tokens_per_expert
                 if count_reducer is not None:
                     counts = count_reducer(counts.clone())
-            update_expert_biases(self, counts)
+            with torch.no_grad():
+                for i, layer in enumerate(self.moe_layers()):  # as train.step.update_expert_biases
+                    if layer.router.e_score_correction_bias is not None:
+                        layer.router.update_expert_bias(counts[i])
         return result

@@ -77,5 +77,5 @@ def quiet_thread_os_errors() -> None:
         default(args)
 
     if not getattr(threading.excepthook, "moetrain_quiet", False):
-        hook.moetrain_quiet = True
+        setattr(hook, "moetrain_quiet", True)  # a marker attribute, which a function's type does not declare
         threading.excepthook = hook
