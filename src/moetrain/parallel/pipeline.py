@@ -60,15 +60,19 @@ def rank_stages(pp_rank: int, pp: int, per_rank: int) -> list[int]:
 # -- stage modules ---------------------------------------------------------------------------------------------
 
 class _AttachLoss(torch.autograd.Function):
-    """``h`` unchanged in forward; in backward ``loss`` receives gradient 1 (Megatron-Core's
-    ``MoEAuxLossAutoScaler``). A stage's MoE losses thus enter the step's loss with the coefficient they have in
-    one process (``loss = lm_loss + moe_loss`` per micro-batch), without travelling to the last stage; the
-    schedule's ``1 / micro-batches`` gradient scaling then applies to them as to the LM loss."""
+    """A copy of ``h`` in forward; in backward ``h``'s gradient passes through and ``loss`` receives gradient 1
+    (Megatron-Core's ``MoEAuxLossAutoScaler``). A stage's MoE losses thus enter the step's loss with the
+    coefficient they have in one process (``loss = lm_loss + moe_loss`` per micro-batch), without travelling to the
+    last stage; the schedule's ``1 / micro-batches`` gradient scaling then applies to them as to the LM loss.
+
+    A copy, not ``h.view_as(h)``: the output may be the stage's output, and FSDP2 warns that a view returned by a
+    sharded module loses its pre-backward hook (hence the all-gather) to any in-place op on it. The copy is one
+    [b, S, D] write per micro-batch; the original is freed (no backward saves it)."""
 
     @staticmethod
     def forward(ctx: Any, h: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(loss)
-        return h.view_as(h)
+        return h.clone()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,13 +165,14 @@ class StageModule(nn.Module):
         """x: [b, S] int64 token ids (first stage) or [b, S, D] hidden states -> [b, S, D] hidden states, or
         [b, S, V] logits on the last stage."""
         h, records = self.trunk(x)
-        if self.last:
-            h = self.head(h)  # [b, S, V]: the fused LM head + loss does not fit pipelining's loss_fn
         if records and torch.is_grad_enabled():
             terms = self.moe_terms(records)
             summary = {k: v.detach() for k, v in terms.items()}
             summary["counts"] = torch.stack([r.tokens_per_expert for r in records])  # [L_s, E]
             summary["dropped"] = torch.stack([r.dropped_per_expert for r in records])
             self.records.append(summary)  # detached: keeps no graph alive
+            # Before the LM head on the last stage: the copy is then [b, S, D], not [b, S, V] logits.
             h = cast(torch.Tensor, _AttachLoss.apply(h, terms["moe_loss"]))  # type: ignore[no-untyped-call]
+        if self.last:
+            h = self.head(h)  # [b, S, V]: the fused LM head + loss does not fit pipelining's loss_fn
         return h
