@@ -43,12 +43,17 @@ def named_collective(name: str, group: dist.ProcessGroup | None = None) -> Itera
     except RuntimeError as e:  # DistBackendError / DistNetworkError / gloo's RuntimeError all derive from it
         if isinstance(e, CollectiveError):
             raise
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise CollectiveError(
-            f"collective {name} over ranks {group_ranks(group)} failed on rank {rank} (a peer rank died, hung past "
-            f"parallel.timeout_s, or the network failed): {reason}"
-        ) from e
+        raise collective_error(name, group, e) from e
+
+
+def collective_error(name: str, group: dist.ProcessGroup | None, cause: BaseException) -> CollectiveError:
+    """The :class:`CollectiveError` of :func:`named_collective` for ``cause`` (its first line is the reason)."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    reason = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+    return CollectiveError(
+        f"collective {name} over ranks {group_ranks(group)} failed on rank {rank} (a peer rank died, hung past "
+        f"parallel.timeout_s, or the network failed): {reason}"
+    )
 
 
 @dataclass

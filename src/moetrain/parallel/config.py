@@ -27,8 +27,10 @@ class ParallelConfig:
             ``all_gather`` (every rank gathers all tokens of its EP group, computes its experts on them, and a
             reduce-scatter returns the partial outputs; simpler, ``ep`` times more traffic).
         timeout_s: seconds a collective may wait for a peer before every rank fails with an error naming the
-            collective (``init_process_group(timeout=...)``; honoured by gloo and, with async error handling, by
-            NCCL).
+            collective (``init_process_group(timeout=...)`` and every sub-group's; honoured by gloo, and by NCCL's
+            watchdog, which moetrain sets to raise in the training thread instead of tearing the process down:
+            ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` unless the environment sets it, see
+            :func:`moetrain.parallel.mesh.nccl_error_handling`).
         backend: ``auto`` (NCCL on CUDA, gloo on CPU), ``gloo`` or ``nccl``.
         pp: pipeline-parallel size (stages of the block stack, ``torch.distributed.pipelining``); ``pp > 1`` or
             ``dp_shard > 1`` selects the FSDP2 engine (``moetrain.parallel.fsdp``).

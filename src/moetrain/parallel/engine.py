@@ -27,12 +27,13 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from moetrain.errors import ConfigError
 from moetrain.parallel import ac as activation_checkpointing
-from moetrain.parallel.comm import CollectiveError, named_collective
+from moetrain.parallel.comm import CollectiveError, collective_error, named_collective
 from moetrain.parallel.config import ParallelConfig
 from moetrain.parallel.dcp import ShardLayout
 from moetrain.parallel.fsdp import apply_fsdp, clip_grad_norm, init_root, local_bytes
 from moetrain.parallel.launch import ParallelHooks, parallelize
 from moetrain.parallel.layout import Layout, LayoutMesh, build_layout_mesh
+from moetrain.parallel.mesh import nccl_error_handling
 from moetrain.parallel.meta_init import build_meta, materialise
 from moetrain.parallel.pipeline_runner import PipelineRunner
 
@@ -82,20 +83,39 @@ _COMM_WORDS = ("gloo", "Gloo", "NCCL", "nccl", "Connection", "connection", "time
                "Socket", "socket")
 
 
+def _comm_cause(error: BaseException) -> BaseException | None:
+    """The first exception of ``error``'s chain (``__cause__``, else ``__context__``) that reports a failed
+    collective, or ``None``. ``torch.distributed.pipelining`` re-raises a stage's backward error as a plain
+    ``RuntimeError("Failed to run stage backward: ...")`` that names no collective: the gloo or NCCL error is its
+    cause."""
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, (CollectiveError, dist.DistError)) or (
+                isinstance(e, RuntimeError) and any(w in str(e) for w in _COMM_WORDS)):
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
 @contextmanager
 def fsdp_collectives(name: str, group: dist.ProcessGroup | None = None) -> Iterator[None]:
     """:func:`~moetrain.parallel.comm.named_collective` around a whole step, whose collectives run inside
     FSDP2 and ``torch.distributed.pipelining`` (all-gathers, reduce-scatters, point-to-point sends): a
-    ``DistError`` or a backend error becomes one line naming ``name``; any other error (a shape, an allocation)
-    passes through unchanged."""
+    ``DistError`` or a backend error, raised or wrapped by the library (:func:`_comm_cause`), becomes one line
+    naming ``name``; a :class:`CollectiveError` of a collective moetrain names itself (the MoE token exchange, a
+    loss reduction) keeps its name and gets ``(within the step: name)`` appended; any other error (a shape, an
+    allocation) passes through unchanged."""
     try:
         yield
     except RuntimeError as e:
-        comm = isinstance(e, (CollectiveError, dist.DistError)) or any(w in str(e) for w in _COMM_WORDS)
-        if not comm:
+        cause = _comm_cause(e)
+        if cause is None:
             raise
-        with named_collective(name, group):
-            raise
+        if isinstance(cause, CollectiveError):
+            raise CollectiveError(f"{cause} (within the step: {name})") from e
+        raise collective_error(name, group, cause) from e
 
 
 class ShardedHooks(ParallelHooks):
@@ -261,7 +281,9 @@ def start_sharded(config: Config, device_type: str) -> ShardedHooks:
                           f"`torchrun --nproc_per_node {layout.world} -m moetrain train ...`")
     owns = False
     if not dist.is_initialized():
+        nccl_error_handling(backend)  # NCCL's watchdog raises in this thread instead of tearing the process down
         with named_collective("init_process_group (rendezvous at MASTER_ADDR:MASTER_PORT)"):
+            # The time-out of every collective (gloo's, and NCCL's watchdog); sub-groups get it in build_layout_mesh.
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=p.timeout_s),
                                     device_id=device if backend == "nccl" else None)
         owns = True

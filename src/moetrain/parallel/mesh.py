@@ -68,6 +68,25 @@ class ParallelMesh:
         return range(self.ep_rank * per, (self.ep_rank + 1) * per)
 
 
+NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+
+
+def nccl_error_handling(backend: str) -> None:
+    """Before an NCCL process group is created: ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` unless the environment sets
+    it (``os.environ.setdefault``: a user's value wins).
+
+    NCCL collectives run asynchronously; ProcessGroupNCCL's watchdog thread finds their errors and time-outs (the
+    process group's ``timeout``, here ``parallel.timeout_s``). With PyTorch's default, 3, the watchdog tears the
+    process down without a Python error, so no rank could print the line naming the collective; 2 (CleanUpOnly)
+    aborts the communicator instead, which ends the hung collective and lets the error surface in the training
+    thread (``wait()`` or the next collective) as a ``DistBackendError``, which :func:`.comm.named_collective` and
+    the engine turn into one line. Sources: https://pytorch.org/docs/stable/torch_nccl_environment_variables.html
+    and ``ErrorHandlingMode`` in ``torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp`` (see docs/robustness.md).
+    """
+    if backend == "nccl":
+        os.environ.setdefault(NCCL_ERROR_HANDLING, "2")
+
+
 def single_process(device: torch.device | str = "cpu") -> ParallelMesh:
     """The trivial 1 x 1 mesh: no process group, every expert local."""
     return ParallelMesh(world_size=1, rank=0, ep=1, ep_rank=0, dp=1, dp_rank=0, device=torch.device(device))
@@ -145,7 +164,9 @@ def init_distributed(config: ParallelConfig, device_type: str = "cpu") -> Parall
         device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}")
         torch.cuda.set_device(device)
     if not dist.is_initialized():
+        nccl_error_handling(backend)
         with named_collective("init_process_group (rendezvous at MASTER_ADDR:MASTER_PORT)"):
+            # The time-out of every collective (gloo's, and NCCL's watchdog); sub-groups get it in build_mesh.
             dist.init_process_group(
                 backend, timeout=datetime.timedelta(seconds=config.timeout_s),
                 device_id=device if backend == "nccl" else None,
