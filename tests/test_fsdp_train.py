@@ -115,6 +115,8 @@ CASES = {
     # dense parameters sharded over the 2 EP ranks, experts on a 1-rank mesh (torch 2.13 halved their gradients
     # under gloo's forced-sum reduction: see fsdp.py)
     "fsdp_on_ep2": (2, {"ep": 2, "fsdp": "on"}, {}, True),
+    # HSDP: 2 replicas of a 2-way shard (FSDP2 reduce-scatters within a replica, then all-reduces across replicas)
+    "hsdp_dp_replicate2_dp_shard2": (4, {"dp_replicate": 2, "dp_shard": 2}, {}),
 }
 
 
@@ -135,10 +137,12 @@ def test_sharded_steps_match_single_process(results, name):
         assert r["params"] <= 1e-5, (name, rank, r)
 
 
-@pytest.mark.parametrize("name", ["dp_shard2", "dp_shard2_ep2", "dp_shard2_ep2_experts2_meta_init"])
+@pytest.mark.parametrize("name", ["dp_shard2", "dp_shard2_ep2", "dp_shard2_ep2_experts2_meta_init",
+                                  "hsdp_dp_replicate2_dp_shard2"])
 def test_held_bytes_match_the_planner(results, name):
     """Parameters + gradients + AdamW moments measured from each rank's live local shards are within 10% of the
-    planner's per-device figure (moetrain.analysis.params.sharded_params, 16 bytes per parameter)."""
+    planner's per-device figure (moetrain.analysis.params.sharded_params, 16 bytes per parameter; HSDP replicas
+    hold the same shards as one dp_shard group)."""
     from moetrain.analysis.params import count_params, sharded_params
     from moetrain.analysis.shape import ModelShape
 
