@@ -108,12 +108,15 @@ def _worker(rank: int, world: int, out_dir, parallel: dict, grad_accum: int, sta
     return out
 
 
+V_SHAPED = {"reshard_after_forward": False}  # what the split-backward schedules need (parallel/config.py)
 CASES = {
     "pp2_1f1b_accum2": (2, {"pp": 2}, 2),
     "pp2_1f1b_accum2_inferred_shapes": (2, {"pp": 2}, 2, False),
     "pp2_gpipe_accum2": (2, {"pp": 2, "pp_schedule": "gpipe"}, 2),
     "pp2_interleaved_accum4": (2, {"pp": 2, "pp_schedule": "interleaved_1f1b", "pp_stages_per_rank": 2}, 4),
     "pp2_ep2_1f1b_accum2": (4, {"pp": 2, "ep": 2}, 2),
+    "pp2_zbv_accum4": (2, {"pp": 2, "pp_schedule": "zbv", "pp_stages_per_rank": 2, **V_SHAPED}, 4),
+    "pp2_dualpipev_accum4": (2, {"pp": 2, "pp_schedule": "dualpipev", "pp_stages_per_rank": 2, **V_SHAPED}, 4),
 }
 
 
