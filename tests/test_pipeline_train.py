@@ -186,3 +186,112 @@ def test_pp2_dp_shard2_ep2_on_8_ranks_matches_single_process(tmp_path):
         for key in ("lm_loss", "grad_norm", "global_aux_loss", "seq_aux_loss", "z_loss", "moe_loss"):
             assert r[key] <= 1e-4, (rank, key, r[key])
         assert r["params"] <= 1e-5, (rank, r)
+
+
+# -- routing statistics of every stage reach rank 0's monitor ---------------------------------------------------
+
+MONITORED = {
+    # MoE blocks 1-3; stage 0 holds blocks 0-1 (dense 0, MoE 1), stage 1 the MoE blocks 2-3; expert biases on.
+    "first_block_dense": {"first_k_dense": 1, "moe": {"router": {"expert_bias": True}}},
+    # MoE blocks 2-3 only: the cost model puts the two cheap dense blocks on stage 0, so rank 0 holds no MoE layer
+    # and learns the record layout from the other stage's rows.
+    "no_moe_on_rank0": {"first_k_dense": 2},
+}
+
+
+def _monitor_config(model: dict):
+    cfg = _config({"pp": 2}, 2)
+    from moetrain.config import build_config
+
+    data = cfg.to_dict()
+    for key, value in model.items():
+        if isinstance(value, dict):
+            for k, v in value.items():
+                data["model"][key].setdefault(k, {}).update(v) if isinstance(v, dict) else None
+        else:
+            data["model"][key] = value
+    # Thresholds every layer crosses, so that each layer's alarm shows which layers the alarms see.
+    data["monitor"] = {"collapse_fraction": 0.05, "tb_histograms": False, "tb_heatmap": False}
+    data["train"]["log_every"] = 2
+    return build_config(None, overrides=data)
+
+
+def _routing(cfg, monitor, step_fn, steps: int) -> list[dict]:
+    out = []
+    for step in range(1, steps + 1):
+        result = step_fn()
+        monitor.end_step(step, result.lm_loss)
+        if step % cfg.train.log_every == 0 or step == steps:
+            out.append(monitor.flush(step))
+    monitor.close()
+    return out
+
+
+def _monitor_worker(rank: int, world: int, out_dir, model: dict) -> dict:
+    """The trainer's path: ShardedHooks' stage exchange and monitor config, a RoutingMonitor per rank; then on rank 0
+    the same steps in one process with its own monitor."""
+    from moetrain.train.monitor import RoutingMonitor
+
+    cfg = _monitor_config(model)
+    cpu = torch.device("cpu")
+    mesh = build_layout_mesh(Layout.from_config(cfg.parallel, world), 60, cpu)
+    hooks = ShardedHooks(mesh, cfg.parallel, "fp32", cfg.train.seed, grad_accum=cfg.train.grad_accum,
+                         micro_shape=(cfg.train.batch_size, cfg.data.seq_len))
+    local = hooks.prepare_model(hooks.build_model(cfg.model, cpu))
+    (out_dir / f"rank{rank}").mkdir()
+    monitor = RoutingMonitor(local, hooks.monitor_config(cfg.monitor), out_dir / f"rank{rank}", lambda _: None,
+                             stages=hooks.stage_routing())
+    opt = build_optimizer(local, cfg)
+    sched = build_scheduler(opt, cfg.train)
+    data = batches(cfg, cfg.train.grad_accum * STEPS)
+    nxt = hooks.local_batch(sampler(data))
+    out = {"records": _routing(cfg, monitor, lambda: hooks.train_step(local, nxt, opt, sched, cfg.train, cpu), STEPS),
+           "local": [i for i, _ in monitor.layers], "ids": monitor.stats.layer_ids,
+           "alerts": (out_dir / f"rank{rank}" / "alerts.jsonl").read_text() if rank == 0 else ""}
+    if rank == 0:
+        ref = MoETransformer(cfg.model)
+        init_parameters(ref, cfg.model, cfg.train.seed)
+        (out_dir / "one").mkdir()
+        ref_monitor = RoutingMonitor(ref, cfg.monitor, out_dir / "one", lambda _: None)
+        opt = build_optimizer(ref, cfg)
+        sched = build_scheduler(opt, cfg.train)
+        glob = sampler(data)
+        out["ref"] = _routing(cfg, ref_monitor, lambda: train_step(ref, glob, opt, sched, cfg.train, cpu), STEPS)
+        out["ref_alerts"] = (out_dir / "one" / "alerts.jsonl").read_text()
+    return out
+
+
+@pytest.mark.parametrize("name", list(MONITORED))
+def test_every_stages_routing_statistics_reach_rank0(tmp_path, name):
+    """pp=2 (2 gloo ranks, 3 steps, logging every 2): rank 0's metrics fields cover every MoE layer under its global
+    block index, with the one-process run's exact token counts (and its statistics, biases and alarms); the
+    other rank reports nothing itself."""
+    import json
+
+    first, second = spawn(_monitor_worker, 2, tmp_path, MONITORED[name], timeout_s=300)
+    cfg = _monitor_config(MONITORED[name])
+    moe = cfg.model.moe_layer_indices
+    assert first["ids"] == moe and set(first["local"]) < set(moe), "rank 0 holds some MoE layers at most"
+    assert sorted(first["local"] + second["local"]) == moe, "each MoE layer observed by one stage"
+    if name == "no_moe_on_rank0":
+        assert first["local"] == []
+    assert all(r == {} for r in second["records"]), "only rank 0 reports"
+    assert len(first["records"]) == len(first["ref"]) == 2
+    for got, want in zip(first["records"], first["ref"]):
+        assert set(got) == set(want), set(got) ^ set(want)
+        assert {k.split("/")[1] for k in got if k.startswith("moe/layer")} == {f"layer{i}" for i in moe}
+        for key, value in want.items():
+            if key.endswith(("/tokens", "/dead", "/n_dead")) or isinstance(value, int):
+                assert got[key] == value, (key, got[key], value)  # exact counts
+            elif isinstance(value, list):
+                assert got[key] == pytest.approx(value, abs=1e-6), key
+            elif value is not None:
+                assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (key, got[key], value)
+            else:
+                assert got[key] is None, key
+        assert sum(sum(got[f"moe/layer{i}/tokens"]) for i in moe) > 0
+    if name == "first_block_dense":
+        assert all(f"moe/layer{i}/bias" in first["records"][-1] for i in moe)
+    alarms = [(a["kind"], a["layer"], a["step"]) for a in map(json.loads, first["alerts"].splitlines())]
+    assert alarms == [(a["kind"], a["layer"], a["step"]) for a in map(json.loads, first["ref_alerts"].splitlines())]
+    assert {layer for kind, layer, _ in alarms if kind == "collapse"} == set(moe)
