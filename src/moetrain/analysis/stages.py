@@ -98,7 +98,8 @@ def balanced_split(costs: Sequence[float], stages: int, first: float = 0.0, last
     Args:
         costs: [L] non-negative cost of each block.
         stages: N, 1 <= N <= L.
-        first / last: what the first / last stage holds besides its blocks.
+        first: cost the first stage holds besides its blocks (the embedding).
+        last: cost the last stage holds besides its blocks (final norm, LM head, loss).
     Returns:
         N ranges of block indices, in order.
     Raises:

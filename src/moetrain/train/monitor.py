@@ -84,7 +84,8 @@ class StageRouting:
 
     Attributes:
         layer_ids: every MoE layer of the model (block indices, in order): the rows of the exchange.
-        num_experts / top_k: E and K of the MoE layers.
+        num_experts: E of the MoE layers.
+        top_k: K of the MoE layers.
         expert_bias: the routers keep an aux-loss-free bias (reported per layer).
         loss_names: the MoE record's loss fields, the same on every rank.
         main: this rank writes metrics and alarms (rank 0).
