@@ -4,7 +4,9 @@ losses and parameters of 3 optimizer steps equal one process on the same global 
 The MoE aux losses are made large (coefficients 0.5-1) so that a stage's aux loss lost, double-counted or scaled
 differently from one process would show in every router's and expert's gradient (AdamW's per-parameter
 normalisation would hide a pure rescaling of all gradients, not a wrong mix of LM and aux terms; the gradients are
-compared before any optimizer step as well). Micro-batches come from gradient accumulation (M = 2 or 4).
+compared before any optimizer step as well). Micro-batches come from gradient accumulation (M = 2 or 4). The
+schedules: 1F1B, GPipe, Interleaved 1F1B (looped placement) and the V-shaped ZBV and DualPipeV (rank r holds
+stages r and 2P - 1 - r). Then the routing monitor: rank 0 reports every stage's MoE layers as one process does.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from moetrain.parallel.pipeline_runner import PipelineRunner
 from moetrain.parallel.sharding import gather_full
 from moetrain.train.schedule import build_scheduler
 from moetrain.train.step import accumulate_gradients, train_step
-from moetrain.train.trainer import build_optimizer
+from moetrain.train.trainer import build_optimizer, evaluate
 from test_fsdp_train import batches, sampler, small_config
 
 STEPS = 3
@@ -103,6 +105,9 @@ def _worker(rank: int, world: int, out_dir, parallel: dict, grad_accum: int, sta
     for name, p in runner.local.named_parameters():
         worst = max(worst, (_gathered(p, name, runner.plan, mesh) - ref_params[name].detach()).abs().max().item())
     out["params"] = worst
+    # Validation through the stages (every rank takes the whole batches) equals one process's.
+    val = [sampler(data[:1])()]
+    out["val"] = abs(runner.evaluate(val) - evaluate(ref, val, torch.device("cpu"), "fp32"))
     runner.forward_backward([hooks.local_batch(sampler(data[:grad_accum]))() for _ in range(grad_accum)])
     out["held"] = local_bytes(runner.local, pipeline_opt)
     return out
@@ -142,6 +147,7 @@ def test_pipeline_matches_single_process(results, name):
         for key in keys:
             assert r[key] <= 1e-4, (name, rank, key, r[key])
         assert r["params"] <= 1e-5, (name, rank, r)
+        assert r["val"] <= 1e-5, (name, rank, r)
     ref = MoETransformer(small_config({}).model)
     assert covered == {n for n, _ in ref.named_parameters()}, "every stage covered"
 
@@ -149,13 +155,17 @@ def test_pipeline_matches_single_process(results, name):
 @pytest.mark.parametrize("name", ["pp2_1f1b_accum2", "pp2_ep2_1f1b_accum2"])
 def test_held_bytes_match_the_planner(results, name):
     """The busiest rank's live parameters + gradients + AdamW moments within 10% of the planner's figure
-    (moetrain.analysis.params.sharded_params: ceil(L / pp) blocks plus the larger pipeline end)."""
-    from moetrain.analysis.params import count_params, sharded_params
+    (moetrain.analysis.params.sharded_params for the trainer's stages)."""
+    from moetrain.analysis.params import count_params, placements, sharded_params
     from moetrain.analysis.shape import ModelShape
+    from moetrain.parallel.pipeline import stage_blocks
 
     world, parallel, accum = CASES[name][:3]
-    shape = ModelShape.from_config(_config(parallel, accum).model)
-    predicted = 16 * sharded_params(count_params(shape), shape.n_layers, parallel.get("ep", 1), parallel["pp"], 1)
+    cfg = _config(parallel, accum)
+    shape = ModelShape.from_config(cfg.model)
+    stages = placements(stage_blocks(cfg.model, parallel["pp"], cfg.data.seq_len))
+    predicted = 16 * sharded_params(count_params(shape), shape.n_layers, parallel.get("ep", 1), parallel["pp"], 1,
+                                    stages)
     held = max(r["held"]["total"] for r in results[name])
     print(name, "busiest rank", held, "planner", predicted)
     assert abs(held / predicted - 1) <= 0.10, (held, predicted)
@@ -183,7 +193,7 @@ def test_pp2_dp_shard2_ep2_on_8_ranks_matches_single_process(tmp_path):
         r = {k: v for k, v in r.items() if k not in ("names", "held")}
         print(rank, r)
         assert r["grad"] <= 1e-5 * max(1.0, r["grad_scale"]), (rank, r)
-        for key in ("lm_loss", "grad_norm", "global_aux_loss", "seq_aux_loss", "z_loss", "moe_loss"):
+        for key in ("lm_loss", "grad_norm", "global_aux_loss", "seq_aux_loss", "z_loss", "moe_loss", "val"):
             assert r[key] <= 1e-4, (rank, key, r[key])
         assert r["params"] <= 1e-5, (rank, r)
 

@@ -136,9 +136,10 @@ class ShardedHooks(ParallelHooks):
                                          self.seed, self.stats, self.micro_shape)
             self.plan, self.model = self.runner.plan, self.runner.local
             if log is not None:
-                log(f"parallel: {lm.layout.describe()}; pipeline stages {self.runner.indices} of "
-                    f"{self.runner.n_stages} on this rank ({self.parallel.pp_schedule}, {self.grad_accum} "
-                    f"micro-batches per step)")
+                stages = ", ".join(f"{i} (blocks {self.runner.ranges[i].start}-{self.runner.ranges[i].stop - 1})"
+                                 for i in self.runner.indices)
+                log(f"parallel: {lm.layout.describe()}; pipeline stages {stages} of {self.runner.n_stages} on this "
+                    f"rank ({self.parallel.pp_schedule}, {self.grad_accum} micro-batches per step)")
             return self.runner.local
         self.plan = parallelize(model, lm.ep_mesh, self.dispatcher, self.stats)
         activation_checkpointing.apply(model, self.parallel.activation_checkpoint)

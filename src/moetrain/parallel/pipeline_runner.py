@@ -61,8 +61,8 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def check_microbatches(parallel: ParallelConfig, grad_accum: int) -> None:
-    """Raise :class:`ConfigError` unless a step has enough micro-batches for the schedule: 1F1B and Interleaved
-    1F1B need at least one per stage (``torch.distributed.pipelining``), and fewer would leave stages idle anyway
+    """Raise :class:`ConfigError` unless a step has enough micro-batches for the schedule: every schedule but
+    GPipe needs at least one per stage (``torch.distributed.pipelining``), and fewer would leave stages idle anyway
     (the bubble is (stages - 1) / micro-batches of the step)."""
     stages = parallel.pp * parallel.pp_stages_per_rank
     if parallel.pp > 1 and parallel.pp_schedule != "gpipe" and grad_accum < stages:
