@@ -362,6 +362,54 @@ def test_folding_the_queue_in_batches_changes_nothing():
     assert once[0]["spike_step"] == 5 and once[0]["nonfinite_steps"] == 1 and once[1]["spike_step"] == 11
 
 
+def test_step_summaries_from_another_rank_equal_observing_the_layers():
+    """A pipeline's exchange (StepSummary rows summed over ranks, fed by observe_summaries) gives the statistics of
+    a rank that observed every layer itself: with one layer local and one remote, with both remote (the record
+    layout then comes from the rows), and across a resume in the middle of a logging interval."""
+    from moetrain.train.routing_stats import StepSummary, find_loss_fields
+
+    gen = torch.Generator().manual_seed(3)
+    records = [[[FakeAux(aux_loss=torch.rand((), generator=gen), z_loss=torch.rand((), generator=gen),
+                         tokens_per_expert=torch.randint(0, 5, (4,), generator=gen).float(),
+                         router_logits=torch.randn(6, 4, generator=gen),
+                         dropped_per_expert=torch.randint(0, 2, (4,), generator=gen).float())
+                 for _ in range(2)] for _ in range(3)] for _ in range(7)]  # [step][micro][layer]
+    losses = [2.0, 2.1, 1.9, 2.0, 2.2, 1.8, 2.0]
+
+    def make() -> RoutingStats:
+        return RoutingStats([1, 3, 5], num_experts=4, top_k=2, device=torch.device("cpu"), spike_window=4,
+                            spike_warmup=2, collapse_window=3)
+
+    def run(local: set[int], resume_at: int | None = None) -> list[dict]:
+        stats, snaps = make(), []
+        other = StepSummary(3, 4, find_loss_fields(FakeAux), torch.device("cpu"))  # the other rank's exchange
+        for step in range(1, 8):
+            if step == resume_at:
+                state = stats.state_dict()
+                stats = make()
+                stats.load_state_dict(state)
+            for micro in records[step - 1]:
+                for pos, record in enumerate(micro):
+                    (stats.observe if pos in local else other.add)(pos, record)
+            stats.observe_summaries(other.take(), [p for p in range(3) if p not in local], other)
+            stats.end_step(step, torch.tensor(losses[step - 1]))
+            if step in (4, 7):
+                snaps.append(dataclasses.asdict(stats.snapshot()))
+        return snaps
+
+    direct = run({0, 1, 2})
+    assert direct[0]["layers"][1]["drop_fraction"] is not None and direct[0]["layers"][1]["losses"]
+    for got in (run({0}), run({1}), run(set()), run({2}, resume_at=3)):
+        for g, want in zip(got, direct):
+            for gl, wl in zip(g.pop("layers"), want["layers"]):
+                assert gl["tokens"] == wl["tokens"] and gl["idle"] == wl["idle"]
+                assert gl["window_tokens"] == wl["window_tokens"] and gl["dropped"] == wl["dropped"]
+                for key in ("cv", "overload", "max_share", "drop_fraction", "entropy", "router_z"):
+                    assert (gl[key] is None) if wl[key] is None else gl[key] == pytest.approx(wl[key], rel=1e-12)
+                assert gl["losses"] == pytest.approx(wl["losses"], rel=1e-12)
+            assert g == {k: v for k, v in want.items() if k != "layers"}
+
+
 def test_resumed_monitor_drops_alarms_of_steps_after_the_checkpoint(tmp_path):
     with open(tmp_path / ALERTS_FILE, "w") as f:
         for step in (5, 10, 15):

@@ -4,7 +4,9 @@ losses and parameters of 3 optimizer steps equal one process on the same global 
 The MoE aux losses are made large (coefficients 0.5-1) so that a stage's aux loss lost, double-counted or scaled
 differently from one process would show in every router's and expert's gradient (AdamW's per-parameter
 normalisation would hide a pure rescaling of all gradients, not a wrong mix of LM and aux terms; the gradients are
-compared before any optimizer step as well). Micro-batches come from gradient accumulation (M = 2 or 4).
+compared before any optimizer step as well). Micro-batches come from gradient accumulation (M = 2 or 4). The
+schedules: 1F1B, GPipe, Interleaved 1F1B (looped placement) and the V-shaped ZBV and DualPipeV (rank r holds
+stages r and 2P - 1 - r). Then the routing monitor: rank 0 reports every stage's MoE layers as one process does.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from moetrain.parallel.pipeline_runner import PipelineRunner
 from moetrain.parallel.sharding import gather_full
 from moetrain.train.schedule import build_scheduler
 from moetrain.train.step import accumulate_gradients, train_step
-from moetrain.train.trainer import build_optimizer
+from moetrain.train.trainer import build_optimizer, evaluate
 from test_fsdp_train import batches, sampler, small_config
 
 STEPS = 3
@@ -115,17 +117,23 @@ def _run(parallel: dict, grad_accum: int, static: bool, world: int) -> dict:
     for name, p in runner.local.named_parameters():
         worst = max(worst, (_gathered(p, name, runner.plan, mesh) - ref_params[name].detach()).abs().max().item())
     out["params"] = worst
+    # Validation through the stages (every rank takes the whole batches) equals one process's.
+    val = [sampler(data[:1])()]
+    out["val"] = abs(runner.evaluate(val) - evaluate(ref, val, torch.device("cpu"), "fp32"))
     runner.forward_backward([hooks.local_batch(sampler(data[:grad_accum]))() for _ in range(grad_accum)])
     out["held"] = local_bytes(runner.local, pipeline_opt)
     return out
 
 
+V_SHAPED = {"reshard_after_forward": False}  # what the split-backward schedules need (parallel/config.py)
 CASES = {
     "pp2_1f1b_accum2": (2, {"pp": 2}, 2),
     "pp2_1f1b_accum2_inferred_shapes": (2, {"pp": 2}, 2, False),
     "pp2_gpipe_accum2": (2, {"pp": 2, "pp_schedule": "gpipe"}, 2),
     "pp2_interleaved_accum4": (2, {"pp": 2, "pp_schedule": "interleaved_1f1b", "pp_stages_per_rank": 2}, 4),
     "pp2_ep2_1f1b_accum2": (4, {"pp": 2, "ep": 2}, 2),
+    "pp2_zbv_accum4": (2, {"pp": 2, "pp_schedule": "zbv", "pp_stages_per_rank": 2, **V_SHAPED}, 4),
+    "pp2_dualpipev_accum4": (2, {"pp": 2, "pp_schedule": "dualpipev", "pp_stages_per_rank": 2, **V_SHAPED}, 4),
 }
 
 
@@ -152,6 +160,7 @@ def test_pipeline_matches_single_process(results, name):
         for key in keys:
             assert r[key] <= 1e-4, (name, rank, key, r[key])
         assert r["params"] <= 1e-5, (name, rank, r)
+        assert r["val"] <= 1e-5, (name, rank, r)
     ref = MoETransformer(small_config({}).model)
     assert covered == {n for n, _ in ref.named_parameters()}, "every stage covered"
 
@@ -159,13 +168,17 @@ def test_pipeline_matches_single_process(results, name):
 @pytest.mark.parametrize("name", ["pp2_1f1b_accum2", "pp2_ep2_1f1b_accum2"])
 def test_held_bytes_match_the_planner(results, name):
     """The busiest rank's live parameters + gradients + AdamW moments within 10% of the planner's figure
-    (moetrain.analysis.params.sharded_params: ceil(L / pp) blocks plus the larger pipeline end)."""
-    from moetrain.analysis.params import count_params, sharded_params
+    (moetrain.analysis.params.sharded_params for the trainer's stages)."""
+    from moetrain.analysis.params import count_params, placements, sharded_params
     from moetrain.analysis.shape import ModelShape
+    from moetrain.parallel.pipeline import stage_blocks
 
     world, parallel, accum = CASES[name][:3]
-    shape = ModelShape.from_config(_config(parallel, accum).model)
-    predicted = 16 * sharded_params(count_params(shape), shape.n_layers, parallel.get("ep", 1), parallel["pp"], 1)
+    cfg = _config(parallel, accum)
+    shape = ModelShape.from_config(cfg.model)
+    stages = placements(stage_blocks(cfg.model, parallel["pp"], cfg.data.seq_len))
+    predicted = 16 * sharded_params(count_params(shape), shape.n_layers, parallel.get("ep", 1), parallel["pp"], 1,
+                                    stages)
     held = max(r["held"]["total"] for r in results[name])
     print(name, "busiest rank", held, "planner", predicted)
     assert abs(held / predicted - 1) <= 0.10, (held, predicted)
@@ -234,7 +247,7 @@ def test_pp2_dp_shard2_ep2_on_8_ranks_matches_single_process(tmp_path):
         print(rank, r)
         assert r["view_warnings"] == 0, "a pipeline stage returned a view"
         assert r["grad"] <= 1e-5 * max(1.0, r["grad_scale"]), (rank, r)
-        for key in ("lm_loss", "grad_norm", "global_aux_loss", "seq_aux_loss", "z_loss", "moe_loss"):
+        for key in ("lm_loss", "grad_norm", "global_aux_loss", "seq_aux_loss", "z_loss", "moe_loss", "val"):
             assert r[key] <= 1e-4, (rank, key, r[key])
         assert r["params"] <= 1e-5, (rank, r)
     shape = ModelShape.from_config(_config(parallel, 2).model)
@@ -242,3 +255,112 @@ def test_pp2_dp_shard2_ep2_on_8_ranks_matches_single_process(tmp_path):
     held = max(r["held"]["total"] for r in results)
     print("busiest rank", held, "planner", predicted)
     assert abs(held / predicted - 1) <= 0.10, (held, predicted)
+
+
+# -- routing statistics of every stage reach rank 0's monitor ---------------------------------------------------
+
+MONITORED = {
+    # MoE blocks 1-3; stage 0 holds blocks 0-1 (dense 0, MoE 1), stage 1 the MoE blocks 2-3; expert biases on.
+    "first_block_dense": {"first_k_dense": 1, "moe": {"router": {"expert_bias": True}}},
+    # MoE blocks 2-3 only: the cost model puts the two cheap dense blocks on stage 0, so rank 0 holds no MoE layer
+    # and learns the record layout from the other stage's rows.
+    "no_moe_on_rank0": {"first_k_dense": 2},
+}
+
+
+def _monitor_config(model: dict):
+    cfg = _config({"pp": 2}, 2)
+    from moetrain.config import build_config
+
+    data = cfg.to_dict()
+    for key, value in model.items():
+        if isinstance(value, dict):
+            for k, v in value.items():
+                data["model"][key].setdefault(k, {}).update(v) if isinstance(v, dict) else None
+        else:
+            data["model"][key] = value
+    # Thresholds every layer crosses, so that each layer's alarm shows which layers the alarms see.
+    data["monitor"] = {"collapse_fraction": 0.05, "tb_histograms": False, "tb_heatmap": False}
+    data["train"]["log_every"] = 2
+    return build_config(None, overrides=data)
+
+
+def _routing(cfg, monitor, step_fn, steps: int) -> list[dict]:
+    out = []
+    for step in range(1, steps + 1):
+        result = step_fn()
+        monitor.end_step(step, result.lm_loss)
+        if step % cfg.train.log_every == 0 or step == steps:
+            out.append(monitor.flush(step))
+    monitor.close()
+    return out
+
+
+def _monitor_worker(rank: int, world: int, out_dir, model: dict) -> dict:
+    """The trainer's path: ShardedHooks' stage exchange and monitor config, a RoutingMonitor per rank; then on rank 0
+    the same steps in one process with its own monitor."""
+    from moetrain.train.monitor import RoutingMonitor
+
+    cfg = _monitor_config(model)
+    cpu = torch.device("cpu")
+    mesh = build_layout_mesh(Layout.from_config(cfg.parallel, world), 60, cpu)
+    hooks = ShardedHooks(mesh, cfg.parallel, "fp32", cfg.train.seed, grad_accum=cfg.train.grad_accum,
+                         micro_shape=(cfg.train.batch_size, cfg.data.seq_len))
+    local = hooks.prepare_model(hooks.build_model(cfg.model, cpu))
+    (out_dir / f"rank{rank}").mkdir()
+    monitor = RoutingMonitor(local, hooks.monitor_config(cfg.monitor), out_dir / f"rank{rank}", lambda _: None,
+                             stages=hooks.stage_routing())
+    opt = build_optimizer(local, cfg)
+    sched = build_scheduler(opt, cfg.train)
+    data = batches(cfg, cfg.train.grad_accum * STEPS)
+    nxt = hooks.local_batch(sampler(data))
+    out = {"records": _routing(cfg, monitor, lambda: hooks.train_step(local, nxt, opt, sched, cfg.train, cpu), STEPS),
+           "local": [i for i, _ in monitor.layers], "ids": monitor.stats.layer_ids,
+           "alerts": (out_dir / f"rank{rank}" / "alerts.jsonl").read_text() if rank == 0 else ""}
+    if rank == 0:
+        ref = MoETransformer(cfg.model)
+        init_parameters(ref, cfg.model, cfg.train.seed)
+        (out_dir / "one").mkdir()
+        ref_monitor = RoutingMonitor(ref, cfg.monitor, out_dir / "one", lambda _: None)
+        opt = build_optimizer(ref, cfg)
+        sched = build_scheduler(opt, cfg.train)
+        glob = sampler(data)
+        out["ref"] = _routing(cfg, ref_monitor, lambda: train_step(ref, glob, opt, sched, cfg.train, cpu), STEPS)
+        out["ref_alerts"] = (out_dir / "one" / "alerts.jsonl").read_text()
+    return out
+
+
+@pytest.mark.parametrize("name", list(MONITORED))
+def test_every_stages_routing_statistics_reach_rank0(tmp_path, name):
+    """pp=2 (2 gloo ranks, 3 steps, logging every 2): rank 0's metrics fields cover every MoE layer under its global
+    block index, with the one-process run's exact token counts (and its statistics, biases and alarms); the
+    other rank reports nothing itself."""
+    import json
+
+    first, second = spawn(_monitor_worker, 2, tmp_path, MONITORED[name], timeout_s=300)
+    cfg = _monitor_config(MONITORED[name])
+    moe = cfg.model.moe_layer_indices
+    assert first["ids"] == moe and set(first["local"]) < set(moe), "rank 0 holds some MoE layers at most"
+    assert sorted(first["local"] + second["local"]) == moe, "each MoE layer observed by one stage"
+    if name == "no_moe_on_rank0":
+        assert first["local"] == []
+    assert all(r == {} for r in second["records"]), "only rank 0 reports"
+    assert len(first["records"]) == len(first["ref"]) == 2
+    for got, want in zip(first["records"], first["ref"]):
+        assert set(got) == set(want), set(got) ^ set(want)
+        assert {k.split("/")[1] for k in got if k.startswith("moe/layer")} == {f"layer{i}" for i in moe}
+        for key, value in want.items():
+            if key.endswith(("/tokens", "/dead", "/n_dead")) or isinstance(value, int):
+                assert got[key] == value, (key, got[key], value)  # exact counts
+            elif isinstance(value, list):
+                assert got[key] == pytest.approx(value, abs=1e-6), key
+            elif value is not None:
+                assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (key, got[key], value)
+            else:
+                assert got[key] is None, key
+        assert sum(sum(got[f"moe/layer{i}/tokens"]) for i in moe) > 0
+    if name == "first_block_dense":
+        assert all(f"moe/layer{i}/bias" in first["records"][-1] for i in moe)
+    alarms = [(a["kind"], a["layer"], a["step"]) for a in map(json.loads, first["alerts"].splitlines())]
+    assert alarms == [(a["kind"], a["layer"], a["step"]) for a in map(json.loads, first["ref_alerts"].splitlines())]
+    assert {layer for kind, layer, _ in alarms if kind == "collapse"} == set(moe)

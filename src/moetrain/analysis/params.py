@@ -9,6 +9,7 @@ Megatron-style mixed precision (bf16 weights, fp32 main gradients, fp32 master c
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from moetrain.analysis.shape import ModelShape
@@ -87,10 +88,39 @@ def count_params(shape: ModelShape) -> ParamCounts:
     )
 
 
-def local_params(counts: ParamCounts, n_layers: int, ep: int = 1, pp: int = 1) -> tuple[float, float]:
-    """(dense, routed-expert) parameters on the busiest device: ceil(L / pp) blocks' share of the block
-    parameters, the larger pipeline end (embedding, or LM head + final norm; both when pp == 1), and 1 / ep of
-    the stage's experts."""
+Placement = tuple[int, bool, bool]
+"""One pipeline rank's part of the model: (blocks it holds, it holds the embedding, it holds the final norm + LM
+head)."""
+
+
+def placements(stages: Sequence[range], rank_stages: Sequence[Sequence[int]] | None = None) -> list[Placement]:
+    """Each pipeline rank's :data:`Placement` for ``stages`` (the blocks of each stage, in order; stage 0 holds the
+    embedding, the last stage the LM head); ``rank_stages`` lists the stages of each rank (default: one stage per
+    rank, rank i holding stage i)."""
+    held = rank_stages if rank_stages is not None else [[i] for i in range(len(stages))]
+    last = len(stages) - 1
+    return [(sum(len(stages[i]) for i in mine), 0 in mine, last in mine) for mine in held]
+
+
+def _placed(counts: ParamCounts, n_layers: int, ep: int, place: Placement) -> tuple[float, float]:
+    blocks, first, last = place
+    per_block = (counts.norms + counts.attention + counts.dense_ffn + counts.router + counts.shared_experts) / n_layers
+    ends = (counts.embedding if first else 0) + (counts.lm_head + counts.final_norm if last else 0)
+    return per_block * blocks + ends, counts.experts / n_layers * blocks / ep
+
+
+def local_params(counts: ParamCounts, n_layers: int, ep: int = 1, pp: int = 1,
+                 stages: Sequence[Placement] | None = None) -> tuple[float, float]:
+    """(dense, routed-expert) parameters on the busiest device: its blocks' share of the block parameters (the
+    average block), its pipeline ends, and 1 / ep of its blocks' experts.
+
+    Args:
+        stages: each pipeline rank's :data:`Placement` (the trainer's split: :func:`placements` of
+            :func:`moetrain.analysis.stages.split_stages`); default ceil(L / pp) blocks with the larger pipeline end
+            (embedding, or LM head + final norm; both when pp == 1) on the busiest device.
+    """
+    if stages is not None:
+        return max((_placed(counts, n_layers, ep, s) for s in stages), key=sum)
     per_block = (counts.norms + counts.attention + counts.dense_ffn + counts.router + counts.shared_experts) / n_layers
     blocks = -(-n_layers // pp)
     ends = counts.embedding + counts.lm_head + counts.final_norm
@@ -98,11 +128,14 @@ def local_params(counts: ParamCounts, n_layers: int, ep: int = 1, pp: int = 1) -
     return per_block * blocks + edge, counts.experts / n_layers * blocks / ep
 
 
-def sharded_params(counts: ParamCounts, n_layers: int, ep: int = 1, pp: int = 1, dp_shard: int = 1) -> float:
+def sharded_params(counts: ParamCounts, n_layers: int, ep: int = 1, pp: int = 1, dp_shard: int = 1,
+                   stages: Sequence[Placement] | None = None) -> float:
     """Parameters one device holds under FSDP2 (``moetrain.parallel.fsdp``) on the busiest stage: the dense ones
     sharded over the ``dp_shard * ep`` ranks of a replica, the E / ep local experts over ``dp_shard``; weights,
     gradients and AdamW moments are all sharded the same way (ZeRO-3; ZeRO-2 adds the unsharded weights while a
-    block computes, which are activations-time memory, not state)."""
+    block computes, which are activations-time memory, not state). ``stages``: as in :func:`local_params`."""
+    if stages is not None:
+        return max(d / (dp_shard * ep) + e / dp_shard for d, e in (_placed(counts, n_layers, ep, s) for s in stages))
     dense, experts = local_params(counts, n_layers, ep, pp)
     return dense / (dp_shard * ep) + experts / dp_shard
 
@@ -143,21 +176,23 @@ def state_memory(
     expert_replicas: int = 1,
     zero1: bool = False,
     state: StateBytes = StateBytes(),
+    stages: Sequence[Placement] | None = None,
 ) -> StateMemory:
     """Weights, gradients and optimizer states on the busiest device.
 
     Args:
         counts: the model's parameters.
-        n_layers: L, split evenly into ``pp`` pipeline stages (ceil(L / pp) blocks on the busiest stage, which
-            also holds the embedding or the LM head, whichever is larger).
+        n_layers: L, split into ``pp`` pipeline stages as ``stages`` says (default evenly: ceil(L / pp) blocks on
+            the busiest stage, which also holds the embedding or the LM head, whichever is larger).
         ep: expert-parallel degree: each device holds E / ep of a layer's experts.
         pp: pipeline stages.
         dense_replicas: devices holding a copy of the same dense parameters (the data-parallel group size); with
             ``zero1`` the optimizer states are sharded across them (ZeRO stage 1, Megatron's distributed optimizer).
         expert_replicas: the same for the expert parameters.
         state: bytes per parameter.
+        stages: each pipeline rank's :data:`Placement` (default: the even split of :func:`local_params`).
     """
-    dense, experts = local_params(counts, n_layers, ep, pp)
+    dense, experts = local_params(counts, n_layers, ep, pp, stages)
     params = dense + experts
     opt = dense / dense_replicas + experts / expert_replicas if zero1 else params
     return StateMemory(weights=params * state.weight, grads=params * state.grad, optimizer=opt * state.optimizer)

@@ -9,7 +9,8 @@ Model (stated assumptions, not measurements):
   traffic (weights read twice and their gradient written once per micro-batch, activations three times) at
   ``mem_bw * efficiency`` (roofline); element-wise work is ignored;
 - pipeline: 1F1B schedule, bubble fraction (pp - 1) / m (Narayanan et al., 2021); the first stage holds pp
-  micro-batches' activations;
+  micro-batches' activations; blocks split into stages as the trainer splits them (balanced by FLOPs, the
+  embedding on the first stage, the LM head on the last: analysis/stages.py);
 - communication: the all-to-alls are exposed (they sit between router and experts); the data-parallel gradient
   all-reduce overlaps with backward compute except what exceeds it; pipeline sends are exposed;
 - memory: training state (analysis/params.py) with the optimizer sharded over data-parallel replicas when
@@ -34,6 +35,7 @@ from moetrain.analysis.hardware import Hardware
 from moetrain.analysis.intensity import expert_intensity, tokens_per_expert
 from moetrain.analysis.params import ParamCounts, StateBytes, count_params, local_params, state_memory
 from moetrain.analysis.shape import ModelShape
+from moetrain.analysis.stages import split_stages
 
 MEMORY_HEADROOM = 0.9  # usable fraction of device memory: allocator fragmentation, workspaces, runtime context
 
@@ -123,9 +125,10 @@ class Estimate:
         return self.exposed_comm_s / self.step_s if self.step_s else 0.0
 
 
-def _stage_flags(moe_flags: list[bool], pp: int) -> list[list[bool]]:
-    per = -(-len(moe_flags) // pp)
-    return [moe_flags[i : i + per] for i in range(0, len(moe_flags), per)]
+def _stage_flags(shape: ModelShape, moe_flags: list[bool], pp: int, work: Workload) -> list[list[bool]]:
+    """Each stage's MoE flags, split as the trainer splits them (:func:`moetrain.analysis.stages.split_stages`)."""
+    ranges = split_stages(shape, moe_flags, pp, work.seq, work.bta_tiles, "full" if work.checkpoint else "none")
+    return [[moe_flags[i] for i in r] for r in ranges]
 
 
 def estimate(
@@ -148,40 +151,44 @@ def estimate(
             f"{work.micro_batch} with {work.bta_tiles} tiles does not divide evenly"
         )
     m = int(per_rank) // work.micro_batch
-    stages = _stage_flags(moe_flags, layout.pp)
-    worst = max(stages, key=lambda s: (sum(s), len(s)))
-    n_moe, n_blocks = sum(worst), len(worst)
+    stages = _stage_flags(shape, moe_flags, layout.pp, work)
+    placed = [(len(f), i == 0, i == len(stages) - 1) for i, f in enumerate(stages)]  # one stage per rank (1F1B)
     tokens = work.micro_batch * work.seq
     eff_flops = hw.peak_flops * hw.efficiency
-
-    # Compute of one micro-batch on the busiest stage, LM head included (conservative for pp > 1).
     parts = step_flops(shape, work.micro_batch, work.seq, work.bta_tiles, work.checkpoint)
-    block_share = n_blocks / shape.n_layers
-    moe_share = n_moe / shape.moe_layers if shape.moe_layers else 0.0
-    dense_share = (n_blocks - n_moe) / shape.dense_layers if shape.dense_layers else 0.0
-    share = {"attn_proj": block_share, "attn_scores": block_share, "router": moe_share,
-             "shared_experts": moe_share, "dense_ffn": dense_share, "lm_head": 1.0}
-    t_other = sum(parts[p].total * f for p, f in share.items()) / eff_flops
     tpe = tokens_per_expert(shape, tokens, layout.ep)
     wb = work.act_bytes
     inten = expert_intensity(shape, tpe, act_bytes=wb, weight_bytes=wb)
-    local_experts = shape.num_experts / layout.ep * n_moe
     # Forward, backward (2x), plus a whole forward again under full checkpointing, or the input projections'
     # share of one (2 of 3 SwiGLU matrices, 1 of 2 GELU) when only the experts are recomputed.
     passes: float = 3 + (1 if work.checkpoint else 0)
     if work.recompute_experts and not work.checkpoint:
         passes += (shape.expert_mats - 1) / shape.expert_mats
-    exp_flops = inten.flops * local_experts * passes
-    exp_bytes = (3 * inten.weight_bytes + passes * inten.act_bytes) * local_experts
-    t_experts = max(exp_flops / eff_flops, exp_bytes / (hw.mem_bw * hw.efficiency))
-    micro_s = t_other + t_experts
+
+    def stage_seconds(flags: list[bool], last: bool) -> float:
+        """Compute of one micro-batch on a stage of blocks ``flags`` (the LM head on the last)."""
+        n_moe, n_blocks = sum(flags), len(flags)
+        block_share = n_blocks / shape.n_layers
+        moe_share = n_moe / shape.moe_layers if shape.moe_layers else 0.0
+        dense_share = (n_blocks - n_moe) / shape.dense_layers if shape.dense_layers else 0.0
+        share = {"attn_proj": block_share, "attn_scores": block_share, "router": moe_share,
+                 "shared_experts": moe_share, "dense_ffn": dense_share, "lm_head": 1.0 if last else 0.0}
+        t_other = sum(parts[p].total * f for p, f in share.items()) / eff_flops
+        local_experts = shape.num_experts / layout.ep * n_moe
+        exp_flops = inten.flops * local_experts * passes
+        exp_bytes = (3 * inten.weight_bytes + passes * inten.act_bytes) * local_experts
+        return t_other + max(exp_flops / eff_flops, exp_bytes / (hw.mem_bw * hw.efficiency))
+
+    # The slowest stage sets the pipeline's pace.
+    micro_s, worst = max((stage_seconds(f, i == len(stages) - 1), i) for i, f in enumerate(stages))
+    n_moe = sum(stages[worst])
     compute = m * micro_s
     bubble = (layout.pp - 1) / m * compute if layout.pp > 1 else 0.0
 
     # Communication per step.
     a2a = all_to_all_bytes(shape, tokens, layout.ep, n_moe, work.act_bytes) * m
     t_a2a = transfer_time(a2a, group_bandwidth(hw, layout.ep), hw)
-    dense_local, expert_local = local_params(counts, shape.n_layers, layout.ep, layout.pp)
+    dense_local, expert_local = local_params(counts, shape.n_layers, layout.ep, layout.pp, placed)
     t_ar = transfer_time(all_reduce_bytes(dense_local, layout.data_parallel, work.state.grad),
                          group_bandwidth(hw, layout.data_parallel), hw)
     t_ar += transfer_time(all_reduce_bytes(expert_local, layout.dp, work.state.grad),
@@ -193,7 +200,7 @@ def estimate(
 
     # Memory of the busiest device.
     state = state_memory(counts, shape.n_layers, layout.ep, layout.pp, layout.data_parallel, layout.dp,
-                         layout.zero1, work.state)
+                         layout.zero1, work.state, placed)
     if work.recompute_experts:
         shape = replace(shape, recompute_experts=True)
     if layout.ep > 1:  # the fused Function is the single-device path; EP dispatches through the all-to-all

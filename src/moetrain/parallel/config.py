@@ -46,7 +46,13 @@ class ParallelConfig:
             CUDA: on a CPU run the parameters are already in host memory).
         activation_checkpoint: ``none``, ``full`` (every block recomputed in backward) or ``selective`` (each
             block's attention branch and routed experts recomputed; router, norms and dispatch kept).
-        pp_schedule: ``1f1b``, ``interleaved_1f1b`` (needs ``pp_stages_per_rank >= 2``) or ``gpipe``.
+        pp_schedule: ``1f1b``, ``interleaved_1f1b`` (needs ``pp_stages_per_rank >= 2``), ``gpipe``, or the
+            V-shaped zero-bubble schedules of ``torch.distributed.pipelining`` (``pp_stages_per_rank == 2``; rank
+            ``r`` holds stages ``r`` and ``2 pp - 1 - r``, and backward is split into input- and weight-gradient
+            passes that fill the bubble): ``zbv`` (``ScheduleZBVZeroBubble``, Qi et al., 2024, "Zero Bubble
+            Pipeline Parallelism", section 6) and ``dualpipev`` (``ScheduleDualPipeV``, the V variant of DeepSeek-V3's
+            DualPipe; without a registered overlap callback its forward / backward pairs run one after the other);
+            both need ``reshard_after_forward = false``.
         pp_stages_per_rank: pipeline stages (virtual stages) per rank.
         meta_init: build the model on the meta device and materialise only this rank's shards, initialised from
             global indices (always on in the FSDP2 engine; also selectable for a single process, for comparison).
@@ -65,7 +71,7 @@ class ParallelConfig:
     reshard_after_forward: bool = True
     cpu_offload: bool = False
     activation_checkpoint: Literal["none", "full", "selective"] = "none"
-    pp_schedule: Literal["1f1b", "interleaved_1f1b", "gpipe"] = "1f1b"
+    pp_schedule: Literal["1f1b", "interleaved_1f1b", "gpipe", "zbv", "dualpipev"] = "1f1b"
     pp_stages_per_rank: int = 1
     meta_init: bool = False
     fsdp: Literal["auto", "on", "off"] = "auto"
@@ -79,6 +85,16 @@ class ParallelConfig:
                 f"{self.dp_replicate}")
         require(self.pp_schedule != "interleaved_1f1b" or self.pp_stages_per_rank >= 2, "pp_stages_per_rank",
                 f"pp_schedule='interleaved_1f1b' needs at least 2 stages per rank, got {self.pp_stages_per_rank}")
+        require(self.pp_schedule not in ("zbv", "dualpipev") or self.pp_stages_per_rank == 2, "pp_stages_per_rank",
+                f"pp_schedule='{self.pp_schedule}' places exactly 2 stages per rank in a V, got "
+                f"{self.pp_stages_per_rank}")
+        # Between a micro-batch's input-gradient pass and its weight-gradient pass the split-backward schedules run
+        # other forwards, whose FSDP2 reshard swaps the stage's parameters back to their shards: the weight pass
+        # then misses them (ZBV: no gradient; DualPipeV: wrong ones, measured in torch 2.13 on gloo).
+        require(self.pp_schedule not in ("zbv", "dualpipev") or not self.reshard_after_forward,
+                "reshard_after_forward", f"pp_schedule='{self.pp_schedule}' splits backward into input- and "
+                "weight-gradient passes, which FSDP2's reshard after forward breaks; set it to false (ZeRO-2, "
+                "torchtitan's default with pipelining)")
         require(self.fsdp != "off" or (self.dp_shard == 1 and self.pp == 1), "fsdp",
                 f"'off' (plain data parallel) cannot shard or pipeline; got dp_shard={self.dp_shard}, pp={self.pp}")
 

@@ -4,8 +4,9 @@ group, data or memory (the model is built on the meta device).
 What it checks, each failure one line naming the field: the mesh sizes multiply to N (:class:`.layout.Layout`),
 ``ep`` divides the experts, the pipeline has at least one block per stage, tied embeddings are not split over
 pipeline stages, the micro-batch splits over the data-parallel ranks and into the BTA tiles. What it prints: the
-mesh, the stages with their blocks, and this layout's per-rank bytes of parameters + gradients + AdamW state
-counted from the meta model's shapes (with FSDP2's row padding), next to the planner's figure.
+mesh, the stages with their blocks (balanced by the cost model: :func:`.pipeline.stage_blocks`), and this layout's
+per-rank bytes of parameters + gradients + AdamW state counted from the meta model's shapes (with FSDP2's row
+padding), next to the planner's figure for the same stages.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 
 from moetrain.errors import ConfigError
 from moetrain.parallel.layout import Layout
-from moetrain.parallel.pipeline import stage_blocks
+from moetrain.parallel.pipeline import rank_stages, stage_blocks
 
 if TYPE_CHECKING:
     from moetrain.config import Config
@@ -55,7 +56,7 @@ def check(config: Config, world: int) -> tuple[Layout, list[range]]:
     layout = Layout.from_config(p, world)
     if world > 1 and not p.sharded and layout.dp_shard == 1 and layout.pp == 1:
         pass  # the plain data-parallel path: dp = world / ep
-    stages = stage_blocks(m.n_layers, layout.pp * p.pp_stages_per_rank)
+    stages = stage_blocks(m, layout.pp * p.pp_stages_per_rank, config.data.seq_len, p.activation_checkpoint)
     if layout.pp > 1 and m.tie_embeddings:
         raise ConfigError("model.tie_embeddings: the embedding (first stage) and the LM head (last stage) cannot "
                           f"share a weight across parallel.pp={layout.pp} pipeline stages; set it to false")
@@ -79,7 +80,7 @@ def dry_run(config: Config, world: int) -> DryRun:
     Raises:
         ConfigError: see :func:`check`.
     """
-    from moetrain.analysis.params import count_params, sharded_params
+    from moetrain.analysis.params import count_params, placements, sharded_params
     from moetrain.analysis.shape import ModelShape
     from moetrain.parallel.meta_init import build_meta
 
@@ -103,9 +104,12 @@ def dry_run(config: Config, world: int) -> DryRun:
             else:
                 elems += _ceil_rows(p.shape, layout.dp_shard * layout.ep)
         per_stage.append(elems)
-    per_rank = max(sum(per_stage[s] for s in range(r, len(stages), layout.pp)) for r in range(layout.pp))
+    held = [rank_stages(r, layout.pp, config.parallel.pp_stages_per_rank, config.parallel.pp_schedule)
+            for r in range(layout.pp)]
+    per_rank = max(sum(per_stage[s] for s in mine) for mine in held)
     shape = ModelShape.from_config(config.model)
-    planner = sharded_params(count_params(shape), shape.n_layers, layout.ep, layout.pp, layout.dp_shard)
+    planner = sharded_params(count_params(shape), shape.n_layers, layout.ep, layout.pp, layout.dp_shard,
+                             placements(stages, held))
     lines = [layout.describe(),
              "stages: " + ", ".join(f"{i}: blocks {b.start}-{b.stop - 1}" + (" + embedding" if i == 0 else "")
                                     + (" + norm + LM head" if i == len(stages) - 1 else "")

@@ -14,6 +14,7 @@ What differs from the plain data-parallel hooks:
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import contextmanager
 from dataclasses import dataclass
 from collections.abc import Callable, Iterable, Iterator
@@ -43,6 +44,8 @@ if TYPE_CHECKING:
     from moetrain.model.config import ModelConfig
     from moetrain.model.transformer import MoETransformer
     from moetrain.train.config import TrainConfig
+    from moetrain.train.monitor import StageRouting
+    from moetrain.train.monitor_config import MonitorConfig
     from moetrain.train.step import StepResult
 
 
@@ -153,9 +156,10 @@ class ShardedHooks(ParallelHooks):
                                          self.seed, self.stats, self.micro_shape)
             self.plan, self.model = self.runner.plan, self.runner.local
             if log is not None:
-                log(f"parallel: {lm.layout.describe()}; pipeline stages {self.runner.indices} of "
-                    f"{self.runner.n_stages} on this rank ({self.parallel.pp_schedule}, {self.grad_accum} "
-                    f"micro-batches per step)")
+                stages = ", ".join(f"{i} (blocks {self.runner.ranges[i].start}-{self.runner.ranges[i].stop - 1})"
+                                 for i in self.runner.indices)
+                log(f"parallel: {lm.layout.describe()}; pipeline stages {stages} of {self.runner.n_stages} on this "
+                    f"rank ({self.parallel.pp_schedule}, {self.grad_accum} micro-batches per step)")
             return self.runner.local
         self.plan = parallelize(model, lm.ep_mesh, self.dispatcher, self.stats)
         activation_checkpointing.apply(model, self.parallel.activation_checkpoint)
@@ -204,6 +208,34 @@ class ShardedHooks(ParallelHooks):
             return counts
 
         return reduce
+
+    def monitor_config(self, config: MonitorConfig) -> MonitorConfig:
+        """Rank 0's routing monitor, and with pipeline stages also those of the other ranks of rank 0's pipeline
+        (they observe the later stages' MoE layers and reduce them to rank 0 each step); disabled elsewhere."""
+        mine = self.is_main or (self.runner is not None and self.layout_mesh.data_rank == 0)
+        return config if mine else dataclasses.replace(config, enabled=False)
+
+    def stage_routing(self) -> StageRouting | None:
+        """The monitor's exchange with rank 0 on the ranks of rank 0's pipeline (``pp > 1``): every MoE layer's
+        row, a ``reduce`` (sum) to rank 0 over the pipeline group; ``None`` elsewhere."""
+        lm = self.layout_mesh
+        if self.runner is None or lm.data_rank != 0:
+            return None
+        from moetrain.moe.layer import MoEAux
+        from moetrain.train.monitor import StageRouting
+        from moetrain.train.routing_stats import find_loss_fields
+
+        group, main = lm.pp_group, self.is_main
+
+        def reduce(rows: torch.Tensor) -> torch.Tensor | None:
+            with named_collective("reduce (routing statistics of the pipeline stages, to rank 0)", group):
+                dist.reduce(rows, dst=0, op=dist.ReduceOp.SUM, group=group)
+            return rows if main else None
+
+        model = self.runner.config
+        return StageRouting(layer_ids=list(model.moe_layer_indices), num_experts=model.moe.num_experts,
+                            top_k=model.moe.top_k, expert_bias=model.moe.router.expert_bias,
+                            loss_names=find_loss_fields(MoEAux), main=main, reduce=reduce)
 
     def step_kwargs(self) -> dict[str, Any]:
         return {"count_reducer": self.count_reducer, "sync_grads": self.sync_grads, "reduce_mean": self.reduce_mean}

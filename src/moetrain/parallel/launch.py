@@ -49,7 +49,7 @@ if TYPE_CHECKING:  # imported where used at run time (train/ imports this module
     from moetrain.model.config import ModelConfig
     from moetrain.train.checkpoint import LoadedCheckpoint
     from moetrain.train.config import TrainConfig
-    from moetrain.train.monitor import RoutingMonitor
+    from moetrain.train.monitor import RoutingMonitor, StageRouting
     from moetrain.train.monitor_config import MonitorConfig
     from moetrain.train.step import StepResult
 
@@ -317,6 +317,11 @@ class ParallelHooks:
         """The routing monitor's config for this rank: rank 0's only (it sees rank 0's tokens and writes the
         alerts); disabled on the others."""
         return config if self.is_main else dataclasses.replace(config, enabled=False)
+
+    def stage_routing(self) -> StageRouting | None:
+        """How this rank's routing monitor reaches rank 0 when the model is split into pipeline stages
+        (:class:`~moetrain.train.monitor.StageRouting`); ``None`` here: every rank holds every layer."""
+        return None
 
     def metrics_logger(self, make: Callable[[], Any]) -> Any:
         """``make()`` (the metrics writer) on rank 0, a :class:`NullMetrics` on the other ranks."""

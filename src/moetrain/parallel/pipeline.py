@@ -3,21 +3,24 @@ virtual stages), scheduled by ``torch.distributed.pipelining``.
 
 Legend: L = blocks, P = pp ranks, V = stages per rank, N = P * V stages.
 
-Placement follows torchtitan's recipe (``pipeline_parallel.py``): stage 0 also holds the embedding, the last stage
-the final norm and LM head; by default the blocks are split evenly (what the planner's memory model assumes:
-ceil(L / N) blocks on the busiest stage); ``head_weight > 0`` counts the embedding and the LM head as that many
-blocks each and moves blocks off the end stages (torchtitan's ``layers_per_stage`` option does the same). Stage ``i`` lives on rank ``i % P`` (the looped placement of
-Interleaved 1F1B).
+Placement follows torchtitan's recipe (``generate_llm_fqn_per_model_part`` and ``pipeline_module_split`` in
+torchtitan/distributed/pipeline_parallel.py): stage 0 also holds the embedding, the last stage the final norm and
+LM head; the blocks are split into contiguous stages balanced by the cost model's per-block FLOPs, the LM head's
+counted on the last stage (:func:`moetrain.analysis.stages.split_stages`; torchtitan weights both ends as whole
+layers instead). Stage ``i`` lives on rank ``i % P`` (the looped placement of Interleaved 1F1B), or, for the
+V-shaped schedules (ZBV, DualPipeV: two stages per rank), rank ``r`` holds stages ``r`` and ``2P - 1 - r``
+(torchtitan's ``style="v"``), so rank 0 holds both ends.
 """
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 
+from moetrain.analysis.shape import ModelShape
+from moetrain.analysis.stages import split_stages
 from moetrain.errors import ConfigError
 from moetrain.model.block import Block
 from moetrain.model.config import ModelConfig
@@ -29,50 +32,65 @@ if TYPE_CHECKING:
     from moetrain.model.transformer import MoETransformer
 
 
-def stage_blocks(n_layers: int, stages: int, head_weight: float = 0.0) -> list[range]:
-    """The blocks of each of ``stages`` stages: contiguous ranges covering ``range(n_layers)``, balanced by cost
-    with the embedding (stage 0) and the LM head (last stage) each costing ``head_weight`` blocks, every stage at
-    least one block.
+V_SCHEDULES = ("zbv", "dualpipev")  # two stages per rank, placed in a V
 
+
+def stage_blocks(config: ModelConfig, stages: int, seq: int | None = None, recompute: str = "none") -> list[range]:
+    """The blocks of each of ``stages`` pipeline stages: contiguous ranges covering ``range(model.n_layers)``, at
+    least one block each, that minimise the slowest stage's cost (per-block FLOPs of the cost model, the LM head's
+    on the last stage: :func:`moetrain.analysis.stages.split_stages`). Every rank, the dry run and the planner
+    compute the same split from the config alone.
+
+    Args:
+        config: the model.
+        stages: N = ``parallel.pp`` x ``pp_stages_per_rank``.
+        seq: tokens per sequence (``data.seq_len``; the attention's share grows with it); default
+            ``model.max_seq_len``.
+        recompute: ``parallel.activation_checkpoint`` (recomputed blocks cost more, the LM head does not).
     Raises:
         ConfigError: more stages than blocks (``parallel.pp`` x ``pp_stages_per_rank`` > ``model.n_layers``).
     """
+    n_layers = config.n_layers
     if stages < 1 or stages > n_layers:
         raise ConfigError(f"parallel.pp: {stages} pipeline stages (pp x pp_stages_per_rank) need at least one block "
                           f"each, but model.n_layers={n_layers}")
-    total = n_layers + 2 * head_weight
-    out, start = [], 0
-    for i in range(stages):
-        left = stages - i - 1  # later stages, each needing at least one block
-        # Block j ends at cumulative cost head_weight + j + 1; stage i ends where the cost reaches its share.
-        stop = n_layers if left == 0 else math.floor(total * (i + 1) / stages - head_weight + 0.5)
-        stop = min(max(stop, start + 1), n_layers - left)
-        out.append(range(start, stop))
-        start = stop
-    return out
+    flags = [config.is_moe_layer(i) for i in range(n_layers)]
+    return split_stages(ModelShape.from_config(config), flags, stages, seq or config.max_seq_len,
+                        config.execution.bta_tiles, recompute)
 
 
-def rank_stages(pp_rank: int, pp: int, per_rank: int) -> list[int]:
-    """Stage indices held by pipeline rank ``pp_rank`` (looped: ``pp_rank, pp_rank + P, ...``)."""
+def rank_stages(pp_rank: int, pp: int, per_rank: int, schedule: str = "1f1b") -> list[int]:
+    """Stage indices held by pipeline rank ``pp_rank``: looped (``pp_rank, pp_rank + P, ...``), or for the
+    V-shaped schedules (:data:`V_SCHEDULES`, ``per_rank == 2``) ``[pp_rank, 2P - 1 - pp_rank]``."""
+    if schedule in V_SCHEDULES:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
     return [pp_rank + v * pp for v in range(per_rank)]
+
+
+def stage_rank(stage: int, pp: int, schedule: str = "1f1b") -> int:
+    """The pipeline rank holding ``stage`` (the inverse of :func:`rank_stages`)."""
+    if schedule in V_SCHEDULES:
+        return stage if stage < pp else 2 * pp - 1 - stage
+    return stage % pp
 
 
 # -- stage modules ---------------------------------------------------------------------------------------------
 
 class _AttachLoss(torch.autograd.Function):
-    """A copy of ``h`` in forward; in backward ``h``'s gradient passes through and ``loss`` receives gradient 1
+    """An alias of ``h`` in forward; in backward ``h``'s gradient passes through and ``loss`` receives gradient 1
     (Megatron-Core's ``MoEAuxLossAutoScaler``). A stage's MoE losses thus enter the step's loss with the
     coefficient they have in one process (``loss = lm_loss + moe_loss`` per micro-batch), without travelling to the
     last stage; the schedule's ``1 / micro-batches`` gradient scaling then applies to them as to the LM loss.
 
-    A copy, not ``h.view_as(h)``: the output may be the stage's output, and FSDP2 warns that a view returned by a
-    sharded module loses its pre-backward hook (hence the all-gather) to any in-place op on it. The copy is one
-    [b, S, D] write per micro-batch; the original is freed (no backward saves it)."""
+    An alias made by ``h.detach()`` (no copy), not a view such as ``h.view_as(h)``: the output may be the stage's
+    output, and FSDP2 warns that a view returned by a sharded module loses its pre-backward hook (hence the
+    all-gather) to any in-place op on it; and the split-backward schedules (ZBV, DualPipeV) ``detach_()`` a stage's
+    output in place after its input-gradient pass, which a view refuses."""
 
     @staticmethod
     def forward(ctx: Any, h: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(loss)
-        return h.clone()
+        return h.detach()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe,
+                                         ScheduleInterleaved1F1B, ScheduleZBVZeroBubble)
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
@@ -36,7 +37,7 @@ from moetrain.parallel.fsdp import apply_fsdp, clip_grad_norm, init_root
 from moetrain.parallel.launch import parallelize
 from moetrain.parallel.layout import LayoutMesh
 from moetrain.parallel.meta_init import materialise
-from moetrain.parallel.pipeline import StageModule, rank_stages, stage_blocks
+from moetrain.parallel.pipeline import StageModule, rank_stages, stage_blocks, stage_rank
 from moetrain.parallel.sharding import ExpertShard
 from moetrain.model.transformer import MOE_LOSS_TERMS
 from moetrain.train.config import TrainConfig
@@ -47,6 +48,9 @@ if TYPE_CHECKING:
     from moetrain.parallel.engine import ShardedLayout
 
 IGNORE_INDEX = -100
+SCHEDULES: dict[str, type[PipelineScheduleSingle] | type[PipelineScheduleMulti]] = {
+    "1f1b": Schedule1F1B, "gpipe": ScheduleGPipe, "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}
 MOE_TERMS = (*MOE_LOSS_TERMS, "moe_loss")  # what StepResult.moe_losses holds
 
 
@@ -57,8 +61,8 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def check_microbatches(parallel: ParallelConfig, grad_accum: int) -> None:
-    """Raise :class:`ConfigError` unless a step has enough micro-batches for the schedule: 1F1B and Interleaved
-    1F1B need at least one per stage (``torch.distributed.pipelining``), and fewer would leave stages idle anyway
+    """Raise :class:`ConfigError` unless a step has enough micro-batches for the schedule: every schedule but
+    GPipe needs at least one per stage (``torch.distributed.pipelining``), and fewer would leave stages idle anyway
     (the bubble is (stages - 1) / micro-batches of the step)."""
     stages = parallel.pp * parallel.pp_stages_per_rank
     if parallel.pp > 1 and parallel.pp_schedule != "gpipe" and grad_accum < stages:
@@ -113,8 +117,11 @@ class PipelineRunner:
         check_microbatches(parallel, grad_accum)
         config: ModelConfig = model.config
         self.config = config
-        ranges = stage_blocks(config.n_layers, self.n_stages)
-        self.indices = rank_stages(mesh.pp_rank, layout.pp, parallel.pp_stages_per_rank)
+        self.schedule_name = parallel.pp_schedule
+        self.ranges = stage_blocks(config, self.n_stages, micro_shape[1] if micro_shape else None,
+                                   parallel.activation_checkpoint)
+        self.indices = rank_stages(mesh.pp_rank, layout.pp, parallel.pp_stages_per_rank, parallel.pp_schedule)
+        ranges = self.ranges
         self.modules = [StageModule(model, ranges[i], i == 0, i == self.n_stages - 1) for i in self.indices]
         self.plan: dict[str, ExpertShard] = {}
         for module in self.modules:
@@ -129,12 +136,12 @@ class PipelineRunner:
                                      **self._metadata(m, micro_shape))
                        for m, i in zip(self.modules, self.indices)]
         self.schedule: PipelineScheduleSingle | PipelineScheduleMulti
-        if parallel.pp_schedule == "interleaved_1f1b":
+        kind = SCHEDULES[parallel.pp_schedule]
+        if issubclass(kind, PipelineScheduleMulti):
             stages: list[_PipelineStageBase] = list(self.stages)
-            self.schedule = ScheduleInterleaved1F1B(stages, n_microbatches=grad_accum, loss_fn=lm_loss)
+            self.schedule = kind(stages, n_microbatches=grad_accum, loss_fn=lm_loss)
         else:
-            single = Schedule1F1B if parallel.pp_schedule == "1f1b" else ScheduleGPipe
-            self.schedule = single(self.stages[0], n_microbatches=grad_accum, loss_fn=lm_loss)
+            self.schedule = kind(self.stages[0], n_microbatches=grad_accum, loss_fn=lm_loss)
         self.global_aux = config.moe.losses.global_aux_loss_coeff > 0
 
     def _metadata(self, module: StageModule, micro_shape: tuple[int, int] | None) -> dict[str, Any]:
@@ -166,7 +173,7 @@ class PipelineRunner:
 
     def holder(self, stage: int) -> int:
         """Global rank holding pipeline stage ``stage`` in this rank's pipeline."""
-        return self.mesh.pp_ranks[stage % self.mesh.layout.pp]
+        return self.mesh.pp_ranks[stage_rank(stage, self.mesh.layout.pp, self.schedule_name)]
 
     @torch.no_grad()
     def _chain(self, inputs: list[torch.Tensor], what: str) -> dict[int, list[tuple[torch.Tensor, list[MoEAux]]]]:

@@ -21,12 +21,19 @@ the MoE layer; statistics over the logging interval, defined in :mod:`moetrain.t
 
 A layer recomputed in backward by activation checkpointing (``parallel.activation_checkpoint``) runs its hook
 again inside backward; the hook ignores those calls (``moetrain.parallel.ac.in_recompute``).
+
+Pipeline parallelism (:class:`StageRouting`): each rank of rank 0's pipeline observes its own stages' MoE layers;
+after every optimizer step the other stages' per-layer sums (:class:`~moetrain.train.routing_stats.StepSummary`)
+are reduced to rank 0 (one small collective over the pipeline), whose statistics then cover every MoE layer under
+its global block index, exactly as one rank observing them all would (the alarms, ``metrics.jsonl``, TensorBoard
+and the checkpointed state included). As without pipelining, rank 0 sees its own data-parallel rows.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -37,7 +44,7 @@ from tensorboard.compat.proto.summary_pb2 import Summary
 from moetrain.parallel.ac import in_recompute
 from moetrain.train.alerts import ALERTS_FILE, AlertTracker, TrainingAlarm, truncate_alerts
 from moetrain.train.monitor_config import MonitorConfig
-from moetrain.train.routing_stats import RoutingStats, Snapshot
+from moetrain.train.routing_stats import RoutingStats, Snapshot, StepSummary
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
@@ -70,6 +77,31 @@ def _router_bias(layer: torch.nn.Module, num_experts: int) -> torch.Tensor | Non
     return None
 
 
+@dataclass(frozen=True)
+class StageRouting:
+    """How a pipeline rank's monitor reaches the rank that writes metrics (built by the pipeline engine:
+    ``moetrain.parallel.engine.ShardedHooks.stage_routing``).
+
+    Attributes:
+        layer_ids: every MoE layer of the model (block indices, in order): the rows of the exchange.
+        num_experts: E of the MoE layers.
+        top_k: K of the MoE layers.
+        expert_bias: the routers keep an aux-loss-free bias (reported per layer).
+        loss_names: the MoE record's loss fields, the same on every rank.
+        main: this rank writes metrics and alarms (rank 0).
+        reduce: sums [L, W] float64 rows over the ranks of rank 0's pipeline (a collective: every rank of it calls
+            it once per optimizer step); the sum on the main rank, ``None`` on the others.
+    """
+
+    layer_ids: list[int]
+    num_experts: int
+    top_k: int
+    expert_bias: bool
+    loss_names: list[str]
+    main: bool
+    reduce: Callable[[torch.Tensor], torch.Tensor | None]
+
+
 class RoutingMonitor:
     """Routing statistics and alarms for every MoE layer of ``model``.
 
@@ -79,10 +111,12 @@ class RoutingMonitor:
         run_dir: where ``alerts.jsonl`` is appended.
         log: prints alarm lines.
         start_step: optimizer steps already done (a resumed run).
+        stages: a pipeline rank's exchange with rank 0 (:class:`StageRouting`); ``None`` when this rank's model
+            holds every MoE layer it reports.
     """
 
     def __init__(self, model: torch.nn.Module, config: MonitorConfig, run_dir: Path,
-                 log: Callable[[str], None] = print, start_step: int = 0):
+                 log: Callable[[str], None] = print, start_step: int = 0, stages: StageRouting | None = None):
         self.config, self.run_dir, self.enabled = config, Path(run_dir), config.enabled
         blocks = getattr(model, "blocks", [])
         # A pipeline stage's blocks (moetrain.parallel.pipeline_runner.LocalModel) are keyed by their global index.
@@ -91,16 +125,24 @@ class RoutingMonitor:
         # is_moe: the block's ffn is a MoELayer
         self.layers = [(i, cast("MoELayer", b.ffn)) for i, b in indexed if getattr(b, "is_moe", False)]
         moe_cfg = self.layers[0][1].config if self.layers else None
-        self.num_experts = moe_cfg.num_experts if moe_cfg else 0
-        self.top_k = moe_cfg.top_k if moe_cfg else 1
+        self.num_experts = stages.num_experts if stages else (moe_cfg.num_experts if moe_cfg else 0)
+        self.top_k = stages.top_k if stages else (moe_cfg.top_k if moe_cfg else 1)
         device = next(model.parameters()).device
-        self.stats = RoutingStats([i for i, _ in self.layers], self.num_experts, self.top_k, device,
+        self.routing = stages
+        layer_ids = stages.layer_ids if stages else [i for i, _ in self.layers]
+        self.positions = [layer_ids.index(i) for i, _ in self.layers]  # each local layer's row
+        self.remote = [p for p in range(len(layer_ids)) if p not in set(self.positions)]
+        self.main = stages is None or stages.main  # writes metrics and alarms
+        # The per-step exchange of a pipeline (rank 0's summary stays empty: it observes its layers directly).
+        self.summary = StepSummary(len(layer_ids), self.num_experts, stages.loss_names, device) if stages else None
+        self._remote_bias: torch.Tensor | None = None  # [L, E] the other stages' biases after the last step
+        self.stats = RoutingStats(layer_ids, self.num_experts, self.top_k, device,
                                   config.spike_window, config.spike_warmup, start_step, config.collapse_window)
         self.alerts = AlertTracker(config, self.run_dir / ALERTS_FILE, self.top_k, log)
-        if start_step > 0:  # resumed: the steps after the checkpoint run again, so do their alarms
+        if start_step > 0 and self.main:  # resumed: the steps after the checkpoint run again, so do their alarms
             truncate_alerts(self.run_dir / ALERTS_FILE, start_step)
         # per layer, the last heatmap_history logging steps' token shares [E]
-        self.history: list[deque[list[float]]] = [deque(maxlen=config.heatmap_history) for _ in self.layers]
+        self.history: list[deque[list[float]]] = [deque(maxlen=config.heatmap_history) for _ in layer_ids]
         self.flushes = 0
         self._writer: Any = None  # a SummaryWriter
         self._last_step: int | None = None
@@ -117,7 +159,7 @@ class RoutingMonitor:
         """Start observing the MoE layers (forward hooks; done by the constructor; no-op when disabled or attached)."""
         if self.enabled and not self._handles:
             self._handles = [layer.register_forward_hook(self._hook(pos))
-                             for pos, (_, layer) in enumerate(self.layers)]
+                             for pos, (_, layer) in zip(self.positions, self.layers)]
 
     def detach(self) -> None:
         """Stop observing the MoE layers (remove the hooks); :meth:`attach` resumes."""
@@ -131,25 +173,57 @@ class RoutingMonitor:
             # pre-pass of the global-batch aux loss (MoETransformer.moe_counts) must not count.
             # A layer recomputed by activation checkpointing (moetrain.parallel.ac) runs again inside backward.
             if module.training and torch.is_grad_enabled() and isinstance(output, tuple) and not in_recompute():
-                self.stats.observe(pos, output[-1])
+                if self.main:
+                    self.stats.observe(pos, output[-1])
+                else:
+                    assert self.summary is not None  # a pipeline rank other than rank 0
+                    self.summary.add(pos, output[-1])
 
         return hook
 
     def end_step(self, step: int, lm_loss: torch.Tensor | float | None) -> None:
         """Close optimizer step ``step`` (steps done so far); ``lm_loss`` is the step's scalar LM loss (device
-        tensor: no host sync)."""
-        if self.enabled:
+        tensor: no host sync). In a pipeline, first the other stages' sums reach rank 0 (a collective)."""
+        if not self.enabled:
+            return
+        if self.routing is not None:
+            self._exchange()
+        if self.main:
             self.stats.end_step(step, lm_loss)
+
+    def _exchange(self) -> None:
+        """The pipeline's per-step reduce: this rank's :class:`StepSummary` rows (with its routers' biases) to
+        rank 0, which adds the other stages' layers to its statistics."""
+        assert self.routing is not None and self.summary is not None
+        biases: list[torch.Tensor | None] = [None] * len(self.stats.layer_ids)
+        if not self.main and self.routing.expert_bias:
+            for pos, (_, layer) in zip(self.positions, self.layers):
+                biases[pos] = _router_bias(layer, self.num_experts)
+        reduced = self.routing.reduce(self.summary.take(biases))
+        if self.main and reduced is not None:
+            self.stats.observe_summaries(reduced, self.remote, self.summary)
+            if self.routing.expert_bias:
+                at = self.summary.vectors + 2 * self.num_experts
+                self._remote_bias = reduced[:, at:at + self.num_experts].clone()
+
+    def _biases(self) -> list[torch.Tensor | None]:
+        """[E] aux-loss-free bias of every layer of the statistics (``None`` where there is none)."""
+        out: list[torch.Tensor | None] = [None] * len(self.stats.layer_ids)
+        for pos, (_, layer) in zip(self.positions, self.layers):
+            out[pos] = _router_bias(layer, self.num_experts)
+        if self._remote_bias is not None:
+            for pos in self.remote:
+                out[pos] = self._remote_bias[pos]
+        return out
 
     def flush(self, step: int, writer: Any = None) -> dict[str, Any]:
         """At a logging step: read the interval's statistics (one host sync), evaluate the alarms, write
         TensorBoard histograms / heatmaps to ``writer`` (a ``SummaryWriter`` or ``None``), and return the
         ``metrics.jsonl`` fields (see the module docstring; scalars are mirrored to TensorBoard by the metrics
-        logger)."""
-        if not self.enabled:
+        logger); ``{}`` on a pipeline rank other than rank 0."""
+        if not self.enabled or not self.main:
             return {}
-        biases = [_router_bias(layer, self.num_experts) for _, layer in self.layers]
-        snap = self.stats.snapshot(biases)
+        snap = self.stats.snapshot(self._biases())
         self.last_snapshot = snap
         self.alerts.update(snap)
         if writer is not None:

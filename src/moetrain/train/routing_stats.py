@@ -185,6 +185,9 @@ class RoutingStats:
         self.scalars: torch.Tensor | None = None  # [L, C] sums: entropy, z, (dropped if scalar), *loss terms
         self.observed = [0] * n_layers  # micro-batches seen per layer this interval (host ints: no sync)
         self.tokens_seen = [0] * n_layers  # router rows (tokens) seen per layer this interval
+        # The same two counts for the layers observed by another rank (observe_summaries): on the device, read
+        # with the snapshot.
+        self.received = torch.zeros(n_layers, 2, **f64)  # [L, 2] micro-batches, tokens
         # The queue: per observation its layer position and step slot, scalars and [E] vectors; per closed step
         # its number and LM loss.
         self._obs_pos: list[int] = []
@@ -227,6 +230,8 @@ class RoutingStats:
         """
         if self.scalars is None:
             self._init_columns(record)
+        if self.drop_mode is not None and self.drop_field is None:  # columns set by observe_summaries
+            self.drop_field = find_drop_field(record)
         entropy_sum, z_sum = entropy_and_z_sums(record.router_logits)
         scalars = [entropy_sum, z_sum]
         # Queued unconverted (stacked and converted in _fold: this runs per layer and micro-batch, and each tensor
@@ -248,6 +253,52 @@ class RoutingStats:
         self._obs_vectors += vectors
         self.observed[pos] += 1
         self.tokens_seen[pos] += record.router_logits.shape[0]
+
+    def observe_summaries(self, rows: torch.Tensor, positions: list[int], summary: "StepSummary") -> None:
+        """Add one optimizer step of MoE layers ``positions`` observed by other ranks: their rows of a
+        :class:`StepSummary` (summed over the ranks), as one observation each; call before :meth:`end_step`.
+        Device kernels only, except once per run when no record has set the columns yet (one host read of the
+        rows' layout flags).
+
+        Args:
+            rows: [L, W] float64 :meth:`StepSummary.take` output (``W = summary.width``), on this device.
+            positions: the layers (positions in ``layer_ids``) to take from ``rows``.
+            summary: the layout of ``rows`` (its ``loss_names`` and column offsets).
+        """
+        if not positions:
+            return
+        idx = self._index(tuple(positions))
+        sub = rows.index_select(0, idx)  # [n, W]
+        if self.scalars is None and not self._init_from_summary(sub, summary):
+            return  # nothing observed anywhere yet: the rows are all zeros
+        self.received.index_add_(0, idx, sub[:, summary.host:summary.host + 2])
+        assert self.loss_terms is not None  # set with the columns
+        terms = [summary.loss + summary.loss_names.index(t) if t in summary.loss_names else None
+                 for t in self.loss_terms]
+        e, v = self.num_experts, summary.vectors
+        zero = rows.new_zeros(())
+        for j, pos in enumerate(positions):
+            row = sub[j]
+            scalars = [row[0], row[1]] + ([row[2]] if self.drop_mode == "scalar" else [])
+            scalars += [zero if t is None else row[t] for t in terms]
+            self._obs_pos.append(pos)
+            self._obs_slot.append(len(self._steps))
+            self._obs_scalars += scalars
+            self._obs_vectors += [row[v:v + e]] + ([row[v + e:v + 2 * e]] if self.drop_mode == "expert" else [])
+
+    def _init_from_summary(self, sub: torch.Tensor, summary: "StepSummary") -> bool:
+        """Set the record layout (loss terms, drop mode) from summary rows; ``False`` while they observed
+        nothing."""
+        h = summary.host
+        flags = sub[:, h:h + 4 + len(summary.loss_names)].amax(dim=0).tolist()  # the one host read
+        if flags[0] == 0:
+            return False
+        self.loss_terms = [n for n, present in zip(summary.loss_names, flags[4:]) if present > 0]
+        self.drop_mode = {0: None, 1: "scalar", 2: "expert"}[int(flags[2])]
+        self.drop_field = None  # named by the first local record, if any
+        width = 2 + (self.drop_mode == "scalar") + len(self.loss_terms)
+        self.scalars = torch.zeros(len(self.layer_ids), width, device=self.device, dtype=torch.float64)
+        return True
 
     # -- per optimizer step ------------------------------------------------------------------------------------
     def end_step(self, step: int, lm_loss: torch.Tensor | float | None = None) -> None:
@@ -357,7 +408,7 @@ class RoutingStats:
         biases = biases if biases is not None else [None] * n_layers
         losses = self._read_losses()
         parts = [self.counts.flatten(), self.last_seen.flatten(), self.dropped.flatten(),
-                 self.window.sum(dim=0).flatten()]
+                 self.window.sum(dim=0).flatten(), self.received.flatten()]
         if self.scalars is not None:
             parts.append(self.scalars.flatten())
         if losses is not None:
@@ -372,6 +423,7 @@ class RoutingStats:
             return host[at - n:at]
 
         counts, last_seen, dropped, window = (take(n_layers * e) for _ in range(4))
+        received = take(n_layers * 2)
         width = 0 if self.scalars is None else self.scalars.shape[1]
         scalar_rows = take(n_layers * width)
         self._check_losses(take(len(self._loss_steps)) if losses is not None else [])
@@ -387,7 +439,7 @@ class RoutingStats:
                 window_tokens=window[i * e:(i + 1) * e],
                 drop_fraction=None, entropy=None, router_z=None,
             )
-            n_obs, n_tok = self.observed[i], self.tokens_seen[i]
+            n_obs, n_tok = self.observed[i] + received[2 * i], self.tokens_seen[i] + received[2 * i + 1]
             if n_obs:
                 layer.entropy, layer.router_z = row[0] / n_tok, row[1] / n_tok
                 layer.losses = {name: row[first_term + j] / n_obs for j, name in enumerate(terms)}
@@ -411,6 +463,7 @@ class RoutingStats:
     def _reset_interval(self) -> None:
         self.counts.zero_()
         self.dropped.zero_()
+        self.received.zero_()
         if self.scalars is not None:
             self.scalars.zero_()
         self.observed = [0] * len(self.layer_ids)
@@ -432,6 +485,7 @@ class RoutingStats:
         state: dict[str, Any] = {k: getattr(self, k).detach().cpu().clone() for k in self._TENSORS}
         state.update({k: copy.copy(getattr(self, k)) for k in self._VALUES})
         state["scalars"] = None if self.scalars is None else self.scalars.detach().cpu().clone()
+        state["received"] = self.received.detach().cpu().clone()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -445,6 +499,91 @@ class RoutingStats:
         for name in self._VALUES:
             setattr(self, name, copy.copy(state[name]))
         self.scalars = None if state["scalars"] is None else state["scalars"].to(self.device)
+        received = state.get("received")  # absent from states written before pipeline summaries
+        if received is not None and tuple(received.shape) == tuple(self.received.shape):
+            self.received.copy_(received.to(self.device))
+        else:
+            self.received.zero_()
+
+
+class StepSummary:
+    """One rank's per-step sums of its MoE layers' records, as one [L, W] float64 tensor in a fixed layout: what a
+    pipeline stage sends to the rank that writes metrics (summed over the stages, each layer on exactly one of
+    them, so the sum is their union), which feeds it to its :class:`RoutingStats` with
+    :meth:`RoutingStats.observe_summaries`. The sums are what :meth:`RoutingStats.observe` would have added for
+    each record, so the receiving rank's statistics equal those of a rank that observed the layers itself.
+
+    Row layout (per layer; K = ``len(loss_names)``, offsets in the attributes):
+
+    - device part: entropy sum, z sum, dropped sum (records with a scalar dropped count), the K loss sums;
+    - ``host``: micro-batches, tokens (router rows), drop mode (0 none, 1 scalar, 2 per expert), expert bias
+      present (0 / 1), then K flags: the layer reported that loss;
+    - ``vectors``: tokens [E], dropped [E] (per-expert drop reports), the router's expert bias [E] after the step.
+
+    Args:
+        n_layers: L, the MoE layers of the whole model (rows; a rank fills its own).
+        num_experts: E.
+        loss_names: the record's loss fields (``find_loss_fields`` of the record class), the same on every rank.
+        device: where the rows live.
+    """
+
+    def __init__(self, n_layers: int, num_experts: int, loss_names: list[str], device: torch.device):
+        self.n_layers, self.num_experts, self.loss_names, self.device = n_layers, num_experts, list(loss_names), device
+        k = len(self.loss_names)
+        self.loss = 3  # first loss sum
+        self.host = 3 + k  # first host-side column
+        self.vectors = self.host + 4 + k  # first vector column
+        self.width = self.vectors + 3 * num_experts
+        self._reset()
+
+    def _reset(self) -> None:
+        self._scalars: list[list[torch.Tensor]] = [[] for _ in range(self.n_layers)]
+        self._vectors: list[list[torch.Tensor]] = [[] for _ in range(self.n_layers)]
+        self._host = [[0.0] * (4 + len(self.loss_names)) for _ in range(self.n_layers)]
+
+    def add(self, pos: int, record: Any) -> None:
+        """Add one micro-batch of layer ``pos`` (its record, as :meth:`RoutingStats.observe` takes it): about five
+        small kernels, no host sync."""
+        entropy_sum, z_sum = entropy_and_z_sums(record.router_logits)
+        zero = entropy_sum.new_zeros(())
+        e = self.num_experts
+        drop = find_drop_field(record)
+        dropped = getattr(record, drop) if drop else None
+        mode = 0 if not isinstance(dropped, torch.Tensor) else (2 if dropped.numel() == e else 1)
+        host = self._host[pos]
+        losses = []
+        for k, name in enumerate(self.loss_names):
+            value = getattr(record, name, None)
+            present = isinstance(value, torch.Tensor) and value.dim() == 0
+            host[4 + k] = max(host[4 + k], float(present))
+            losses.append(value.detach().float() if isinstance(value, torch.Tensor) and present else zero)
+        drop_sum = dropped.detach().float().sum() if mode == 1 and dropped is not None else zero
+        self._scalars[pos].append(torch.stack([entropy_sum, z_sum, drop_sum, *losses]))
+        per_expert = dropped.detach().float() if mode == 2 and dropped is not None else zero.new_zeros(e)
+        self._vectors[pos].append(torch.cat([record.tokens_per_expert.detach().float(), per_expert]))
+        host[0] += 1
+        host[1] += record.router_logits.shape[0]
+        host[2] = max(host[2], float(mode))
+
+    def take(self, biases: list[torch.Tensor | None] | None = None) -> torch.Tensor:
+        """The step's rows [L, W] (zeros for layers this rank did not observe), then start the next step.
+
+        Args:
+            biases: optional [E] aux-loss-free bias per layer (``None`` where the layer has none or is not here).
+        """
+        f64, e = torch.float64, self.num_experts
+        zeros = torch.zeros(self.host, device=self.device, dtype=f64)
+        scalars = torch.stack([torch.stack(q).to(f64).sum(0) if q else zeros for q in self._scalars])
+        vec_zero = torch.zeros(2 * e, device=self.device, dtype=f64)
+        vectors = torch.stack([torch.stack(q).to(f64).sum(0) if q else vec_zero for q in self._vectors])
+        bias = torch.zeros(self.n_layers, e, device=self.device, dtype=f64)
+        for pos, b in enumerate(biases or []):
+            if b is not None:
+                bias[pos] = b.detach().to(f64)
+                self._host[pos][3] = 1.0
+        host = torch.tensor(self._host, dtype=f64).to(self.device)  # host values: one copy, no sync
+        self._reset()
+        return torch.cat([scalars, host, vectors, bias], dim=1)
 
 
 class LoadStatistics(TypedDict):

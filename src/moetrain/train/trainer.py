@@ -331,7 +331,7 @@ class Trainer:
         elif self.resume:
             self.log(f"warning: no checkpoint in {checkpointer.store.url} yet: starting from step 0")
         state.monitor = RoutingMonitor(state.model, self.hooks.monitor_config(cfg.monitor), self.run_dir, self.log,
-                                       start_step=state.step)  # routing health
+                                       start_step=state.step, stages=self.hooks.stage_routing())  # routing health
         if saved is not None:
             state.monitor.load_state_dict(saved.get("monitor"))
         next_batch = self.hooks.local_batch(state.sampler.next_batch)
