@@ -14,6 +14,8 @@ engine, through the ``Checkpointer``.
    the other stage's ranks never open it.
 4. A one-process checkpoint (the single format: ``model.safetensors`` and an index-keyed optimizer state) resumes
    at ``pp=2 x ep=2`` with the losses of the one-process run's next two steps (1e-5).
+5. (slow, ``pytest -m slow``) ``torchrun ... moetrain train --resume`` falls back past a checkpoint whose shard
+   fails verification when read.
 """
 
 from __future__ import annotations
@@ -22,8 +24,11 @@ import builtins
 import inspect
 import io
 import json
+import os
 import pickle
 import shutil
+import subprocess
+import sys
 from math import prod
 from pathlib import Path
 
@@ -35,7 +40,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from _parallel_util import spawn
+from _parallel_util import free_port, spawn
 from moetrain.parallel import dcp
 from moetrain.parallel.engine import ShardedHooks
 from moetrain.parallel.layout import Layout, build_layout_mesh
@@ -48,6 +53,7 @@ from moetrain.train.state import TrainState
 from moetrain.train.step import train_step
 from moetrain.train.trainer import build_optimizer
 from test_fsdp_train import batches, sampler, small_config
+from test_parallel_cli import _corpus
 
 ACCUM = 2
 CKPT = "step_00000001"
@@ -175,9 +181,9 @@ def _resume(rank: int, world: int, out_dir, url: str, parallel: dict, save_url: 
             error = None
         except CorruptCheckpoint as e:
             error = str(e)
-    sharded = dcp.is_dcp_files(ckpt.files)
+    local = dcp.is_dcp_files(ckpt.files) and ckpt.local_dir is not None
     out = {"read": spy.read, "error": error,
-           "needed": needed_files(ckpt.local_dir, model, opt, hooks.layout) if sharded else []}
+           "needed": needed_files(ckpt.local_dir, model, opt, hooks.layout) if local else []}
     if error is None:
         data = hooks.local_batch(sampler(batches(cfg, 3 * ACCUM)[ACCUM:]))
         out["losses"] = _steps(cfg, hooks, model, opt, sched, data, 1)
@@ -285,3 +291,42 @@ def test_one_process_checkpoint_resumes_in_a_pipeline(tmp_path):
     for rank, r in enumerate(spawn(_resume, 4, tmp_path / "w", str(url), {"pp": 2, "ep": 2}, timeout_s=300)):
         print(f"one process -> pp2 x ep2 rank {rank}: {r['losses']} (one process {want})")
         assert max(abs(a - b) for a, b in zip(r["losses"], want)) <= 1e-5, (rank, r["losses"], want)
+
+
+def _torchrun(world: int, args: list[str], log: Path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
+                           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", "moetrain", *args],
+                          capture_output=True, text=True, env=env, timeout=600)
+    log.write_text(proc.stdout + proc.stderr)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_resume_skips_a_checkpoint_whose_shard_is_corrupt(tmp_path):
+    """``torchrun ... moetrain train --resume`` at ``dp_shard=2``: the newest checkpoint's shard of rank 1 has a
+    flipped byte, found only when it is read; both ranks fall back to the previous checkpoint, the corrupt one is
+    moved aside, and the resumed steps log the losses of the first run."""
+    _corpus(tmp_path / "corpus")
+    run = tmp_path / "run"
+    args = ["train", "--preset", "tiny", "--data", str(tmp_path / "corpus"), "--out", str(run), "--no-progress",
+            f"data.cache_dir={tmp_path / 'cache'}", "train.steps=4", "train.log_every=1", "train.eval_every=0",
+            "train.eval_batches=1", "train.ckpt_every=2", "model.tie_embeddings=false", "parallel.meta_init=true",
+            "parallel.dp_shard=2"]
+    _torchrun(2, args, tmp_path / "first.log")
+    first = {d["step"]: d["train_loss"] for d in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+             if "train_loss" in d}
+    victim = run / "checkpoints" / "step_00000004" / "__1_0.distcp"
+    raw = bytearray(victim.read_bytes())
+    raw[len(raw) // 3] ^= 0x01
+    victim.write_bytes(bytes(raw))
+    i = args.index("--preset")
+    _torchrun(2, [*args[:i], *args[i + 2:], "--resume"], tmp_path / "resume.log")
+    log = (tmp_path / "resume.log").read_text()
+    assert f"{victim}: SHA-256 does not match the manifest (corrupt) (found by rank" in log, log[-3000:]
+    assert f"resumed from {run / 'checkpoints' / 'step_00000002'} at step 2" in log, log[-3000:]
+    assert [p.name.startswith("corrupt-step_00000004") for p in (run / "checkpoints").iterdir()].count(True) == 1
+    again = {d["step"]: d["train_loss"] for d in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+             if "train_loss" in d}
+    assert sorted(again) == [1, 2, 3, 4]
+    assert all(abs(again[s] - first[s]) <= 1e-6 for s in (3, 4)), (again, first)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import pickle
 import tempfile
 import warnings
@@ -97,9 +98,9 @@ def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
 class ShardLayout:
     """How this rank's tensors map onto the global ones: the mesh and the expert shards.
 
-    Today only routed-expert tensors are sharded (dim 0 over the EP group); every other tensor is replicated. This
-    is the one place that says so: FSDP2 (issue 17) makes parameters DTensors that carry their own placement, and
-    then :meth:`global_view` has nothing left to wrap.
+    Here only routed-expert tensors are sharded (dim 0 over the EP group) and every other tensor is replicated;
+    the FSDP2 engine's :class:`~moetrain.parallel.engine.ShardedLayout` passes its DTensor parameters (which carry
+    their own placement) through and presents its expert shards on the ``(ep, dp_shard)`` mesh.
 
     Attributes:
         mesh: this rank's mesh position.
@@ -446,7 +447,7 @@ class MemoryReader(StorageReader):
                 self._flat[key] = _pickled(value).getvalue()
         self._metadata = Metadata(state_dict_metadata=entries, storage_data={})
 
-    def reset(self, checkpoint_id: str | Path | None = None) -> None:
+    def reset(self, checkpoint_id: str | os.PathLike[Any] | None = None) -> None:
         pass
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -479,7 +480,7 @@ class MemoryReader(StorageReader):
         return done
 
     @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | Path) -> bool:
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[Any]) -> bool:
         return False
 
 
