@@ -117,7 +117,8 @@ def needed_files(ckpt_dir: Path, model, optimizer, layout) -> list[str]:
     ``.metadata``."""
     metadata = pickle.loads((ckpt_dir / ".metadata").read_bytes())
     state = dcp._state_dict(model, optimizer, layout)
-    state["meta"] = io.BytesIO()
+    if "meta" in metadata.state_dict_metadata:  # the blob of param groups, in checkpoints of dcp.save
+        state["meta"] = io.BytesIO()
     flat, _ = flatten_state_dict(state)
     files = set()
     for fqn, value in flat.items():

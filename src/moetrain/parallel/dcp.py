@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -194,25 +195,35 @@ def _pickled(obj: Any) -> io.BytesIO:
     return buf
 
 
-def _save_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, layout: ShardLayout,
-                extra: dict[str, Any] | None) -> dict[str, Any]:
-    state = _state_dict(model, optimizer, layout)
+def param_groups(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> list[dict[str, Any]] | None:
+    """The optimizer's groups as saved: hyperparameters, and ``params`` as FQNs (this rank's parameters). Loading
+    takes the hyperparameters only (a pipeline rank's own parameters go with them); ``None`` without optimizer."""
+    if optimizer is None:
+        return None
     names = _param_names(model)
-    groups = None
-    if optimizer is not None:
-        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[p] for p in g["params"]]}
-                  for g in optimizer.param_groups]
-    # One opaque blob, so DCP does not flatten (and split) nested Python data.
-    state["meta"] = _pickled({"param_groups": groups, "extra": extra or {}})
+    return [{**{k: v for k, v in g.items() if k not in ("params", "param_names")},
+             "params": [names[p] for p in g["params"]]} for g in optimizer.param_groups]
+
+
+def _save_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, layout: ShardLayout,
+                extra: dict[str, Any] | None, meta: bool = True) -> dict[str, Any]:
+    state = _state_dict(model, optimizer, layout)
+    if meta:  # one opaque blob, so DCP does not flatten (and split) nested Python data
+        state["meta"] = _pickled({"param_groups": param_groups(model, optimizer), "extra": extra or {}})
     return state
 
 
 def write_shards(checkpoint_id: str, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                 layout: ShardLayout, extra: dict[str, Any] | None = None, remote: bool = False) -> None:
+                 layout: ShardLayout, extra: dict[str, Any] | None = None, remote: bool = False,
+                 meta: bool = True) -> None:
     """``dcp.save`` of the model, its optimizer and ``extra`` into ``checkpoint_id``, a directory all ranks share
     (DCP's ``FileSystemWriter``, files fsynced) or an fsspec URL (``remote``: DCP's ``FsspecWriter``): this rank
     writes its own ``__<rank>_0.distcp``, rank 0 also ``.metadata``; what crosses the network is DCP's plans and
     write results (tensor names, offsets, sizes), never tensor bytes. A collective: every rank calls it.
+
+    ``meta=False`` leaves out the blob of :func:`param_groups` and ``extra`` (the ``Checkpointer`` keeps the groups
+    in ``train_state.pt``, which every rank reads anyway: in DCP the blob would sit in rank 0's file, which every
+    rank, of every pipeline stage, would then have to verify).
 
     Raises:
         MachineError: a rank's write failed (full or read-only disk), raised on every rank, naming the rank.
@@ -221,16 +232,20 @@ def write_shards(checkpoint_id: str, model: nn.Module, optimizer: torch.optim.Op
     """
     from moetrain.runtime.oserrors import MachineError, os_error_line
 
-    state = _save_state(model, optimizer, layout, extra)
+    state = _save_state(model, optimizer, layout, extra, meta)
     if remote:
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
         writer: FileSystemWriter = FsspecWriter(checkpoint_id, sync_files=False)  # an upload is durable on close
     else:
         writer = FileSystemWriter(checkpoint_id)
+    # A tensor several ranks hold (replicated: buffers, step counters, EP's dense weights) is written by the lowest
+    # of them, not by whichever has written least: then a rank that loads it reads (and verifies) that one file,
+    # the first rank of its replica or stage, instead of a piece of every rank's.
+    planner = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
     try:
         with named_collective("torch.distributed.checkpoint.save (gather plans, write shards)"), _quiet(layout.mesh):
-            dcp.save(state, storage_writer=writer)
+            dcp.save(state, storage_writer=writer, planner=planner)
     except CheckpointException as e:  # every rank raises DCP's report of every rank's failure
         rank = min(e.failures)
         first = e.failures[rank][0]
@@ -322,22 +337,27 @@ def _load_error(e: CheckpointException, where: str) -> CheckpointError:
 
 
 def _read(model: nn.Module, optimizer: torch.optim.Optimizer | None, layout: ShardLayout, where: str,
-          reader: StorageReader | None = None, path: Path | None = None, state: dict[str, Any] | None = None
-          ) -> dict[str, Any]:
+          reader: StorageReader | None = None, path: Path | None = None, state: dict[str, Any] | None = None,
+          groups: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """``dcp.load`` into ``model`` and ``optimizer`` (in place) through ``reader`` or from the directory ``path``
-    (``state``: the tensors to load, default :func:`_state_dict`); returns the ``extra`` data."""
+    (``state``: the tensors to load, default :func:`_state_dict`); returns the ``extra`` data. The optimizer's
+    groups come from ``groups`` when given (a checkpoint written with ``meta=False``), else from the checkpoint's
+    blob."""
     if optimizer is not None:
         materialise_optimizer_state(optimizer)
     if state is None:
         state = _state_dict(model, optimizer, layout)
-    state["meta"] = io.BytesIO()
+    if groups is None:
+        state["meta"] = io.BytesIO()
     try:
         with named_collective("torch.distributed.checkpoint.load (read shards)"), _quiet(layout.mesh):
             dcp.load(state, checkpoint_id=None if path is None else str(path), storage_reader=reader)
     except CheckpointException as e:  # DCP's report of every rank's failure: missing keys, shapes, a corrupt shard
         raise _load_error(e, where) from None
-    state["meta"].seek(0)
-    meta = torch.load(state["meta"], weights_only=False)
+    meta: dict[str, Any] = {"param_groups": groups, "extra": {}}
+    if groups is None:
+        state["meta"].seek(0)
+        meta = torch.load(state["meta"], weights_only=False)
     if optimizer is not None and "optim" in state:
         _restore_optimizer(model, optimizer, state["optim"], meta["param_groups"])
     extra: dict[str, Any] = meta["extra"]  # what save() stored (meta comes from torch.load: Any)
@@ -386,12 +406,16 @@ def is_dcp_files(files: dict[str, bytes]) -> bool:
 
 
 def load_checkpoint(ckpt: LoadedCheckpoint, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                    layout: ShardLayout) -> list[str]:
+                    layout: ShardLayout, groups: list[dict[str, Any]] | None = None) -> list[str]:
     """Load a sharded checkpoint from the store into this rank's model and optimizer (a collective), verifying
     only the shard files this rank reads: each is hashed against the manifest first (size and SHA-256), on a local
     store in place, from an object store while downloading it into a temporary directory. A checkpoint whose
     bytes are all in memory already (``ckpt.deferred`` empty, every file verified) is read from those. Returns the
     shard files this rank read.
+
+    Args:
+        groups: the optimizer's :func:`param_groups` as saved beside the shards (``train_state.pt``), for a
+            checkpoint written with ``meta=False``; older checkpoints carry them in DCP (then ignored).
 
     Raises:
         CorruptCheckpoint: a shard file this rank or another reads is missing, truncated or altered; every rank
@@ -414,8 +438,14 @@ def load_checkpoint(ckpt: LoadedCheckpoint, model: nn.Module, optimizer: torch.o
                     raise CorruptCheckpoint(f"{ckpt.location}/{name}: not in the manifest (corrupt metadata?)")
 
         reader = VerifiedReader(where, ckpt.files[METADATA], verify)
+        if "meta" in pickle.loads(ckpt.files[METADATA]).state_dict_metadata:
+            groups = None  # written before train_state.pt held them: the blob in DCP
+        elif groups is None:
+            if optimizer is not None:
+                raise CheckpointError(f"{ckpt.location}: the optimizer's groups are missing (train_state.pt)")
+            groups = []  # weights only: none needed
         try:
-            _read(model, optimizer, layout, ckpt.location, reader=reader)
+            _read(model, optimizer, layout, ckpt.location, reader=reader, groups=groups)
         except CheckpointError as e:
             raise type(e)(str(e).replace(tmp, ckpt.location)) from None
         return reader.files_read

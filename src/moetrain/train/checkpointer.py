@@ -10,11 +10,11 @@ read back only after every byte verifies.
   ``state_dict()``).
 - **sharded** (a torchrun job): ``torch.distributed.checkpoint`` files (``.metadata``, ``__<rank>_0.distcp``,
   ``moetrain.json``: :mod:`moetrain.parallel.dcp`) holding the model and the optimizer keyed by FQN, expert shards
-  as global-shape DTensors; and ``train_state.pt`` without ``optimizer``. Written by every rank at once
-  (:func:`save_sharded`): each rank writes its own ``__<rank>_0.distcp`` into the checkpoint's staging directory
-  and hashes it there; rank 0 gathers the digests (strings), writes ``.metadata`` (DCP's coordinator), the small
-  files and the manifest, and publishes. Read back by every rank verifying only the shard files it reads
-  (:func:`moetrain.parallel.dcp.load_checkpoint`).
+  as global-shape DTensors; and ``train_state.pt`` without ``optimizer`` but with its groups' hyperparameters
+  (``optimizer_groups``). Written by every rank at once (:func:`save_sharded`): each rank writes its own
+  ``__<rank>_0.distcp`` into the checkpoint's staging directory and hashes it there; rank 0 gathers the digests
+  (strings), writes ``.metadata`` (DCP's coordinator), the small files and the manifest, and publishes. Read back
+  by every rank verifying only the shard files it reads (:func:`moetrain.parallel.dcp.load_checkpoint`).
 
 Both add ``tokenizer.json`` and ``config.json`` (the run's, so a checkpoint is self-contained).
 
@@ -64,6 +64,8 @@ from moetrain.train.checkpoint import (
 from moetrain.train.state import TrainState
 
 SINGLE, SHARDED = "single", "sharded"
+# train_state.pt of the sharded format: the optimizer's groups (hyperparameters, FQNs), dcp.param_groups of rank 0
+OPTIMIZER_GROUPS = "optimizer_groups"
 OPTIMIZER_STATES = ("newest", "all")
 
 
@@ -223,13 +225,12 @@ def load_weights(ckpt: LoadedCheckpoint, model: nn.Module, optimizer: torch.opti
         CheckpointError: another model shape, a missing or extra tensor, or an optimizer of other parameters; the
             message names the file.
     """
-    if checkpoint_format(ckpt.files) == SHARDED:
-        dcp.load_checkpoint(ckpt, model, optimizer, layout)
-        return
-    optim = None
     if optimizer is not None:
         saved = saved if saved is not None else ckpt.train_state()
-        optim = saved.get("optimizer")
+    if checkpoint_format(ckpt.files) == SHARDED:
+        dcp.load_checkpoint(ckpt, model, optimizer, layout, (saved or {}).get(OPTIMIZER_GROUPS))
+        return
+    optim = saved.get("optimizer") if saved is not None and optimizer is not None else None
     if layout.distributed:
         dcp.load_full(ckpt.model_tensors(), optim, model, optimizer, layout, ckpt.location)
     else:
@@ -349,7 +350,8 @@ def save_sharded(store: CheckpointStore, state: TrainState, layout: ShardLayout,
     mesh, main = layout.mesh, layout.is_main
     staging = _from_rank0((lambda: store.begin(state.step)) if main else None, "checkpoint staging location")
     try:
-        dcp.write_shards(staging.checkpoint_id, state.model, state.optimizer, layout, remote=not store.local)
+        dcp.write_shards(staging.checkpoint_id, state.model, state.optimizer, layout, remote=not store.local,
+                         meta=False)
     except BaseException:
         if main:
             store.abort(staging)
@@ -361,8 +363,9 @@ def save_sharded(store: CheckpointStore, state: TrainState, layout: ShardLayout,
 
     def publish() -> str:
         assert parts is not None  # rank 0 allocated it
-        files = {STATE_FILE: encode_state(state.replicated_state_dict()), dcp.MARKER: dcp.marker(layout),
-                 **run_files}
+        replicated = {**state.replicated_state_dict(),
+                      OPTIMIZER_GROUPS: dcp.param_groups(state.model, state.optimizer)}
+        files = {STATE_FILE: encode_state(replicated), dcp.MARKER: dcp.marker(layout), **run_files}
         try:
             return _publish(store, state.step, staging, parts, files)
         except BaseException:
