@@ -57,6 +57,7 @@ from test_parallel_cli import _corpus
 
 ACCUM = 2
 CKPT = "step_00000001"
+SEED = small_config({}).train.seed
 
 
 class Spy:
@@ -140,10 +141,9 @@ def needed_files(ckpt_dir: Path, model, optimizer, layout) -> list[str]:
 
 def _engine(world: int, parallel: dict, seed: int):
     cfg = small_config(parallel, grad_accum=ACCUM)
-    mesh = build_layout_mesh(Layout.from_config(cfg.parallel, world), 60, torch.device("cpu"))
-    hooks = ShardedHooks(mesh, cfg.parallel, seed=seed, grad_accum=ACCUM,
-                         micro_shape=(cfg.train.batch_size // Layout.from_config(cfg.parallel, world).data_parallel,
-                                      cfg.data.seq_len))
+    layout = Layout.from_config(cfg.parallel, world)
+    hooks = ShardedHooks(build_layout_mesh(layout, 60, torch.device("cpu")), cfg.parallel, seed=seed,
+                         grad_accum=ACCUM, micro_shape=(cfg.train.batch_size // layout.data_parallel, cfg.data.seq_len))
     model = hooks.prepare_model(build_meta(cfg.model))
     opt = build_optimizer(model, cfg)
     return cfg, hooks, model, opt, build_scheduler(opt, cfg.train)
@@ -156,7 +156,7 @@ def _steps(cfg, hooks, model, opt, sched, data, n: int) -> list[float]:
 
 def _save_dp_shard2(rank: int, world: int, out_dir, url: str) -> dict:
     """Step 1, an observed checkpoint, then steps 2 and 3 (their losses)."""
-    cfg, hooks, model, opt, sched = _engine(world, {"dp_shard": 2}, seed=cfg_seed())
+    cfg, hooks, model, opt, sched = _engine(world, {"dp_shard": 2}, seed=SEED)
     data = hooks.local_batch(sampler(batches(cfg, 3 * ACCUM)))
     _steps(cfg, hooks, model, opt, sched, data, 1)
     with Spy(Path(url)) as spy:
@@ -165,18 +165,14 @@ def _save_dp_shard2(rank: int, world: int, out_dir, url: str) -> dict:
             "received": spy.received}
 
 
-def cfg_seed() -> int:
-    return small_config({}).train.seed
-
-
 def _resume(rank: int, world: int, out_dir, url: str, parallel: dict, save_url: str | None = None) -> dict:
     """Load the newest checkpoint into this layout (observed; a CorruptCheckpoint is returned, not raised), then
     steps 2 and 3, saving after step 2 into ``save_url``."""
-    cfg, hooks, model, opt, sched = _engine(world, parallel, seed=cfg_seed() + 1)  # the load must overwrite it all
+    cfg, hooks, model, opt, sched = _engine(world, parallel, seed=SEED + 1)  # the load must overwrite it all
     state = TrainState(model, opt, sched)
     checkpointer = Checkpointer(url, layout=hooks.layout)
-    ckpt, _ = checkpointer.latest()
     with Spy(Path(url)) as spy:
+        ckpt, _ = checkpointer.latest()  # the manifest and small files read, the shards only stat-ed
         try:
             checkpointer.load(ckpt, state)
             error = None
@@ -254,7 +250,7 @@ def test_dp_shard2_checkpoint_resumes_in_a_pipeline(dp2, pp2_ep2):
         assert r["error"] is None
         assert max(abs(a - b) for a, b in zip(r["losses"], want)) <= 1e-5, (rank, r["losses"], want)
         # verified = read: each file the rank needs, hashed once and read once by DCP; no other shard file opened
-        assert sorted(set(r["read"]) - {".metadata"}) == r["needed"] and r["needed"]
+        assert _shards(set(r["read"])) == r["needed"] and r["needed"]
         assert all(r["read"].count(f) == 2 for f in r["needed"])
 
 
