@@ -1,5 +1,5 @@
-"""Distributed checkpoints with ``torch.distributed.checkpoint`` (DCP): each rank writes its own expert shards,
-replicated tensors are written once, and loading reshards to any EP size, one process included.
+"""Distributed checkpoints with ``torch.distributed.checkpoint`` (DCP): each rank writes its own shards,
+replicated tensors are written once, and loading reshards to any layout, one process included.
 
 Legend: E = experts, E_l = E / ep local experts.
 
@@ -9,42 +9,73 @@ tensor, which DCP treats as replicated. The checkpoint's metadata thus describes
 only, so any process count can read it: an EP=4 checkpoint loads at EP=2 or in one process (whole [E, ...]
 tensors), and an EP=1 checkpoint loads at EP=4. The AdamW moments of an expert shard are sharded the same way.
 
-Layout of one checkpoint directory: DCP's ``.metadata`` and ``__<rank>_0.distcp`` files, plus ``moetrain.json``
-(step, world size, ep) written by rank 0 last, so its presence marks a complete checkpoint. Inside the trainer's
-checkpoints these files sit beside ``train_state.pt`` and the manifest of
-:class:`~moetrain.train.checkpoint.CheckpointStore`; :class:`~moetrain.train.checkpointer.Checkpointer` decides
-which format to write and reads both.
+Layout of one checkpoint directory: DCP's ``.metadata`` (written by rank 0, DCP's coordinator) and
+``__<rank>_0.distcp`` files (each written by its rank), plus ``moetrain.json`` (world size, ep, dp) written by rank
+0 last, so its presence marks a complete checkpoint. Inside the trainer's checkpoints these files sit beside
+``train_state.pt`` and the manifest of :class:`~moetrain.train.checkpoint.CheckpointStore`;
+:class:`~moetrain.train.checkpointer.Checkpointer` decides which format to write and reads both: every rank writes
+its shards straight into the checkpoint's staging directory (:func:`write_shards`), and reads through
+:class:`VerifiedReader`, which verifies only the shard files whose chunks it reads.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import os
+import pickle
 import tempfile
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.storage import StorageReader
 from torch import nn
+from torch.futures import Future
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from moetrain.errors import CheckpointError
 from moetrain.parallel.comm import named_collective
 from moetrain.parallel.mesh import ParallelMesh, single_process
 from moetrain.parallel.sharding import ExpertShard
+from moetrain.train.checkpoint import CorruptCheckpoint, LoadedCheckpoint
 
 MARKER = "moetrain.json"
+METADATA = ".metadata"
+SHARD_SUFFIX = ".distcp"
 
 
 def is_dcp_checkpoint(path: Path) -> bool:
     """Whether ``path`` holds a complete checkpoint written by :func:`save`."""
-    return (path / MARKER).is_file() and (path / ".metadata").is_file()
+    return (path / MARKER).is_file() and (path / METADATA).is_file()
+
+
+def is_shard_file(name: str) -> bool:
+    """Whether ``name`` is a DCP shard file (``__<rank>_<i>.distcp``): the files a rank verifies when it reads one."""
+    return name.endswith(SHARD_SUFFIX)
+
+
+def own_shard_files(names: list[str], rank: int) -> list[str]:
+    """The shard files among ``names`` written by ``rank`` (DCP's ``FileSystemWriter`` names them
+    ``__<rank>_<i>.distcp``, ``i`` counting its write threads)."""
+    return [n for n in names if is_shard_file(n) and n.startswith(f"__{rank}_")]
 
 
 @contextmanager
@@ -68,9 +99,9 @@ def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
 class ShardLayout:
     """How this rank's tensors map onto the global ones: the mesh and the expert shards.
 
-    Today only routed-expert tensors are sharded (dim 0 over the EP group); every other tensor is replicated. This
-    is the one place that says so: FSDP2 (issue 17) makes parameters DTensors that carry their own placement, and
-    then :meth:`global_view` has nothing left to wrap.
+    Here only routed-expert tensors are sharded (dim 0 over the EP group) and every other tensor is replicated;
+    the FSDP2 engine's :class:`~moetrain.parallel.engine.ShardedLayout` passes its DTensor parameters (which carry
+    their own placement) through and presents its expert shards on the ``(ep, dp_shard)`` mesh.
 
     Attributes:
         mesh: this rank's mesh position.
@@ -103,14 +134,6 @@ class ShardLayout:
         shape = shard.global_shape(tensor.shape)
         return DTensor.from_local(tensor, self.mesh.mesh, [Replicate(), Shard(0)], run_check=False, shape=shape,
                                   stride=_contiguous_stride(shape))
-
-    def local_rows(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of a full tensor saved under ``name`` (an expert tensor [E, ...] or an optimizer
-        moment of one); any other tensor unchanged."""
-        shard = self.plan.get(name)
-        if shard is None or full.dim() == 0 or full.shape[0] != shard.global_rows:
-            return full
-        return full[shard.offset : shard.offset + shard.local_rows]
 
 
 def _param_names(model: nn.Module) -> dict[torch.Tensor, str]:
@@ -172,10 +195,78 @@ def _pickled(obj: Any) -> io.BytesIO:
     return buf
 
 
+def param_groups(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> list[dict[str, Any]] | None:
+    """The optimizer's groups as saved: hyperparameters, and ``params`` as FQNs (this rank's parameters). Loading
+    takes the hyperparameters only (a pipeline rank's own parameters go with them); ``None`` without optimizer."""
+    if optimizer is None:
+        return None
+    names = _param_names(model)
+    return [{**{k: v for k, v in g.items() if k not in ("params", "param_names")},
+             "params": [names[p] for p in g["params"]]} for g in optimizer.param_groups]
+
+
+def _save_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, layout: ShardLayout,
+                extra: dict[str, Any] | None, meta: bool = True) -> dict[str, Any]:
+    state = _state_dict(model, optimizer, layout)
+    if meta:  # one opaque blob, so DCP does not flatten (and split) nested Python data
+        state["meta"] = _pickled({"param_groups": param_groups(model, optimizer), "extra": extra or {}})
+    return state
+
+
+def write_shards(checkpoint_id: str, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                 layout: ShardLayout, extra: dict[str, Any] | None = None, remote: bool = False,
+                 meta: bool = True) -> None:
+    """``dcp.save`` of the model, its optimizer and ``extra`` into ``checkpoint_id``, a directory all ranks share
+    (DCP's ``FileSystemWriter``, files fsynced) or an fsspec URL (``remote``: DCP's ``FsspecWriter``): this rank
+    writes its own ``__<rank>_0.distcp``, rank 0 also ``.metadata``; what crosses the network is DCP's plans and
+    write results (tensor names, offsets, sizes), never tensor bytes. A collective: every rank calls it.
+
+    ``meta=False`` leaves out the blob of :func:`param_groups` and ``extra`` (the ``Checkpointer`` keeps the groups
+    in ``train_state.pt``, which every rank reads anyway: in DCP the blob would sit in rank 0's file, which every
+    rank, of every pipeline stage, would then have to verify).
+
+    Raises:
+        MachineError: a rank's write failed (full or read-only disk), raised on every rank, naming the rank.
+        CheckpointError: another failure while writing, on every rank.
+        CollectiveError: a peer failed while the checkpoint was written.
+    """
+    from moetrain.runtime.oserrors import MachineError, os_error_line
+
+    state = _save_state(model, optimizer, layout, extra, meta)
+    if remote:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+        writer: FileSystemWriter = FsspecWriter(checkpoint_id, sync_files=False)  # an upload is durable on close
+    else:
+        writer = FileSystemWriter(checkpoint_id)
+    # A tensor several ranks hold (replicated: buffers, step counters, EP's dense weights) is written by the lowest
+    # of them, not by whichever has written least: then a rank that loads it reads (and verifies) that one file,
+    # the first rank of its replica or stage, instead of a piece of every rank's.
+    planner = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
+    try:
+        with named_collective("torch.distributed.checkpoint.save (gather plans, write shards)"), _quiet(layout.mesh):
+            dcp.save(state, storage_writer=writer, planner=planner)
+    except CheckpointException as e:  # every rank raises DCP's report of every rank's failure
+        rank = min(e.failures)
+        first = e.failures[rank][0]
+        if isinstance(first, OSError):
+            raise MachineError(f"rank {rank}: {os_error_line(first, 'checkpoint shards', checkpoint_id)}") from None
+        reason = (str(first).strip().splitlines() or [type(first).__name__])[0]
+        raise CheckpointError(f"{checkpoint_id}: rank {rank} could not write its shards: {reason}") from None
+
+
+def marker(layout: ShardLayout) -> bytes:
+    """The content of :data:`MARKER` for a checkpoint written in ``layout``."""
+    mesh = layout.mesh
+    return json.dumps({"format": "torch.distributed.checkpoint", "world_size": mesh.world_size, "ep": mesh.ep,
+                       "dp": mesh.dp, "experts_sharded": sorted(layout.plan)}, indent=1).encode()
+
+
 def save(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, plan: dict[str, ExpertShard],
          mesh: ParallelMesh, extra: dict[str, Any] | None = None, layout: ShardLayout | None = None) -> None:
     """Write a checkpoint of the (sharded) model, its optimizer and ``extra`` (any picklable data: step,
-    scheduler, sampler, RNG) into the directory ``path``. A collective: every rank calls it.
+    scheduler, sampler, RNG) into the directory ``path`` (:func:`write_shards`, then :data:`MARKER` by rank 0).
+    A collective: every rank calls it.
 
     Args:
         path: the checkpoint directory (created; shared by all ranks, e.g. on a shared file system).
@@ -189,29 +280,115 @@ def save(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, 
         CollectiveError: a peer failed while the checkpoint was written.
     """
     path = Path(path)
-    state = _state_dict(model, optimizer, layout or ShardLayout(mesh, plan))
-    names = _param_names(model)
-    groups = None
-    if optimizer is not None:
-        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[p] for p in g["params"]]}
-                  for g in optimizer.param_groups]
-    # One opaque blob, so DCP does not flatten (and split) nested Python data.
-    state["meta"] = _pickled({"param_groups": groups, "extra": extra or {}})
-    with named_collective("torch.distributed.checkpoint.save (gather plans, write shards)"), _quiet(mesh):
-        dcp.save(state, checkpoint_id=str(path))
+    layout = layout or ShardLayout(mesh, plan)
+    write_shards(str(path), model, optimizer, layout, extra)
     if mesh.is_main:
-        marker = {"format": "torch.distributed.checkpoint", "world_size": mesh.world_size, "ep": mesh.ep,
-                  "dp": mesh.dp, "experts_sharded": sorted(plan)}
-        (path / MARKER).write_text(json.dumps(marker, indent=1))
+        (path / MARKER).write_bytes(marker(layout))
     if mesh.distributed:
         with named_collective("barrier (checkpoint written)"):
             dist.barrier()
 
 
+class VerifiedReader(FileSystemReader):
+    """DCP's ``FileSystemReader`` over one checkpoint directory that verifies, before reading, each shard file this
+    rank's load plan touches (the files holding a chunk that overlaps a tensor this rank loads, from DCP's metadata:
+    ``storage_data`` maps each chunk to its file), and nothing else. ``.metadata`` comes from bytes already verified.
+
+    Args:
+        path: the checkpoint directory DCP opens the shard files in (an object store's are first downloaded into it
+            by ``verify``).
+        metadata: the verified bytes of ``.metadata``.
+        verify: called once with the sorted names of the shard files this rank reads, before any is read; raises
+            :class:`~moetrain.train.checkpoint.CorruptCheckpoint` naming a file that does not match its manifest.
+    """
+
+    def __init__(self, path: str | Path, metadata: bytes, verify: Callable[[list[str]], None]):
+        super().__init__(path)
+        self._metadata, self._verify = metadata, verify
+        self.files_read: list[str] = []
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if kwargs.get("rank") is not None:  # a rank-local metadata file: never written by this code
+            raise FileNotFoundError(f"{self.path}: no rank-local metadata")
+        metadata: Metadata = pickle.loads(self._metadata)  # DCP's own format (its reader unpickles the same bytes)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        assert metadata.storage_meta is not None
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        self.files_read = sorted({self.storage_data[item.storage_index].relative_path for item in plan.items})
+        self._verify(self.files_read)
+        return super().read_data(plan, planner)
+
+
+def _load_error(e: CheckpointException, where: str) -> CheckpointError:
+    """One line for DCP's report of every rank's failure: a shard that did not verify (its file and the ranks that
+    read it), else the first reason the checkpoint does not fit (a missing key, another shape)."""
+    corrupt = {rank: exc for rank, (exc, _) in e.failures.items() if isinstance(exc, CorruptCheckpoint)}
+    if corrupt:
+        first = corrupt[min(corrupt)]
+        ranks = sorted(r for r, exc in corrupt.items() if str(exc) == str(first))
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+        return CorruptCheckpoint(f"{first} (found by {who}, which read it)")
+    reason = " ".join(str(e).split())[:500]
+    return CheckpointError(f"{where}: does not fit this model: {reason}")
+
+
+def _read(model: nn.Module, optimizer: torch.optim.Optimizer | None, layout: ShardLayout, where: str,
+          reader: StorageReader | None = None, path: Path | None = None, state: dict[str, Any] | None = None,
+          groups: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """``dcp.load`` into ``model`` and ``optimizer`` (in place) through ``reader`` or from the directory ``path``
+    (``state``: the tensors to load, default :func:`_state_dict`); returns the ``extra`` data. The optimizer's
+    groups come from ``groups`` when given (a checkpoint written with ``meta=False``), else from the checkpoint's
+    blob."""
+    if optimizer is not None:
+        materialise_optimizer_state(optimizer)
+    if state is None:
+        state = _state_dict(model, optimizer, layout)
+    if groups is None:
+        state["meta"] = io.BytesIO()
+    try:
+        with named_collective("torch.distributed.checkpoint.load (read shards)"), _quiet(layout.mesh):
+            dcp.load(state, checkpoint_id=None if path is None else str(path), storage_reader=reader)
+    except CheckpointException as e:  # DCP's report of every rank's failure: missing keys, shapes, a corrupt shard
+        raise _load_error(e, where) from None
+    meta: dict[str, Any] = {"param_groups": groups, "extra": {}}
+    if groups is None:
+        state["meta"].seek(0)
+        meta = torch.load(state["meta"], weights_only=False)
+    if optimizer is not None and "optim" in state:
+        _restore_optimizer(model, optimizer, state["optim"], meta["param_groups"])
+    extra: dict[str, Any] = meta["extra"]  # what save() stored (meta comes from torch.load: Any)
+    return extra
+
+
+def _restore_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, loaded: dict[str, dict[str, Any]],
+                       saved_groups: list[dict[str, Any]]) -> None:
+    names = _param_names(model)
+    index = {names[p]: i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+    params = {n: p for p, n in names.items()}
+    # DCP loaded in place: a DTensor parameter (FSDP2) keeps its own (now filled) DTensor moments; a plain
+    # parameter gets the local tensor of its global-shape view.
+    local = {index[n]: {k: (optimizer.state[params[n]][k] if isinstance(params[n], DTensor)
+                            and k in optimizer.state[params[n]] else
+                            v.to_local() if isinstance(v, DTensor) else v) for k, v in s.items()}
+             for n, s in loaded.items()}
+    # The saved groups' hyperparameters with this rank's own parameters: under pipeline parallelism the saving
+    # rank held only its stages' parameters (the state itself is keyed by name, complete in the shards).
+    # (PyTorch's param_names, if saved, would name the saving layout's parameters: dropped.)
+    groups = [{**{k: v for k, v in g.items() if k not in ("params", "param_names")},
+               "params": [index[names[p]] for p in mine["params"]]}
+              for g, mine in zip(saved_groups, optimizer.param_groups)]
+    optimizer.load_state_dict({"state": local, "param_groups": groups})
+
+
 def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, plan: dict[str, ExpertShard],
          mesh: ParallelMesh, layout: ShardLayout | None = None) -> dict[str, Any]:
-    """Load a checkpoint written by :func:`save` at any EP / world size into this rank's (sharded) model and
-    optimizer, in place; return the ``extra`` data.
+    """Load a checkpoint written by :func:`save` at any layout / world size into this rank's (sharded) model and
+    optimizer, in place; return the ``extra`` data. Nothing is verified here (no manifest): the
+    :class:`~moetrain.train.checkpointer.Checkpointer` goes through :func:`load_checkpoint`.
 
     Raises:
         CheckpointError: not a complete checkpoint, or a tensor missing or of another shape (a different model).
@@ -220,86 +397,161 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, 
     path = Path(path)
     if not is_dcp_checkpoint(path):
         raise CheckpointError(f"{path}: not a complete distributed checkpoint (no {MARKER} or .metadata)")
-    if optimizer is not None:
-        materialise_optimizer_state(optimizer)
-    state = _state_dict(model, optimizer, layout or ShardLayout(mesh, plan))
-    state["meta"] = io.BytesIO()
-    try:
-        with named_collective("torch.distributed.checkpoint.load (read shards)"), _quiet(mesh):
-            dcp.load(state, checkpoint_id=str(path))
-    except CheckpointException as e:  # DCP's report of missing keys and shape mismatches, from any rank
-        reason = " ".join(str(e).split())[:500]
-        raise CheckpointError(f"{path}: does not fit this model: {reason}") from None
-    state["meta"].seek(0)
-    meta = torch.load(state["meta"], weights_only=False)
-    if optimizer is not None:
-        names = _param_names(model)
-        index = {names[p]: i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
-        params = {n: p for p, n in names.items()}
-        # DCP loaded in place: a DTensor parameter (FSDP2) keeps its own (now filled) DTensor moments; a plain
-        # parameter gets the local tensor of its global-shape view.
-        local = {index[n]: {k: (optimizer.state[params[n]][k] if isinstance(params[n], DTensor)
-                                and k in optimizer.state[params[n]] else
-                                v.to_local() if isinstance(v, DTensor) else v) for k, v in s.items()}
-                 for n, s in state["optim"].items()}
-        # The saved groups' hyperparameters with this rank's own parameters: under pipeline parallelism the saving
-        # rank held only its stages' parameters (the state itself is keyed by name, complete in the shards).
-        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[names[p]] for p in mine["params"]]}
-                  for g, mine in zip(meta["param_groups"], optimizer.param_groups)]
-        optimizer.load_state_dict({"state": local, "param_groups": groups})
-    extra: dict[str, Any] = meta["extra"]  # what save() stored (meta comes from torch.load: Any)
-    return extra
+    return _read(model, optimizer, layout or ShardLayout(mesh, plan), str(path), path=path)
 
 
 def is_dcp_files(files: dict[str, bytes]) -> bool:
     """Whether a checkpoint's files (as read from the checkpoint store) are a sharded checkpoint."""
-    return ".metadata" in files and MARKER in files
+    return METADATA in files and MARKER in files
 
 
-def save_files(model: nn.Module, optimizer: torch.optim.Optimizer | None, layout: ShardLayout) -> dict[str, bytes]:
-    """A checkpoint as files for :class:`~moetrain.train.checkpoint.CheckpointStore` (which verifies, writes
-    atomically, and works on fsspec URLs): every rank writes its DCP shard into a private temporary directory, and
-    rank 0 gathers ``.metadata``, the ``__<rank>_0.distcp`` shard of every rank and :data:`MARKER`.
+def load_checkpoint(ckpt: LoadedCheckpoint, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                    layout: ShardLayout, groups: list[dict[str, Any]] | None = None) -> list[str]:
+    """Load a sharded checkpoint from the store into this rank's model and optimizer (a collective), verifying
+    only the shard files this rank reads: each is hashed against the manifest first (size and SHA-256), on a local
+    store in place, from an object store while downloading it into a temporary directory. A checkpoint whose
+    bytes are all in memory already (``ckpt.deferred`` empty, every file verified) is read from those. Returns the
+    shard files this rank read.
 
-    The gather moves the whole checkpoint through rank 0 (memory and network: fine for one node; a multi-node job
-    with a shared file system would let each rank write its shard in place, same format). A collective.
-
-    Returns:
-        File name -> bytes on rank 0; ``{}`` on the other ranks.
-    Raises:
-        CollectiveError: a peer failed.
-    """
-    mesh = layout.mesh
-    with tempfile.TemporaryDirectory(prefix="moetrain-dcp-") as tmp:
-        save(Path(tmp), model, optimizer, layout.plan, mesh, layout=layout)
-        mine = {p.name: p.read_bytes() for p in Path(tmp).iterdir() if p.is_file()}
-    if not mesh.distributed:
-        return mine
-    gathered: list[dict[str, bytes]] | None = [{} for _ in range(mesh.world_size)] if mesh.is_main else None
-    with named_collective("gather_object (checkpoint shards to rank 0)"):
-        dist.gather_object(mine, gathered, dst=0)
-    if not mesh.is_main:
-        return {}
-    assert gathered is not None  # rank 0 (is_main) allocated it above
-    files: dict[str, bytes] = {}
-    for part in gathered:
-        files.update(part)
-    return files
-
-
-def load_files(files: dict[str, bytes], model: nn.Module, optimizer: torch.optim.Optimizer | None,
-               layout: ShardLayout, where: str = "checkpoint") -> None:
-    """Load a checkpoint given as files (from the checkpoint store) into this rank's model and optimizer; every
-    rank needs all the files (each reads the chunks its shards overlap).
+    Args:
+        groups: the optimizer's :func:`param_groups` as saved beside the shards (``train_state.pt``), for a
+            checkpoint written with ``meta=False``; older checkpoints carry them in DCP (then ignored).
 
     Raises:
-        CheckpointError: the files are not a complete sharded checkpoint, or do not fit this model.
+        CorruptCheckpoint: a shard file this rank or another reads is missing, truncated or altered; every rank
+            raises it, naming the file and the ranks that found it.
+        CheckpointError: the checkpoint does not fit this model (a missing or extra tensor, another shape).
+        CollectiveError: a peer failed while loading.
     """
     with tempfile.TemporaryDirectory(prefix="moetrain-dcp-") as tmp:
-        for name, raw in files.items():
-            if name == MARKER or name == ".metadata" or name.endswith(".distcp"):
-                (Path(tmp) / name).write_bytes(raw)
+        if not ckpt.deferred:  # every byte verified and in memory: DCP reads them from a private copy
+            for name, raw in ckpt.files.items():
+                if is_shard_file(name):
+                    (Path(tmp) / name).write_bytes(raw)
+        where = ckpt.local_dir if ckpt.deferred and ckpt.local_dir is not None else Path(tmp)
+
+        def verify(files: list[str]) -> None:
+            for name in files:
+                if name in ckpt.deferred:
+                    ckpt.verify_file(name, copy_to=None if where != Path(tmp) else Path(tmp) / name)
+                elif name not in ckpt.files:  # DCP's metadata names a file the manifest does not list
+                    raise CorruptCheckpoint(f"{ckpt.location}/{name}: not in the manifest (corrupt metadata?)")
+
+        reader = VerifiedReader(where, ckpt.files[METADATA], verify)
+        if "meta" in pickle.loads(ckpt.files[METADATA]).state_dict_metadata:
+            groups = None  # written before train_state.pt held them: the blob in DCP
+        elif groups is None:
+            if optimizer is not None:
+                raise CheckpointError(f"{ckpt.location}: the optimizer's groups are missing (train_state.pt)")
+            groups = []  # weights only: none needed
         try:
-            load(Path(tmp), model, optimizer, layout.plan, layout.mesh, layout=layout)
+            _read(model, optimizer, layout, ckpt.location, reader=reader, groups=groups)
         except CheckpointError as e:
-            raise CheckpointError(str(e).replace(tmp, where)) from None
+            raise type(e)(str(e).replace(tmp, ckpt.location)) from None
+        return reader.files_read
+
+
+class MemoryReader(StorageReader):
+    """A whole checkpoint held in memory (full tensors and picklable values by DCP's flattened keys, e.g.
+    ``model.layers.0.attn.wq.weight``), read through DCP's load planner exactly like one on disk: every rank copies
+    the chunks of its own shards out of the full tensors (no collective reading), so any layout DCP reshards to
+    can take a one-process checkpoint.
+
+    Args:
+        flat: key -> tensor (one chunk: the whole tensor) or any other value (stored as DCP stores such values,
+            ``torch.save`` bytes).
+    """
+
+    def __init__(self, flat: dict[str, Any]):
+        super().__init__()
+        self._flat: dict[str, Any] = {}
+        entries: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
+        for key, value in flat.items():
+            if torch.is_tensor(value):
+                value = value.detach()
+                chunk = ChunkStorageMetadata(offsets=torch.Size([0] * value.dim()), sizes=value.size())
+                entries[key] = TensorStorageMetadata(TensorProperties.create_from_tensor(value), value.size(), [chunk])
+                self._flat[key] = value
+            else:
+                entries[key] = BytesStorageMetadata()
+                self._flat[key] = _pickled(value).getvalue()
+        self._metadata = Metadata(state_dict_metadata=entries, storage_data={})
+
+    def reset(self, checkpoint_id: str | os.PathLike[Any] | None = None) -> None:
+        pass
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if kwargs.get("rank") is not None:  # no rank-local metadata
+            raise FileNotFoundError("in-memory checkpoint: no rank-local metadata")
+        return self._metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        for req in plan.items:
+            value = self._flat[req.storage_index.fqn]
+            if req.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(req, io.BytesIO(value))
+                continue
+            for dim, (offset, length) in enumerate(zip(req.storage_offsets, req.lengths)):
+                value = value.narrow(dim, offset, length)
+            target = planner.resolve_tensor(req).detach()
+            target.copy_(value)
+            planner.commit_tensor(req, target)
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[Any]) -> bool:
+        return False
+
+
+def load_full(tensors: dict[str, torch.Tensor], optimizer_state: dict[str, Any] | None, model: nn.Module,
+              optimizer: torch.optim.Optimizer | None, layout: ShardLayout, where: str) -> None:
+    """Load a one-process checkpoint (whole tensors: ``model.safetensors`` and the optimizer's index-keyed
+    ``state_dict()``) into this rank's model and optimizer in any layout, through DCP's planner
+    (:class:`MemoryReader`): FSDP2 shards, expert rows, a pipeline rank's stages alike. A collective.
+
+    Args:
+        tensors: FQN -> full tensor (a tied tensor under one of its names).
+        optimizer_state: ``optimizer.state_dict()`` of the one-process run, its groups' ``param_names`` naming the
+            parameters (written since this loader exists); without names, this rank's own optimizer order is
+            assumed (a layout holding every parameter), or ``None`` (weights only).
+        where: the file, for messages.
+    Raises:
+        CheckpointError: a tensor missing, extra or of another shape; optimizer state that does not fit.
+    """
+    if optimizer is not None and optimizer_state is not None:
+        materialise_optimizer_state(optimizer)
+    state = _state_dict(model, optimizer, layout)
+    flat: dict[str, Any] = {f"model.{k}": v for k, v in tensors.items()}
+    held = model.state_dict(keep_vars=True)
+    first = {id(v): k for k, v in reversed(held.items())}  # a tied tensor: the name it is saved under
+    for name in [k for k in state["model"] if k not in tensors and first[id(held[k])] != k]:
+        del state["model"][name]  # the second name of a tied tensor: loaded through the first
+    if optimizer is None or optimizer_state is None:
+        state.pop("optim", None)
+        flat["meta"] = _pickled({"param_groups": None, "extra": {}})
+    else:
+        groups = optimizer_state["param_groups"]
+        names = [n for g in groups for n in g.get("param_names", [])]
+        if not names:  # written before param_names: the order of this rank's optimizer, if it holds them all
+            by_param = _param_names(model)
+            names = [by_param[p] for g in optimizer.param_groups for p in g["params"]]
+            if len(names) != sum(len(g["params"]) for g in groups):
+                raise CheckpointError(f"{where}: its optimizer state does not name its parameters (written before "
+                                      "param_names): it loads only into a layout holding every parameter")
+        for index, entry in optimizer_state["state"].items():
+            flat.update({f"optim.{names[int(index)]}.{k}": v for k, v in entry.items()})
+        flat["meta"] = _pickled({"param_groups": [{**{k: v for k, v in g.items() if k != "params"},
+                                                   "params": [names[int(i)] for i in g["params"]]} for g in groups],
+                                 "extra": {}})
+    _read(model, optimizer if "optim" in state else None, layout, where, reader=MemoryReader(flat), state=state)

@@ -18,6 +18,14 @@ does not verify is never used. Either way a checkpoint is trusted only after eve
 its manifest, and each file is read once (verified bytes are what gets deserialised, so nothing changes between
 check and use).
 
+Sharded checkpoints (torchrun, :mod:`moetrain.parallel.dcp`) are written by every rank at once
+(:meth:`CheckpointStore.begin`, :meth:`CheckpointStore.digest`, :meth:`CheckpointStore.commit`): rank 0 opens the
+same temporary directory (remotely: the checkpoint's prefix, its old manifest removed first), every rank writes and
+hashes its own shard files there, and rank 0 writes the small files and the manifest (the digests gathered as
+strings, never file bytes) and renames the directory into place: the same crash safety. Reading one back
+(:meth:`CheckpointStore.read_verified` with ``defer``) verifies the manifest and the small files at once and leaves
+each shard file to be verified by the rank that reads it (:meth:`LoadedCheckpoint.verify_file`).
+
 Replacing files of a checkpoint (:meth:`CheckpointStore.replace_files`, used to drop the optimizer state of older
 checkpoints, ``train.optimizer_state=newest``): locally only. The new version is built beside it in a hidden
 ``.tmp-step_...-replace-...`` directory (unchanged files hard-linked, or copied where links fail; new files and a new
@@ -39,9 +47,9 @@ import os
 import re
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import IO, Any, Callable
 
 import torch
 from safetensors.torch import load as safetensors_load
@@ -72,6 +80,21 @@ def checkpoint_name(step: int) -> str:
 
 def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+_CHUNK = 8 << 20  # bytes read at a time when hashing a file: memory stays flat whatever the shard's size
+
+
+def stream_digest(stream: IO[bytes], copy_to: IO[bytes] | None = None) -> dict[str, Any]:
+    """``{"bytes": n, "sha256": hex}`` of everything left in ``stream``, read in 8 MiB pieces (each also written to
+    ``copy_to`` if given: a download verified on the way)."""
+    digest, size = hashlib.sha256(), 0
+    while piece := stream.read(_CHUNK):
+        digest.update(piece)
+        size += len(piece)
+        if copy_to is not None:
+            copy_to.write(piece)
+    return {"bytes": size, "sha256": digest.hexdigest()}
 
 
 def _canonical(obj: Any) -> bytes:
@@ -110,11 +133,12 @@ def _replace_stage(stage: str) -> None:
     a no-op that tests monkeypatch to simulate a crash there."""
 
 
-def _manifest(step: int, files: dict[str, bytes], meta: dict[str, Any] | None = None) -> bytes:
-    """``manifest.json``: format, step, each file's size and SHA-256, optional ``meta``, and the SHA-256 of all
-    that."""
-    body: dict[str, Any] = {"format": FORMAT_VERSION, "step": step,
-                            "files": {f: {"bytes": len(b), "sha256": _sha256(b)} for f, b in files.items()}}
+def _manifest(step: int, files: dict[str, bytes], meta: dict[str, Any] | None = None,
+              digests: dict[str, dict[str, Any]] | None = None) -> bytes:
+    """``manifest.json``: format, step, each file's size and SHA-256 (of ``files``' bytes, and ``digests``: those of
+    files written elsewhere, e.g. by other ranks), optional ``meta``, and the SHA-256 of all that."""
+    entries = {**(digests or {}), **{f: {"bytes": len(b), "sha256": _sha256(b)} for f, b in files.items()}}
+    body: dict[str, Any] = {"format": FORMAT_VERSION, "step": step, "files": entries}
     if meta:
         body["meta"] = meta
     return json.dumps({**body, "manifest_sha256": _sha256(_canonical(body))}, indent=1).encode()
@@ -169,12 +193,49 @@ class LoadedCheckpoint:
         step: optimizer steps completed.
         location: where it lives (a local path or a URL), for messages.
         files: file name -> verified bytes.
+        deferred: the files not read yet (a sharded checkpoint's shards, see :meth:`CheckpointStore.read_verified`),
+            name -> their manifest entry (``bytes``, ``sha256``); present with the manifest's size, each verified
+            by :meth:`verify_file` when a rank reads it.
+        store: the store it was read from (``None``: built by hand, nothing deferred).
     """
 
     name: str
     step: int
     location: str
     files: dict[str, bytes]
+    deferred: dict[str, dict[str, Any]] = field(default_factory=dict)
+    store: "CheckpointStore | None" = field(default=None, repr=False)
+
+    @property
+    def local_dir(self) -> Path | None:
+        """The checkpoint's directory on a local store (where a reader can open its files), else ``None``."""
+        return self.store.root / self.name if self.store is not None and self.store.local else None
+
+    def verify_file(self, file: str, copy_to: Path | None = None) -> None:
+        """Read deferred ``file`` once from the store and check its size and SHA-256 against the manifest (8 MiB at a
+        time, never the whole file in memory); with ``copy_to``, the bytes read are written there too (an object
+        store's file downloaded and verified in one read).
+
+        Raises:
+            CorruptCheckpoint: the file is missing, of another size, or of another SHA-256 (the message names it).
+            KeyError: ``file`` is not deferred.
+        """
+        info = self.deferred[file]
+        assert self.store is not None, "deferred files come from a store"
+        loc = self.store.location(self.name, file)
+        try:
+            with self.store.open(self.name, file) as stream:
+                if copy_to is None:
+                    got = stream_digest(stream)
+                else:
+                    with open(copy_to, "wb") as out:
+                        got = stream_digest(stream, out)
+        except (FileNotFoundError, IsADirectoryError):
+            raise CorruptCheckpoint(f"{loc}: missing") from None
+        if got["bytes"] != info["bytes"]:
+            raise CorruptCheckpoint(f"{loc}: {got['bytes']} bytes, the manifest says {info['bytes']} (truncated?)")
+        if got["sha256"] != info["sha256"]:
+            raise CorruptCheckpoint(f"{loc}: SHA-256 does not match the manifest (corrupt)")
 
     def model_tensors(self) -> dict[str, torch.Tensor]:
         return safetensors_load(self.files[MODEL_FILE])
@@ -191,6 +252,22 @@ class LoadedCheckpoint:
             return state
         except Exception as e:  # noqa: BLE001 -- torch.load raises many types (UnpicklingError, RuntimeError, ...)
             raise CheckpointError(f"{self.location}/{STATE_FILE}: cannot load: {str(e).splitlines()[0]}") from None
+
+
+@dataclass(frozen=True)
+class Staging:
+    """Where a checkpoint's files are written before :meth:`CheckpointStore.commit` publishes them (plain strings:
+    rank 0 broadcasts it to the other ranks of a sharded save).
+
+    Attributes:
+        name: the checkpoint's name, ``step_XXXXXXXX``.
+        path: a local directory, or the object store's path (``bucket/prefix/step_...``, no protocol).
+        checkpoint_id: the same as a local path or a URL with its protocol (what a DCP writer is given).
+    """
+
+    name: str
+    path: str
+    checkpoint_id: str
 
 
 class CheckpointStore:
@@ -254,8 +331,23 @@ class CheckpointStore:
         data: bytes = self.fs.cat_file(self._remote(name, file))
         return data
 
-    def read_verified(self, name: str) -> LoadedCheckpoint:
-        """Read every file of checkpoint ``name`` once and check it against the manifest.
+    def open(self, name: str, file: str) -> IO[bytes]:
+        """``file`` of checkpoint ``name`` opened for reading (binary). Raises FileNotFoundError when missing."""
+        if self.local:
+            return open(self.root / name / file, "rb")
+        stream: IO[bytes] = self.fs.open(self._remote(name, file), "rb")
+        return stream
+
+    def _size(self, name: str, file: str) -> int:
+        """Bytes of ``file`` (a stat, nothing read). Raises FileNotFoundError when missing."""
+        if self.local:
+            return (self.root / name / file).stat().st_size
+        return int(self.fs.size(self._remote(name, file)))
+
+    def read_verified(self, name: str, defer: Callable[[str], bool] | None = None) -> LoadedCheckpoint:
+        """Read every file of checkpoint ``name`` once and check it against the manifest; files for which
+        ``defer(file)`` is true (a sharded checkpoint's shards) are only checked to exist with the manifest's size
+        and left in :attr:`LoadedCheckpoint.deferred`, for the rank that reads one to verify it.
 
         Raises:
             CorruptCheckpoint: the manifest is missing, unreadable or altered, or a file is missing, has another
@@ -275,34 +367,51 @@ class CheckpointStore:
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise CorruptCheckpoint(f"{manifest_loc}: unreadable manifest ({e.__class__.__name__})") from None
         data: dict[str, bytes] = {}
+        deferred: dict[str, dict[str, Any]] = {}
         for file, info in files.items():
             loc = self.location(name, file)
+            later = defer is not None and defer(file)
             try:
-                raw = self._read(name, file)
+                if later:
+                    size = self._size(name, file)
+                else:
+                    raw = self._read(name, file)
+                    size = len(raw)
             except (FileNotFoundError, IsADirectoryError):
                 raise CorruptCheckpoint(f"{loc}: missing") from None
-            if len(raw) != info["bytes"]:
-                raise CorruptCheckpoint(f"{loc}: {len(raw)} bytes, the manifest says {info['bytes']} (truncated?)")
+            if size != info["bytes"]:
+                raise CorruptCheckpoint(f"{loc}: {size} bytes, the manifest says {info['bytes']} (truncated?)")
+            if later:
+                deferred[file] = info
+                continue
             if _sha256(raw) != info["sha256"]:
                 raise CorruptCheckpoint(f"{loc}: SHA-256 does not match the manifest (corrupt)")
             data[file] = raw
-        return LoadedCheckpoint(name=name, step=body["step"], location=self.location(name), files=data)
+        return LoadedCheckpoint(name=name, step=body["step"], location=self.location(name), files=data,
+                                deferred=deferred, store=self)
 
     def verify(self, name: str) -> str | None:
-        """``None`` if checkpoint ``name`` verifies, else the reason (naming the file)."""
+        """``None`` if checkpoint ``name`` verifies (every file, each streamed through SHA-256 in 8 MiB pieces: a
+        sharded checkpoint's shards are never all in memory), else the reason (naming the file)."""
         try:
-            self.read_verified(name)
+            ckpt = self.read_verified(name, defer=lambda file: True)
+            for file in ckpt.deferred:
+                ckpt.verify_file(file)
         except CorruptCheckpoint as e:
             return str(e)
         return None
 
-    def latest_valid(self, warn: Callable[[str], None] = print) -> tuple[LoadedCheckpoint | None, list[str]]:
-        """The newest checkpoint that verifies, and the names of the newer ones that did not (each is reported
-        through ``warn`` with its location and reason). ``(None, [...])`` when none verifies."""
+    def latest_valid(self, warn: Callable[[str], None] = print, defer: Callable[[str], bool] | None = None,
+                     before: str | None = None) -> tuple[LoadedCheckpoint | None, list[str]]:
+        """The newest checkpoint (older than ``before`` if given) that verifies (``defer``: see
+        :meth:`read_verified`), and the names of the newer ones that did not (each is reported through ``warn``
+        with its location and reason). ``(None, [...])`` when none verifies."""
         skipped: list[str] = []
         for name in reversed(self.names()):
+            if before is not None and name >= before:
+                continue
             try:
-                return self.read_verified(name), skipped
+                return self.read_verified(name, defer), skipped
             except CorruptCheckpoint as e:
                 warn(f"warning: skipping checkpoint {self.location(name)}: {e}")
                 skipped.append(name)
@@ -318,30 +427,94 @@ class CheckpointStore:
         Raises:
             MachineError: a local write failed (full or read-only disk); its temporary directory is removed.
         """
-        name = checkpoint_name(step)
-        manifest = _manifest(step, files)
-        if self.local:
-            self._save_local(name, files, manifest)
-        else:
-            self._save_remote(name, files, manifest)
-        return self.location(name)
+        return self.commit(step, self.begin(step), files)
 
-    def _save_local(self, name: str, files: dict[str, bytes], manifest: bytes) -> None:
+    def begin(self, step: int) -> "Staging":
+        """Where checkpoint ``step``'s files are written before :meth:`commit` publishes them (one writer, rank 0 of
+        a sharded save, calls it; every rank may then write into it). Locally a fresh hidden
+        ``.tmp-step_...-PID`` directory, the temporary directories of crashed saves removed first; on an object
+        store the checkpoint's own prefix, whose old manifest (a re-saved step) is deleted first so that nothing
+        half-written ever verifies.
+
+        Raises:
+            MachineError: a local write failed (full or read-only disk).
+        """
         from moetrain.runtime.oserrors import writing
 
+        name = checkpoint_name(step)
+        if not self.local:
+            manifest_path = self._remote(name, MANIFEST)
+            if self.fs.exists(manifest_path):  # invalidate the old checkpoint before touching its files
+                self.fs.rm_file(manifest_path)
+            return Staging(name, self._remote(name), self.url.rstrip("/") + "/" + name)
         tmp = self.root / f".tmp-{name}-{os.getpid()}"
-        # A full or read-only disk: one line naming the checkpoint (MachineError), the partial copy removed, every
-        # earlier checkpoint untouched (nothing below renames or deletes before the new one is complete).
         with writing(f"checkpoint {name}", tmp):
             try:
                 self.root.mkdir(parents=True, exist_ok=True)
                 self._remove_stale()
                 tmp.mkdir()
+            except OSError:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+        return Staging(name, str(tmp), str(tmp))
+
+    def staged_files(self, staging: "Staging") -> list[str]:
+        """The names of the files in ``staging`` so far, sorted."""
+        if self.local:
+            return sorted(p.name for p in Path(staging.path).iterdir() if p.is_file())
+        self.fs.invalidate_cache(staging.path)
+        return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in self.fs.ls(staging.path, detail=False))
+
+    def digest(self, staging: "Staging", file: str) -> dict[str, Any]:
+        """Size and SHA-256 of ``file`` as it is stored in ``staging`` (read back in 8 MiB pieces): a rank's
+        verification of what it wrote, and its entry in the manifest.
+
+        Raises:
+            OSError: the file cannot be read.
+        """
+        if self.local:
+            with open(Path(staging.path) / file, "rb") as f:
+                return stream_digest(f)
+        with self.fs.open(f"{staging.path}/{file}", "rb") as f:
+            return stream_digest(f)
+
+    def commit(self, step: int, staging: "Staging", files: dict[str, bytes],
+               digests: dict[str, dict[str, Any]] | None = None) -> str:
+        """Write ``files`` into ``staging`` and the manifest of those and of ``digests`` (files already there:
+        other ranks' shards, as :meth:`digest` measured them), then publish the checkpoint: locally every file
+        fsynced and the directory renamed into place (a re-saved step's old directory renamed away only then);
+        remotely the manifest uploaded last. Returns the checkpoint's location.
+
+        Raises:
+            MachineError: a local write failed; the temporary directory is removed, every earlier checkpoint intact.
+        """
+        name = checkpoint_name(step)
+        manifest = _manifest(step, files, digests=digests)
+        if self.local:
+            self._commit_local(name, Path(staging.path), files, manifest)
+        else:
+            for file, raw in files.items():
+                self.fs.pipe_file(self._remote(name, file), raw)
+                _write_delay()
+            self.fs.pipe_file(self._remote(name, MANIFEST), manifest)  # last: commits the checkpoint
+            self.fs.invalidate_cache(self.root)
+        return self.location(name)
+
+    def abort(self, staging: "Staging") -> None:
+        """Remove a local staging directory whose checkpoint will not be committed (remotely nothing: without a
+        manifest the files never verify, and the next save of the step overwrites them)."""
+        if self.local:
+            shutil.rmtree(staging.path, ignore_errors=True)
+
+    def _commit_local(self, name: str, tmp: Path, files: dict[str, bytes], manifest: bytes) -> None:
+        from moetrain.runtime.oserrors import writing
+
+        # A full or read-only disk: one line naming the checkpoint (MachineError), the partial copy removed, every
+        # earlier checkpoint untouched (nothing below renames or deletes before the new one is complete).
+        with writing(f"checkpoint {name}", tmp):
+            try:
                 for file, raw in [*files.items(), (MANIFEST, manifest)]:
-                    with open(tmp / file, "wb") as f:
-                        f.write(raw)
-                        f.flush()
-                        os.fsync(f.fileno())
+                    _write_synced(tmp / file, raw)
                     _write_delay()
                 _fsync_dir(tmp)
             except OSError:
@@ -369,7 +542,8 @@ class CheckpointStore:
     def replace_files(self, ckpt: LoadedCheckpoint, new: dict[str, bytes], meta: dict[str, Any]) -> bool:
         """Replace some files of a verified local checkpoint (the other files and the step unchanged) and record
         ``meta`` in its new manifest; crash-safe (module docstring): every moment, what is under the checkpoint's
-        name verifies. Returns ``False`` (nothing done) on an object store, which has no atomic rename.
+        name verifies. Returns ``False`` (nothing done) on an object store, which has no atomic rename, and for a
+        checkpoint read with deferred files.
 
         Args:
             ckpt: the checkpoint as read by :meth:`read_verified` (its unchanged files are hard-linked from disk;
@@ -380,7 +554,7 @@ class CheckpointStore:
             MachineError: a write failed (full or read-only disk); the temporary directory is removed and the
                 checkpoint is untouched.
         """
-        if not self.local:
+        if not self.local or ckpt.deferred:  # deferred: a sharded checkpoint read without its shards' bytes
             return False
         from moetrain.runtime.oserrors import writing
 
@@ -407,16 +581,6 @@ class CheckpointStore:
         _replace_stage("new_in")
         shutil.rmtree(trash, ignore_errors=True)
         return True
-
-    def _save_remote(self, name: str, files: dict[str, bytes], manifest: bytes) -> None:
-        manifest_path = self._remote(name, MANIFEST)
-        if self.fs.exists(manifest_path):  # invalidate the old checkpoint before touching its files
-            self.fs.rm_file(manifest_path)
-        for file, raw in files.items():
-            self.fs.pipe_file(self._remote(name, file), raw)
-            _write_delay()
-        self.fs.pipe_file(manifest_path, manifest)  # last: commits the checkpoint
-        self.fs.invalidate_cache(self.root)
 
     def _remove_stale(self) -> None:
         """Temporary directories left by a crashed save (one trainer writes a run's checkpoints at a time). A

@@ -10,7 +10,11 @@ read back only after every byte verifies.
   ``state_dict()``).
 - **sharded** (a torchrun job): ``torch.distributed.checkpoint`` files (``.metadata``, ``__<rank>_0.distcp``,
   ``moetrain.json``: :mod:`moetrain.parallel.dcp`) holding the model and the optimizer keyed by FQN, expert shards
-  as global-shape DTensors; and ``train_state.pt`` without ``optimizer``.
+  as global-shape DTensors; and ``train_state.pt`` without ``optimizer`` but with its groups' hyperparameters
+  (``optimizer_groups``). Written by every rank at once (:func:`save_sharded`): each rank writes its own
+  ``__<rank>_0.distcp`` into the checkpoint's staging directory and hashes it there; rank 0 gathers the digests
+  (strings), writes ``.metadata`` (DCP's coordinator), the small files and the manifest, and publishes. Read back
+  by every rank verifying only the shard files it reads (:func:`moetrain.parallel.dcp.load_checkpoint`).
 
 Both add ``tokenizer.json`` and ``config.json`` (the run's, so a checkpoint is self-contained).
 
@@ -28,27 +32,30 @@ format into any layout: sharded into one process or another EP size (DCP reshard
 (expert rows and their AdamW moments sliced to this rank). The on-disk layout is that of format 1, unchanged since
 before the ``Checkpointer`` existed (tests/data/legacy_checkpoints holds checkpoints written by that code).
 
-Today the sharded files of every rank are gathered on rank 0, which writes them (``dcp.save_files``). Issue 17
-(FSDP2, pipeline parallel) replaces that by each rank writing and hashing its own shards into the checkpoint
-directory (a per-rank manifest section), without changing this class's API.
+A local checkpoint location of a sharded run must be a file system every rank sees (as DCP's ``FileSystemWriter``
+assumes); a rank whose shards rank 0 cannot see makes the save fail with a line saying so. An object store
+(``s3://...``) needs nothing shared.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from moetrain.errors import CheckpointError
+from moetrain.errors import CheckpointError, MoetrainError
 from moetrain.parallel import dcp
+from moetrain.parallel.comm import named_collective
 from moetrain.parallel.dcp import ShardLayout
 from moetrain.train.checkpoint import (
     MODEL_FILE,
     STATE_FILE,
     CheckpointStore,
     LoadedCheckpoint,
+    Staging,
     checkpoint_name,
     encode_model,
     encode_state,
@@ -57,6 +64,8 @@ from moetrain.train.checkpoint import (
 from moetrain.train.state import TrainState
 
 SINGLE, SHARDED = "single", "sharded"
+# train_state.pt of the sharded format: the optimizer's groups (hyperparameters, FQNs), dcp.param_groups of rank 0
+OPTIMIZER_GROUPS = "optimizer_groups"
 OPTIMIZER_STATES = ("newest", "all")
 
 
@@ -94,36 +103,48 @@ class Checkpointer:
         return f"Checkpointer({self.store.url!r}, world_size={self.layout.mesh.world_size})"
 
     # -- finding -----------------------------------------------------------------------------------------------
-    def latest(self, warn: Callable[[str], None] = print) -> tuple[LoadedCheckpoint | None, list[str]]:
-        """The newest checkpoint that verifies (read once, every file checked) and the names of newer ones that
-        did not (each reported through ``warn``)."""
-        return self.store.latest_valid(warn=warn)
+    def latest(self, warn: Callable[[str], None] = print, before: str | None = None
+               ) -> tuple[LoadedCheckpoint | None, list[str]]:
+        """The newest checkpoint (older than ``before`` if given) that verifies and the names of newer ones that did
+        not (each reported through ``warn``). Every file is read once and checked, except a sharded checkpoint's
+        shard files: those are checked for presence and size here, and each is hashed by the ranks that read it
+        when :meth:`load` runs (which raises :class:`~moetrain.train.checkpoint.CorruptCheckpoint` for a bad one)."""
+        return self.store.latest_valid(warn=warn, defer=dcp.is_shard_file, before=before)
 
     # -- saving ------------------------------------------------------------------------------------------------
     def encode(self, state: TrainState) -> dict[str, bytes]:
-        """The weight and state files of ``state`` in this layout's format. A collective when distributed: every
-        rank calls it; rank 0 gets every rank's files, the other ranks ``{}``."""
-        if not self.layout.distributed:
-            return {MODEL_FILE: encode_model(state.model),
-                    STATE_FILE: encode_state(state.replicated_state_dict(include_optimizer=True))}
-        files = dcp.save_files(state.model, state.optimizer, self.layout)
-        if self.layout.is_main:
-            files[STATE_FILE] = encode_state(state.replicated_state_dict())
-        return files
+        """The single format's weight and state files of ``state`` (one process; a sharded layout writes its files
+        in place through :func:`save_sharded` instead).
+
+        Raises:
+            CheckpointError: the layout is distributed.
+        """
+        if self.layout.distributed:
+            raise CheckpointError(f"{self.store.url}: a sharded checkpoint is written by every rank "
+                                  "(Checkpointer.save), not encoded on one")
+        return {MODEL_FILE: encode_model(state.model),
+                STATE_FILE: encode_state(state.replicated_state_dict(include_optimizer=True))}
 
     def save(self, state: TrainState, run_files: dict[str, bytes] | None = None) -> str:
-        """Write checkpoint ``step_{state.step:08d}`` (rank 0 writes; every rank must call: a collective when
-        distributed), then prune old ones; returns its location.
+        """Write checkpoint ``step_{state.step:08d}`` (every rank must call: a collective when distributed, each rank
+        writing its own shards), then prune old ones (rank 0); returns its location.
 
         Args:
             state: what to save.
-            run_files: more files for the checkpoint (``tokenizer.json``, ``config.json``).
+            run_files: more files for the checkpoint (``tokenizer.json``, ``config.json``; rank 0's are written).
+        Raises:
+            MachineError: a write failed (full or read-only disk); nothing published, earlier checkpoints intact.
+            CheckpointError: a rank's shards are not where rank 0 looks (no shared file system), or another rank's
+                failure.
         """
-        files = self.encode(state)
-        if not self.layout.is_main:
-            return self.store.location(checkpoint_name(state.step))
-        files.update(run_files or {})
-        where = self.store.save(state.step, files)
+        if self.layout.distributed:
+            where = save_sharded(self.store, state, self.layout, run_files or {})
+            if not self.layout.is_main:
+                return where
+        else:
+            files = self.encode(state)
+            files.update(run_files or {})
+            where = self.store.save(state.step, files)
         if self.keep > 0:
             self.store.prune(self.keep, self.milestone_every)
         if self.optimizer_state == "newest":
@@ -190,42 +211,43 @@ def load_weights(ckpt: LoadedCheckpoint, model: nn.Module, optimizer: torch.opti
                  layout: ShardLayout, saved: dict[str, Any] | None = None,
                  warn: Callable[[str], None] = print) -> None:
     """Load the model (and, given one, the optimizer) of a verified checkpoint of either format into ``layout``:
-    sharded files are resharded by DCP; single-format expert tensors and their AdamW moments are sliced to this
-    rank's rows. A single-format checkpoint without optimizer state leaves ``optimizer`` as it is (fresh: its
-    moments start from zero at the next step) and calls ``warn`` with one line naming the checkpoint.
+    sharded files are resharded by DCP, each rank verifying the shard files it reads; a single-format checkpoint
+    loads as it is in one process, and through DCP's planner into a distributed layout (FSDP2 shards, expert
+    rows, a pipeline rank's stages: :func:`moetrain.parallel.dcp.load_full`). A single-format checkpoint without
+    optimizer state leaves ``optimizer`` as it is (fresh: its moments start from zero at the next step) and calls
+    ``warn`` with one line naming the checkpoint.
 
     Args:
         saved: ``ckpt.train_state()`` if already read (the single format's optimizer is in it).
         warn: where the no-optimizer-state warning goes.
     Raises:
+        CorruptCheckpoint: a sharded checkpoint's shard file that a rank reads does not match the manifest.
         CheckpointError: another model shape, a missing or extra tensor, or an optimizer of other parameters; the
             message names the file.
     """
+    if optimizer is not None:
+        saved = saved if saved is not None else ckpt.train_state()
     if checkpoint_format(ckpt.files) == SHARDED:
-        dcp.load_files(ckpt.files, model, optimizer, layout, where=ckpt.location)
+        dcp.load_checkpoint(ckpt, model, optimizer, layout, (saved or {}).get(OPTIMIZER_GROUPS))
         return
-    tensors = {k: layout.local_rows(k, v) for k, v in ckpt.model_tensors().items()}
-    load_model_weights(model, tensors, f"{ckpt.location}/{MODEL_FILE}")
+    optim = saved.get("optimizer") if saved is not None and optimizer is not None else None
+    if layout.distributed:
+        dcp.load_full(ckpt.model_tensors(), optim, model, optimizer, layout, ckpt.location)
+    else:
+        load_model_weights(model, ckpt.model_tensors(), f"{ckpt.location}/{MODEL_FILE}")
     if optimizer is None:
         return
-    where = f"{ckpt.location}/{STATE_FILE}"
-    saved = saved if saved is not None else ckpt.train_state()
-    if "optimizer" not in saved:
+    if optim is None:
         warn(f"warning: checkpoint {ckpt.location} holds no optimizer state (train.optimizer_state=newest keeps it "
              "in the newest checkpoint only): weights loaded, AdamW moments start afresh")
         return
-    try:
-        state = saved["optimizer"]
-        if layout.plan:  # index-keyed: name each entry by its parameter to slice expert moments
-            names = {p: n for n, p in model.named_parameters()}
-            index_names = [names[p] for g in optimizer.param_groups for p in g["params"]]
-            for index, entry in state["state"].items():
-                name = index_names[int(index)]
-                state["state"][index] = {k: layout.local_rows(name, v) if torch.is_tensor(v) else v
-                                         for k, v in entry.items()}
-        optimizer.load_state_dict(state)
+    if layout.distributed:
+        return
+    try:  # PyTorch's param_names (written since the DCP route reads them) would stay in the groups: dropped
+        optimizer.load_state_dict({**optim, "param_groups": [{k: v for k, v in g.items() if k != "param_names"}
+                                                             for g in optim["param_groups"]]})
     except (KeyError, ValueError, TypeError, RuntimeError, IndexError) as e:
-        raise CheckpointError(f"{where}: does not fit this run: "
+        raise CheckpointError(f"{ckpt.location}/{STATE_FILE}: does not fit this run: "
                               f"{e.__class__.__name__}: {str(e).splitlines()[0]}") from None
 
 
@@ -245,3 +267,109 @@ def load_latest_model(url: str | os.PathLike[str], model: nn.Module,
         raise CheckpointError(f"no usable checkpoint in {checkpointer.store.url}{why}")
     checkpointer.load_weights(ckpt, model)
     return ckpt
+
+
+T = TypeVar("T")
+
+
+def _from_rank0(rank0: Callable[[], T] | None, what: str) -> T:
+    """``rank0()`` run on rank 0 (``None`` elsewhere) and its result broadcast to every rank (a few bytes: a path,
+    a location). An error on rank 0 is raised there and, as a :class:`MoetrainError`, on every other rank too."""
+    box: list[Any] = [None]
+    error: BaseException | None = None
+    if rank0 is not None:
+        try:
+            box[0] = ("ok", rank0())
+        except Exception as e:  # noqa: BLE001 -- reported to the other ranks, then re-raised here
+            error = e
+            box[0] = ("error", e if isinstance(e, MoetrainError) else CheckpointError(f"rank 0: {e}"))
+    with named_collective(f"broadcast_object_list ({what})"):
+        dist.broadcast_object_list(box, src=0)
+    if error is not None:
+        raise error
+    kind, value = box[0]
+    if kind == "error":
+        raise value
+    result: T = value
+    return result
+
+
+def _own_digests(store: CheckpointStore, staging: Staging, rank: int) -> dict[str, dict[str, Any]] | str:
+    """Size and SHA-256 of each shard file ``rank`` wrote into ``staging``, read back from the store (what the
+    manifest will say, and this rank's check of what it wrote); a one-line reason instead if that failed."""
+    try:
+        return {f: store.digest(staging, f) for f in dcp.own_shard_files(store.staged_files(staging), rank)}
+    except OSError as e:
+        from moetrain.runtime.oserrors import os_error_line
+
+        return f"rank {rank}: {os_error_line(e)}"
+
+
+def _publish(store: CheckpointStore, step: int, staging: Staging, parts: list[dict[str, dict[str, Any]] | str],
+             files: dict[str, bytes]) -> str:
+    """Rank 0: the manifest of every rank's digests (``parts``), ``.metadata`` and ``files``; publish.
+
+    Raises:
+        CheckpointError: a rank failed to hash its files, or wrote them where rank 0 does not see them.
+    """
+    digests: dict[str, dict[str, Any]] = {}
+    for part in parts:
+        if isinstance(part, str):
+            raise CheckpointError(f"checkpoint {staging.name}: {part}")
+        digests.update(part)
+    present = set(store.staged_files(staging))
+    lost = sorted(set(digests) - present)
+    if lost:
+        raise CheckpointError(
+            f"train.checkpoint_url: {lost[0]} (written by rank {lost[0][2:].split('_')[0]}) is not in {staging.path} "
+            "as rank 0 sees it: a sharded run's local checkpoint directory must be on a file system every rank "
+            "shares (or use an object store URL)")
+    digests[dcp.METADATA] = store.digest(staging, dcp.METADATA)
+    return store.commit(step, staging, files, digests)
+
+
+def save_sharded(store: CheckpointStore, state: TrainState, layout: ShardLayout, run_files: dict[str, bytes]) -> str:
+    """Write checkpoint ``state.step`` of a distributed layout, every rank in parallel (a collective):
+
+    1. rank 0 opens the staging location (:meth:`CheckpointStore.begin`) and broadcasts it (a path);
+    2. every rank writes its shards there with DCP (:func:`moetrain.parallel.dcp.write_shards`; rank 0 also
+       ``.metadata``);
+    3. every rank hashes its own shard files as stored (its verification of them) and rank 0 gathers the
+       ``{file: {bytes, sha256}}`` entries (strings, never file bytes);
+    4. rank 0 writes ``train_state.pt``, ``moetrain.json`` and ``run_files``, the manifest of everything, and
+       publishes (:meth:`CheckpointStore.commit`: rename into place, or the manifest last on an object store),
+       then tells every rank the outcome.
+
+    A kill at any moment leaves the earlier checkpoints and either the new complete one or an unpublished staging
+    directory (removed by the next save). Returns the checkpoint's location on every rank.
+
+    Raises:
+        MachineError: a write failed on some rank (every rank raises).
+        CheckpointError: a rank's files are not where rank 0 looks, or another failure (every rank raises).
+    """
+    mesh, main = layout.mesh, layout.is_main
+    staging = _from_rank0((lambda: store.begin(state.step)) if main else None, "checkpoint staging location")
+    try:
+        dcp.write_shards(staging.checkpoint_id, state.model, state.optimizer, layout, remote=not store.local,
+                         meta=False)
+    except BaseException:
+        if main:
+            store.abort(staging)
+        raise
+    mine = _own_digests(store, staging, mesh.rank)
+    parts: list[Any] | None = [None] * mesh.world_size if main else None
+    with named_collective("gather_object (checkpoint shard digests to rank 0)"):
+        dist.gather_object(mine, parts, dst=0)
+
+    def publish() -> str:
+        assert parts is not None  # rank 0 allocated it
+        replicated = {**state.replicated_state_dict(),
+                      OPTIMIZER_GROUPS: dcp.param_groups(state.model, state.optimizer)}
+        files = {STATE_FILE: encode_state(replicated), dcp.MARKER: dcp.marker(layout), **run_files}
+        try:
+            return _publish(store, state.step, staging, parts, files)
+        except BaseException:
+            store.abort(staging)
+            raise
+
+    return _from_rank0(publish if main else None, "checkpoint published")

@@ -102,11 +102,17 @@ class TrainState:
         return self.model.state_dict()
 
     def optimizer_state_dict(self) -> dict[str, Any]:
-        """The optimizer's ``state_dict()`` (parameter indices as keys, as PyTorch writes it); the sharded
-        checkpoint re-keys it by FQN (``moetrain.parallel.dcp``) so that it survives a change of layout."""
+        """The optimizer's ``state_dict()`` (parameter indices as keys, as PyTorch writes it), each group naming
+        its parameters in PyTorch's own ``param_names`` field (FQNs, in the group's order), so that a one-process
+        checkpoint reshards into any layout, a pipeline rank's subset included; the sharded checkpoint re-keys it by
+        FQN (``moetrain.parallel.dcp``)."""
         if self.optimizer is None:
             raise CheckpointError("TrainState.optimizer: no optimizer to save")
-        return self.optimizer.state_dict()
+        state = self.optimizer.state_dict()
+        names = {p: n for n, p in self.model.named_parameters()}
+        for group, mine in zip(state["param_groups"], self.optimizer.param_groups):
+            group.setdefault("param_names", [names[p] for p in mine["params"]])
+        return state
 
     # -- replicated part ---------------------------------------------------------------------------------------
     def replicated_state_dict(self, include_optimizer: bool = False) -> dict[str, Any]:

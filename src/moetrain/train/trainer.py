@@ -30,7 +30,7 @@ from moetrain.data.loader import DataPipeline, build_pipeline
 from moetrain.errors import CheckpointError, ConfigError, MoetrainError
 from moetrain.model.transformer import MoETransformer, count_parameters
 from moetrain.parallel.launch import ParallelHooks
-from moetrain.train.checkpoint import LoadedCheckpoint, load_model_weights, write_file_atomic
+from moetrain.train.checkpoint import CorruptCheckpoint, LoadedCheckpoint, load_model_weights, write_file_atomic
 from moetrain.train.checkpointer import Checkpointer
 from moetrain.train.metrics import MetricsLogger
 from moetrain.train.monitor import RoutingMonitor
@@ -312,7 +312,7 @@ class Trainer:
         val_set = pipeline.val
         state = self._build_state(data, ckpt, pipeline)
         checkpointer.layout = self.hooks.layout  # the expert shards exist now
-        saved = self._restore(checkpointer, ckpt, state)
+        ckpt, saved = self._restore(checkpointer, ckpt, state, corrupt)
         # Everything that can reject the input has run: from here on the run directory is written (by rank 0).
         if self.hooks.is_main:
             self._write_run_files(tokenizer)
@@ -396,24 +396,40 @@ class Trainer:
         )
         return TrainState(model, optimizer, build_scheduler(optimizer, t), pipeline.train, config=cfg.to_dict())
 
-    def _restore(self, checkpointer: Checkpointer, ckpt: LoadedCheckpoint | None, state: TrainState
-                 ) -> dict[str, Any] | None:
+    def _restore(self, checkpointer: Checkpointer, ckpt: LoadedCheckpoint | None, state: TrainState,
+                 corrupt: list[str]) -> tuple[LoadedCheckpoint | None, dict[str, Any] | None]:
         """Load ``ckpt`` into ``state`` and stretch the LR schedule to this run's ``train.steps``; returns the
-        checkpoint's ``train_state.pt`` content (``None`` without a checkpoint).
+        checkpoint loaded and its ``train_state.pt`` content (``None`` without a checkpoint). A sharded checkpoint
+        whose shard file fails verification when a rank reads it (every rank learns it from DCP) is reported,
+        added to ``corrupt`` and replaced by the next older one that verifies, as at start-up: every rank falls
+        back together, and the next load overwrites all that the failed one wrote.
 
         Raises:
             ConfigError: ``train.steps`` below the checkpoint's step.
+            CheckpointError: no older checkpoint verifies either.
         """
         if ckpt is None:
-            return None
-        saved = checkpointer.load(ckpt, state, warn=self.log)
+            return None, None
+        while True:
+            try:
+                saved = checkpointer.load(ckpt, state, warn=self.log)
+                break
+            except CorruptCheckpoint as e:
+                self.log(f"warning: skipping checkpoint {ckpt.location}: {e}")
+                corrupt.append(ckpt.name)
+                older, skipped = checkpointer.latest(warn=self.log, before=ckpt.name)
+                corrupt.extend(skipped)
+                if older is None:
+                    raise CheckpointError(f"--resume: no checkpoint in {checkpointer.store.url} verifies "
+                                          f"({len(corrupt)} failed; see the warnings above)") from None
+                ckpt = older
         t = self.config.train
         if t.steps < state.step:
             raise ConfigError(f"train.steps: {t.steps} is below the step of the checkpoint to resume "
                               f"({state.step}, {ckpt.location}); give at least {state.step}")
         assert state.optimizer is not None  # _build_state made it
         retarget_schedule(state.optimizer, state.scheduler, t)
-        return saved
+        return ckpt, saved
 
     def _prepare(self, ckpt: LoadedCheckpoint | None) -> tuple[PreparedData, bytes]:
         """Tokenized data and the tokenizer's bytes. Writes nothing into the run directory (bad input must leave
