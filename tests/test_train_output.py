@@ -76,6 +76,31 @@ def test_console_rates_and_summary(monkeypatch):
                            "(waiting for data 50.0% of the time)")
 
 
+def test_tokens_per_s_counts_the_real_tokens_of_packed_batches(monkeypatch):
+    """Token-budget / packed micro-batches: tokens/s (and so MFU) is their real tokens over the time, not
+    tokens_per_step (batch_size x grad_accum x seq_len, which is not what a budget micro-batch holds)."""
+    import torch
+
+    from moetrain.data.batch import PackedBatch
+
+    now = [0.0]
+    monkeypatch.setattr("moetrain.train.console.time.perf_counter", lambda: now[0])
+    c = Console(total=4, initial=0, tokens_per_step=8 * 1024, mfu=MfuModel(1e6, 1e9), bar=False, log=lambda _: None)
+
+    def packed(real: int, positions: int) -> PackedBatch:
+        mask = torch.arange(positions) < real
+        return PackedBatch(torch.zeros(1, positions, dtype=torch.long), torch.zeros(1, positions, dtype=torch.long),
+                           mask[None])
+
+    for real in (300, 500):  # two steps, one micro-batch each, 1 s apart
+        c.timed(lambda real=real: packed(real, 512))()
+        now[0] += 1.0
+        c.step(loss=1.0, lr=1e-3)
+    rates = c.logging_step(loss=1.0, lr=1e-3)
+    assert rates["tokens_per_s"] == 400.0 and rates["mfu"] == pytest.approx(0.4)
+    assert c.summary().startswith("trained 2 steps in 2.0s: mean 400 tokens/s, MFU 40.0%")
+
+
 @pytest.mark.parametrize("seconds, text", [(12.34, "12.3s"), (75, "1m15s"), (3725, "1h02m05s")])
 def test_format_duration(seconds, text):
     assert format_duration(seconds) == text

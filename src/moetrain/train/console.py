@@ -11,7 +11,9 @@
 - At the end, :meth:`Console.summary`: wall time, mean tokens/s and MFU.
 
 Rates (the trainer logs them in ``metrics.jsonl``):
-    ``tokens_per_s``: tokens of the steps since the last logging step / their wall time.
+    ``tokens_per_s``: tokens of the steps since the last logging step / their wall time: the real (non-padding)
+    tokens of the micro-batches read where they are packed documents (``PackedBatch.real_tokens``), else
+    ``tokens_per_step`` per step.
     ``mfu``: model FLOPs utilisation = ``model_flops_per_token`` (moetrain.analysis: forward + backward, no
     recomputation) x tokens/s / the calibrated GEMM peak of this device in the compute dtype
     (:func:`moetrain.runtime.cpu.gemm_peak`); a fraction in [0, 1].
@@ -94,18 +96,27 @@ class Console:
         self._t0 = time.perf_counter()
         self._t_last, self._steps_since, self._wait_since = self._t0, 0, 0.0
         self.data_wait_s = 0.0  # whole run
+        self._real_since, self._real_total = 0, 0  # real tokens of packed micro-batches read
+        self._counts_real = False  # a packed micro-batch was read: tokens/s counts its real tokens
 
     def timed(self, next_batch: Callable[[], T]) -> Callable[[], T]:
-        """``next_batch`` with its time added to ``data_wait_s``."""
+        """``next_batch`` with its time added to ``data_wait_s`` (and, for packed documents, its real tokens
+        counted for tokens/s)."""
 
         def wrapper() -> T:
             t0 = time.perf_counter()
             try:
-                return next_batch()
+                batch = next_batch()
             finally:
                 dt = time.perf_counter() - t0
                 self._wait_since += dt
                 self.data_wait_s += dt
+            real = getattr(batch, "real_tokens", None)  # a PackedBatch (data/batch.py); windows never pad
+            if isinstance(real, int):
+                self._counts_real = True
+                self._real_since += real
+                self._real_total += real
+            return batch
 
         return wrapper
 
@@ -126,7 +137,8 @@ class Console:
         """At a logging step: the rates since the last one (``tokens_per_s``, ``mfu``, ``data_wait_s``) for
         ``metrics.jsonl``; prints the plain line (no bar) or updates the bar's postfix."""
         now = time.perf_counter()
-        tps = self.tokens_per_step * self._steps_since / max(now - self._t_last, 1e-9)
+        tokens = self._real_since if self._counts_real else self.tokens_per_step * self._steps_since
+        tps = tokens / max(now - self._t_last, 1e-9)
         rates = {"tokens_per_s": tps, "data_wait_s": self._wait_since}
         mfu = self.mfu(tps)
         if mfu is not None:
@@ -138,7 +150,7 @@ class Console:
         else:
             self.log(f"step {self.step_no}/{self.total} | loss {loss:.4f} | lr {lr:.2e} | {tps:.0f} tokens/s | "
                      f"ETA {format_duration(eta)}")
-        self._t_last, self._steps_since, self._wait_since = now, 0, 0.0
+        self._t_last, self._steps_since, self._wait_since, self._real_since = now, 0, 0.0, 0
         return rates
 
     def close(self) -> None:
@@ -150,7 +162,8 @@ class Console:
         """``trained N steps in WALL: mean T tokens/s, MFU x% ... (waiting for data y% of the time)``."""
         wall = time.perf_counter() - self._t0
         done = self.step_no - self.initial
-        tps = self.tokens_per_step * done / wall if wall > 0 else 0.0
+        tokens = self._real_total if self._counts_real else self.tokens_per_step * done
+        tps = tokens / wall if wall > 0 else 0.0
         text = f"trained {done} steps in {format_duration(wall)}: mean {tps:.0f} tokens/s"
         mfu = self.mfu(tps)
         if mfu is not None:
