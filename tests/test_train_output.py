@@ -43,7 +43,7 @@ def test_a_log_file_gets_one_plain_line_per_logging_step_and_every_evaluation(tm
     records = [r for r in metrics(run) if "train_loss" in r]
     assert [r["step"] for r in records] == [3, 6, 9, 12]
     for r in records:
-        assert 0 < r["mfu"] < 1 and r["data_wait_s"] >= 0
+        assert 0 < r["mfu"] < 1 and r["data_wait_s"] >= 0 and 0 < r["monitor_s"] < r["elapsed_s"]
     # mfu = analysis FLOPs per token x tokens/s / one calibrated peak: the same ratio in every record
     ratios = [r["mfu"] / r["tokens_per_s"] for r in records]
     assert max(ratios) == pytest.approx(min(ratios), rel=1e-9)
@@ -151,10 +151,12 @@ def test_console_rates_and_summary(monkeypatch):
     batch = c.timed(lambda: now.__setitem__(0, now[0] + 0.25))  # each batch takes 0.25 s
     for _ in range(4):
         batch()
-        now[0] += 0.25
+        now[0] += 0.15
+        with c.monitoring():  # 0.1 s of monitoring per step
+            now[0] += 0.1
         c.step(loss=2.0, lr=1e-3)
     rates = c.logging_step(loss=2.0, lr=1e-3)
-    assert rates == {"tokens_per_s": 2000.0, "data_wait_s": 1.0, "mfu": 0.5}
+    assert rates == {"tokens_per_s": 2000.0, "data_wait_s": 1.0, "monitor_s": pytest.approx(0.4), "mfu": 0.5}
     assert lines == ["step 6/10 | loss 2.0000 | lr 1.00e-03 | 2000 tokens/s | ETA 2.0s"]
     assert c.summary() == ("trained 4 steps in 2.0s: mean 2000 tokens/s, MFU 50.0% of the calibrated GEMM peak "
                            "(waiting for data 50.0% of the time)")
