@@ -140,3 +140,15 @@ def test_doctor_recommends_fewer_threads_on_a_loaded_machine():
                            "train.threads=1"]
     d.update(load=0.0, threads=1, dtype="bf16")
     assert findings(d)[0].startswith("bf16: this CPU has no fast bf16 GEMMs")
+
+
+def test_the_window_has_the_runs_micro_batch_shape():
+    """Fixed shape: batch_size x seq_len; a token budget: the full-length rows that fit it (FLOPs follow)."""
+    from moetrain.commands.doctor import batch_shape, step_flops
+    from moetrain.config import build_config
+
+    fixed = build_config("tiny", None, {"train": {"grad_accum": 2}})
+    budget = build_config("tiny", None, {"data": {"packing": "documents"},
+                                         "train": {"tokens_per_batch": 200, "grad_accum": 2}})
+    assert batch_shape(fixed) == (8, 64) and batch_shape(budget) == (3, 64)
+    assert step_flops(budget) / step_flops(fixed) == pytest.approx(3 / 8)
