@@ -52,17 +52,19 @@ def _child(argv: list[str], log_path: str, env: dict[str, str]) -> None:
     sys.exit(code)
 
 
-def start_cli(argv: list[str], log_path: Path, env: dict[str, str] | None = None):
+def start_cli(argv: list[str], log_path: Path, env: dict[str, str] | None = None, daemon: bool = True):
     """Start ``moetrain ARGV`` in a child process; returns the ``multiprocessing.Process`` (``.pid``, ``.kill()``,
-    ``.terminate()``, ``.exitcode``: negative for a signal)."""
-    p = _context().Process(target=_child, args=(list(argv), str(log_path), dict(env or {})), daemon=True)
+    ``.terminate()``, ``.exitcode``: negative for a signal). ``daemon=False`` for a child that starts processes of
+    its own (``data.workers`` > 0: a daemonic process may not have children); the caller then kills it if needed."""
+    p = _context().Process(target=_child, args=(list(argv), str(log_path), dict(env or {})), daemon=daemon)
     p.start()
     return p
 
 
-def run_cli(argv: list[str], log_path: Path, env: dict[str, str] | None = None, timeout: float = 300) -> int:
+def run_cli(argv: list[str], log_path: Path, env: dict[str, str] | None = None, timeout: float = 300,
+            daemon: bool = True) -> int:
     """Run ``moetrain ARGV`` in a child process to completion; returns its exit status."""
-    p = start_cli(argv, log_path, env)
+    p = start_cli(argv, log_path, env, daemon)
     p.join(timeout)
     if p.exitcode is None:
         p.kill()

@@ -18,6 +18,9 @@ def test_bench_bta_tiny(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "(c) BTA, 4 tiles of 2" in text
     report = json.loads(out.read_text())
+    from test_perf_bench import assert_cpu_recorded
+
+    assert_cpu_recorded(report["machine"], next(s for s in text.splitlines() if s.startswith("bench bta:")))
     a, b, c = (report["modes"][k] for k in "abc")
     # Tokens per expert GEMM: (a) and (c) route all 8 x 16 tokens at once, (b) a quarter of them per micro-batch.
     assert a["tokens_per_expert_gemm"] == c["tokens_per_expert_gemm"] == 8 * 16 * 2 / 8

@@ -4,6 +4,7 @@ resume from the saved position (bit-for-bit weights after an interrupted run), a
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -144,3 +145,65 @@ def test_slow_loading_is_reported_as_data_wait(tmp_path, monkeypatch):
     fast = [r["data_wait_s"] for r in map(json.loads, (tmp_path / "fast" / "metrics.jsonl").open())
             if "data_wait_s" in r]
     assert all(w < 0.3 for w in fast[1:]), fast  # step 1 also plans the epoch
+
+
+def _holders(path: Path) -> set[int]:
+    """Processes with ``path`` open (Linux /proc): a `moetrain train` child's stdout and stderr are its log file,
+    and every process it starts (DataLoader workers, a forkserver) inherits them."""
+    out = set()
+    for fd in Path("/proc").glob("[0-9]*/fd/*"):
+        try:
+            if os.readlink(fd) == str(path):
+                out.add(int(fd.parts[2]))
+        except OSError:
+            pass
+    return out - {os.getpid()}
+
+
+def test_a_sigkilled_run_with_workers_resumes_bit_for_bit_and_leaves_no_workers(tmp_path):
+    """A real kill: `moetrain train` with data.workers=2 in a child process is SIGKILLed once its step-5
+    checkpoint exists (the kill lands mid-run, workers alive). Resumed with --resume, it ends with the weights of an
+    uninterrupted run bit for bit and logged the same losses. No process it started outlives it: the killed run's
+    DataLoader workers exit on their own, and so do the resumed run's. (The children of _crash_util start with the
+    forkserver method, Python 3.14's default on Linux: the workers are then children of the trainer's forkserver,
+    which they keep alive, so PyTorch's own watchdog, which watches the parent, never fires; data/loader.py's
+    worker_init_fn watches the training process itself.)"""
+    import signal
+
+    from _crash_util import losses_by_step, run_cli, start_cli, wait_for
+
+    corpus = _corpus(tmp_path / "docs.jsonl")
+    steps = 40
+
+    def argv(out: Path) -> list[str]:
+        return ["train", "--preset", "tiny", "--data", str(corpus), "--out", str(out), "--no-progress", "--steps",
+                str(steps), f"data.cache_dir={tmp_path / 'cache'}", "data.seq_len=64", "data.packing=documents",
+                "train.tokens_per_batch=256", "train.grad_accum=2", "train.log_every=1", "train.ckpt_every=5",
+                "train.eval_every=0", "train.eval_batches=1", "train.threads=1", "data.workers=2",
+                "monitor.tb_heatmap=false", "monitor.tb_histograms=false"]
+
+    ref_rc = run_cli(argv(tmp_path / "ref"), tmp_path / "ref.log", daemon=False)
+    assert ref_rc == 0, (tmp_path / "ref.log").read_text()
+    run, log = tmp_path / "run", tmp_path / "run.log"
+    proc = start_cli(argv(run), log, daemon=False)
+    try:
+        assert wait_for(lambda: (run / "checkpoints" / "step_00000005").is_dir(), 300, proc), log.read_text()
+        started = _holders(log) - {proc.pid}  # what the trainer started: its 2 workers (and a forkserver)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(30)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+    assert proc.exitcode == -signal.SIGKILL
+    assert len(started) >= 2, started
+    killed_at = max(losses_by_step(run), default=0)
+    assert 5 <= killed_at < steps  # killed mid-run, after the step-5 checkpoint
+    assert wait_for(lambda: not _holders(log), 30, poll=0.5), _holders(log)  # every one of them exited
+
+    resumed_log = tmp_path / "resume.log"
+    assert run_cli([*argv(run), "--resume"], resumed_log, daemon=False) == 0, resumed_log.read_text()
+    assert "resumed from" in resumed_log.read_text()
+    assert wait_for(lambda: not _holders(resumed_log), 30, poll=0.5), _holders(resumed_log)
+    a, b = _weights(run), _weights(tmp_path / "ref")
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert losses_by_step(run) == losses_by_step(tmp_path / "ref")

@@ -6,6 +6,7 @@ existed before is changed (hashed before and after)."""
 from __future__ import annotations
 
 import errno
+import hashlib
 import pathlib
 import shutil
 import threading
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from _crash_util import tree_digest
+from _crash_util import metrics, tree_digest
 from conftest import sample_text
 from moetrain.cli import main
 
@@ -98,29 +99,43 @@ def test_any_other_os_error_is_one_line_too(capsys, monkeypatch):
                     "--out or fix the permissions")
 
 
+def _run_files(run: Path) -> dict[str, str]:
+    """SHA-256 of config.json, metrics.jsonl, tokenizer.json and of every file of every finished checkpoint."""
+    files = [run / name for name in ("config.json", "metrics.jsonl", "tokenizer.json")]
+    files += [p for d in sorted((run / "checkpoints").glob("step_*")) for p in sorted(d.rglob("*")) if p.is_file()]
+    assert all(p.is_file() for p in files[:3])
+    return {str(p.relative_to(run)): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+
+
 def test_a_full_disk_at_a_checkpoint_leaves_the_earlier_ones_intact(env, tmp_path, monkeypatch, capsys):
+    """A resumed run (2 -> 6 steps, a checkpoint every 2) whose disk fills while step 4's checkpoint is written:
+    config.json, metrics.jsonl, tokenizer.json and the earlier checkpoint (step 2) are hashed right before the
+    ENOSPC (so after this run's own writes: config.json with train.steps=6, metrics of steps 3-4) and are
+    byte-identical afterwards: the failed write changed nothing, and nothing was written after it."""
     run = tmp_path / "run"
     shutil.copytree(env["run"], run)  # a finished 2-step run with its checkpoint step_00000002
     ckpts = run / "checkpoints"
-    # (config.json is rewritten with the new train.steps by design; the checkpoints and tokenizer must not change)
-    before = {p.name: tree_digest(p) if p.is_dir() else p.read_bytes() for p in [*ckpts.iterdir(),
-              run / "tokenizer.json"]}
     import moetrain.train.checkpoint as checkpoint
+
+    before: dict[str, str] = {}
 
     def full_disk() -> None:  # called after each file of a checkpoint is written: the disk fills during step 4's
         if list(ckpts.glob(".tmp-step_00000004-*")):
+            if not before:
+                before.update(_run_files(run))
             raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(checkpoint, "_write_delay", full_disk)
-    argv = [*_train(env["corpus"], env["cache"], run), "--resume", "--steps", "6", "train.ckpt_every=2"]
+    argv = [*_train(env["corpus"], env["cache"], run), "--resume", "--steps", "6", "train.ckpt_every=2",
+            "train.log_every=1"]
     line, out = _one_line(capsys, argv)
     assert "cannot write checkpoint step_00000004" in line and "No space left on device" in line
     assert "free some space" in line
     names = sorted(p.name for p in ckpts.iterdir())
     assert names == ["step_00000002"]  # no .tmp-step_* left, nothing newer half-written
-    after = {p.name: tree_digest(p) if p.is_dir() else p.read_bytes() for p in [*ckpts.iterdir(),
-             run / "tokenizer.json"]}
-    assert after == before
+    assert any(name.startswith("checkpoints/step_00000002/") for name in before)
+    assert [r["step"] for r in metrics(run) if "train_loss" in r] == [2, 3, 4]  # step 4 was logged before its checkpoint
+    assert _run_files(run) == before
     # and the run continues from it once there is space again
     monkeypatch.undo()
     capsys.readouterr()

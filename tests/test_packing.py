@@ -28,20 +28,17 @@ def test_positions_and_mask_by_hand():
     assert mask[7].tolist() == [False] * 6 + [True, True]  # padding sees only padding
 
 
-@pytest.mark.parametrize("pad", [0, 5])
-def test_packed_documents_equal_documents_alone_forward_and_backward(pad):
-    """3 documents (lengths 7, 12, 5) packed in one row (plus optional padding) vs each run alone: logits within
-    1e-5 (fp32), and the gradients of every parameter of the same loss (a fixed random projection of the logits of
-    the real tokens) within 1e-5 relative to the gradient's largest entry (fp32 sums of ~10^2-sized terms round at
-    ~4e-7 relative; measured worst case 3.4e-5 absolute on a gradient of max 79)."""
+def _alone_and_packed(pad: int, dtype: torch.dtype):
+    """3 documents (lengths 7, 12, 5) run alone and packed in one row (plus ``pad`` padding positions) through the
+    same model in ``dtype``, each followed by a backward of the same loss (a fixed random projection of the logits
+    of the real tokens). Returns (logits alone, packed pieces, grads alone, packed model)."""
     lengths = [7, 12, 5]
     g = torch.Generator().manual_seed(1)
     docs = [torch.randint(1, 512, (n,), generator=g) for n in lengths]
     vocab = 512
-    proj = [torch.randn(n, vocab, generator=g) for n in lengths]
+    proj = [torch.randn(n, vocab, generator=g).to(dtype) for n in lengths]
 
-    alone = _model()
-    grads_alone = None
+    alone = _model().to(dtype)
     logits_alone = []
     for doc, r in zip(docs, proj):
         out = alone(doc[None])
@@ -49,15 +46,24 @@ def test_packed_documents_equal_documents_alone_forward_and_backward(pad):
         (out.logits[0] * r).sum().backward()
     grads_alone = {n: p.grad.clone() for n, p in alone.named_parameters() if p.grad is not None}
 
-    packed_model = _model()
+    packed_model = _model().to(dtype)
     ids = torch.cat(docs + [torch.zeros(pad, dtype=torch.long)])[None]  # [1, 24 + pad]
     doc_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)] + [torch.full((pad,), -1)])[None]
     padding_mask = doc_ids >= 0
     out = packed_model(ids, padding_mask=padding_mask, document_ids=doc_ids)
     pieces = out.logits[0, :sum(lengths)].split(lengths)
+    sum((piece * r).sum() for piece, r in zip(pieces, proj)).backward()
+    return logits_alone, [p.detach() for p in pieces], grads_alone, packed_model
+
+
+@pytest.mark.parametrize("pad", [0, 5])
+def test_packed_documents_equal_documents_alone_forward_and_backward(pad):
+    """fp32: logits within 1e-5, and the gradients of every parameter within 1e-5 relative to the gradient's
+    largest entry (fp32 sums of ~10^2-sized terms round at ~4e-7 relative; measured worst case 3.4e-5 absolute on
+    a gradient of max 79)."""
+    logits_alone, pieces, grads_alone, packed_model = _alone_and_packed(pad, torch.float32)
     for got, want in zip(pieces, logits_alone):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
-    sum((piece * r).sum() for piece, r in zip(pieces, proj)).backward()
     for name, p in packed_model.named_parameters():
         if name in grads_alone:
             want = grads_alone[name]
@@ -65,6 +71,21 @@ def test_packed_documents_equal_documents_alone_forward_and_backward(pad):
             assert err <= 1e-5 * max(1.0, float(want.abs().max())), (name, err)
         else:
             assert p.grad is None or not p.grad.any(), name
+
+
+@pytest.mark.parametrize("pad", [0, 5])
+def test_packed_documents_equal_documents_alone_in_fp64_absolute(pad):
+    """The same in fp64 with one absolute tolerance for every logit and every gradient entry, however large the
+    gradient: 1e-10 (measured worst: 2.2e-16 on the logits, 2.6e-14 on a gradient of max 79; a leak across
+    documents or into padding is > 1e-3, see the test below). Every parameter that gets a gradient alone gets the same one packed, and no other."""
+    logits_alone, pieces, grads_alone, packed_model = _alone_and_packed(pad, torch.float64)
+    assert all(p.dtype == torch.float64 for p in pieces)
+    for got, want in zip(pieces, logits_alone):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+    got = {n: p.grad for n, p in packed_model.named_parameters() if p.grad is not None and p.grad.any()}
+    assert sorted(got) == sorted(n for n, g in grads_alone.items() if g.any())
+    worst = max(float((got[n] - grads_alone[n]).abs().max()) for n in got)
+    assert worst <= 1e-10, worst
 
 
 def test_packing_changes_logits_without_document_ids():

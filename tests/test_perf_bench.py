@@ -15,6 +15,26 @@ import pytest
 from moetrain.cli import main
 
 
+def cpu_from_proc() -> tuple[str, list[str]]:
+    """The CPU model name and native-bf16 flags, read here from /proc/cpuinfo (what the reports must record)."""
+    text = open("/proc/cpuinfo").read()
+    name = next(line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name"))
+    flags = next(line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags"))
+    return name, sorted(set(flags) & {"avx512_bf16", "amx_bf16"})
+
+
+def assert_cpu_recorded(machine: dict, header: str) -> None:
+    """The report's machine names the CPU model and its bf16 flags, and the bench header prints them."""
+    import os
+
+    if not os.path.exists("/proc/cpuinfo"):
+        pytest.skip("no /proc/cpuinfo to check the CPU fields against")
+    name, flags = cpu_from_proc()
+    assert machine["cpu_model"] == name and machine["bf16_flags"] == flags
+    assert isinstance(machine["bf16_fast"], bool) and machine["bf16_reason"]
+    assert f"CPU {name}, native bf16: {' '.join(flags) or 'none'} (bf16 " in header, header
+
+
 def test_bench_moe_smoke(tmp_path, capsys):
     out = tmp_path / "moe.json"
     assert main(["bench", "moe", "--grid", "smoke", "--reps", "1", "--warmup", "0", "--json", str(out)]) == 0
@@ -36,7 +56,9 @@ def test_bench_moe_smoke(tmp_path, capsys):
             if name != "dense" and rec["dtype"] == "fp32":
                 assert c["max_rel_err_vs_loop"] < 1e-5, name  # same weights, same routing, same answer
         assert cands["loop"]["peak_bytes"] > 0  # at least the saved activations are seen
-    assert "wrote" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "wrote" in text
+    assert_cpu_recorded(report["machine"], text.splitlines()[0])
 
 
 def test_bench_moe_rejects_bad_shape(capsys):
@@ -44,11 +66,13 @@ def test_bench_moe_rejects_bad_shape(capsys):
     assert "--shape" in capsys.readouterr().err
 
 
-def test_bench_train_smoke(tmp_path):
+def test_bench_train_smoke(tmp_path, capsys):
     out = tmp_path / "train.json"
     assert main(["bench", "train", "--preset", "tiny", "--batch", "2", "--seq", "16", "--steps", "1",
                  "--warmup", "0", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
+    assert_cpu_recorded(report["machine"], next(s for s in capsys.readouterr().out.splitlines()
+                                                if s.startswith("bench train:")))
     cands = report["candidates"]
     assert list(cands) == ["moetrain-fused", "moetrain-grouped_mm", "hf-grouped_mm", "hf-eager"]
     assert report["tokens_per_step"] == 32

@@ -88,6 +88,7 @@ def run(args) -> int:
     from moetrain.analysis.intensity import expert_intensity
     from moetrain.analysis.saved import saved_bytes_per_block
     from moetrain.analysis.shape import ModelShape
+    from moetrain.bench.common import cpu_info
     from moetrain.configlib import from_dict
     from moetrain.model.config import ModelConfig
     from moetrain.model.transformer import MoETransformer
@@ -180,10 +181,12 @@ def run(args) -> int:
         "c_over_a_tokens_per_s": rows["c"]["tokens_per_s"] / rows["a"]["tokens_per_s"],
         "c_over_a_saved_bytes": rows["c"]["saved_bytes"] / rows["a"]["saved_bytes"],
     }
-    _print_table(args, rows, ratios, cpu.ridge)
+    machine = cpu_info()
+    _print_table(args, rows, ratios, cpu.ridge, machine)
     report = {
         "benchmark": "bta", "args": {k: v for k, v in vars(args).items() if k not in ("func", "debug")},
-        "machine": {"platform": platform.platform(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+        "machine": {"platform": platform.platform(), **machine, "torch": torch.__version__,
+                    "threads": torch.get_num_threads(),
                     "calibrated_flops": cpu.peak_flops, "calibrated_bytes_per_s": cpu.mem_bw,
                     "ridge_flops_per_byte": cpu.ridge},
         "tokens_per_step": tokens, "modes": rows, "ratios": ratios,
@@ -194,13 +197,15 @@ def run(args) -> int:
     return 0
 
 
-def _print_table(args, rows, ratios, ridge: float) -> None:
+def _print_table(args, rows, ratios, ridge: float, machine: dict) -> None:
+    from moetrain.bench.common import cpu_line
+
     g = args.tiles
     print(f"bench bta: E={args.experts} top-{args.top_k}, D={args.hidden}, F={args.expert_ffn}, H={args.heads}, "
           f"Hd={args.head_dim or args.hidden // args.heads}, "
           f"L={args.layers}, S={args.seq}, global batch B={args.batch} ({args.batch * args.seq} tokens), G={g}, "
           f"{args.dtype}, {args.backend}{' + recompute_experts' if args.recompute_experts else ''}, {args.attention} "
-          f"attention; {args.steps} timed rounds")
+          f"attention; {args.steps} timed rounds; {cpu_line(machine)}")
     label = {"a": f"(a) whole batch, B={args.batch}", "b": f"(b) grad accum {g} x {args.batch // g}",
              "c": f"(c) BTA, {g} tiles of {args.batch // g}"}
     print(f"{'mode':<30} {'tok/s':>8} {'best':>8} {'step ms':>8} {'saved MB':>9} {'attn MB':>8} {'moe MB':>8} "

@@ -292,7 +292,7 @@ def _warn_if_busy(info: dict) -> None:
 def run(args) -> int:
     import torch
 
-    from moetrain.bench.common import machine_info
+    from moetrain.bench.common import cpu_line, machine_info
 
     if args.reps < 1 or args.warmup < 0:
         raise ConfigError(f"--reps must be >= 1 and --warmup >= 0, got {args.reps} and {args.warmup}")
@@ -307,7 +307,7 @@ def run(args) -> int:
           f"; {args.device}{' (' + str(info['cuda']) + ')' if args.device == 'cuda' else ''}, "
           f"{info['threads']} threads, {args.clock} clock; load average "
           f"{info['load_avg_1_5_15min']} on {info['cpus']} CPUs; native CPU kernels "
-          f"{'on' if info['native_cpu_kernels'] else 'off'}")
+          f"{'on' if info['native_cpu_kernels'] else 'off'}; {cpu_line(info)}")
     if args.device == "cpu":
         _warn_if_busy(info)
     records = []

@@ -4,18 +4,22 @@ It reports
 - the machine: CPU model, usable cores, load average, the intra-op threads a run would choose, native bf16 flags;
 - the hardware peak: calibrated GEMM rate (1024^3 products) in fp32 and bf16 with those threads;
 - a short profiled window of training steps of the run's model (RUN_DIR's ``config.json``; default: the default
-  job's ``cpu-small`` preset) on random tokens of the run's batch shape: the median step time split into forward,
-  backward and optimizer, and the achieved model FLOP/s and MFU (``moetrain.analysis`` FLOPs of one step / the
-  median step time / the calibrated peak in the run's compute dtype);
-- from the run's own ``metrics.jsonl`` (when given a run): its logged tokens/s, MFU and the share of time it waited
-  for data (``data_wait_s``);
-- communication: none in one process (the all-to-all and all-reduce appear under torchrun only).
+  job's ``cpu-small`` preset) on random tokens of the run's micro-batch shape, run by the trainer's own step function
+  with the run's routing monitor attached (:func:`profile_steps`): the median step time split into forward,
+  backward, optimizer and monitoring, and the achieved model FLOP/s and MFU (``moetrain.analysis`` FLOPs of one
+  step / the median step time / the calibrated peak in the run's compute dtype);
+- from the run's own ``metrics.jsonl`` (when given a run): its logged tokens/s and MFU, the share of its wall time
+  it waited for data (``data_wait_s``) and spent monitoring (``monitor_s``), the peak its MFU was computed against,
+  and how its tokens/s compares with the profiled window's (:func:`compare_with_run`);
+- communication: 0% only where the run is one process (the profiled window is always one process; a torchrun
+  job's all-to-all and all-reduce are not measured here, :func:`run_processes`).
 """
 
 from __future__ import annotations
 
 import json
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -45,58 +49,117 @@ def _config(run_dir: str | None):
         raise MoetrainError(f"{path}: cannot parse: {e}") from None
 
 
+def batch_shape(config) -> tuple[int, int]:
+    """(rows, seq_len) of one micro-batch: ``train.batch_size`` x ``data.seq_len``; with a token budget
+    (``train.tokens_per_batch``) the rows of full-length rows that fit it."""
+    t, s = config.train, config.data.seq_len
+    return (max(1, t.tokens_per_batch // s) if t.tokens_per_batch else t.batch_size), s
+
+
 def profile_steps(config, steps: int) -> dict[str, float]:
-    """Median seconds of ``forward``, ``backward``, ``optimizer`` and ``step`` (their sum) over ``steps`` training
-    steps (after one warm-up) of ``config``'s model on random tokens of its batch shape, on the CPU, with the
-    run's dtype policy (:func:`moetrain.train.step.autocast_context`)."""
+    """Median seconds per training step of ``config``'s model over ``steps`` steps after one warm-up, on the CPU,
+    on random tokens of :func:`batch_shape`, as the trainer runs them: its step function
+    (:func:`moetrain.train.step.train_step`: every micro-batch's forward and backward, clipping, AdamW, the LR
+    schedule) with the run's routing monitor attached (its forward hooks; ``end_step`` after every step; one
+    ``flush`` timed at the end and counted once per ``train.log_every`` steps).
+
+    Returns:
+        ``step``: train_step + monitoring; ``forward``: the model's forward calls (module hooks on the model);
+        ``optimizer``: AdamW's step (its step hooks); ``monitoring``: ``end_step`` + flush / log_every;
+        ``backward``: the rest of train_step (backward passes, gradient clipping, the rest of the bookkeeping).
+    """
     import torch
 
     from moetrain.model.transformer import MoETransformer
-    from moetrain.train.step import autocast_context
+    from moetrain.train.monitor import RoutingMonitor
+    from moetrain.train.schedule import build_scheduler
+    from moetrain.train.step import train_step
     from moetrain.train.trainer import build_optimizer
 
     t, device = config.train, torch.device("cpu")
     model = MoETransformer(config.model).train()
     opt = build_optimizer(model, config)
+    sched = build_scheduler(opt, t)
     gen = torch.Generator().manual_seed(0)
-    shape = (t.batch_size, config.data.seq_len)
-    parts: dict[str, list[float]] = {"forward": [], "backward": [], "optimizer": []}
-    for i in range(steps + 1):
-        f = b = 0.0
-        for _ in range(t.grad_accum):
-            ids = torch.randint(0, config.model.vocab_size, (shape[0], shape[1] + 1), generator=gen)
+    rows, seq = batch_shape(config)
+
+    def next_batch() -> tuple[torch.Tensor, torch.Tensor]:
+        ids = torch.randint(0, config.model.vocab_size, (rows, seq + 1), generator=gen)
+        return ids[:, :-1], ids[:, 1:]
+
+    clock = {"forward": 0.0, "optimizer": 0.0}
+    started: dict[str, float] = {}
+
+    def begin(name: str):
+        def hook(*args) -> None:
+            started[name] = time.perf_counter()
+        return hook
+
+    def end(name: str):
+        def hook(*args) -> None:
+            clock[name] += time.perf_counter() - started[name]
+        return hook
+
+    model.register_forward_pre_hook(begin("forward"))
+    model.register_forward_hook(end("forward"))
+    opt.register_step_pre_hook(begin("optimizer"))
+    opt.register_step_post_hook(end("optimizer"))
+    parts: dict[str, list[float]] = {"train_step": [], "forward": [], "optimizer": [], "end_step": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        monitor = RoutingMonitor(model, config.monitor, Path(tmp), log=lambda _: None)
+        try:
+            for i in range(steps + 1):
+                clock.update(forward=0.0, optimizer=0.0)
+                t0 = time.perf_counter()
+                result = train_step(model, next_batch, opt, sched, t, device)
+                t1 = time.perf_counter()
+                monitor.end_step(i + 1, result.lm_loss)
+                float(result.lm_loss)  # the trainer reads the loss every step (a host sync)
+                t2 = time.perf_counter()
+                if i > 0:  # the first step warms up the allocator, thread pool and kernels
+                    for k, v in (("train_step", t1 - t0), ("forward", clock["forward"]),
+                                 ("optimizer", clock["optimizer"]), ("end_step", t2 - t1)):
+                        parts[k].append(v)
             t0 = time.perf_counter()
-            with autocast_context(device, t.dtype):
-                out = model(ids[:, :-1], ids[:, 1:], return_logits=False)
-            t1 = time.perf_counter()
-            (out.loss / t.grad_accum).backward()
-            f, b = f + t1 - t0, b + time.perf_counter() - t1
-        t0 = time.perf_counter()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip or float("inf"))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        o = time.perf_counter() - t0
-        if i > 0:  # the first step warms up the allocator, thread pool and kernels
-            for k, v in (("forward", f), ("backward", b), ("optimizer", o)):
-                parts[k].append(v)
+            monitor.flush(steps + 1, None)
+            flush = time.perf_counter() - t0
+        finally:
+            monitor.close()
     med = {k: statistics.median(v) for k, v in parts.items()}
-    steps_total = [f + b + o for f, b, o in zip(*parts.values())]
-    med["step"] = statistics.median(steps_total)
-    return med
+    monitoring = med["end_step"] + flush / max(1, t.log_every)
+    return {"step": med["train_step"] + monitoring, "forward": med["forward"], "optimizer": med["optimizer"],
+            "backward": max(0.0, med["train_step"] - med["forward"] - med["optimizer"]), "monitoring": monitoring}
 
 
 def step_flops(config) -> float:
-    """Model FLOPs of one optimizer step (forward + backward, no recomputation; ``moetrain.analysis``)."""
+    """Model FLOPs of one optimizer step of :func:`batch_shape` micro-batches (forward + backward, no recomputation;
+    ``moetrain.analysis``)."""
     from moetrain.analysis.flops import model_flops_per_token
     from moetrain.analysis.shape import ModelShape
 
-    t = config.train
-    tokens = t.batch_size * t.grad_accum * config.data.seq_len
-    return model_flops_per_token(ModelShape.from_config(config.model), config.data.seq_len) * tokens
+    rows, seq = batch_shape(config)
+    return model_flops_per_token(ModelShape.from_config(config.model), seq) * rows * seq * config.train.grad_accum
 
 
-def _run_metrics(run_dir: str | None) -> dict[str, float] | None:
-    """Tokens/s, MFU and the data-wait share of the run's own logging steps (``None`` without them)."""
+def run_processes(run_dir: str | None) -> int | None:
+    """How many processes the run trained in: 1 for a single-format checkpoint (``model.safetensors``), the ranks of
+    a sharded one (``__<rank>_0.distcp`` files, a torchrun job); ``None`` without a run or a checkpoint."""
+    if run_dir is None:
+        return None
+    ckpts = sorted((Path(run_dir) / "checkpoints").glob("step_*"))
+    if not ckpts:
+        return None
+    shards = {p.name.split("_")[2] for p in ckpts[-1].glob("__*_*.distcp")}
+    if shards:
+        return len(shards)
+    return 1 if (ckpts[-1] / "model.safetensors").is_file() else None
+
+
+def _run_metrics(run_dir: str | None, flops_per_token: float) -> dict[str, float] | None:
+    """From the run's own logging steps (``None`` without them): median ``tokens_per_s`` and ``mfu``; ``peak``, the
+    GEMM peak its MFU was computed against (``flops_per_token`` x tokens/s / mfu); ``data_share`` and
+    ``monitor_share``, the seconds logged as ``data_wait_s`` / ``monitor_s`` over the wall time of those steps
+    (:func:`_wall`)."""
     if run_dir is None or not (Path(run_dir) / "metrics.jsonl").is_file():
         return None
     from moetrain.report.runlog import load_run_log
@@ -105,24 +168,54 @@ def _run_metrics(run_dir: str | None) -> dict[str, float] | None:
     if not records:
         return None
     out = {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in records)}
-    mfus = [r["mfu"] for r in records if r.get("mfu") is not None]
+    mfus = [r for r in records if r.get("mfu")]
     if mfus:
-        out["mfu"] = statistics.median(mfus)
-    waits = [r["data_wait_s"] for r in records if r.get("data_wait_s") is not None]
-    if waits:
-        # each record covers the steps since the previous one: wall time = tokens in them / tokens_per_s
-        prev, wall = 0, 0.0
-        for r in records:
-            if r.get("data_wait_s") is not None:
-                wall += (r["step"] - prev) * _tokens_per_step(run_dir) / r["tokens_per_s"]
-            prev = r["step"]
-        out["data_share"] = sum(waits) / wall if wall else 0.0
+        out["mfu"] = statistics.median(r["mfu"] for r in mfus)
+        out["peak"] = statistics.median(flops_per_token * r["tokens_per_s"] / r["mfu"] for r in mfus)
+    wall = _wall(run_dir, records)
+    for key, share in (("data_wait_s", "data_share"), ("monitor_s", "monitor_share")):
+        values = [r[key] for r in records if r.get(key) is not None]
+        if values and wall:
+            out[share] = sum(values) / wall
     return out
 
 
-def _tokens_per_step(run_dir: str) -> int:
+def _wall(run_dir: str, records: list[dict]) -> float:
+    """Seconds covered by the logging ``records`` (each covers the steps since the previous one): the increments
+    of their ``elapsed_s`` (the loop's clock; a resumed process starts it again at 0); for runs that predate
+    ``elapsed_s``, each record's steps x tokens per step / its tokens_per_s."""
+    if all(r.get("elapsed_s") is not None for r in records):
+        wall, prev = 0.0, 0.0
+        for r in records:
+            wall += r["elapsed_s"] - prev if r["elapsed_s"] >= prev else r["elapsed_s"]
+            prev = r["elapsed_s"]
+        return wall
     c = json.loads((Path(run_dir) / "config.json").read_text())
-    return c["train"]["batch_size"] * c["train"].get("grad_accum", 1) * c["data"]["seq_len"]
+    per_step = c["train"]["batch_size"] * c["train"].get("grad_accum", 1) * c["data"]["seq_len"]
+    wall, step = 0.0, 0
+    for r in records:
+        wall += (r["step"] - step) * per_step / r["tokens_per_s"]
+        step = r["step"]
+    return wall
+
+
+def compare_with_run(d: dict) -> str | None:
+    """Why the run's logged MFU differs from the profiled window's (``None`` without the run's MFU), as the product
+    of two measured ratios: the run's tokens/s over the window's (its wall time also holds data loading and
+    monitoring, given with their measured shares, and evaluations, checkpoints and the first step's warm-up, under
+    the load of its own time) and the window's peak over the one the run calibrated at its start."""
+    run = d["run"] or {}
+    if "mfu" not in run:
+        return None
+    speed = run["tokens_per_s"] / (d["tokens_per_step"] / d["times"]["step"])
+    peak = d["peak_flops"][d["compute_dtype"]]
+    measured = [f"{name} {100 * run[k]:.1f}%" for k, name in (("data_share", "data loading"),
+                                                               ("monitor_share", "monitoring")) if k in run]
+    return (f"the run's MFU {100 * run['mfu']:.1f}% vs this window's {100 * d['mfu']:.1f}%: its tokens/s were "
+            f"{speed:.2f}x the window's (its wall time also holds {', '.join(measured + [''])}evaluations, "
+            f"checkpoints and the first step's warm-up) and its peak, calibrated at its start, "
+            f"{run['peak'] / 1e9:.1f} GFLOP/s against {peak / 1e9:.1f} here: {speed:.2f} x {peak / 1e9:.1f} / "
+            f"{run['peak'] / 1e9:.1f} = {speed * peak / run['peak']:.2f} of this window's MFU")
 
 
 def diagnose(config, run_dir: str | None, steps: int) -> dict:
@@ -138,12 +231,15 @@ def diagnose(config, run_dir: str | None, steps: int) -> dict:
     compute = "bf16" if config.train.dtype == "bf16" and bf16.fast else "fp32"
     times = profile_steps(config, steps)
     flops = step_flops(config)
+    rows, seq = batch_shape(config)
+    tokens = rows * seq * config.train.grad_accum
     achieved = flops / times["step"]
     return {"cpu": cpu_model(), "bf16_flags": bf16_flags(), "bf16_fast": bf16.fast, "bf16_reason": bf16.reason,
             "threads": threads.threads, "usable_cores": threads.usable_cores, "load": threads.load,
             "threads_requested": threads.requested, "peak_flops": peak, "compute_dtype": compute,
-            "dtype": config.train.dtype, "step_flops": flops, "times": times, "achieved_flops": achieved,
-            "mfu": achieved / peak[compute], "run": _run_metrics(run_dir)}
+            "dtype": config.train.dtype, "step_flops": flops, "tokens_per_step": tokens, "times": times,
+            "achieved_flops": achieved, "mfu": achieved / peak[compute], "processes": run_processes(run_dir),
+            "run": _run_metrics(run_dir, flops / tokens)}
 
 
 def findings(d: dict) -> list[str]:
@@ -168,6 +264,10 @@ def findings(d: dict) -> list[str]:
     if run.get("data_share", 0) > 0.1:
         out.append(f"data: the run waited for data {100 * run['data_share']:.0f}% of the time; prepare the corpus "
                    "once (data.cache_dir) or use a smaller data.seq_len window")
+    monitoring = max(run.get("monitor_share", 0.0), t.get("monitoring", 0.0) / t["step"])
+    if monitoring > 0.1:
+        out.append(f"monitoring: the routing monitor takes {100 * monitoring:.0f}% of the time; log less often "
+                   "(a larger train.log_every) or turn off monitor.tb_histograms / monitor.tb_heatmap")
     if d["mfu"] < 0.2 and not out:
         out.append(f"MFU {100 * d['mfu']:.0f}%: small GEMMs (model.hidden, expert FFN, tokens per expert) run far "
                    "below the peak; a larger train.batch_size raises the tokens per expert")
@@ -176,6 +276,15 @@ def findings(d: dict) -> list[str]:
 
 def _pct(part: float, whole: float) -> str:
     return f"{100 * part / whole:.0f}%" if whole else "n/a"
+
+
+def _communication(processes: int | None) -> str:
+    if processes == 1:
+        return "communication 0% (the run was one process)"
+    if processes:
+        return (f"communication not measured (the run used {processes} processes, this window one; its per-rank "
+                "exchange is in metrics.jsonl, ep/rank*/a2a_bytes_sent)")
+    return "communication none in this one-process window (a torchrun job's is not measured here)"
 
 
 def run(args) -> int:
@@ -194,8 +303,8 @@ def run(args) -> int:
     what = args.run_dir or f"preset {config.preset}"
     print(f"profiled {args.steps} steps of {what} (train.dtype={d['dtype']}, computing in {d['compute_dtype']}): "
           f"step {t['step'] * 1e3:.1f} ms = forward {_pct(t['forward'], t['step'])}, backward "
-          f"{_pct(t['backward'], t['step'])}, optimizer {_pct(t['optimizer'], t['step'])}; communication 0% (one "
-          "process)")
+          f"{_pct(t['backward'], t['step'])}, optimizer {_pct(t['optimizer'], t['step'])}, monitoring "
+          f"{_pct(t['monitoring'], t['step'])}; {_communication(d['processes'])}")
     print(f"model FLOPs per step {d['step_flops'] / 1e9:.2f} GFLOP (moetrain.analysis); achieved "
           f"{d['achieved_flops'] / 1e9:.2f} GFLOP/s; MFU {100 * d['mfu']:.1f}% of the {d['compute_dtype']} peak")
     run_m = d["run"]
@@ -205,7 +314,12 @@ def run(args) -> int:
             line += f", MFU {100 * run_m['mfu']:.1f}%"
         if "data_share" in run_m:
             line += f", data loading {100 * run_m['data_share']:.1f}% of the time"
-        print(line + "; monitoring and checkpoints are in the time between logging steps")
+        if "monitor_share" in run_m:
+            line += f", monitoring {100 * run_m['monitor_share']:.1f}%"
+        print(line)
+        why = compare_with_run(d)
+        if why:
+            print(why)
     for f in findings(d):
         print(f"- {f}")
     return 0

@@ -8,6 +8,11 @@ builds each batch when asked. The state saved in a checkpoint is the key of the 
 not consumed yet (batches prefetched but not consumed are built again after a resume), so a resumed run sees the
 same batches as an uninterrupted one, bit for bit, whatever ``data.workers`` is.
 
+Workers never outlive the training process, however it ends (SIGKILL included): each one watches it
+(:func:`_exit_with`). PyTorch's own watchdog watches only a worker's parent, which is the training process under
+the ``fork`` start method but a forkserver under ``forkserver`` (Python 3.14's default on Linux); the workers keep
+that forkserver alive, so after a SIGKILL of the trainer they would run on, each holding its shared memory.
+
 On CUDA the DataLoader pins batches in page-locked memory (``pin_memory=True``) so the host-to-device copy can run
 asynchronously. The time the step spends waiting in :meth:`BatchLoader.next_batch` is logged as ``data_wait_s`` by
 the trainer (train/console.py).
@@ -15,7 +20,12 @@ the trainer (train/console.py).
 
 from __future__ import annotations
 
+import functools
 import itertools
+import os
+import select
+import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, cast
@@ -101,7 +111,8 @@ class BatchLoader:
         if self.workers == 0:
             return ((key, self.dataset[key]) for key in keys)
         loader = DataLoader(_Keyed(self.dataset), batch_size=None, sampler=keys, num_workers=self.workers,
-                            prefetch_factor=self.prefetch, pin_memory=self.pin_memory, persistent_workers=False)
+                            prefetch_factor=self.prefetch, pin_memory=self.pin_memory, persistent_workers=False,
+                            worker_init_fn=functools.partial(_exit_with, os.getpid()))
         return iter(loader)
 
     def next_batch(self) -> Batch:
@@ -157,6 +168,34 @@ class BatchLoader:
             self.dataset.seed = self.seed
             self.dataset._plans.clear()
         self._it = None
+
+
+def _exit_with(trainer: int, worker_id: int) -> None:
+    """DataLoader ``worker_init_fn``: a daemon thread that ends this worker (``os._exit``) as soon as the process
+    ``trainer`` (the one that made the DataLoader) has ended. Waits on a pidfd (Linux >= 5.3: readable once the
+    process has exited, zombie or not); elsewhere polls ``os.kill(trainer, 0)`` every second."""
+
+    def watch() -> None:
+        try:
+            fd = os.pidfd_open(trainer)
+        except (AttributeError, OSError):  # no pidfd here, or the trainer is already gone
+            while _exists(trainer):
+                time.sleep(1.0)
+        else:
+            select.select([fd], [], [])
+        os._exit(0)
+
+    threading.Thread(target=watch, name=f"moetrain-worker-{worker_id}-watch", daemon=True).start()
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class _Keyed(torch.utils.data.Dataset):

@@ -16,11 +16,16 @@ Two ways to batch the chunks of an epoch (visited in the order ``default_rng([se
   (best fit among a window of open rows), B rows per micro-batch, padding at the end of a row; attention is
   document-masked.
 * token budget (``train.tokens_per_batch=T``): :func:`budget_batches` sorts pools of chunks by length and cuts
-  them into micro-batches of one chunk per row, padded to the longest row, with ``rows * longest <= T``: rows of
-  like length, so little padding; a micro-batch of short documents has many rows, one of long documents few.
+  them into micro-batches of ``rows * longest row <= T`` positions: long chunks one per row, rows of like length
+  (no document mask needed); short chunks several per row, filled best-fit, rows at least ``ROW_FILL`` times as
+  wide as the shortest chunk left, so that little room stays empty in any micro-batch; a micro-batch of short
+  documents has many rows, one of long documents few.
 """
 
 from __future__ import annotations
+
+import bisect
+import heapq
 
 import numpy as np
 import torch
@@ -34,6 +39,10 @@ OPEN_ROWS = 64
 # log-uniform 20..2,000-token documents (S=1024, T=4096) pools of 1 / 4 / 16 / 64 budgets padded 34 / 19 / 7.8 / 2.5%
 # of the positions (tests/test_dynamic_batching.py, docs/data.md).
 POOL_BUDGETS = 64
+# A token-budget row is at least this many times as wide as the shortest chunk left (capped at S): a row ends only
+# when no chunk left fits its room, so under ~1/32 of it is padding. Rows of one long chunk each (no document mask)
+# stay as wide as their chunks. On the corpus above every micro-batch padded under 2% (docs/data.md).
+ROW_FILL = 32
 
 
 class DocumentChunks:
@@ -114,42 +123,136 @@ def pack_rows(lengths: np.ndarray, order: np.ndarray, seq_len: int, open_rows: i
     return rows + open_ids
 
 
-def budget_batches(lengths: np.ndarray, order: np.ndarray, budget: int, rng: np.random.Generator,
-                   pool_budgets: int = POOL_BUDGETS) -> list[list[int]]:
-    """Cut chunks into micro-batches of at most ``budget`` positions (rows x longest row), one chunk per row.
+def budget_batches(lengths: np.ndarray, order: np.ndarray, budget: int, seq_len: int, rng: np.random.Generator,
+                   pool_budgets: int = POOL_BUDGETS, row_fill: int = ROW_FILL) -> list[list[list[int]]]:
+    """Cut chunks into micro-batches of at most ``budget`` positions (rows x longest row), rows of at most
+    ``seq_len`` positions each holding one or more whole chunks.
 
-    ``order`` is split into consecutive pools of about ``pool_budgets * budget`` tokens; each pool is sorted by
-    length (stable) and cut greedily: a chunk joins the current micro-batch while ``(rows + 1) * its length <=
-    budget`` (lengths ascend, so the new chunk is the longest), else it starts the next one. The micro-batches of a
-    pool are then shuffled with ``rng``, so lengths do not rise steadily through a pool.
+    ``order`` is split into consecutive pools of about ``pool_budgets * budget`` tokens; each pool's chunks are
+    sorted longest first and cut into micro-batches by :func:`_pool_batches`; the micro-batches of a pool are then
+    shuffled with ``rng``, so lengths do not fall steadily through a pool.
 
     Args:
-        lengths: [C] chunk lengths, each at most ``budget``.
+        lengths: [C] chunk lengths, each in 1..seq_len.
         order: chunk indices, in order.
-        budget: T, positions per micro-batch.
+        budget: T, positions per micro-batch (>= seq_len).
+        seq_len: S, the widest row.
         rng: shuffles the micro-batches within each pool.
+        pool_budgets: budgets of tokens per pool.
+        row_fill: a row is at least this many times as wide as the shortest chunk left (capped at S).
     Returns:
-        Micro-batches, each a list of chunk indices (one row each, ascending length).
+        Micro-batches, each a list of rows, each a list of chunk indices.
     """
-    out: list[list[int]] = []
+    out: list[list[list[int]]] = []
     pool_tokens = pool_budgets * budget
     ends = np.searchsorted(np.cumsum(lengths[order]), np.arange(pool_tokens, int(lengths[order].sum()), pool_tokens),
                            side="right")  # pool boundaries, each after ~pool_tokens tokens
     for pool in np.split(order, ends):
-        if not len(pool):
-            continue
-        pool = pool[np.argsort(lengths[pool], kind="stable")]
-        batches: list[list[int]] = []
-        current: list[int] = []
-        for c in pool.tolist():
-            if current and (len(current) + 1) * int(lengths[c]) > budget:
-                batches.append(current)
-                current = []
-            current.append(c)
-        if current:
-            batches.append(current)
-        out += [batches[i] for i in rng.permutation(len(batches))]
+        if len(pool):
+            batches = _pool_batches(lengths, pool, budget, seq_len, row_fill)
+            out += [batches[i] for i in rng.permutation(len(batches))]
     return out
+
+
+class _Unused:
+    """The unused positions 0..n-1 of a list: the first one at or after i, the last one before i (union-find with
+    path halving, amortised O(log n) each), and :meth:`take`."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self._next = list(range(n + 1))  # _next[i]: an index <= the first unused at or after i (n: none)
+        self._prev = list(range(n + 1))  # _prev[i]: >= 1 + the last unused before i (0: none)
+
+    def first_from(self, i: int) -> int:
+        """The first unused index >= ``i`` (``n``: none)."""
+        nxt = self._next
+        while nxt[i] != i:
+            nxt[i] = nxt[nxt[i]]
+            i = nxt[i]
+        return i
+
+    def last(self) -> int:
+        """The last unused index (-1: none)."""
+        prv, i = self._prev, self.n
+        while prv[i] != i:
+            prv[i] = prv[prv[i]]
+            i = prv[i]
+        return i - 1
+
+    def take(self, i: int) -> None:
+        self._next[i], self._prev[i + 1] = i + 1, i
+
+
+def _balanced(items: list[tuple[int, int]], rows: int) -> tuple[list[list[int]], int]:
+    """Longest-processing-time split of ``items`` ((index, length), longest first) into ``rows`` rows: each goes
+    to the row with the fewest positions so far. Returns the rows and the longest row's length."""
+    heap = [(0, r) for r in range(rows)]
+    out: list[list[int]] = [[] for _ in range(rows)]
+    for i, n in items:
+        filled, r = heapq.heappop(heap)
+        out[r].append(i)
+        heapq.heappush(heap, (filled + n, r))
+    return out, max(filled for filled, _ in heap)
+
+
+def _last_batch(items: list[tuple[int, int]], budget: int, seq_len: int, rows: int) -> list[list[int]] | None:
+    """The pool's last micro-batch when its remaining ``items`` ((index, length), longest first) fit in one: as
+    few rows as hold them, balanced (:func:`_balanced`), the split with the least padding among ``ceil(tokens / S)``
+    to 3 rows more (at most ``rows``); ``None`` when no split fits ``seq_len`` and ``budget``."""
+    tokens = sum(n for _, n in items)
+    best: tuple[int, list[list[int]]] | None = None
+    low = -(-tokens // seq_len)
+    for r in range(low, min(rows, low + 3, len(items)) + 1):
+        split, longest = _balanced(items, r)
+        if longest <= seq_len and r * longest <= budget and (best is None or r * longest - tokens < best[0]):
+            best = (r * longest - tokens, split)
+    return None if best is None else best[1]
+
+
+def _pool_batches(lengths: np.ndarray, pool: np.ndarray, budget: int, seq_len: int, row_fill: int
+                  ) -> list[list[list[int]]]:
+    """Micro-batches of one pool (see :func:`budget_batches`), longest chunks first.
+
+    A micro-batch's row width w is the longest unused chunk, widened to ``row_fill`` x the shortest unused one
+    (at most S); it has ``max(1, budget // w)`` rows. Each row starts with the longest unused chunk and is filled
+    best-fit: while some unused chunk fits the room left, the longest that fits. So a row ends with less room
+    than the shortest chunk left: about ``1 / row_fill`` of a widened row at most; a row of one long chunk is
+    padded to the longest of its micro-batch, chunks of like length (sorted). The pool's last micro-batch holds
+    what is left in as few balanced rows as fit (:func:`_last_batch`); it can pad more when few chunks are left.
+    """
+    pool = pool[np.argsort(-lengths[pool], kind="stable")]  # longest first; ties in pool order
+    lens = lengths[pool].tolist()
+    neg = [-n for n in lens]  # ascending, for bisect: the first index whose length is <= room
+    unused = _Unused(len(lens))
+    left, batches = sum(lens), []
+    while left:
+        head = unused.first_from(0)
+        width = min(seq_len, max(lens[head], row_fill * lens[unused.last()]))
+        rows = max(1, budget // width)
+        if left <= rows * width:
+            i, items = head, []
+            while i < len(lens):
+                items.append((i, lens[i]))
+                i = unused.first_from(i + 1)
+            last = _last_batch(items, budget, seq_len, rows)
+            if last is not None:
+                batches.append([[int(pool[i]) for i in row] for row in last])
+                break
+        batch = []
+        for _ in range(rows):
+            i = unused.first_from(0)
+            if i == len(lens):
+                break
+            row, room = [], width
+            while i < len(lens):
+                unused.take(i)
+                row.append(int(pool[i]))
+                room -= lens[i]
+                left -= lens[i]
+                i = unused.first_from(bisect.bisect_left(neg, -room))
+            batch.append(row)
+        batches.append(batch)
+    return batches
 
 
 class DocumentBatches:
@@ -186,8 +289,7 @@ class DocumentBatches:
         rng = np.random.default_rng([self.seed, epoch])
         order = rng.permutation(c) if self.shuffle else np.arange(c)
         if self.tokens_per_batch:
-            return [[[i] for i in batch] for batch in
-                    budget_batches(self.chunks.length, order, self.tokens_per_batch, rng)]
+            return budget_batches(self.chunks.length, order, self.tokens_per_batch, self.chunks.seq_len, rng)
         rows = pack_rows(self.chunks.length, order, self.chunks.seq_len)
         b = self.batch_size
         if len(rows) < b:  # a split smaller than one micro-batch: one short batch

@@ -17,9 +17,10 @@ class TrainConfig:
         batch_size: sequences per micro-batch.
         grad_accum: micro-batches per optimizer step (global batch = batch_size * grad_accum sequences).
         tokens_per_batch: a token budget per micro-batch instead of ``batch_size`` rows of ``data.seq_len``
-            (dynamic batching, needs ``data.packing=documents``): length-bucketed documents, one per row, padded
-            to the longest row, rows x longest <= this; each micro-batch's losses are weighted by its real tokens
-            (train/microbatch_weights.py). 0: off. Must be >= ``data.seq_len``.
+            (dynamic batching, needs ``data.packing=documents``): length-bucketed documents, long ones one per
+            row, short ones several per row (document-masked), rows x longest row <= this; each micro-batch's
+            losses are weighted by its real tokens (train/microbatch_weights.py). 0: off. Must be >=
+            ``data.seq_len``.
         lr / min_lr_ratio / warmup_steps: linear warm-up to ``lr``, then cosine decay to ``lr * min_lr_ratio``.
         weight_decay / beta1 / beta2 / eps: AdamW (decay applies to matrices only, not norms or biases).
         grad_clip: clip the global gradient norm to this value (0 disables).

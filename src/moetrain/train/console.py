@@ -11,17 +11,24 @@
 - At the end, :meth:`Console.summary`: wall time, mean tokens/s and MFU.
 
 Rates (the trainer logs them in ``metrics.jsonl``):
-    ``tokens_per_s``: tokens of the steps since the last logging step / their wall time.
+    ``tokens_per_s``: tokens of the steps since the last logging step / their wall time: the real (non-padding)
+    tokens of the micro-batches read where they are packed documents (``PackedBatch.real_tokens``), else
+    ``tokens_per_step`` per step.
     ``mfu``: model FLOPs utilisation = ``model_flops_per_token`` (moetrain.analysis: forward + backward, no
     recomputation) x tokens/s / the calibrated GEMM peak of this device in the compute dtype
     (:func:`moetrain.runtime.cpu.gemm_peak`); a fraction in [0, 1].
     ``data_wait_s``: seconds spent waiting for batches (inside ``next_batch``) since the last logging step.
+    ``monitor_s``: seconds spent in the trainer's :meth:`Console.monitoring` blocks since the last logging step:
+    the routing monitor's ``end_step`` of every step, and the previous logging step's monitor ``flush`` and
+    metrics writes (a record is written after its own value is taken, so its write counts in the next one).
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
+from collections.abc import Iterator
 from typing import IO, TYPE_CHECKING, Callable, NamedTuple, TypeVar
 
 from tqdm.auto import tqdm
@@ -94,20 +101,39 @@ class Console:
         self._t0 = time.perf_counter()
         self._t_last, self._steps_since, self._wait_since = self._t0, 0, 0.0
         self.data_wait_s = 0.0  # whole run
+        self._monitor_since = 0.0
+        self._real_since, self._real_total = 0, 0  # real tokens of packed micro-batches read
+        self._counts_real = False  # a packed micro-batch was read: tokens/s counts its real tokens
 
     def timed(self, next_batch: Callable[[], T]) -> Callable[[], T]:
-        """``next_batch`` with its time added to ``data_wait_s``."""
+        """``next_batch`` with its time added to ``data_wait_s`` (and, for packed documents, its real tokens
+        counted for tokens/s)."""
 
         def wrapper() -> T:
             t0 = time.perf_counter()
             try:
-                return next_batch()
+                batch = next_batch()
             finally:
                 dt = time.perf_counter() - t0
                 self._wait_since += dt
                 self.data_wait_s += dt
+            real = getattr(batch, "real_tokens", None)  # a PackedBatch (data/batch.py); windows never pad
+            if isinstance(real, int):
+                self._counts_real = True
+                self._real_since += real
+                self._real_total += real
+            return batch
 
         return wrapper
+
+    @contextlib.contextmanager
+    def monitoring(self) -> Iterator[None]:
+        """Time the block as monitoring (``monitor_s``)."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._monitor_since += time.perf_counter() - t0
 
     def step(self, loss: float, lr: float) -> None:
         """One optimizer step done (call every step)."""
@@ -123,11 +149,13 @@ class Console:
         return self.mfu_model.flops_per_token * tokens_per_s / self.mfu_model.peak_flops
 
     def logging_step(self, loss: float, lr: float) -> dict[str, float]:
-        """At a logging step: the rates since the last one (``tokens_per_s``, ``mfu``, ``data_wait_s``) for
+        """At a logging step: the rates since the last one (``tokens_per_s``, ``mfu``, ``data_wait_s``,
+        ``monitor_s``) for
         ``metrics.jsonl``; prints the plain line (no bar) or updates the bar's postfix."""
         now = time.perf_counter()
-        tps = self.tokens_per_step * self._steps_since / max(now - self._t_last, 1e-9)
-        rates = {"tokens_per_s": tps, "data_wait_s": self._wait_since}
+        tokens = self._real_since if self._counts_real else self.tokens_per_step * self._steps_since
+        tps = tokens / max(now - self._t_last, 1e-9)
+        rates = {"tokens_per_s": tps, "data_wait_s": self._wait_since, "monitor_s": self._monitor_since}
         mfu = self.mfu(tps)
         if mfu is not None:
             rates["mfu"] = mfu
@@ -138,7 +166,8 @@ class Console:
         else:
             self.log(f"step {self.step_no}/{self.total} | loss {loss:.4f} | lr {lr:.2e} | {tps:.0f} tokens/s | "
                      f"ETA {format_duration(eta)}")
-        self._t_last, self._steps_since, self._wait_since = now, 0, 0.0
+        self._t_last, self._steps_since, self._wait_since, self._real_since = now, 0, 0.0, 0
+        self._monitor_since = 0.0
         return rates
 
     def close(self) -> None:
@@ -150,7 +179,8 @@ class Console:
         """``trained N steps in WALL: mean T tokens/s, MFU x% ... (waiting for data y% of the time)``."""
         wall = time.perf_counter() - self._t0
         done = self.step_no - self.initial
-        tps = self.tokens_per_step * done / wall if wall > 0 else 0.0
+        tokens = self._real_total if self._counts_real else self.tokens_per_step * done
+        tps = tokens / wall if wall > 0 else 0.0
         text = f"trained {done} steps in {format_duration(wall)}: mean {tps:.0f} tokens/s"
         mfu = self.mfu(tps)
         if mfu is not None:

@@ -4,9 +4,9 @@ a step. Kept apart from the loop (``train/trainer.py``) so that the output can c
 Records written (one JSON object per line, see :class:`~moetrain.train.metrics.MetricsLogger`):
 
 - at a logging step: ``step``, ``train_loss``, ``lr``, ``tokens_per_s`` (since the previous logging step),
-  ``aux_loss``, ``z_loss``, ``grad_norm``, ``mfu``, ``data_wait_s`` (see :mod:`moetrain.train.console`),
-  ``elapsed_s``, ``val_loss`` when evaluated at that step, then the routing monitor's
-  and the parallel hooks' fields; the first one of a run (not of a resume) also ``first_batch_sha256``;
+  ``aux_loss``, ``z_loss``, ``grad_norm``, ``mfu``, ``data_wait_s``, ``monitor_s`` (see
+  :mod:`moetrain.train.console`), ``elapsed_s``, ``val_loss`` when evaluated at that step, then the routing
+  monitor's and the parallel hooks' fields; the first one of a run (not of a resume) also ``first_batch_sha256``;
 - at an evaluation step that is not a logging step: ``step``, ``val_loss``, ``elapsed_s``;
 - at a skipped (non-finite) step: ``step``, ``skipped_nonfinite``, ``nonfinite_skips``.
 

@@ -211,7 +211,8 @@ class Trainer:
         assert st.optimizer is not None  # _build_state made it
         result = self.hooks.train_step(st.model, s.next_batch, st.optimizer, st.scheduler, t, self.device)
         st.step += 1
-        st.monitor.end_step(st.step, result.lm_loss)  # device-side only
+        with s.report.console.monitoring():  # monitor_s
+            st.monitor.end_step(st.step, result.lm_loss)  # device-side only
         loss = float(result.lm_loss)  # one host sync per step (the progress bar shows it)
         s.losses.append(loss)
         s.saved_at = None
@@ -236,12 +237,14 @@ class Trainer:
         record = s.report.train_record(step, result, s.losses[-1])
         if eval_due:
             record["val_loss"] = self._evaluate(s)
-        record.update(s.state.monitor.flush(step, s.report.metrics.writer))
+        with s.report.console.monitoring():  # counted in the next record's monitor_s
+            record.update(s.state.monitor.flush(step, s.report.metrics.writer))
         record.update(self.hooks.step_metrics())  # per-rank tokens and bytes exchanged
         padding = s.state.sampler.take_padding_fraction()  # packed documents only
         if padding is not None:
             record["padding_fraction"] = padding
-        s.report.write(record)
+        with s.report.console.monitoring():
+            s.report.write(record)
         # monitor.fatal alarms: checkpoint, then one-line error
         self.hooks.raise_if_fatal(s.state.monitor, functools.partial(self._save, s))
 
