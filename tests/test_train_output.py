@@ -162,6 +162,23 @@ def test_console_rates_and_summary(monkeypatch):
                            "(waiting for data 50.0% of the time)")
 
 
+def test_an_mfu_above_one_measures_the_peak_again(monkeypatch):
+    """A peak calibrated while the machine was busier than during the steps (seen: "MFU 143.1%" at the end of a
+    default run whose start calibrated under load 6): the peak is measured again and the best one kept; a second
+    logging step does not measure again once the MFU is under 1."""
+    now = [0.0]
+    monkeypatch.setattr("moetrain.train.console.time.perf_counter", lambda: now[0])
+    calls: list[int] = []
+    model = MfuModel(1e6, 1e9, lambda: calls.append(1) or 4e9)  # the start's 1 GFLOP/s, then 4 GFLOP/s
+    c = Console(total=4, initial=0, tokens_per_step=2000, mfu=model, bar=False, log=lambda _: None)
+    for _ in range(2):
+        now[0] += 1.0
+        c.step(loss=1.0, lr=1e-3)
+        assert c.logging_step(loss=1.0, lr=1e-3)["mfu"] == 0.5  # 1e6 x 2000 / 4e9, not 2.0
+    assert calls == [1]
+    assert "MFU 50.0% of the calibrated GEMM peak" in c.summary()
+
+
 def test_tokens_per_s_counts_the_real_tokens_of_packed_batches(monkeypatch):
     """Token-budget / packed micro-batches: tokens/s (and so MFU) is their real tokens over the time, not
     tokens_per_step (batch_size x grad_accum x seq_len, which is not what a budget micro-batch holds)."""

@@ -93,12 +93,15 @@ def _cached_rate(dtype: torch.dtype, device: str, size: int, repeats: int, threa
 
 
 def gemm_peak(dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", size: int = 1024,
-              repeats: int = 3) -> float:
+              repeats: int = 3, fresh: bool = False) -> float:
     """Calibrated GEMM rate in FLOP/s: best of ``repeats`` [size, size] @ [size, size] products in ``dtype`` on
-    ``device`` with the current intra-op threads (cached per process, dtype, device and thread count). At size 1024
-    one product is 2.1 GFLOP: ~25 ms in fp32 on one core of this project's CPU (the trainer's MFU and ``moetrain
-    doctor`` use the same calibration); a slow bf16 path (no native bf16) takes seconds."""
+    ``device`` with the current intra-op threads (cached per process, dtype, device and thread count; ``fresh``
+    measures again, uncached). At size 1024 one product is 2.1 GFLOP: ~25 ms in fp32 on one core of this project's
+    CPU (the trainer's MFU and ``moetrain doctor`` use the same calibration); a slow bf16 path (no native bf16)
+    takes seconds."""
     device = torch.device(device)
+    if fresh:
+        return _gemm_rate(dtype, device, size, repeats)
     return _cached_rate(dtype, str(device), size, repeats, torch.get_num_threads())
 
 

@@ -46,6 +46,9 @@ class MfuModel(NamedTuple):
 
     flops_per_token: float  # forward + backward model FLOPs per token (moetrain.analysis)
     peak_flops: float  # calibrated GEMM FLOP/s of this device in the compute dtype
+    # Measures the peak again (uncached): when an MFU comes out above 1, the start's calibration ran on a busier
+    # machine than the steps did (a shared machine whose load fell), and the peak is the best of the two.
+    recalibrate: Callable[[], float] | None = None
 
 
 def mfu_model(config: Config, device: torch.device) -> MfuModel:
@@ -57,8 +60,9 @@ def mfu_model(config: Config, device: torch.device) -> MfuModel:
     from moetrain.runtime.cpu import bf16_compute, gemm_peak
 
     bf16 = config.train.dtype == "bf16" and bf16_compute(device)
-    peak = gemm_peak(torch.bfloat16 if bf16 else torch.float32, device)
-    return MfuModel(model_flops_per_token(ModelShape.from_config(config.model), config.data.seq_len), peak)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    return MfuModel(model_flops_per_token(ModelShape.from_config(config.model), config.data.seq_len),
+                    gemm_peak(dtype, device), lambda: gemm_peak(dtype, device, fresh=True))
 
 
 def format_duration(seconds: float) -> str:
@@ -144,9 +148,17 @@ class Console:
             self._bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", refresh=False)
 
     def mfu(self, tokens_per_s: float) -> float | None:
-        if self.mfu_model is None or not self.mfu_model.peak_flops:
+        """Model FLOPs utilisation at ``tokens_per_s`` (see the module doc); above 1 the peak is measured again and
+        the best peak kept (:attr:`MfuModel.recalibrate`), so a calibration taken under load does not report more
+        than the machine can do."""
+        m = self.mfu_model
+        if m is None or not m.peak_flops:
             return None
-        return self.mfu_model.flops_per_token * tokens_per_s / self.mfu_model.peak_flops
+        value = m.flops_per_token * tokens_per_s / m.peak_flops
+        if value > 1 and m.recalibrate is not None:
+            self.mfu_model = m = m._replace(peak_flops=max(m.peak_flops, m.recalibrate()))
+            value = m.flops_per_token * tokens_per_s / m.peak_flops
+        return value
 
     def logging_step(self, loss: float, lr: float) -> dict[str, float]:
         """At a logging step: the rates since the last one (``tokens_per_s``, ``mfu``, ``data_wait_s``,
