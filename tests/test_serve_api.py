@@ -336,3 +336,30 @@ def test_load_policy_through_the_engine_lowers_k_under_a_burst_and_restores_it(s
         assert k == policy.load_k(2, 4, depth) and used == [k], (depth, k, used)
     ks = [k for _, k, _ in trace]
     assert ks == sorted(ks)  # the queue only drains here, so k only rises
+
+
+def test_batched_sampling_draws_what_each_row_draws_alone():
+    """sample_rows (one softmax / sort / cumsum per (temperature, top_p) group) gives each row the token that
+    generate()'s own lines give it as a batch of one with the same generator state."""
+    from moetrain.serve.sampling import sample_rows
+
+    torch.manual_seed(0)
+    logits = torch.randn(24, 512) * 3
+    temps = [0.0, 0.8, 0.8, 1.3, 0.8, 0.0, 1.3, 0.5] * 3
+    tops = [1.0, 1.0, 0.9, 0.95, 1.0, 1.0, 0.95, 0.3] * 3
+
+    def alone(row, t, p, g):  # moetrain.model.generate.generate's sampling, batch of one
+        if t == 0:
+            return int(row[None].argmax(dim=-1))
+        probs = torch.softmax(row[None] / t, dim=-1)
+        sorted_probs, sorted_ids = torch.sort(probs, dim=-1, descending=True)
+        keep = (sorted_probs.cumsum(dim=-1) - sorted_probs) < p
+        return int(sorted_ids.gather(-1, torch.multinomial(sorted_probs * keep, 1, generator=g)).squeeze(-1))
+
+    for draw in range(3):  # the generators advance alike in both
+        gens_a = [torch.Generator().manual_seed(100 * draw + i) for i in range(24)]
+        gens_b = [torch.Generator().manual_seed(100 * draw + i) for i in range(24)]
+        got = sample_rows(logits, temps, tops, gens_a)
+        want = [alone(logits[i], temps[i], tops[i], gens_b[i]) for i in range(24)]
+        assert got == want
+        assert len(set(got)) > 12  # real draws, not one token

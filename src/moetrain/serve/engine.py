@@ -24,7 +24,7 @@ from moetrain.serve.kv_cache import SlotKVCache
 from moetrain.serve.metrics import ServeMetrics
 from moetrain.serve.moe import StepPolicies
 from moetrain.serve.routing import RoutingPolicy
-from moetrain.serve.sampling import sample
+from moetrain.serve.sampling import sample_rows
 
 
 class QueueFull(Exception):
@@ -231,12 +231,18 @@ class Engine:
         depth = self.depth()
         segments = tuple((r.policy or self.policy, len(s[2])) for r, s in zip(plan, seqs))
         logits, stats = self.runner.step(batch, StepPolicies(segments, depth))
-        for req, (_, _, toks), row in zip(plan, seqs, logits):
+        nxt = sample_rows(logits, [r.temperature for r in plan], [r.top_p for r in plan],
+                          [r.generator for r in plan])
+        prompt_tokens = 0
+        for req, (_, _, toks), tok in zip(plan, seqs, nxt):
             if req.cached == 0:
-                self.metrics.prompt_tokens.inc(len(toks))
+                prompt_tokens += len(toks)
             req.cached += len(toks)
-            req.out_ids.append(sample(row, req.temperature, req.top_p, req.generator))
+            req.out_ids.append(tok)
             self._advance(req)
+        if prompt_tokens:
+            self.metrics.prompt_tokens.inc(prompt_tokens)
+        self.metrics.generated_tokens.inc(len(plan))
         self._flush()
         with self.cond:
             for req in [r for r in self.running if r.finish_reason is not None]:
@@ -249,13 +255,13 @@ class Engine:
 
     def _advance(self, req: GenRequest) -> None:
         """After ``req`` got a token: find its end (eos, length, stop string) and emit its new text."""
-        tok = self.served.tokenizer
-        self.metrics.generated_tokens.inc()
         if self.served.eos_id is not None and req.out_ids[-1] == self.served.eos_id:
             req.finish_reason = "stop"
         elif len(req.out_ids) >= req.max_tokens:
             req.finish_reason = "length"
-        text = tok.decode(req.out_ids)
+        if not req.incremental and not req.stop and req.finish_reason is None:
+            return  # nothing to look for in the text and nobody to stream it to: decoded once, at the end
+        text = self.served.tokenizer.decode(req.out_ids)
         hits = [i for i in (text.find(s) for s in req.stop) if i >= 0]
         if hits:
             text, req.finish_reason = text[:min(hits)], "stop"
