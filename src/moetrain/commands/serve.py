@@ -29,6 +29,9 @@ def add_parser(sub) -> None:
     p.add_argument("--load-high", type=int, default=None, help="load: queue depth where k reaches k_min "
                    "(default: 2 x --slots)")
     p.add_argument("--int8-router", action="store_true", help="route with int8 router weights (per-row scale)")
+    p.add_argument("--int8-experts", action="store_true",
+                   help="routed experts as int8 weight-only copies (per-output-row scale, dequantised on use; "
+                   "about 0.26 of their fp32 bytes)")
     p.add_argument("--expert-memory-budget", default=None, metavar="BYTES",
                    help="most bytes of routed experts resident (e.g. 64M); hot experts stay, cold ones are paged in "
                    "from the memory-mapped safetensors file through an LRU (default: all resident)")
@@ -101,10 +104,19 @@ def build_app(args, mesh=None):
     if getattr(args, "placement", None) is not None:
         raise MoetrainError(f"--placement: {args.placement} places experts over EP ranks; serve it with torchrun "
                             "--nproc_per_node N -m moetrain serve ... parallel.ep=N")
+    int8_experts = getattr(args, "int8_experts", False)
+    if int8_experts and getattr(args, "expert_memory_budget", None) is not None:
+        raise MoetrainError("--int8-experts: not with --expert-memory-budget (choose one way to shrink the experts)")
+    if int8_experts and not served.model.moe_layers():
+        raise MoetrainError("--int8-experts: the model has no MoE layers")
     store = open_store(args, served)
     cache = open_cache(args.cache)
     engine = Engine(served, num_slots=args.slots, max_queue=args.max_queue, policy=policy,
-                    int8_router=args.int8_router, expert_store=store)
+                    int8_router=args.int8_router, expert_store=store, int8_experts=int8_experts)
+    if engine.int8_experts is not None:
+        engine.int8_experts.release_fp32()
+        print(f"moetrain serve: int8 experts, {engine.int8_experts.nbytes():,} bytes (fp32: "
+              f"{engine.int8_experts.fp32_bytes:,})", file=sys.stderr)
     return create_app(engine, cache, args.max_body_bytes), engine
 
 
@@ -129,6 +141,8 @@ def expert_parallel_mesh(args):
     if getattr(args, "expert_memory_budget", None) is not None:
         raise MoetrainError("--expert-memory-budget: not available with parallel.ep > 1 (each rank already holds "
                             "only its E / ep experts)")
+    if getattr(args, "int8_experts", False):
+        raise MoetrainError("--int8-experts: not available with parallel.ep > 1 yet")
     from moetrain.parallel.mesh import init_distributed
 
     return init_distributed(cfg)

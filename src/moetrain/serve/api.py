@@ -208,7 +208,8 @@ async def _complete(engine, cache, body: CompletionRequest, request: Request):
         key = cache_key(engine.served.fingerprint, {
             "prompt": body.prompt, "max_tokens": body.max_tokens, "temperature": body.temperature,
             "top_p": body.top_p if body.temperature > 0 else None, "seed": body.seed if body.temperature > 0 else None,
-            "stop": list(stops), "routing": effective.__dict__, "int8_router": bool(engine.runner.int8_routers)})
+            "stop": list(stops), "routing": effective.__dict__, "int8_router": bool(engine.runner.int8_routers),
+            "int8_experts": getattr(engine, "int8_experts", None) is not None})
         hit = await asyncio.to_thread(cache.get, key)
         if hit is not None:
             engine.metrics.cache_hits.inc()

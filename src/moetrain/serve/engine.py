@@ -83,13 +83,16 @@ class Engine:
         experts_fn: the routed-experts computation (default: the layers' own kernels).
         expert_store: a :class:`~moetrain.serve.expert_store.ExpertStore` computing the routed experts under its
             memory budget (overrides ``experts_fn``); its page-ins and resident bytes are exported as metrics.
+        int8_experts: compute the routed experts from int8 weight-only copies
+            (:class:`~moetrain.serve.quant_experts.Int8Experts`, kept as ``self.int8_experts``; overrides
+            ``experts_fn``; the model's fp32 experts stay unless the caller releases them).
         max_prefill_tokens: prompt tokens prefilled per step at most (at least one prompt always is), so a burst
             of long prompts does not stall decoding sequences for long.
     """
 
     def __init__(self, served, num_slots: int = 16, max_queue: int = 64, policy: RoutingPolicy | None = None,
                  metrics: ServeMetrics | None = None, int8_router: bool = False, experts_fn=None,
-                 max_prefill_tokens: int = 2048, expert_store=None):
+                 max_prefill_tokens: int = 2048, expert_store=None, int8_experts: bool = False):
         from moetrain.serve.moe import experts_forward
         from moetrain.serve.routing import Int8Router
 
@@ -106,6 +109,14 @@ class Engine:
         self.expert_store = expert_store
         if expert_store is not None:
             experts_fn = expert_store.experts_forward
+        self.int8_experts = None
+        if int8_experts:
+            if expert_store is not None:
+                raise ValueError("int8_experts: not with an expert store (--expert-memory-budget)")
+            from moetrain.serve.quant_experts import Int8Experts
+
+            self.int8_experts = Int8Experts(self.model)
+            experts_fn = self.int8_experts.experts_forward
         self.runner = StepRunner(self.model, self.cache, routers, experts_fn or experts_forward)
         self._pageins = 0
         self.waiting: collections.deque[GenRequest] = collections.deque()
