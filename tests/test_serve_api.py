@@ -233,3 +233,133 @@ def test_cli_serves_on_port_zero(served, tmp_path):
         proc.terminate()
         proc.wait(timeout=30)
     assert main(["serve", str(tmp_path / "missing")]) == 2
+
+
+def test_exported_hf_directory_serves_what_the_run_serves(served, server, tmp_path):
+    """`moetrain export RUN --format hf DIR` then serving DIR: the same logits (prefill and 4 greedy decode steps,
+    through the engine's step runner) and over HTTP the same completions, greedy and seeded sampled ones (a
+    40-step tiny run's greedy text is mostly one repeated token; the sampled ones draw from the whole
+    distribution, so they differ wherever the logits differ by more than rounding)."""
+    from moetrain.serve.forward import StepBatch, StepRunner
+    from moetrain.serve.kv_cache import SlotKVCache
+    from moetrain.serve.moe import StepPolicies
+    from moetrain.serve.routing import RoutingPolicy
+
+    run, sm = served
+    hf_dir = tmp_path / "hf"
+    assert main(["export", str(run), "--format", "hf", str(hf_dir)]) == 0
+    hf = load_served_model(str(hf_dir))
+    assert hf.source == "hf" and sm.source == "run"
+
+    def step_logits(model_served):
+        cfg = model_served.model.config
+        runner = StepRunner(model_served.model, SlotKVCache(len(PROMPTS), cfg.n_layers, cfg.n_kv_heads,
+                                                            cfg.max_seq_len, cfg.head_size))
+        seqs = [(i, 0, model_served.tokenizer.encode(p).ids) for i, p in enumerate(PROMPTS)]
+        out = []
+        for _ in range(5):
+            batch = StepBatch.build(seqs)
+            logits, _ = runner.step(batch, StepPolicies(((RoutingPolicy(), int(batch.input_ids.numel())),)))
+            out.append(logits)
+            seqs = [(s, start + len(t), [n]) for (s, start, t), n in zip(seqs, logits.argmax(-1).tolist())]
+        return out
+
+    for a, b in zip(step_logits(hf), step_logits(sm)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    bodies = [{"prompt": p, "max_tokens": 24, "temperature": 0} for p in PROMPTS] + [
+        {"prompt": p, "max_tokens": 24, "temperature": 0.9, "seed": i} for i, p in enumerate(PROMPTS)]
+    srv, _ = start_server(hf, num_slots=4)
+    try:
+        with httpx.Client(base_url=srv.url, timeout=120) as c_hf, \
+                httpx.Client(base_url=server[0].url, timeout=120) as c_run:
+            got = [_complete(c_hf, **b)["token_ids"] for b in bodies]
+            want = [_complete(c_run, **b)["token_ids"] for b in bodies]
+    finally:
+        srv.stop()
+    assert got == want
+    assert len({t for ids in got[len(PROMPTS):] for t in ids}) > 10  # the sampled ones are not one token
+
+
+def test_a_request_after_the_engine_stopped_gets_503_json(served):
+    srv, engine = start_server(served[1], num_slots=2)
+    try:
+        client = httpx.Client(base_url=srv.url, timeout=60)
+        assert _complete(client, prompt="x", max_tokens=2, temperature=0)["finish_reason"] in ("length", "stop")
+        engine.stop()
+        for body in ({"prompt": "ROMEO:", "max_tokens": 4, "temperature": 0},
+                     {"prompt": "ROMEO:", "max_tokens": 4, "temperature": 0.5, "seed": 3, "stream": True}):
+            r = client.post("/v1/completions", json=body)
+            assert r.status_code == 503 and r.headers["content-type"].startswith("application/json"), r.text
+            err = r.json()["error"]
+            assert err["type"] == "server_error" and "engine is not running" in err["message"]
+        r = client.get("/health")
+        assert r.status_code == 503 and r.json()["error"]["message"] == "engine not running"
+    finally:
+        srv.stop()
+
+
+def test_load_policy_through_the_engine_lowers_k_under_a_burst_and_restores_it(served):
+    """16 requests into 4 slots under ``load`` (k_min 1, k_max 2, low 2, high 8): while the queue is deep every step
+    routes each token to 1 expert (``engine.last_load_k`` = 1), and once it has drained below ``low`` to 2 again."""
+    from moetrain.serve.engine import Engine, GenRequest
+    from moetrain.serve.routing import RoutingPolicy
+
+    sm = served[1]
+    policy = RoutingPolicy(policy="load", k_min=1, k_max=2, low=2, high=8)
+    engine = Engine(sm, num_slots=4, max_queue=32, policy=policy)
+    trace: list[tuple[int, int | None, list[int]]] = []  # (depth, last_load_k, experts per token used) per step
+    record = engine._record
+
+    def traced(plan, batch, stats, depth, seconds):
+        record(plan, batch, stats, depth, seconds)
+        trace.append((depth, engine.last_load_k, sorted({k for s in stats for k in s.k_used.tolist()})))
+
+    engine._record = traced  # type: ignore[method-assign]
+    engine.start()
+    try:
+        import threading
+
+        done = threading.Semaphore(0)
+        finished = lambda ev: ev.finish_reason and done.release()  # noqa: E731
+        # 4 + i tokens each: the last requests end one by one, so the queue drains below `low`
+        reqs = [GenRequest(sm.tokenizer.encode(PROMPTS[i % 4]).ids, 4 + i, finished) for i in range(16)]
+        with engine.cond:  # the whole burst is queued before the engine's next step boundary
+            for r in reqs:
+                engine.submit(r)
+        for _ in reqs:
+            assert done.acquire(timeout=120)
+    finally:
+        engine.stop()
+    assert trace[0][0] == 16 and trace[0][1:] == (1, [1])  # deep queue: k_min
+    assert trace[-1][0] <= 2 and trace[-1][1:] == (2, [2])  # drained: k_max
+    for depth, k, used in trace:
+        assert k == policy.load_k(2, 4, depth) and used == [k], (depth, k, used)
+    ks = [k for _, k, _ in trace]
+    assert ks == sorted(ks)  # the queue only drains here, so k only rises
+
+
+def test_batched_sampling_draws_what_each_row_draws_alone():
+    """sample_rows (one softmax / sort / cumsum per (temperature, top_p) group) gives each row the token that
+    generate()'s own lines give it as a batch of one with the same generator state."""
+    from moetrain.serve.sampling import sample_rows
+
+    torch.manual_seed(0)
+    logits = torch.randn(24, 512) * 3
+    temps = [0.0, 0.8, 0.8, 1.3, 0.8, 0.0, 1.3, 0.5] * 3
+    tops = [1.0, 1.0, 0.9, 0.95, 1.0, 1.0, 0.95, 0.3] * 3
+
+    def alone(row, t, p, g):  # moetrain.model.generate.generate's sampling, batch of one
+        if t == 0:
+            return int(row[None].argmax(dim=-1))
+        probs = torch.softmax(row[None] / t, dim=-1)
+        sorted_probs, sorted_ids = torch.sort(probs, dim=-1, descending=True)
+        keep = (sorted_probs.cumsum(dim=-1) - sorted_probs) < p
+        return int(sorted_ids.gather(-1, torch.multinomial(sorted_probs * keep, 1, generator=g)).squeeze(-1))
+
+    for draw in range(3):  # the generators advance alike in both
+        gens_a = [torch.Generator().manual_seed(100 * draw + i) for i in range(24)]
+        gens_b = [torch.Generator().manual_seed(100 * draw + i) for i in range(24)]
+        got = sample_rows(logits, temps, tops, gens_a)
+        want = [alone(logits[i], temps[i], tops[i], gens_b[i]) for i in range(24)]
+        assert got == want
+        assert len(set(got)) > 12  # real draws, not one token

@@ -19,11 +19,21 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
-from _parallel_util import free_port  # noqa: E402
+import json  # noqa: E402
+
+import torch  # noqa: E402
+from _parallel_util import free_port, spawn  # noqa: E402
 from _serve_util import start_server, train_tiny  # noqa: E402
 
+from moetrain.cli import main  # noqa: E402
 from moetrain.errors import MoetrainError  # noqa: E402
+from moetrain.serve.expert_parallel import physical_ids  # noqa: E402
+from moetrain.serve.forward import StepBatch, StepRunner  # noqa: E402
+from moetrain.serve.kv_cache import SlotKVCache  # noqa: E402
 from moetrain.serve.loader import load_served_model  # noqa: E402
+from moetrain.serve.moe import StepPolicies  # noqa: E402
+from moetrain.serve.placement import load_placement  # noqa: E402
+from moetrain.serve.routing import RoutingPolicy  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -46,17 +56,18 @@ def _answers(url: str) -> list[list[int]]:
         return list(pool.map(one, BODIES))
 
 
-def _start_ep2(run, tmp_path) -> tuple[subprocess.Popen, str]:
+def _start_ep2(run, tmp_path, *flags: str) -> tuple[subprocess.Popen, str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    log = open(tmp_path / "ep2.log", "w+")
+    log_file = tmp_path / "ep2.log"
+    log = open(log_file, "w+")
     proc = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
          "--master_port", str(free_port()), "-m", "moetrain", "serve", str(run), "--port", "0", "--threads", "1",
-         "--cache", "off", "--log-level", "warning", "parallel.ep=2", "parallel.timeout_s=4"],
+         "--cache", "off", "--log-level", "warning", *flags, "parallel.ep=2", "parallel.timeout_s=4"],
         stdout=log, stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
-        text = (tmp_path / "ep2.log").read_text()
+        text = log_file.read_text()
         m = re.search(r"running on (http://\S+)", text)
         if m:
             return proc, m.group(1)
@@ -64,7 +75,15 @@ def _start_ep2(run, tmp_path) -> tuple[subprocess.Popen, str]:
             break
         time.sleep(0.5)
     proc.kill()
-    raise AssertionError("the EP server did not start:\n" + (tmp_path / "ep2.log").read_text()[-4000:])
+    raise AssertionError("the EP server did not start:\n" + log_file.read_text()[-4000:])
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
 
 
 def test_two_process_ep_server_equals_one_process(tmp_path):
@@ -82,12 +101,113 @@ def test_two_process_ep_server_equals_one_process(tmp_path):
         assert _answers(url) == reference
         assert proc.poll() is None
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        _stop(proc)
     assert "Timed out" not in (tmp_path / "ep2.log").read_text()
+
+
+def _step_logits(served, experts_fn, policy: RoutingPolicy) -> list[torch.Tensor]:
+    """Logits [B, V] of a prefill of three prompts, then 3 decode steps feeding back the greedy tokens."""
+    cfg = served.model.config
+    kw = {} if experts_fn is None else {"experts_fn": experts_fn}
+    runner = StepRunner(served.model, SlotKVCache(3, cfg.n_layers, cfg.n_kv_heads, cfg.max_seq_len, cfg.head_size),
+                        **kw)
+    seqs = [(i, 0, served.tokenizer.encode(p).ids) for i, p in enumerate(PROMPTS[:3])]
+    out = []
+    for _ in range(4):
+        batch = StepBatch.build(seqs)
+        logits, _ = runner.step(batch, StepPolicies(((policy, int(batch.input_ids.numel())),)))
+        out.append(logits)
+        seqs = [(slot, start + len(toks), [t]) for (slot, start, toks), t in zip(seqs, logits.argmax(-1).tolist())]
+    return out
+
+
+POLICIES = [RoutingPolicy(), RoutingPolicy(policy="threshold", p=0.6, k_min=1, k_max=3)]
+
+
+def _placed_rank(rank, world, out_dir, run: str, placement_file: str | None):
+    from moetrain.parallel.mesh import build_mesh
+    from moetrain.serve.expert_parallel import ep_experts_fn, shard_for_serving
+    from moetrain.serve.placement import load_placement
+
+    torch.set_grad_enabled(False)
+    mesh = build_mesh(world, timeout_s=60)
+    served = load_served_model(run)
+    placement = None if placement_file is None else load_placement(placement_file, [0, 1], 4, world)
+    tables = shard_for_serving(served.model, mesh, placement)
+    held = [int(b.ffn.experts.num_experts) for b in served.model.blocks]
+    rows = [torch.zeros(n, dtype=torch.int64) for n in held]  # rows each local physical expert computed
+
+    def count(r: torch.Tensor):
+        def hook(_module, args) -> None:  # args: (rows, tokens_per_expert)
+            r.add_(args[1])
+        return hook
+
+    for b, r in zip(served.model.blocks, rows):
+        b.ffn.experts.register_forward_pre_hook(count(r))
+    fn = ep_experts_fn(mesh, tables)
+    return held, [_step_logits(served, fn, pol) for pol in POLICIES], [r.tolist() for r in rows]
+
+
+def test_physical_ids_spread_a_replicated_expert_over_its_replicas():
+    # expert 0 has replicas at physical 0, 2 and 3; experts 1 and 2 one each (physical 1 and 4)
+    table = torch.tensor([[0, 2, 3], [1, 1, 1], [4, 4, 4]])
+    reps = torch.tensor([3, 1, 1])
+    ids = torch.tensor([[0, 1], [0, 2], [2, 0], [0, 1], [1, 2]])  # token t: its 2 experts; expert 0 -> replica t % 3
+    assert physical_ids(ids, table, reps).tolist() == [[0, 1], [2, 4], [4, 3], [0, 1], [1, 4]]
+
+
+def test_placement_with_replicas_gives_the_single_process_logits(tmp_path):
+    """Two forked gloo ranks with a placement of 4 + 2 physical experts (hot ones replicated, 3 per rank) and with a
+    hand-made permutation (experts 3, 0 on rank 0; 1, 2 on rank 1) compute the single process's logits (fp32; only
+    the order of the experts' sums differs), under the trained k and under a threshold policy."""
+    run = train_tiny(tmp_path)
+    reference = [_step_logits(load_served_model(str(run)), None, pol) for pol in POLICIES]
+    assert main(["placement", str(run), "--ep", "2", "--redundant", "2", "--out", str(tmp_path / "pl")]) == 0
+    replicated = tmp_path / "pl" / "placement-ep2-r2.json"
+    d = json.loads(replicated.read_text())
+    assert all(max(lay["replicas"]) > 1 for lay in d["layers"].values())
+    for lay in d["layers"].values():
+        lay["physical_to_logical"], lay["replicas"] = [3, 0, 1, 2], [1, 1, 1, 1]
+    d["redundant"] = 0
+    permuted = tmp_path / "pl" / "permuted.json"
+    permuted.write_text(json.dumps(d))
+    for f, held in ((replicated, 3), (permuted, 2)):
+        for rank_held, logits, rows in spawn(_placed_rank, 2, tmp_path / f.stem, str(run), str(f)):
+            assert rank_held == [held, held]
+            assert all(n > 0 for layer in rows for n in layer), rows  # every replica takes its share of tokens
+            for got, want in zip(logits, reference):
+                for g, w in zip(got, want):
+                    torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+
+
+def test_two_process_ep_server_with_a_placement_equals_one_process(tmp_path):
+    """``torchrun ... serve RUN --placement placement-ep2-r2.json parallel.ep=2`` (hot experts replicated) answers
+    what one process answers; a placement for another ep or without parallel.ep is refused naming the file."""
+    run = train_tiny(tmp_path)
+    srv, _ = start_server(load_served_model(str(run)), num_slots=8)
+    try:
+        reference = _answers(srv.url)
+    finally:
+        srv.stop()
+    assert main(["placement", str(run), "--ep", "2", "--redundant", "2"]) == 0
+    placement = run / "placement-ep2-r2.json"
+    proc, url = _start_ep2(run, tmp_path, "--placement", str(placement))
+    try:
+        assert f"placed by {placement}" in (tmp_path / "ep2.log").read_text()
+        assert _answers(url) == reference
+    finally:
+        _stop(proc)
+
+
+def test_placement_flag_is_checked(tmp_path, capsys):
+    run = train_tiny(tmp_path)
+    assert main(["placement", str(run), "--ep", "2", "--redundant", "2"]) == 0
+    f = run / "placement-ep2-r2.json"
+    capsys.readouterr()
+    assert main(["serve", str(run), "--placement", str(f), "--port", "0"]) == 2
+    assert f"--placement: {f} places experts over EP ranks; serve it with torchrun" in capsys.readouterr().err
+    with pytest.raises(MoetrainError, match="ep: the placement is for 2 ranks, but serving runs 4"):
+        load_placement(f, [0, 1], 4, ep=4)
 
 
 def test_parallel_overrides_are_checked(monkeypatch):

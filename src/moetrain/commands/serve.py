@@ -29,6 +29,9 @@ def add_parser(sub) -> None:
     p.add_argument("--load-high", type=int, default=None, help="load: queue depth where k reaches k_min "
                    "(default: 2 x --slots)")
     p.add_argument("--int8-router", action="store_true", help="route with int8 router weights (per-row scale)")
+    p.add_argument("--int8-experts", action="store_true",
+                   help="routed experts as int8 weight-only copies (per-output-row scale, dequantised on use; "
+                   "about 0.26 of their fp32 bytes)")
     p.add_argument("--expert-memory-budget", default=None, metavar="BYTES",
                    help="most bytes of routed experts resident (e.g. 64M); hot experts stay, cold ones are paged in "
                    "from the memory-mapped safetensors file through an LRU (default: all resident)")
@@ -37,6 +40,9 @@ def add_parser(sub) -> None:
     p.add_argument("--calibration-text", default=None, metavar="FILE",
                    help="rank experts by a calibration pass over this text (default: the run's routing statistics "
                    "in metrics.jsonl, else uniform)")
+    p.add_argument("--placement", default=None, metavar="FILE",
+                   help="expert-parallel serving: the expert-to-rank map written by `moetrain placement --ep N` "
+                   "(placement-epN-rR.json; hot experts replicated); needs parallel.ep=N")
     p.add_argument("--cache", default="memory", help="response cache: memory (LRU), memory:N, off, or "
                    "redis://HOST:PORT[/DB] (shared by several servers)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (413 beyond)")
@@ -86,19 +92,31 @@ def build_app(args, mesh=None):
         from moetrain.serve.expert_parallel import (HEARTBEAT_S, BroadcastRunner, ep_experts_fn, parallel_config,
                                                     shard_for_serving)
 
-        shard_for_serving(served.model, mesh)
+        tables = shard_for_serving(served.model, mesh, read_placement(args, served, mesh.ep))
         engine = Engine(served, num_slots=args.slots, max_queue=args.max_queue, policy=policy,
-                        int8_router=args.int8_router, experts_fn=ep_experts_fn(mesh))
+                        int8_router=args.int8_router, experts_fn=ep_experts_fn(mesh, tables))
         if mesh.rank != 0:
             return None, engine
         engine.runner = engine.peers = BroadcastRunner(engine.runner, mesh)
         # a heartbeat well within the collectives' time-out, so idle followers never time out
         engine.idle_s = min(HEARTBEAT_S, parallel_config(list(args.overrides)).timeout_s / 4)
         return create_app(engine, open_cache(args.cache), args.max_body_bytes), engine
+    if getattr(args, "placement", None) is not None:
+        raise MoetrainError(f"--placement: {args.placement} places experts over EP ranks; serve it with torchrun "
+                            "--nproc_per_node N -m moetrain serve ... parallel.ep=N")
+    int8_experts = getattr(args, "int8_experts", False)
+    if int8_experts and getattr(args, "expert_memory_budget", None) is not None:
+        raise MoetrainError("--int8-experts: not with --expert-memory-budget (choose one way to shrink the experts)")
+    if int8_experts and not served.model.moe_layers():
+        raise MoetrainError("--int8-experts: the model has no MoE layers")
     store = open_store(args, served)
     cache = open_cache(args.cache)
     engine = Engine(served, num_slots=args.slots, max_queue=args.max_queue, policy=policy,
-                    int8_router=args.int8_router, expert_store=store)
+                    int8_router=args.int8_router, expert_store=store, int8_experts=int8_experts)
+    if engine.int8_experts is not None:
+        engine.int8_experts.release_fp32()
+        print(f"moetrain serve: int8 experts, {engine.int8_experts.nbytes():,} bytes (fp32: "
+              f"{engine.int8_experts.fp32_bytes:,})", file=sys.stderr)
     return create_app(engine, cache, args.max_body_bytes), engine
 
 
@@ -123,9 +141,29 @@ def expert_parallel_mesh(args):
     if getattr(args, "expert_memory_budget", None) is not None:
         raise MoetrainError("--expert-memory-budget: not available with parallel.ep > 1 (each rank already holds "
                             "only its E / ep experts)")
+    if getattr(args, "int8_experts", False):
+        raise MoetrainError("--int8-experts: not available with parallel.ep > 1 yet")
     from moetrain.parallel.mesh import init_distributed
 
     return init_distributed(cfg)
+
+
+def read_placement(args, served, ep: int):
+    """The MoE block -> :class:`~moetrain.serve.placement.LayerPlacement` map of ``--placement FILE`` checked
+    against the model and ``ep``, or ``None`` without the flag.
+
+    Raises:
+        MoetrainError: the file's own errors (:func:`~moetrain.serve.placement.load_placement`), naming it.
+    """
+    if getattr(args, "placement", None) is None:
+        return None
+    from moetrain.serve.placement import load_placement
+
+    blocks = [i for i, b in enumerate(served.model.blocks) if b.is_moe]
+    if not blocks:
+        raise MoetrainError(f"--placement: {args.placement}: the model has no MoE layers")
+    e = served.model.blocks[blocks[0]].ffn.config.num_experts
+    return load_placement(args.placement, blocks, e, ep)
 
 
 def open_store(args, served):
@@ -171,6 +209,8 @@ def run(args) -> int:
     from moetrain.serve.server import BackgroundServer
 
     ep = f", experts over {mesh.ep} processes (parallel.ep)" if mesh is not None else ""
+    if mesh is not None and args.placement is not None:
+        ep += f" placed by {args.placement}"
     print(f"moetrain serve: {engine.served.name} ({engine.served.source}), {args.slots} slots, routing "
           f"{engine.policy.policy}, cache {args.cache}{ep}", file=sys.stderr)
     server = BackgroundServer(app, args.host, args.port, log_level=args.log_level)

@@ -208,7 +208,8 @@ async def _complete(engine, cache, body: CompletionRequest, request: Request):
         key = cache_key(engine.served.fingerprint, {
             "prompt": body.prompt, "max_tokens": body.max_tokens, "temperature": body.temperature,
             "top_p": body.top_p if body.temperature > 0 else None, "seed": body.seed if body.temperature > 0 else None,
-            "stop": list(stops), "routing": effective.__dict__, "int8_router": bool(engine.runner.int8_routers)})
+            "stop": list(stops), "routing": effective.__dict__, "int8_router": bool(engine.runner.int8_routers),
+            "int8_experts": getattr(engine, "int8_experts", None) is not None})
         hit = await asyncio.to_thread(cache.get, key)
         if hit is not None:
             engine.metrics.cache_hits.inc()
@@ -219,8 +220,14 @@ async def _complete(engine, cache, body: CompletionRequest, request: Request):
     if body.max_tokens == 0:
         return _result(body, rid, name, "", [], "length", len(ids))
     loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[Event] = asyncio.Queue()
-    req = GenRequest(ids, body.max_tokens, queue.put_nowait, body.temperature, body.top_p, body.seed, stops, policy,
+    arrived: list[Event] = []  # events delivered on this loop (engine._deliver), not yet read
+    woken = asyncio.Event()
+
+    def emit(ev: Event) -> None:
+        arrived.append(ev)
+        woken.set()
+
+    req = GenRequest(ids, body.max_tokens, emit, body.temperature, body.top_p, body.seed, stops, policy,
                      loop=loop, incremental=body.stream)
     try:
         engine.submit(req)
@@ -231,16 +238,22 @@ async def _complete(engine, cache, body: CompletionRequest, request: Request):
         return error(503, str(e), None, "server_error")
 
     async def events():
+        """Lists of events: all that have arrived (one engine step's, or several when this loop lagged)."""
         try:
             while True:
-                try:
-                    ev = await asyncio.wait_for(queue.get(), timeout=0.5)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        return
-                    continue
-                yield ev
-                if ev.finish_reason is not None:
+                if not arrived:
+                    try:
+                        async with asyncio.timeout(0.5):  # a timer handle, not a task per wake-up as wait_for
+                            await woken.wait()
+                    except TimeoutError:
+                        if await request.is_disconnected():
+                            return
+                        continue
+                woken.clear()
+                got = arrived[:]
+                del arrived[:]
+                yield got
+                if got[-1].finish_reason is not None:
                     return
         finally:
             if req.finish_reason is None:
@@ -258,10 +271,11 @@ async def _complete(engine, cache, body: CompletionRequest, request: Request):
 
 async def _respond_live(body, rid, name, prompt_tokens, events, save):
     text, token_ids, finish, err = "", [], None, None
-    async for ev in events:
-        text += ev.text
-        token_ids += ev.token_ids
-        finish, err = ev.finish_reason, ev.error
+    async for got in events:
+        for ev in got:
+            text += ev.text
+            token_ids += ev.token_ids
+            finish, err = ev.finish_reason, ev.error
     if err is not None or finish is None:
         return error(500, f"generation failed: {err or 'cancelled'}", None, "server_error")
     if save is not None:
@@ -277,19 +291,24 @@ def _respond(body, rid, name, prompt_tokens, done_events, live_events, save):
 
     async def sse():
         text, token_ids = "", []
-        source = _aiter(done_events) if done_events is not None else live_events
+        source = _aiter([done_events]) if done_events is not None else live_events
         try:
-            async for ev in source:
-                text += ev.text
-                token_ids += ev.token_ids
-                chunk = _result(body, rid, name, ev.text, list(ev.token_ids), ev.finish_reason, prompt_tokens)
-                del chunk["usage"]
-                if ev.error is not None:
-                    chunk["error"] = {"message": ev.error, "type": "server_error"}
-                yield f"data: {json.dumps(chunk)}\n\n"
-                if ev.finish_reason is not None and save is not None and ev.error is None:
-                    await save(text, token_ids, ev.finish_reason)
-            yield "data: [DONE]\n\n"
+            async for got in source:  # one write per list: a step's events (or a lagging loop's backlog)
+                chunks = []
+                for ev in got:
+                    text += ev.text
+                    token_ids += ev.token_ids
+                    chunk = _result(body, rid, name, ev.text, list(ev.token_ids), ev.finish_reason, prompt_tokens)
+                    del chunk["usage"]
+                    if ev.error is not None:
+                        chunk["error"] = {"message": ev.error, "type": "server_error"}
+                    chunks.append(f"data: {json.dumps(chunk)}\n\n")
+                    if ev.finish_reason is not None:
+                        chunks.append("data: [DONE]\n\n")
+                yield "".join(chunks)
+                last = got[-1]
+                if last.finish_reason is not None and save is not None and last.error is None:
+                    await save(text, token_ids, last.finish_reason)
         finally:
             await source.aclose()  # a client that left: the live source's finally frees the slot now
 

@@ -24,7 +24,7 @@ from moetrain.serve.kv_cache import SlotKVCache
 from moetrain.serve.metrics import ServeMetrics
 from moetrain.serve.moe import StepPolicies
 from moetrain.serve.routing import RoutingPolicy
-from moetrain.serve.sampling import sample
+from moetrain.serve.sampling import sample_rows
 
 
 class QueueFull(Exception):
@@ -83,13 +83,16 @@ class Engine:
         experts_fn: the routed-experts computation (default: the layers' own kernels).
         expert_store: a :class:`~moetrain.serve.expert_store.ExpertStore` computing the routed experts under its
             memory budget (overrides ``experts_fn``); its page-ins and resident bytes are exported as metrics.
+        int8_experts: compute the routed experts from int8 weight-only copies
+            (:class:`~moetrain.serve.quant_experts.Int8Experts`, kept as ``self.int8_experts``; overrides
+            ``experts_fn``; the model's fp32 experts stay unless the caller releases them).
         max_prefill_tokens: prompt tokens prefilled per step at most (at least one prompt always is), so a burst
             of long prompts does not stall decoding sequences for long.
     """
 
     def __init__(self, served, num_slots: int = 16, max_queue: int = 64, policy: RoutingPolicy | None = None,
                  metrics: ServeMetrics | None = None, int8_router: bool = False, experts_fn=None,
-                 max_prefill_tokens: int = 2048, expert_store=None):
+                 max_prefill_tokens: int = 2048, expert_store=None, int8_experts: bool = False):
         from moetrain.serve.moe import experts_forward
         from moetrain.serve.routing import Int8Router
 
@@ -106,6 +109,14 @@ class Engine:
         self.expert_store = expert_store
         if expert_store is not None:
             experts_fn = expert_store.experts_forward
+        self.int8_experts = None
+        if int8_experts:
+            if expert_store is not None:
+                raise ValueError("int8_experts: not with an expert store (--expert-memory-budget)")
+            from moetrain.serve.quant_experts import Int8Experts
+
+            self.int8_experts = Int8Experts(self.model)
+            experts_fn = self.int8_experts.experts_forward
         self.runner = StepRunner(self.model, self.cache, routers, experts_fn or experts_forward)
         self._pageins = 0
         self.waiting: collections.deque[GenRequest] = collections.deque()
@@ -231,12 +242,18 @@ class Engine:
         depth = self.depth()
         segments = tuple((r.policy or self.policy, len(s[2])) for r, s in zip(plan, seqs))
         logits, stats = self.runner.step(batch, StepPolicies(segments, depth))
-        for req, (_, _, toks), row in zip(plan, seqs, logits):
+        nxt = sample_rows(logits, [r.temperature for r in plan], [r.top_p for r in plan],
+                          [r.generator for r in plan])
+        prompt_tokens = 0
+        for req, (_, _, toks), tok in zip(plan, seqs, nxt):
             if req.cached == 0:
-                self.metrics.prompt_tokens.inc(len(toks))
+                prompt_tokens += len(toks)
             req.cached += len(toks)
-            req.out_ids.append(sample(row, req.temperature, req.top_p, req.generator))
+            req.out_ids.append(tok)
             self._advance(req)
+        if prompt_tokens:
+            self.metrics.prompt_tokens.inc(prompt_tokens)
+        self.metrics.generated_tokens.inc(len(plan))
         self._flush()
         with self.cond:
             for req in [r for r in self.running if r.finish_reason is not None]:
@@ -249,13 +266,13 @@ class Engine:
 
     def _advance(self, req: GenRequest) -> None:
         """After ``req`` got a token: find its end (eos, length, stop string) and emit its new text."""
-        tok = self.served.tokenizer
-        self.metrics.generated_tokens.inc()
         if self.served.eos_id is not None and req.out_ids[-1] == self.served.eos_id:
             req.finish_reason = "stop"
         elif len(req.out_ids) >= req.max_tokens:
             req.finish_reason = "length"
-        text = tok.decode(req.out_ids)
+        if not req.incremental and not req.stop and req.finish_reason is None:
+            return  # nothing to look for in the text and nobody to stream it to: decoded once, at the end
+        text = self.served.tokenizer.decode(req.out_ids)
         hits = [i for i in (text.find(s) for s in req.stop) if i >= 0]
         if hits:
             text, req.finish_reason = text[:min(hits)], "stop"

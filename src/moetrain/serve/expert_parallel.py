@@ -13,6 +13,11 @@ token's rows go to the ranks holding its experts; the T_r outputs come back, and
 gives every rank all T (:func:`ep_experts_fn`). Expert FLOPs are not repeated: each (token, expert) pair is
 computed once, on the expert's rank.
 
+With ``--placement FILE`` (written by ``moetrain placement RUN --ep N --redundant R``) each layer's experts are laid
+out as the file's physical experts instead (P = E + R, P / N per rank, the hottest replicated): a token routed to a
+replicated expert x is sent to replica ``t % replicas[x]`` of x (t = its index in the step), the same choice on
+every rank, so a hot expert's tokens are split evenly over its replicas as the placement's predicted load assumes.
+
 When idle, rank 0 broadcasts a heartbeat every ``min(HEARTBEAT_S, parallel.timeout_s / 4)`` seconds so the other
 ranks' waiting collective never reaches ``parallel.timeout_s``; at shutdown it broadcasts a stop.
 
@@ -57,27 +62,76 @@ def parallel_config(overrides: list[str]):
         raise MoetrainError(f"parallel.{e}") from None
 
 
-def shard_for_serving(model, mesh) -> None:
-    """Keep this rank's ``E / ep`` experts of every MoE layer and give each layer the all-to-all dispatcher.
+def shard_for_serving(model, mesh, placement: dict | None = None) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Keep this rank's experts of every MoE layer and give each layer the all-to-all dispatcher.
 
+    Without ``placement``: the training sharding, ``E / ep`` consecutive experts per rank. With ``placement`` (MoE
+    block -> :class:`~moetrain.serve.placement.LayerPlacement`, from :func:`~moetrain.serve.placement.load_placement`):
+    the layer's P = E + R physical experts (``physical_to_logical`` [P], rank-major) are laid out and rank r keeps
+    physical experts ``[r * P / ep, (r + 1) * P / ep)``, a replicated expert's weights copied onto each of its
+    ranks; the dispatcher then works on physical ids (``AllToAllDispatcher(P)``), and
+    :func:`ep_experts_fn` maps each routed (token, logical expert) to one of the expert's replicas.
+
+    Returns:
+        ``id(layer)`` -> (physical ids [E, Rmax] int64 of each logical expert's replicas, padded with its first;
+        replicas [E] int64) for every placed layer (empty without ``placement``).
     Raises:
         ConfigError: ``ep`` does not divide the experts (from :func:`~moetrain.parallel.sharding.shard_experts`).
+        MoetrainError: ``placement`` misses a MoE block, or its P is not divisible by ``ep``.
     """
+    from torch import nn
+
     from moetrain.parallel.all_to_all import AllToAllDispatcher
     from moetrain.parallel.sharding import moe_layers, shard_experts
 
-    shard_experts(model, mesh)
-    for name, layer in moe_layers(model):
-        layer.dispatcher = AllToAllDispatcher(layer.config.num_experts, mesh, name=name)
+    if placement is None:
+        shard_experts(model, mesh)
+        for name, layer in moe_layers(model):
+            layer.dispatcher = AllToAllDispatcher(layer.config.num_experts, mesh, name=name)
+        return {}
+    tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for b, block in enumerate(model.blocks):
+        if not block.is_moe:
+            continue
+        if b not in placement:
+            raise MoetrainError(f"--placement: no map for MoE block {b}")
+        layer, phys = block.ffn, list(placement[b].physical_to_logical)
+        if len(phys) % mesh.ep:
+            raise MoetrainError(f"--placement: block {b} has {len(phys)} physical experts, not divisible by "
+                                f"parallel.ep={mesh.ep}")
+        per = len(phys) // mesh.ep
+        mine = torch.tensor(phys[mesh.ep_rank * per:(mesh.ep_rank + 1) * per])
+        with torch.no_grad():
+            for pname, param in list(layer.experts.named_parameters(recurse=False)):
+                setattr(layer.experts, pname, nn.Parameter(param.detach()[mine].clone(), requires_grad=False))
+        layer.dispatcher = AllToAllDispatcher(len(phys), mesh, name=f"blocks.{b}.ffn")
+        e = layer.config.num_experts
+        where = [[i for i, x in enumerate(phys) if x == lg] for lg in range(e)]
+        width = max(len(w) for w in where)
+        table = torch.tensor([w + [w[0]] * (width - len(w)) for w in where], dtype=torch.int64)  # [E, Rmax]
+        tables[id(layer)] = (table, torch.tensor([len(w) for w in where], dtype=torch.int64))
+    return tables
 
 
-def ep_experts_fn(mesh):
+def physical_ids(ids: torch.Tensor, table: torch.Tensor, replicas: torch.Tensor) -> torch.Tensor:
+    """Logical expert ids [T, K] -> physical ids [T, K]: token t's assignment to expert x goes to replica
+    ``t % replicas[x]`` of x (``table`` [E, Rmax], ``replicas`` [E]; see :func:`shard_for_serving`), so a replicated
+    expert's tokens are spread evenly over its replicas, the same way on every rank (deterministic)."""
+    t = torch.arange(ids.shape[0], dtype=torch.int64)[:, None]  # [T, 1]
+    return table[ids, t % replicas[ids]]
+
+
+def ep_experts_fn(mesh, tables: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None):
     """The ``experts_fn`` of an EP rank (see :func:`moetrain.serve.moe.serve_moe`): tokens [T, D], ids / weights
-    [T, K], keep [T, K] or ``None`` -> [T, D]; rank r dispatches tokens ``[r * ceil(T/P), ...)`` only."""
+    [T, K], keep [T, K] or ``None`` -> [T, D]; rank r dispatches tokens ``[r * ceil(T/P), ...)`` only. ``tables``
+    (from :func:`shard_for_serving` with a placement) maps logical ids to physical ones first."""
+    tables = tables or {}
 
     def fn(layer, tokens: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, keep: torch.Tensor | None
            ) -> torch.Tensor:
         t, p = tokens.shape[0], mesh.ep
+        if id(layer) in tables:
+            ids = physical_ids(ids, *tables[id(layer)])
         per = -(-t // p)  # ceil
         lo, hi = min(t, mesh.ep_rank * per), min(t, (mesh.ep_rank + 1) * per)
         part = experts_forward(layer, tokens[lo:hi], ids[lo:hi], weights[lo:hi],

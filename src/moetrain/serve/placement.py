@@ -200,14 +200,17 @@ def placement_dict(layers: list[LayerPlacement], blocks: list[int], ep: int, red
     }
 
 
-def load_placement(path: str | Path, blocks: list[int], num_experts: int) -> dict[int, LayerPlacement]:
-    """Read our placement file and check it against a model (its MoE ``blocks`` and ``num_experts``).
+def load_placement(path: str | Path, blocks: list[int], num_experts: int, ep: int | None = None
+                   ) -> dict[int, LayerPlacement]:
+    """Read our placement file and check it against a model (its MoE ``blocks`` and ``num_experts``) and, when
+    given, the serving ``ep``.
 
     Returns:
         MoE block -> :class:`LayerPlacement`.
     Raises:
         MoetrainError: unreadable, another format, or not fitting the model (naming the key and values): a block
-            missing, an expert id out of range, an expert without a replica, P not divisible by ep.
+            missing, an expert id out of range, an expert without a replica, P not divisible by ep, the file's ep
+            not ``ep``.
     """
     f = Path(path)
     try:
@@ -219,6 +222,9 @@ def load_placement(path: str | Path, blocks: list[int], num_experts: int) -> dic
                             f"{d.get('format') if isinstance(d, dict) else type(d).__name__!r}")
     if d.get("num_experts") != num_experts:
         raise MoetrainError(f"{f}: num_experts: {d.get('num_experts')}, the model has {num_experts}")
+    if ep is not None and d.get("ep") != ep:
+        raise MoetrainError(f"{f}: ep: the placement is for {d.get('ep')} ranks, but serving runs {ep} "
+                            f"(parallel.ep={ep}; write one with `moetrain placement RUN --ep {ep}`)")
     out = {}
     for b in blocks:
         lay = d.get("layers", {}).get(str(b))

@@ -1,0 +1,112 @@
+"""int8 weight-only routed experts for the CPU serving path (``moetrain serve --int8-experts``).
+
+Legend: E = experts, D = hidden, F = expert FFN hidden, O = a weight's output rows, I = its inputs, R = dispatched
+rows, n_e = rows of expert e.
+
+Each routed expert's two weights, ``w_in`` [2F, D] (SwiGLU ``gate_up_proj``; GELU ``up_proj`` [F, D]) and
+``down_proj`` [D, F], are stored as int8 with one fp32 scale per output row: ``scale[o] = max_i |w[o, i]| / 127``,
+``q = round(w / scale)`` (symmetric, round to nearest, in [-127, 127]; an all-zero row gets scale 1 and q = 0).
+Memory: 1 byte per weight plus 4 bytes per output row, about 0.26 of fp32.
+
+Dequantise on use: a step dispatches its rows with the layer's own dispatcher and computes each expert that got
+rows as ``y = (x @ q^T) * scale`` (the int8 values converted to fp32 for the matmul, one expert at a time, so at
+most one expert's fp32 copy exists at once; the per-row scale is applied to the matmul's output columns, which
+is the same product as ``x @ (q * scale)^T``), then combines with the dispatcher. There is no int8 GEMM on this
+path: it saves memory, not time. Shared experts and dense FFNs stay fp32.
+
+Quality (:func:`moetrain.serve.quality.int8_experts_report`): routing agreement, the share of (token, MoE layer)
+pairs whose top-k set is unchanged when the whole model runs with the dequantised experts (the first MoE layer
+always agrees: only the layers after an int8 expert see changed hidden states), and the validation loss change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from moetrain.errors import MoetrainError
+from moetrain.moe.expert_ops import activate
+
+
+@dataclass(frozen=True)
+class Int8Weight:
+    """One [E, O, I] expert weight as int8 ``q`` [E, O, I] and fp32 ``scale`` [E, O] (per output row)."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+
+    @staticmethod
+    def quantize(w: torch.Tensor) -> Int8Weight:
+        """Symmetric per-output-row int8 of ``w`` [E, O, I] (any float dtype; computed in fp32)."""
+        w32 = w.detach().float()
+        amax = w32.abs().amax(dim=-1)  # [E, O]
+        scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+        q = torch.round(w32 / scale[..., None]).clamp_(-127, 127).to(torch.int8)
+        return Int8Weight(q, scale)
+
+    def dequantized(self) -> torch.Tensor:
+        """[E, O, I] fp32 ``q * scale``."""
+        return self.q.float() * self.scale[..., None]
+
+    def nbytes(self) -> int:
+        return self.q.numel() * self.q.element_size() + self.scale.numel() * self.scale.element_size()
+
+
+class Int8Experts:
+    """int8 copies of every MoE layer's routed experts, computed by :meth:`experts_forward` (the ``experts_fn`` of
+    :func:`moetrain.serve.moe.serve_moe`).
+
+    Args:
+        model: a :class:`~moetrain.model.transformer.MoETransformer` with its expert weights loaded.
+    Raises:
+        MoetrainError: the model has no MoE layers.
+    """
+
+    def __init__(self, model: Any) -> None:
+        blocks = [i for i, b in enumerate(model.blocks) if b.is_moe]
+        if not blocks:
+            raise MoetrainError("--int8-experts: the model has no MoE layers")
+        self.model, self.blocks = model, blocks
+        self.activation = model.blocks[blocks[0]].ffn.experts.activation
+        self.weights: dict[int, tuple[Int8Weight, Int8Weight]] = {}
+        self._layer_blocks = {id(model.blocks[b].ffn): b for b in blocks}
+        self.fp32_bytes = 0
+        for b in blocks:
+            ex = model.blocks[b].ffn.experts
+            self.weights[b] = (Int8Weight.quantize(ex.w_in), Int8Weight.quantize(ex.down_proj))
+            self.fp32_bytes += (ex.w_in.numel() + ex.down_proj.numel()) * 4
+
+    def nbytes(self) -> int:
+        """Bytes held: int8 weights and fp32 scales of every layer."""
+        return sum(a.nbytes() + b.nbytes() for a, b in self.weights.values())
+
+    def release_fp32(self) -> None:
+        """Replace the model's own routed-expert weights by meta tensors (only the int8 copies stay resident); the
+        model then runs only through :meth:`experts_forward`."""
+        for b in self.blocks:
+            ex = self.model.blocks[b].ffn.experts
+            for name in ("gate_up_proj" if self.activation == "swiglu" else "up_proj", "down_proj"):
+                p = getattr(ex, name)
+                setattr(ex, name, torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
+                                                     requires_grad=False))
+
+    def experts_forward(self, layer, tokens: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                        keep: torch.Tensor | None) -> torch.Tensor:
+        """The routed experts of ``layer``: tokens [T, D], ids / weights [T, K], keep [T, K] bool or ``None`` ->
+        [T, D] in the tokens' dtype (computed in fp32)."""
+        w_in, w_out = self.weights[self._layer_blocks[id(layer)]]
+        if keep is None:
+            rows, tokens_per_expert, meta = layer.dispatcher.dispatch(tokens, ids, weights)
+        else:
+            rows, tokens_per_expert, meta = layer.dispatcher.dispatch(tokens, ids, weights, keep=keep)
+        out = torch.zeros(rows.shape[0], rows.shape[1], dtype=torch.float32)
+        start = 0
+        for e, n in enumerate(tokens_per_expert.tolist()):  # one host sync
+            if n:
+                x = rows[start:start + n].float()  # [n_e, D]
+                h = (x @ w_in.q[e].float().T) * w_in.scale[e]  # [n_e, 2F]
+                out[start:start + n] = (activate(h, self.activation) @ w_out.q[e].float().T) * w_out.scale[e]
+            start += n
+        return layer.dispatcher.combine(out, meta).to(tokens.dtype)
