@@ -86,13 +86,18 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.kill()
 
 
-def test_two_process_ep_server_equals_one_process(tmp_path):
-    run = train_tiny(tmp_path)
+def _one_process_answers(run) -> list:
+    """The single-process server's answers to :func:`_answers`' requests (the reference of the EP servers)."""
     srv, _ = start_server(load_served_model(str(run)), num_slots=8)
     try:
-        reference = _answers(srv.url)
+        return _answers(srv.url)
     finally:
         srv.stop()
+
+
+def test_two_process_ep_server_equals_one_process(tmp_path):
+    run = train_tiny(tmp_path)
+    reference = _one_process_answers(run)
     proc, url = _start_ep2(run, tmp_path)
     try:
         assert "experts over 2 processes" in (tmp_path / "ep2.log").read_text()
@@ -184,11 +189,7 @@ def test_two_process_ep_server_with_a_placement_equals_one_process(tmp_path):
     """``torchrun ... serve RUN --placement placement-ep2-r2.json parallel.ep=2`` (hot experts replicated) answers
     what one process answers; a placement for another ep or without parallel.ep is refused naming the file."""
     run = train_tiny(tmp_path)
-    srv, _ = start_server(load_served_model(str(run)), num_slots=8)
-    try:
-        reference = _answers(srv.url)
-    finally:
-        srv.stop()
+    reference = _one_process_answers(run)
     assert main(["placement", str(run), "--ep", "2", "--redundant", "2"]) == 0
     placement = run / "placement-ep2-r2.json"
     proc, url = _start_ep2(run, tmp_path, "--placement", str(placement))
