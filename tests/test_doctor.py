@@ -47,6 +47,11 @@ def test_the_run_vs_window_explanation_closes():
     assert "data loading 5.0%, evaluations" in text
     assert text.endswith("0.60 x 100.0 / 120.0 = 0.50 of this window's MFU")
     assert float(re.search(r"= ([\d.]+) of", text).group(1)) == pytest.approx(d["run"]["mfu"] / d["mfu"], abs=0.005)
+    assert "above 100%" not in text
+    # a run logged before its trainer re-measured the peak (seen: 157.7% on a run calibrated under load 6)
+    d["run"].update(mfu=1.5, peak=0.4e11, tokens_per_s=7500.0)
+    assert "a logged MFU above 100% means the run's peak was calibrated while the machine was busier" in \
+        compare_with_run(d)
     d["run"].pop("mfu")
     assert compare_with_run(d) is None
 

@@ -211,11 +211,16 @@ def compare_with_run(d: dict) -> str | None:
     peak = d["peak_flops"][d["compute_dtype"]]
     measured = [f"{name} {100 * run[k]:.1f}%" for k, name in (("data_share", "data loading"),
                                                                ("monitor_share", "monitoring")) if k in run]
+    warning = ""
+    if run["mfu"] > 1:  # runs from before the trainer measured its peak again above 100% (console.Console.mfu)
+        warning = (f"; a logged MFU above 100% means the run's peak was calibrated while the machine was busier "
+                   f"than during its steps (its {run['peak'] / 1e9:.1f} GFLOP/s is too low): trust this window's "
+                   f"MFU instead")
     return (f"the run's MFU {100 * run['mfu']:.1f}% vs this window's {100 * d['mfu']:.1f}%: its tokens/s were "
             f"{speed:.2f}x the window's (its wall time also holds {', '.join(measured + [''])}evaluations, "
             f"checkpoints and the first step's warm-up) and its peak, calibrated at its start, "
             f"{run['peak'] / 1e9:.1f} GFLOP/s against {peak / 1e9:.1f} here: {speed:.2f} x {peak / 1e9:.1f} / "
-            f"{run['peak'] / 1e9:.1f} = {speed * peak / run['peak']:.2f} of this window's MFU")
+            f"{run['peak'] / 1e9:.1f} = {speed * peak / run['peak']:.2f} of this window's MFU{warning}")
 
 
 def diagnose(config, run_dir: str | None, steps: int) -> dict:

@@ -15,7 +15,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("placement", help="expert-to-rank placement with replicated hot experts (EPLB; SGLang JSON)")
     p.add_argument("model_dir", help="a moetrain run directory (or a Hugging Face directory with --calibration-text)")
     p.add_argument("--ep", type=int, required=True, help="expert-parallel ranks N")
-    p.add_argument("--redundant", type=int, default=0, help="extra expert replicas R per layer (E + R divisible by N)")
+    p.add_argument("--redundant", type=int, default=0, help="extra expert replicas R per layer (N must divide E and E + R)")
     p.add_argument("--calibration-text", default=None, metavar="FILE",
                    help="count expert usage with a calibration pass over this text (default: the run's "
                    "metrics.jsonl routing statistics)")

@@ -45,7 +45,7 @@ class CompletionRequest(BaseModel):
     max_tokens: Annotated[StrictInt, Field(ge=0)] = 16
     temperature: Annotated[StrictFloat, Field(ge=0)] = 1.0
     top_p: Annotated[StrictFloat, Field(gt=0, le=1)] = 1.0
-    seed: StrictInt | None = None
+    seed: Annotated[StrictInt, Field(ge=-(2**63), lt=2**64)] | None = None  # what torch.Generator.manual_seed takes
     stop: Annotated[str, Field(strict=True, min_length=1)] | Annotated[
         list[Annotated[str, Field(strict=True, min_length=1)]], Field(max_length=4)] | None = None
     stream: Annotated[bool, Field(strict=True)] = False
@@ -61,6 +61,9 @@ def error(status: int, message: str, param: str | None, kind: str = "invalid_req
 
 
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    counter = getattr(request.app.state, "bad_requests", None)  # /metrics' requests_total{outcome="bad_request"}
+    if counter is not None:
+        counter.inc()
     e = exc.errors()[0]
     loc = [str(x) for x in e.get("loc", ()) if x != "body"]
     # a union (stop: str | list) reports each branch's type name in the path; keep the field names only
@@ -139,6 +142,7 @@ def create_app(engine, cache=None, max_body_bytes: int = 1 << 20) -> FastAPI:
 
     app = FastAPI(title="moetrain serve", lifespan=lifespan)
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
+    app.state.bad_requests = engine.metrics.requests.labels("bad_request")
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     served, metrics = engine.served, engine.metrics
 
