@@ -234,3 +234,23 @@ def test_eval_capacity_factor_applies_in_eval_mode_only():
     _, eval_aux = layer.eval()(x)
     assert train_aux.capacity == 2 and train_aux.dropped_per_expert.sum() > 0  # ceil(16 / 4 * 0.5)
     assert eval_aux.capacity == 16 and eval_aux.dropped_per_expert.sum() == 0  # ceil(16 / 4 * 4), capped at T
+
+
+def test_zero_coefficient_losses_are_reported_without_a_graph():
+    """A loss whose coefficient is 0 keeps its value (statistics) but builds no autograd graph, and moe_loss is the
+    sum of the positive-coefficient terms only (by hand)."""
+    from moetrain.model.transformer import MoETransformer
+
+    cfg = build_config("tiny", overrides={"model": {"moe": {"losses": {
+        "aux_loss_coeff": 0.01, "z_loss_coeff": 0.0, "seq_aux_loss_coeff": 0.0, "util_loss_coeff": 0.0,
+        "entropy_loss_coeff": 0.0, "pooled_aux_loss_coeff": 0.0, "global_aux_loss_coeff": 0.0}}}}).model
+    torch.manual_seed(0)
+    model = MoETransformer(cfg).train()
+    out = model(torch.randint(0, cfg.vocab_size, (2, 16)))
+    rec = out.moe[0]
+    assert rec.aux_loss.requires_grad
+    for name in ("z_loss", "seq_aux_loss", "util_loss", "entropy_loss"):
+        value = getattr(rec, name)
+        assert not value.requires_grad and torch.isfinite(value) and value > 0, name
+    torch.testing.assert_close(out.moe_loss, 0.01 * out.aux_loss)
+    assert out.moe_loss.requires_grad

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from moetrain.model.attention import Attention, KVCache
 from moetrain.model.bta import tiled_attention
@@ -25,6 +26,7 @@ class Block(nn.Module):
         super().__init__()
         self.is_moe = config.is_moe_layer(index)
         self.bta_tiles = config.execution.bta_tiles
+        self.dropout = config.dropout
         self.input_norm = make_norm(config.norm, config.hidden, config.norm_eps)
         self.attn = Attention(config, index)
         self.post_attn_norm = make_norm(config.norm, config.hidden, config.norm_eps)
@@ -42,15 +44,19 @@ class Block(nn.Module):
             ConfigError: ``bta_tiles`` does not divide B (training only; generation with a KV cache never tiles).
         """
         if document_ids is not None:
-            h = x + tiled_attention(self.attend_documents, x, self.bta_tiles, document_ids)
+            h = x + self._dropout(tiled_attention(self.attend_documents, x, self.bta_tiles, document_ids))
         elif kv_cache is None:
-            h = x + tiled_attention(self.attend, x, self.bta_tiles)  # untiled when bta_tiles == 1
+            h = x + self._dropout(tiled_attention(self.attend, x, self.bta_tiles))  # untiled when bta_tiles == 1
         else:
-            h = x + self.attend(x, kv_cache)
+            h = x + self._dropout(self.attend(x, kv_cache))
         if self.is_moe:
             y, aux = self.ffn(self.post_attn_norm(h), padding_mask)
-            return h + y, aux
-        return h + self.ffn(self.post_attn_norm(h)), None
+            return h + self._dropout(y), aux
+        return h + self._dropout(self.ffn(self.post_attn_norm(h))), None
+
+    def _dropout(self, y: torch.Tensor) -> torch.Tensor:
+        """Residual dropout (``model.dropout``) of a branch's output; the identity in eval mode or at 0."""
+        return F.dropout(y, self.dropout, self.training) if self.dropout > 0 else y
 
     def attend(self, x: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
         """The attention branch ``attn(input_norm(x))``: [b, S, D] -> [b, S, D] (what BTA tiles and recomputes)."""

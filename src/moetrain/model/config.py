@@ -34,6 +34,9 @@ class ModelConfig:
             ``decoder_sparse_step``); 0 makes every block dense.
         first_k_dense: the first K blocks are dense regardless of ``moe_every`` (DeepSeek's ``first_k_dense_replace``).
         init_std: standard deviation of the normal weight initialisation.
+        dropout: probability of zeroing an element of the token embeddings and of each block's attention and FFN
+            (dense or MoE) outputs before their residual add, in training only (GPT-2's ``embd_pdrop`` /
+            ``resid_pdrop``, nanoGPT's ``dropout``; Switch Transformer trains with 0.1). 0 = off.
         moe: the MoE layer (:class:`~moetrain.moe.config.MoEConfig`).
         execution: how the model runs (:class:`~moetrain.execution.ExecutionConfig`: the MoE backend, recomputed
             experts, BTA tiles); it changes no maths, so a resumed run may change it.
@@ -56,6 +59,7 @@ class ModelConfig:
     moe_every: int = 1
     first_k_dense: int = 0
     init_std: float = 0.02
+    dropout: float = 0.0
     moe: MoEConfig = field(default_factory=MoEConfig)
     execution: ExecutionConfig = field(default_factory=ExecutionConfig)
 
@@ -81,6 +85,7 @@ class ModelConfig:
         require(self.first_k_dense >= 0, "first_k_dense", f"must be >= 0, got {self.first_k_dense}")
         require(self.rope_theta > 0, "rope_theta", f"must be > 0, got {self.rope_theta}")
         require(self.norm_eps > 0, "norm_eps", f"must be > 0, got {self.norm_eps}")
+        require(0.0 <= self.dropout < 1.0, "dropout", f"must be in [0, 1), got {self.dropout}")
 
     @property
     def head_size(self) -> int:

@@ -118,7 +118,10 @@ def assemble_moe_losses(
         global_load_balancing_loss(prob_sums[i], num_tokens[i], global_counts[i].to(device))
         for i in range(len(records))
     ]).mean()
-    out.moe_loss = sum(getattr(config.losses, f"{name}_coeff") * getattr(out, name) for name in MOE_LOSS_TERMS)
+    # Only the terms with a positive coefficient: a 0 * term would still backpropagate (zeros) through its graph.
+    weighted = [getattr(config.losses, f"{name}_coeff") * getattr(out, name) for name in MOE_LOSS_TERMS
+                if getattr(config.losses, f"{name}_coeff") > 0]
+    out.moe_loss = torch.stack(weighted).sum() if weighted else zero
 
 
 class MoETransformer(nn.Module):
@@ -208,6 +211,8 @@ class MoETransformer(nn.Module):
     ) -> tuple[torch.Tensor, list[MoEAux]]:
         """Embedding and blocks: ([B, S, D] hidden states before the final norm, the MoE records)."""
         x = self.embed_tokens(input_ids)  # [B, S, D]
+        if self.config.dropout > 0:
+            x = F.dropout(x, self.config.dropout, self.training)
         records: list[MoEAux] = []
         for block in self.blocks:
             x, aux = block(x, padding_mask, kv_cache, document_ids)

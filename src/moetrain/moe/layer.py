@@ -11,7 +11,9 @@ Legend: B = batch, S = sequence, T = B * S tokens, D = hidden, E = experts, K = 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -176,18 +178,19 @@ class MoELayer(nn.Module):
                 f"a dispatcher that drops and pads; {type(self.dispatcher).__name__} is dropless only")
         return keep, capacity, layout
 
-    def _entropy_loss(self, probs: torch.Tensor, padding_mask: torch.Tensor | None) -> torch.Tensor:
-        """The gate-smoothing loss; without autograd when its coefficient is 0 (reported, but saving no [T, E]
-        activations for a backward that would multiply them by 0)."""
-        if self.config.losses.entropy_loss_coeff > 0:
-            return routing_entropy_deficit(probs, padding_mask)
+    def _loss(self, coeff: float, fn: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
+        """``fn(*args)``, without autograd when the loss's coefficient is 0: it is still reported, but saves no
+        [T, E] activations for a backward that would multiply them by 0 (the model adds only the terms whose
+        coefficient is positive: ``model/transformer.py``)."""
+        if coeff > 0:
+            return fn(*args)
         with torch.no_grad():
-            return routing_entropy_deficit(probs, padding_mask)
+            return fn(*args)
 
     def _record(self, routing: Routing, shape: torch.Size, padding_mask: torch.Tensor | None,
                 keep: torch.Tensor | None, capacity: int | None) -> MoEAux:
         """The layer's losses and counts (all over real tokens)."""
-        e = self.config.num_experts
+        e, losses = self.config.num_experts, self.config.losses
         ids, probs = routing.topk_ids, routing.probs
         t = ids.shape[0]
         valid = _valid(padding_mask, t, probs.device)  # [T] fp32
@@ -199,17 +202,18 @@ class MoELayer(nn.Module):
         b, s = (shape[0], shape[1]) if len(shape) == 3 else (1, t)
         seq_mask = None if padding_mask is None else padding_mask.reshape(b, s)
         return MoEAux(
-            aux_loss=switch_load_balancing_loss(probs, ids, padding_mask),
-            z_loss=router_z_loss(routing.logits, padding_mask),
-            seq_aux_loss=sequence_load_balancing_loss(probs.reshape(b, s, e), ids.reshape(b, s, -1), seq_mask),
-            util_loss=utilization_loss(probs, padding_mask),
+            aux_loss=self._loss(losses.aux_loss_coeff, switch_load_balancing_loss, probs, ids, padding_mask),
+            z_loss=self._loss(losses.z_loss_coeff, router_z_loss, routing.logits, padding_mask),
+            seq_aux_loss=self._loss(losses.seq_aux_loss_coeff, sequence_load_balancing_loss,
+                                    probs.reshape(b, s, e), ids.reshape(b, s, -1), seq_mask),
+            util_loss=self._loss(losses.util_loss_coeff, utilization_loss, probs, padding_mask),
             tokens_per_expert=counts.detach(),
             dropped_per_expert=dropped.detach(),
             prob_sum=(probs * valid[:, None]).sum(dim=0),
             num_tokens=valid.sum(),
             router_logits=routing.logits,
             capacity=capacity,
-            entropy_loss=self._entropy_loss(probs, padding_mask),
+            entropy_loss=self._loss(losses.entropy_loss_coeff, routing_entropy_deficit, probs, padding_mask),
         )
 
 

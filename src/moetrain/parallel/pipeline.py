@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from moetrain.analysis.shape import ModelShape
 from moetrain.analysis.stages import split_stages
@@ -146,6 +147,8 @@ class StageModule(nn.Module):
     def trunk(self, x: torch.Tensor) -> tuple[torch.Tensor, list[MoEAux]]:
         """Embedding (first stage) and blocks: ([b, S, D], the MoE records)."""
         h = self.embed_tokens(x) if self.embed_tokens is not None else x
+        if self.embed_tokens is not None and self.config.dropout > 0:  # as MoETransformer._trunk
+            h = F.dropout(h, self.config.dropout, self.training)
         records: list[MoEAux] = []
         for block in self.stage_blocks():
             h, aux = block(h)
