@@ -24,11 +24,9 @@ data.val_fraction=0.1 model.vocab_size=2048 model.moe.losses.aux_loss_coeff=0.00
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
-import subprocess
-import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -38,6 +36,7 @@ from moetrain.configlib import parse_overrides
 from moetrain.data.dataset import BatchSampler, TokenWindows, prepare_data
 from moetrain.model.transformer import MoETransformer
 from moetrain.moe.layer import MoELayer
+from moetrain.runtime.cpu import cpu_model
 from moetrain.train.schedule import build_scheduler
 from moetrain.train.step import train_step
 from moetrain.train.trainer import build_optimizer
@@ -45,17 +44,6 @@ from moetrain.train.trainer import build_optimizer
 SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
 DEFAULTS = [f"data.path={SHAKESPEARE}", "data.val_fraction=0.1", "model.vocab_size=2048",
             "model.moe.losses.aux_loss_coeff=0.001"]
-
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def load_weights(model: torch.nn.Module, run_dir: str) -> None:
@@ -79,7 +67,11 @@ def fwd_bwd(fn, *inputs: torch.Tensor) -> None:
     out.backward(torch.ones_like(out))
 
 
-def moe_parts(layer: MoELayer, x: torch.Tensor) -> dict[str, callable]:
+Part = tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]
+
+
+def moe_parts(layer: MoELayer, x: torch.Tensor) -> dict[str, Part]:
+    """{part: (fn, input)} of one MoE layer on its captured input x [B, S, D]; the routing of ``experts`` is fixed."""
     tokens = x.reshape(-1, x.shape[-1])
     with torch.no_grad():
         routing = layer.router(tokens)
@@ -118,75 +110,74 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     device = torch.device("cpu")
-    with tempfile.TemporaryDirectory() as tmp:
-        base = parse_overrides(DEFAULTS + list(args.overrides))
-        cfg_moe = build_config("cpu-small", overrides=base)
-        cfg_dense = build_config("cpu-small", overrides=parse_overrides(
-            DEFAULTS + list(args.overrides) + ["model.moe_every=0"]))
-        data = prepare_data(cfg_moe.data, cfg_moe.model.vocab_size, log=lambda m: None)
-        sampler = BatchSampler(TokenWindows(data.train_tokens, cfg_moe.data.seq_len), cfg_moe.train.batch_size, 0)
-        models = {}
-        for name, cfg, run in (("dense", cfg_dense, args.runs and args.runs[0]),
-                               ("moe", cfg_moe, args.runs and args.runs[1])):
-            torch.manual_seed(0)
-            model = MoETransformer(cfg.model)
-            if run:
-                load_weights(model, run)
-            model.train()
-            opt = build_optimizer(model, cfg)
+    base = parse_overrides(DEFAULTS + list(args.overrides))
+    cfg_moe = build_config("cpu-small", overrides=base)
+    cfg_dense = build_config("cpu-small", overrides=parse_overrides(
+        DEFAULTS + list(args.overrides) + ["model.moe_every=0"]))
+    data = prepare_data(cfg_moe.data, cfg_moe.model.vocab_size, log=lambda m: None)
+    sampler = BatchSampler(TokenWindows(data.train_tokens, cfg_moe.data.seq_len), cfg_moe.train.batch_size, 0)
+    models = {}
+    for name, cfg, run in (("dense", cfg_dense, args.runs and args.runs[0]),
+                           ("moe", cfg_moe, args.runs and args.runs[1])):
+        torch.manual_seed(0)
+        model = MoETransformer(cfg.model)
+        if run:
+            load_weights(model, run)
+        model.train()
+        opt = build_optimizer(model, cfg)
+        for group in opt.param_groups:
+            group["lr"] = 0.0  # time the update, keep the trained routing
+        sched = build_scheduler(opt, cfg.train)
+        models[name] = (cfg, model, opt, sched, capture_inputs(model))
+    times: dict[str, list[float]] = {}
+
+    def timed(key, fn, *a):
+        t0 = clock()
+        fn(*a)
+        times.setdefault(key, []).append(clock() - t0)
+
+    for r in range(args.rounds + 1):
+        batch = sampler.next_batch()
+        for name, (cfg, model, opt, sched, seen) in models.items():
+            def step():
+                train_step(model, lambda: batch, opt, sched, cfg.train, device)
+            timed(f"{name}|step", step)
             for group in opt.param_groups:
-                group["lr"] = 0.0  # time the update, keep the trained routing
-            sched = build_scheduler(opt, cfg.train)
-            models[name] = (cfg, model, opt, sched, capture_inputs(model))
-        times: dict[str, list[float]] = {}
+                group["lr"] = 0.0
+            for p in model.parameters():
+                p.grad = torch.zeros_like(p)
+            timed(f"{name}|AdamW", opt.step)
+            opt.zero_grad(set_to_none=True)
+            for i, block in enumerate(model.blocks):
+                x = seen[i]
+                if isinstance(block.ffn, MoELayer):
+                    for part, (fn, t) in moe_parts(block.ffn, x).items():
+                        timed(f"{name}|{part}|{i}", fwd_bwd, fn, t)
+                else:
+                    timed(f"{name}|dense FFN|{i}", fwd_bwd, lambda t: block.ffn(t), x)
+            model.zero_grad(set_to_none=True)
+        if r == 0:
+            times.clear()  # warm-up round
+    med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
 
-        def timed(key, fn, *a):
-            t0 = clock()
-            fn(*a)
-            times.setdefault(key, []).append(clock() - t0)
+    def total(name, part):
+        return sum(v for k, v in med.items() if k.startswith(f"{name}|{part}|") or k == f"{name}|{part}")
 
-        for r in range(args.rounds + 1):
-            batch = sampler.next_batch()
-            for name, (cfg, model, opt, sched, seen) in models.items():
-                def step():
-                    train_step(model, lambda: batch, opt, sched, cfg.train, device)
-                timed(f"{name}|step", step)
-                for group in opt.param_groups:
-                    group["lr"] = 0.0
-                for p in model.parameters():
-                    p.grad = torch.zeros_like(p)
-                timed(f"{name}|AdamW", opt.step)
-                opt.zero_grad(set_to_none=True)
-                for i, block in enumerate(model.blocks):
-                    x = seen[i]
-                    if isinstance(block.ffn, MoELayer):
-                        for part, (fn, t) in moe_parts(block.ffn, x).items():
-                            timed(f"{name}|{part}|{i}", fwd_bwd, fn, t)
-                    else:
-                        timed(f"{name}|dense FFN|{i}", fwd_bwd, lambda t: block.ffn(t), x)
-                model.zero_grad(set_to_none=True)
-            if r == 0:
-                times.clear()  # warm-up round
-        med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-
-        def total(name, part):
-            return sum(v for k, v in med.items() if k.startswith(f"{name}|{part}|") or k == f"{name}|{part}")
-
-        print(f"# MoE step vs its dense twin: {cpu_model()}, torch {torch.__version__}, {args.threads} thread(s), "
-              f"{args.clock} clock, medians of {args.rounds} interleaved rounds, ms per optimizer step "
-              f"({cfg_moe.train.batch_size} x {cfg_moe.data.seq_len} tokens)")
-        print(f"weights: {'trained, from ' + ' and '.join(args.runs) if args.runs else 'fresh (seed 0)'}")
-        rows = [("optimizer step (train_step)", total("dense", "step"), total("moe", "step")),
-                ("FFN fwd+bwd, all layers", total("dense", "dense FFN"), total("moe", "MoE layer")),
-                ("  router fwd+bwd", 0.0, total("moe", "router")),
-                ("  router + losses and counts fwd+bwd", 0.0, total("moe", "router + losses and counts")),
-                ("  experts fwd+bwd (dispatch, FFNs, combine)", 0.0, total("moe", "experts")),
-                ("AdamW update", total("dense", "AdamW"), total("moe", "AdamW"))]
-        print("| part | dense twin ms | MoE ms | MoE - dense ms | share of the dense step |")
-        print("|---|---|---|---|---|")
-        dense_step = rows[0][1]
-        for label, d, m in rows:
-            print(f"| {label} | {d:.0f} | {m:.0f} | {m - d:+.0f} | {(m - d) / dense_step:+.1%} |")
+    print(f"# MoE step vs its dense twin: {cpu_model()}, torch {torch.__version__}, {args.threads} thread(s), "
+          f"{args.clock} clock, medians of {args.rounds} interleaved rounds, ms per optimizer step "
+          f"({cfg_moe.train.batch_size} x {cfg_moe.data.seq_len} tokens)")
+    print(f"weights: {'trained, from ' + ' and '.join(args.runs) if args.runs else 'fresh (seed 0)'}")
+    rows = [("optimizer step (train_step)", total("dense", "step"), total("moe", "step")),
+            ("FFN fwd+bwd, all layers", total("dense", "dense FFN"), total("moe", "MoE layer")),
+            ("  router fwd+bwd", 0.0, total("moe", "router")),
+            ("  router + losses and counts fwd+bwd", 0.0, total("moe", "router + losses and counts")),
+            ("  experts fwd+bwd (dispatch, FFNs, combine)", 0.0, total("moe", "experts")),
+            ("AdamW update", total("dense", "AdamW"), total("moe", "AdamW"))]
+    print("| part | dense twin ms | MoE ms | MoE - dense ms | share of the dense step |")
+    print("|---|---|---|---|---|")
+    dense_step = rows[0][1]
+    for label, d, m in rows:
+        print(f"| {label} | {d:.0f} | {m:.0f} | {m - d:+.0f} | {(m - d) / dense_step:+.1%} |")
 
 
 if __name__ == "__main__":
