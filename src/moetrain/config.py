@@ -105,6 +105,26 @@ class Config:
         return from_dict(cls, upgrade(data, note), legacy=LEGACY_PATHS)
 
 
+def check_router_trainable(config: Config) -> None:
+    """Refuse to train an MoE whose router cannot learn from the language-model loss.
+
+    With ``model.moe.top_k = 1`` and ``model.moe.router.norm_topk_prob = true`` every gating weight is renormalised
+    to exactly 1, so the router logits get no gradient from the LM loss, only from the auxiliary losses, which push
+    towards uniform routing: the routing stays what the initialisation made it. Switch Transformer's top-1 weights
+    the expert by its router probability (``norm_topk_prob = false``). Checked for new training runs (``moetrain
+    train``, ``moetrain compare``); loading, serving and resuming such a model are unaffected.
+
+    Raises:
+        ConfigError: naming ``model.moe.router.norm_topk_prob``.
+    """
+    moe = config.model.moe
+    if config.model.moe_layer_indices and moe.top_k == 1 and moe.num_experts > 1 and moe.router.norm_topk_prob:
+        raise ConfigError(
+            "model.moe.router.norm_topk_prob: true with model.moe.top_k=1 renormalises every gating weight to 1, so "
+            "the router gets no gradient from the language-model loss (only from the aux losses); set "
+            "model.moe.router.norm_topk_prob=false (Switch Transformer's top-1: the weight is the router probability)")
+
+
 def choose_preset(preset: str | None = None, file_data: dict | None = None, overrides: dict | None = None) -> str:
     """The preset a run starts from: ``--preset``, else a ``preset`` key of the ``--config`` file, else a
     ``preset=NAME`` override, else ``cpu-small``. A ``preset`` key applies that preset's values (then the file's

@@ -178,11 +178,13 @@ def resolve(variant: Variant, preset: str | None, shared: dict[str, Any], forced
     Raises:
         ConfigError: unknown or invalid fields (the message starts with ``variant 'NAME':`` and names the field).
     """
-    from moetrain.config import build_config
+    from moetrain.config import build_config, check_router_trainable
     from moetrain.configlib import merge
 
     try:
-        return build_config(preset, variant.file_data, merge(merge(shared, variant.overrides), forced))
+        config = build_config(preset, variant.file_data, merge(merge(shared, variant.overrides), forced))
+        check_router_trainable(config)
+        return config
     except ConfigError as e:
         raise ConfigError(f"variant '{variant.name}': {e}") from None
 

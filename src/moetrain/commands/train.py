@@ -90,7 +90,7 @@ def _resumed_config(run_dir: Path, args, file_data: dict | None, overrides: dict
 
 
 def run(args) -> int:
-    from moetrain.config import build_config, upgrade
+    from moetrain.config import build_config, check_router_trainable, upgrade
     from moetrain.presets import SHAPE_ONLY
     from moetrain.train.trainer import CONFIG_FILE
 
@@ -133,6 +133,7 @@ def run(args) -> int:
             config = build_config(args.preset, file_data, overrides)
         else:
             config = init.config(args.preset, file_data, overrides)
+        check_router_trainable(config)
         world = args.world_size if args.world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
         if args.dry_run:
             from moetrain.parallel.dry_run import dry_run
