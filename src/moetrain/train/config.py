@@ -22,6 +22,9 @@ class TrainConfig:
             losses are weighted by its real tokens (train/microbatch_weights.py). 0: off. Must be >=
             ``data.seq_len``.
         lr / min_lr_ratio / warmup_steps: linear warm-up to ``lr``, then cosine decay to ``lr * min_lr_ratio``.
+        router_lr_scale / expert_lr_scale: the learning rate of the MoE routers' gate weights / of the routed
+            experts' tensors, as a multiple of ``lr`` (same warm-up and decay; their own AdamW groups, created only
+            when a scale is not 1). Fixed for a run (a resume refuses a change).
         weight_decay / beta1 / beta2 / eps: AdamW (decay applies to matrices only, not norms or biases).
         grad_clip: clip the global gradient norm to this value (0 disables).
         dtype: ``fp32``, or ``bf16`` autocast (the router stays in fp32).
@@ -63,6 +66,8 @@ class TrainConfig:
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 30
+    router_lr_scale: float = 1.0
+    expert_lr_scale: float = 1.0
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -94,6 +99,9 @@ class TrainConfig:
             value = getattr(self, name)
             require(value >= 0, name, f"must be >= 0, got {value}")
         require(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
+        for name in ("router_lr_scale", "expert_lr_scale"):
+            value = getattr(self, name)
+            require(value > 0, name, f"must be > 0, got {value}")
         require(0 <= self.seed < 2**32, "seed", f"must be in [0, 2**32), got {self.seed}")
         require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
         require(0 <= self.beta1 < 1, "beta1", f"must be in [0, 1), got {self.beta1}")

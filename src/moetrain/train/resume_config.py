@@ -25,7 +25,7 @@ from moetrain.errors import ConfigError
 CHANGEABLE_MODEL_DATA = {"data.cache_dir", "data.workers", "data.prefetch"}
 CHANGEABLE_PREFIX = "model.execution."
 FIXED_TRAIN = {"batch_size", "grad_accum", "tokens_per_batch", "seed", "weight_decay", "beta1", "beta2", "eps",
-               "checkpoint_url"}
+               "checkpoint_url", "router_lr_scale", "expert_lr_scale"}  # the lr scales decide the AdamW groups
 
 
 def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:

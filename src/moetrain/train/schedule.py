@@ -32,15 +32,17 @@ def retarget_schedule(optimizer: torch.optim.Optimizer, scheduler: torch.optim.l
     """After ``scheduler.load_state_dict`` on resume: follow the schedule ``config`` describes from here on.
 
     LambdaLR's state holds its position (``last_epoch``, the optimizer steps taken) and the base LR it was built with,
-    and the optimizer's state the LR of the next step; both would silently keep the old ``train.lr``. This sets the
-    base LR to ``config.lr`` and the next step's LR to ``config.lr * lr_factor(last_epoch, config)``, so a resume
+    and the optimizer's state the LR of the next step; both would silently keep the old ``train.lr``. This sets each
+    group's base LR to ``config.lr`` times its ``lr_scale`` (train/trainer.py ``build_optimizer``; 1 in checkpoints
+    older than the scales) and its next step's LR to ``base * lr_factor(last_epoch, config)``, so a resume
     with a changed ``lr`` / ``warmup_steps`` / ``min_lr_ratio`` / ``steps`` continues on the new curve at the same
     position (with an extended ``steps`` the cosine is stretched over the new total). With an unchanged config this
     recomputes exactly the restored values (the same product LambdaLR computes), so an exact resume stays exact.
     """
-    lr = config.lr * lr_factor(scheduler.last_epoch, config)
-    scheduler.base_lrs = [config.lr for _ in optimizer.param_groups]
-    for group in optimizer.param_groups:
-        group["initial_lr"] = config.lr
-        group["lr"] = lr
-    scheduler._last_lr = [lr for _ in optimizer.param_groups]  # what get_last_lr() reports for the next step
+    factor = lr_factor(scheduler.last_epoch, config)
+    bases = [config.lr * group.get("lr_scale", 1.0) for group in optimizer.param_groups]  # train.*_lr_scale
+    scheduler.base_lrs = bases
+    for group, base in zip(optimizer.param_groups, bases):
+        group["initial_lr"] = base
+        group["lr"] = base * factor
+    scheduler._last_lr = [base * factor for base in bases]  # what get_last_lr() reports for the next step
