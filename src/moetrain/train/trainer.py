@@ -121,8 +121,8 @@ def evaluate(model: MoETransformer, batches: Iterable[Batch], device: torch.devi
 
 
 
-__all__ = ["CONFIG_FILE", "TOKENIZER_FILE", "TrainResult", "Trainer", "build_optimizer", "evaluate", "lr_scale", "resolve_device",
-           "resume_hint", "rng_state", "seed_everything", "set_rng_state"]
+__all__ = ["CONFIG_FILE", "TOKENIZER_FILE", "TrainResult", "Trainer", "build_optimizer", "evaluate", "lr_scale",
+           "resolve_device", "resume_hint", "rng_state", "seed_everything", "set_rng_state"]
 
 
 @dataclass
