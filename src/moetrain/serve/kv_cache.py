@@ -4,7 +4,7 @@ Legend: N = slots, L = layers, Hkv = key/value heads, P = positions (max_seq_len
 
 Why pre-allocated blocks and not a paged layout (vLLM's PagedAttention): a slot holds one sequence of at most the
 model's context (128 positions for ``tiny``, 1024 for ``cpu-small``), so the worst-case waste of a whole block is
-small (cpu-small fp32: 2 x 4 layers x 4 heads x 1024 x 32 x 4 B = 4 MiB per slot) and known at start-up; pages
+small (cpu-small fp32: 2 x 4 layers x 2 heads x 1024 x 32 x 4 B = 2 MiB per slot) and known at start-up; pages
 would save memory only for many long-context slots, and they need an attention kernel that reads keys through a
 block table, which ``F.scaled_dot_product_attention`` does not have (a gather per step would cost what paging
 saves). Blocks give contiguous [Hkv, P, Hd] keys per slot that SDPA reads directly, and admission cannot fail
