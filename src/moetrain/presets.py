@@ -2,8 +2,8 @@
 
 ``tiny`` trains in seconds (tests); ``cpu-small`` is the default job (8 experts, top-2, 4.4M parameters of which
 2.0M active, 600 steps, 18 minutes at one thread on an AVX2-only CPU); ``mixtral-8x7b``, ``qwen3-30b-a3b`` and
-``olmoe-1b-7b`` are shape-only presets with the published architectures (their HF ``config.json``), for parameter counting and
-planning on the meta device.
+``olmoe-1b-7b`` are shape-only presets with the published architectures (their HF ``config.json``), for parameter
+counting and planning on the meta device.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     "cpu-small": {
         # Sized for its budget (docs/moe-vs-dense.md, wave 5): at 16 x 256 tokens a step on 2 CPU cores, a model of
-        # hidden 128 trains 600 steps (2.5M tokens) in less time than hidden 256 trains 300, and ends 0.35 nats lower
-        # (val 4.469 / 4.436 against 4.818 / 4.857 on this corpus, seeds 0 / 1). lr 3e-3 is hidden 256's best 1.5e-3 scaled by 1 / width (muP);
-        # not swept at this width.
+        # hidden 128 trains 600 steps (2.5M tokens) in less time than hidden 256 trains 300, and ends 0.35-0.42 nats
+        # lower (val 4.469 / 4.436 against 4.818 / 4.857 on this corpus, seeds 0 / 1). lr 3e-3 is hidden 256's best
+        # 1.5e-3 scaled by 1 / width (muP); not swept at this width.
         "model": {
             "vocab_size": 8192, "hidden": 128, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 512,
             "max_seq_len": 1024,
