@@ -35,8 +35,8 @@ CHUNK_ELEMENTS = 1 << 22
 
 def _buffer(name: str, h: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A [c, V] chunk buffer kept between chunks and calls (moe/kernels/cpu/workspace.py): measured in a
-    (hidden-256) cpu-small fp32 training step, the logits GEMM took 10-11.5 ms per chunk into a kept buffer against 12.5-14.5 ms into a
-    fresh one."""
+    (hidden-256) cpu-small fp32 training step, the logits GEMM took 10-11.5 ms per chunk into a kept buffer against
+    12.5-14.5 ms into a fresh one."""
     return scratch("ce." + name, (h.shape[0], weight.shape[0]), dtype, h.device)
 
 
