@@ -159,3 +159,8 @@ def test_spec_parsing(tmp_path):
     v = parse_variant(str(config))
     assert v.name == "my-run" and v.file_data == {"model": {"moe_every": 0}}
     assert is_override("train.lr=1e-3") and not is_override("moe:") and not is_override("dense:train.lr=1")
+    # a spec longer than a file name may be (255 bytes) is still a spec, not an OSError from the file check
+    long = "moe:" + ",".join(f"model.moe.router.routed_scaling_factor={i}.0" for i in range(12))
+    assert len(long) > 255 and parse_variant(long).overrides == {"model": {"moe": {"router": {
+        "routed_scaling_factor": 11.0}}}}
+    assert not is_override(long) and is_override("train.lr=" + "1" * 300)

@@ -9,8 +9,9 @@ SIGKILL inside the step: once the job has logged a step, the test creates a flag
 pipeline send / recv (``torch.distributed.pipelining.schedules._batch_p2p``) or FSDP2 reduce-scatter
 (``foreach_reduce``) kills it (a ``sitecustomize`` on the victim's ``PYTHONPATH`` only). A kill from outside at a
 random time lands as often between steps (in the routing-alarm broadcast or the stop all-reduce: then the line names
-that collective, as test_parallel_faults.py checks). The 4 default jobs run at once (12 processes); the 8-rank job
-is ``-m slow``.
+that collective, as test_parallel_faults.py checks). The 4 default jobs run in two batches (the 2-rank jobs, then the
+4-rank ones); a job whose victim exited by itself before the injected kill runs once more (its survivors must not
+have hung even so). The 8-rank job is ``-m slow``.
 """
 
 from __future__ import annotations
@@ -92,7 +93,10 @@ def _launch(tmp: Path, name: str, world: int) -> list[subprocess.Popen]:
 
 def _run_jobs(tmp: Path, names: list[str]) -> dict:
     """Start the jobs at once; raise each job's kill flag once it logged a step; time from the victim's death to
-    each other rank's exit (all polled every 0.1 s); collect return codes and stderr."""
+    each other rank's exit (all polled every 0.1 s); collect return codes and stderr (the victim's too). Once a
+    job's victim is gone its survivors get ``TIMEOUT_S + 2 * MARGIN_S`` to exit before they are killed and
+    recorded as hung (``rc`` None)."""
+    tmp.mkdir(parents=True, exist_ok=True)
     _corpus(tmp / "corpus")
     cfg = build_config("tiny", overrides={"data": {"path": str(tmp / "corpus"), "cache_dir": str(tmp / "cache")}})
     prepare_data(cfg.data, cfg.model.vocab_size, log=lambda _: None)
@@ -108,6 +112,9 @@ def _run_jobs(tmp: Path, names: list[str]) -> dict:
                     (tmp / f"{name}.kill").touch()
                     r["flag_at"] = time.monotonic()
                 if procs[rank].poll() is None:
+                    if time.monotonic() > r.get("fault_at", float("inf")) + TIMEOUT_S + 2 * MARGIN_S:
+                        procs[rank].kill()  # hung: recorded below with rc None
+                        waiting.discard((name, rank))
                     continue
                 waiting.discard((name, rank))
                 now = time.monotonic()
@@ -125,6 +132,8 @@ def _run_jobs(tmp: Path, names: list[str]) -> dict:
                     s = out[name]["survivors"].setdefault(rank, {"rc": None, "exit_at": float("inf")})
                     s["stderr"] = stderr
                     s["seconds"] = s["exit_at"] - out[name].get("fault_at", float("inf"))
+                else:
+                    out[name]["victim_stderr"] = stderr
     finally:
         for procs in jobs.values():
             for p in procs:
@@ -134,15 +143,49 @@ def _run_jobs(tmp: Path, names: list[str]) -> dict:
     return out
 
 
+def _injected(r: dict) -> bool:
+    """Whether the victim died of the injected SIGKILL after the flag (what the checks are about)."""
+    return "flag_at" in r and r.get("victim_rc") == -9
+
+
+def _run_batches(tmp: Path, batches: list[list[str]]) -> dict:
+    """:func:`_run_jobs` batch by batch (fewer processes on the cores at once); a job whose victim did not die of
+    the injected kill in the step (it exited by itself first: the fault was not the one under test) runs once
+    more, and both attempts are kept (``out[name]["first_attempt"]``) and printed."""
+    out: dict = {}
+    for i, batch in enumerate(batches):
+        out.update(_run_jobs(tmp / f"batch{i}", batch))
+    again = [name for name in out if not _injected(out[name])]
+    if again:
+        first = {name: out[name] for name in again}
+        for name in again:
+            print(f"{name}: the fault was not injected in the step (victim rc {first[name].get('victim_rc')}); "
+                  f"running it again. victim stderr: {first[name].get('victim_stderr', '')[-2000:]}")
+        out.update(_run_jobs(tmp / "again", again))
+        for name in again:
+            out[name]["first_attempt"] = first[name]
+    return out
+
+
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory) -> dict:
-    return _run_jobs(tmp_path_factory.mktemp("fsdpfaults"), [name for name in JOBS if name not in SLOW])
+    # two processes per job in the first batch, four in the second (12 at once on 2 cores made one CI run's victim
+    # outlive its kill flag by 108 s)
+    names = [name for name in JOBS if name not in SLOW]
+    return _run_batches(tmp_path_factory.mktemp("fsdpfaults"), [[n for n in names if JOBS[n][0] == 2],
+                                                                 [n for n in names if JOBS[n][0] > 2]])
 
 
 def _check(name: str, r: dict) -> None:
+    if "first_attempt" in r:  # the victim exited by itself first: still, no rank may hang after it
+        a = r["first_attempt"]
+        hung = [rank for rank, s in a["survivors"].items() if "fault_at" in a and s["rc"] is None]
+        assert not hung, (f"ranks {hung} hung after the victim exited {a.get('victim_rc')} (first attempt); victim: "
+                          f"{a.get('victim_stderr', '')[-2000:]}; rank 0: {a['survivors'][0]['stderr'][-2000:]}")
     first = r["survivors"][0]["stderr"]
     assert "flag_at" in r, f"the job ended before it logged a step: {first[-2000:]}"
-    assert r.get("victim_rc") == -9, f"the victim did not die in the step: {r.get('victim_rc')}, {first[-2000:]}"
+    assert r.get("victim_rc") == -9, (f"the victim did not die in the step: {r.get('victim_rc')}, "
+                                      f"victim: {r.get('victim_stderr', '')[-3000:]}, rank 0: {first[-2000:]}")
     step = "stage send / recv" if _pipeline(name) else "FSDP2 all-gather / reduce-scatter"
     assert sorted(r["survivors"]) == list(range(JOBS[name][0] - 1))
     for rank, s in sorted(r["survivors"].items()):

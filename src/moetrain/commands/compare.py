@@ -94,7 +94,16 @@ class Variant:
 def is_override(item: str) -> bool:
     """Whether a positional argument is a shared ``FIELD=VALUE`` override rather than a variant (a config file that
     exists is always a variant)."""
-    return _FIELD.match(item) is not None and not Path(item).is_file()
+    return _FIELD.match(item) is not None and not _is_file(item)
+
+
+def _is_file(item: str) -> bool:
+    """``Path(item).is_file()``, False where ``item`` cannot name a file (a variant spec longer than the system's
+    file-name limit raises ``OSError: File name too long`` from ``is_file``)."""
+    try:
+        return Path(item).is_file()
+    except OSError:
+        return False
 
 
 def parse_variant(spec: str) -> Variant:
@@ -109,7 +118,7 @@ def parse_variant(spec: str) -> Variant:
 
     where = f"variant '{spec}'"
     path = Path(spec)
-    if path.is_file():
+    if _is_file(spec):
         try:
             data = upgrade(load_file(path))
         except ConfigError as e:
