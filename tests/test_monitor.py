@@ -219,6 +219,27 @@ def test_collapse_share_uses_a_rolling_window_of_steps(tmp_path):
     assert fired == {1: [], 2: [], 3: [], 4: [], 5: [], 6: [], 7: ["collapse"], 8: []}
 
 
+def test_collapse_alarm_waits_for_collapse_from_step(tmp_path):
+    # Every step on expert 0 (top-1, window 3): with collapse_from_step=5 the alarm is held back at steps 3-4 and
+    # fires at step 5, when the window (steps 3-5) still holds the collapse; with 0 it fires at step 1.
+    def fired_at(from_step: int) -> dict[int, list[str]]:
+        cfg = MonitorConfig(collapse_fraction=0.9, collapse_window=3, dead_steps=100, collapse_from_step=from_step)
+        stats = RoutingStats([0], num_experts=4, top_k=1, device=torch.device("cpu"), collapse_window=3)
+        tracker = AlertTracker(cfg, tmp_path / f"alerts-{from_step}.jsonl", top_k=1, log=lambda m: None)
+        out = {}
+        for step in range(1, 7):
+            stats.observe(0, fake([10, 0, 0, 0], [0, 0, 0, 0]))
+            stats.end_step(step, 2.0)
+            out[step] = [a.kind for a in tracker.update(stats.snapshot())]
+        return out
+
+    assert fired_at(5) == {1: [], 2: [], 3: [], 4: [], 5: ["collapse"], 6: []}
+    assert fired_at(0) == {1: ["collapse"], 2: [], 3: [], 4: [], 5: [], 6: []}
+    with pytest.raises(ConfigError, match="monitor.collapse_from_step: must be >= 0"):
+        build_config("tiny", overrides={"monitor": {"collapse_from_step": -1}})
+    assert build_config("tiny").monitor.collapse_from_step is None  # the trainer uses train.warmup_steps
+
+
 def test_records_without_a_drop_field_report_no_drop_fraction(tmp_path):
     @dataclass(frozen=True)
     class NoDrop:

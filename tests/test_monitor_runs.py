@@ -127,6 +127,17 @@ def test_forced_collapse_raises_collapse_and_dead_alarms_in_window(tmp_path, cor
     assert last["moe/layer1/bias"] == [100.0, 100.0, 0.0, 0.0]
 
 
+@pytest.mark.parametrize(("monitor", "first"), [({}, 15), ({"collapse_from_step": 0}, 5)])
+def test_collapse_alarm_waits_for_the_warmup(tmp_path, corpus, cache_dir, forced_collapse, monitor, first):
+    # A 12-step warm-up: by default (collapse_from_step null) the collapse, present from step 1, is first reported
+    # at the first logging step from step 12 on (15); collapse_from_step=0 reports it at the first logging step.
+    cfg = tiny_config(corpus, cache_dir, model={"moe": COLLAPSE_MOE}, train={"warmup_steps": 12, "steps": 20},
+                      monitor=monitor)
+    Trainer(cfg, tmp_path / "run", log=lambda m: None, progress=False).run()
+    steps = sorted({a["step"] for a in read_alerts(tmp_path / "run") if a["kind"] == "collapse"})
+    assert steps == [first]
+
+
 def test_fatal_collapse_exits_2_with_a_checkpoint(tmp_path, corpus, cache_dir, forced_collapse, capsys):
     run_dir = tmp_path / "fatal"
     rc = main(["train", "--preset", "tiny", "--data", str(corpus), "--out", str(run_dir), "--no-progress",

@@ -16,7 +16,7 @@ import functools
 import json
 import shlex
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from collections.abc import Iterable
 from typing import Any, Callable, cast
@@ -352,7 +352,10 @@ class Trainer:
             self.log(f"resumed from {ckpt.location} at step {state.step}")
         elif self.resume:
             self.log(f"warning: no checkpoint in {checkpointer.store.url} yet: starting from step 0")
-        state.monitor = RoutingMonitor(state.model, self.hooks.monitor_config(cfg.monitor), self.run_dir, self.log,
+        monitor_cfg = cfg.monitor
+        if monitor_cfg.collapse_from_step is None:  # no collapse alarm during the warm-up (monitor_config.py)
+            monitor_cfg = replace(monitor_cfg, collapse_from_step=cfg.train.warmup_steps)
+        state.monitor = RoutingMonitor(state.model, self.hooks.monitor_config(monitor_cfg), self.run_dir, self.log,
                                        start_step=state.step, stages=self.hooks.stage_routing())  # routing health
         if saved is not None:
             state.monitor.load_state_dict(saved.get("monitor"))
