@@ -122,6 +122,21 @@ def test_special_values_follow_pytorch(dtype):
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_negative_zero_gating_weight_keeps_its_sign(dtype):
+    # w * silu(g) * u with w = -0.0: the sign of a zero product is the XOR of the factors' signs, as in PyTorch.
+    # (The kernels broadcast scalars with x - (+0), which keeps -0; x + 0 would have turned it into +0.)
+    torch.manual_seed(0)
+    n, f = 6, 19  # f not a multiple of the vector width: the tail runs through the same code
+    h = torch.randn(n, 2 * f).to(dtype)
+    w = torch.tensor([-0.0, 0.0, -0.0, 1.0, -1.0, -0.0], dtype=dtype)
+    a = torch.empty(n, f, dtype=dtype)
+    cpu_kernels.swiglu_forward(h, w, a)
+    expected = (F.silu(h[:, :f].double()) * h[:, f:].double()) * w.double()[:, None]
+    assert torch.equal(torch.signbit(a), torch.signbit(expected))
+
+
+@needs_kernels
 def test_silu_keeps_fp32_precision_up_to_where_exp_overflows():
     # exp(-g) in sigmoid stays finite down to g = -88.72 (ln of the largest float); silu(g) there is ~1e-37, a
     # normal float, which PyTorch's silu gets right. (exp clamped at 88 was up to 2x off below g = -88.)

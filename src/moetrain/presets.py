@@ -1,9 +1,9 @@
 """Named configurations.
 
 ``tiny`` trains in seconds (tests); ``cpu-small`` is the default job (8 experts, top-2, 1.36M parameters of which
-0.77M active, 600 steps; the MoE that beats its dense twin on its budget, docs/moe-vs-dense.md); ``mixtral-8x7b``, ``qwen3-30b-a3b`` and
-``olmoe-1b-7b`` are shape-only presets with the published architectures (their HF ``config.json``), for parameter
-counting and planning on the meta device.
+0.77M active, 600 steps; the MoE that beats its dense twin on its budget, docs/moe-vs-dense.md); ``mixtral-8x7b``,
+``qwen3-30b-a3b`` and ``olmoe-1b-7b`` are shape-only presets with the published architectures (their HF
+``config.json``), for parameter counting and planning on the meta device.
 """
 
 from __future__ import annotations

@@ -117,6 +117,7 @@ def evaluate_alarms(snap: Snapshot, config: MonitorConfig, top_k: int) -> dict[A
         total = sum(ls.tokens)
         w_tok = sum(ls.window_tokens) / top_k  # tokens in the collapse window
         hot = [e for e, t in enumerate(ls.window_tokens) if w_tok > 0 and t / w_tok > config.collapse_fraction]
+        # collapse_from_step None: the trainer sets it to train.warmup_steps; a monitor built directly checks from 0
         if top_k < n_experts and hot and snap.step >= (config.collapse_from_step or 0):
             shares = ", ".join(f"expert {e} {ls.window_tokens[e] / w_tok:.0%}" for e in hot)
             window = f"steps {snap.step - snap.window_steps + 1}-{snap.step}"
