@@ -21,7 +21,6 @@ import argparse
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from moetrain.commands.run_dir import load_run
 from moetrain.data import discover_files
@@ -30,14 +29,23 @@ from moetrain.data.corpus import read_documents, split_documents
 
 @torch.no_grad()
 def doc_loss(model: torch.nn.Module, ids: list[int], seq_len: int) -> tuple[float, int]:
-    """(summed loss in nats, predictions) over one document's tokens ``ids``, in windows of ``seq_len``."""
+    """Summed next-token loss of one document.
+
+    Args:
+        model: a :class:`~moetrain.model.transformer.MoETransformer` in eval mode.
+        ids: the document's token ids (int), at least 2 for any prediction.
+        seq_len: window length; the document is cut into consecutive windows of up to ``seq_len`` predictions.
+    Returns:
+        (summed loss in nats, number of predictions); the model's own LM loss (its ``lm_loss``, the mean the
+        trainer's ``evaluate`` uses) times each window's predictions.
+    """
     total, count = 0.0, 0
     tokens = torch.tensor(ids, dtype=torch.long)
     for start in range(0, len(ids) - 1, seq_len):
-        targets = tokens[start + 1 : start + 1 + seq_len]
-        inputs = tokens[start : start + targets.numel()]
-        logits = model(inputs[None]).logits[0].float()  # [S, V]
-        total += F.cross_entropy(logits, targets, reduction="sum").item()
+        targets = tokens[start + 1 : start + 1 + seq_len]  # [S] int64
+        inputs = tokens[start : start + targets.numel()]  # [S] int64
+        out = model(inputs[None], targets[None], return_logits=False)
+        total += float(out.lm_loss) * targets.numel()
         count += targets.numel()
     return total, count
 
@@ -48,14 +56,15 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     scores: dict[str, dict[str, tuple[float, int]]] = {}
-    names: list[str] = []
+    val = None  # the held-out documents, read once from the first run's config (the runs share their data)
     for run_dir in args.runs:
         run = load_run(run_dir)
-        docs, _ = read_documents(discover_files(run.config.data.path))
-        _, val = split_documents(docs, run.config.data.val_fraction)
-        names = [d.name for d in val]
+        if val is None:
+            docs, _ = read_documents(discover_files(run.config.data.path))
+            _, val = split_documents(docs, run.config.data.val_fraction)
         scores[run_dir] = {d.name: doc_loss(run.model, run.tokenizer.encode(d.text).ids, run.config.data.seq_len)
                            for d in val}
+    names = [d.name for d in val or []]
     labels = [Path(r).name for r in args.runs]
     print("| file | tokens | " + " | ".join(labels) + " |")
     print("|---|---|" + "---|" * len(labels))
