@@ -26,7 +26,7 @@ def test_doctor_prints_the_breakdown(run, capsys):
     capsys.readouterr()
     assert main(["doctor", str(run), "--steps", "2"]) == 0
     out = capsys.readouterr().out
-    for words in ("machine: ", "usable cores, load average", "bf16: native flags", "peak (calibrated 1024^3 GEMM): "
+    for words in ("machine: ", "usable cores", "load average", "bf16: native flags", "peak (calibrated 1024^3 GEMM): "
                   "fp32", "step ", "forward", "backward", "optimizer", "monitoring",
                   "communication 0% (the run was one process)", "achieved", "MFU", "the run's own log: median",
                   "data loading", "the run's MFU", "x the window's (its wall time also holds", "of this window's MFU"):
@@ -143,7 +143,12 @@ def test_doctor_recommends_fewer_threads_on_a_loaded_machine():
          "mfu": 0.5}
     assert findings(d) == ["threads: 2 threads on 2 usable cores with a load of 2.0 oversubscribe the CPU; set "
                            "train.threads=1"]
-    d.update(load=0.0, threads=1, dtype="bf16")
+    d.update(busy=0.2)  # the cores busy now win over the load average (which counts this process's own work)
+    assert not any(f.startswith("threads:") for f in findings(d))
+    d.update(busy=1.6)
+    assert findings(d) == ["threads: 2 threads on 2 usable cores with other processes busy on 1.6 oversubscribe the "
+                           "CPU; set train.threads=1"]
+    d.update(load=0.0, busy=None, threads=1, dtype="bf16")
     assert findings(d)[0].startswith("bf16: this CPU has no fast bf16 GEMMs")
 
 

@@ -3,11 +3,19 @@ one would prove the no-bf16 path on an AMX machine)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
 import pytest
 import torch
 
 from moetrain.runtime import cpu
-from moetrain.runtime.threads import choose_threads, default_threads
+from moetrain.runtime import threads as threads_mod
+from moetrain.runtime.threads import choose_threads, default_threads, others_busy_cores
 
 
 @pytest.mark.parametrize("cores, load, want", [(2, 0.0, 2), (2, 1.2, 1), (2, 2.0, 1), (2, 6.0, 1), (16, 3.4, 13),
@@ -22,6 +30,67 @@ def test_an_explicit_setting_wins_and_a_lower_current_count_is_kept():
         assert choose_threads(2).threads == 2 and torch.get_num_threads() == 2
         torch.set_num_threads(1)  # e.g. OMP_NUM_THREADS=1
         assert choose_threads(0).threads == 1
+    finally:
+        torch.set_num_threads(n)
+
+
+def test_others_busy_cores_subtracts_this_process_s_own_ticks(monkeypatch):
+    """The arithmetic on made-up counters: 0.1 s at 100 ticks/s is 10 ticks of one core; the usable CPUs were busy
+    for 25 ticks, 7 of them this process's, so other processes kept 1.8 cores busy."""
+    machine, own, clock = iter([1000, 1025]), iter([500, 507]), iter([10.0, 10.1])
+    monkeypatch.setattr(threads_mod, "_cpu_ticks", lambda cpus: next(machine))
+    monkeypatch.setattr(threads_mod, "_own_ticks", lambda: next(own))
+    monkeypatch.setattr(threads_mod.time, "monotonic", lambda: next(clock))
+    monkeypatch.setattr(threads_mod.time, "sleep", lambda s: None)
+    monkeypatch.setattr(threads_mod.os, "sysconf", lambda name: 100)
+    monkeypatch.setattr(threads_mod.os, "sched_getaffinity", lambda pid: {0, 1})
+    assert others_busy_cores() == pytest.approx(1.8)
+
+
+@pytest.mark.skipif(not Path("/proc/stat").exists(), reason="needs Linux's /proc")
+def test_others_busy_cores_sees_a_spinning_process_and_not_this_one():
+    """A child spinning on one core is counted (whatever else runs, the measure is at least that core, up to the
+    usable cores); this process spinning in a thread of its own for the whole window is not (the same measure
+    with and without it, within the 10 ms tick and what other jobs do meanwhile, bounded by one core)."""
+    cores = len(os.sched_getaffinity(0))
+    child = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)
+        assert min(cores, 0.5) <= others_busy_cores(0.3) <= cores
+    finally:
+        child.kill()
+        child.wait()
+    stop = threading.Event()
+    spinner = threading.Thread(target=lambda: [None for _ in iter(stop.is_set, True)])
+    spinner.start()
+    try:
+        time.sleep(0.05)
+        with_own = others_busy_cores(0.3)
+    finally:
+        stop.set()
+        spinner.join()
+    without = others_busy_cores(0.3)
+    assert 0 <= with_own <= cores and abs(with_own - without) < 0.75
+
+
+def test_the_default_follows_the_busy_cores_not_the_load_average(monkeypatch):
+    """Right after ``pip install`` the load average still counts it (0.8-1.5 on an idle 2-core machine); the cores
+    busy now decide. Where they cannot be measured the load average does."""
+    n = torch.get_num_threads()
+    monkeypatch.setattr(threads_mod, "usable_cores", lambda: 2)
+    monkeypatch.setattr(threads_mod, "load_average", lambda: 1.5)
+    try:
+        torch.set_num_threads(2)
+        monkeypatch.setattr(threads_mod, "others_busy_cores", lambda: 0.1)
+        choice = choose_threads(0)
+        assert (choice.threads, choice.busy) == (2, 0.1)
+        assert "0.1 of them busy with other processes, load average 1.5" in choice.line()
+        torch.set_num_threads(2)
+        monkeypatch.setattr(threads_mod, "others_busy_cores", lambda: 1.2)
+        assert choose_threads(0).threads == 1
+        torch.set_num_threads(2)
+        monkeypatch.setattr(threads_mod, "others_busy_cores", lambda: None)
+        assert choose_threads(0).threads == 1  # load average 1.5 -> 2 - 2 -> at least 1
     finally:
         torch.set_num_threads(n)
 

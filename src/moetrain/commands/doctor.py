@@ -241,7 +241,7 @@ def diagnose(config, run_dir: str | None, steps: int) -> dict:
     achieved = flops / times["step"]
     return {"cpu": cpu_model(), "bf16_flags": bf16_flags(), "bf16_fast": bf16.fast, "bf16_reason": bf16.reason,
             "threads": threads.threads, "usable_cores": threads.usable_cores, "load": threads.load,
-            "threads_requested": threads.requested, "peak_flops": peak, "compute_dtype": compute,
+            "busy": threads.busy, "threads_requested": threads.requested, "peak_flops": peak, "compute_dtype": compute,
             "dtype": config.train.dtype, "step_flops": flops, "tokens_per_step": tokens, "times": times,
             "achieved_flops": achieved, "mfu": achieved / peak[compute], "processes": run_processes(run_dir),
             "run": _run_metrics(run_dir, flops / tokens)}
@@ -250,10 +250,11 @@ def diagnose(config, run_dir: str | None, steps: int) -> dict:
 def findings(d: dict) -> list[str]:
     """One recommendation per finding, most costly first."""
     out = []
-    load = d["load"] or 0.0
+    busy = d.get("busy")  # cores other processes keep busy; the load average where that was not measured
+    load, what = (busy, "other processes busy on") if busy is not None else (d["load"] or 0.0, "a load of")
     fit = max(1, d["usable_cores"] - round(load))
     if d["threads"] > fit:
-        out.append(f"threads: {d['threads']} threads on {d['usable_cores']} usable cores with a load of {load:.1f} "
+        out.append(f"threads: {d['threads']} threads on {d['usable_cores']} usable cores with {what} {load:.1f} "
                    f"oversubscribe the CPU; set train.threads={fit}")
     if d["dtype"] == "bf16" and not d["bf16_fast"]:
         out.append("bf16: this CPU has no fast bf16 GEMMs, so train.dtype=bf16 computes in fp32 here; use "
@@ -298,8 +299,9 @@ def run(args) -> int:
     config = _config(args.run_dir)
     d = diagnose(config, args.run_dir, args.steps)
     load = "unknown" if d["load"] is None else f"{d['load']:.1f}"
-    print(f"machine: {d['cpu']}; {d['usable_cores']} usable cores, load average {load}, {d['threads']} intra-op "
-          f"threads")
+    busy = "" if d.get("busy") is None else f", {d['busy']:.1f} of them busy with other processes"
+    print(f"machine: {d['cpu']}; {d['usable_cores']} usable cores{busy}, load average {load}, {d['threads']} "
+          f"intra-op threads")
     flags = ", ".join(d["bf16_flags"]) or "none"
     print(f"bf16: native flags {flags}; {'fast' if d['bf16_fast'] else 'slow'} ({d['bf16_reason']})")
     print(f"peak (calibrated 1024^3 GEMM): fp32 {d['peak_flops']['fp32'] / 1e9:.1f} GFLOP/s, bf16 "

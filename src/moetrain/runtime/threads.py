@@ -1,25 +1,32 @@
-"""The default number of intra-op threads: the cores this process may use, less the machine's load.
+"""The default number of intra-op threads: the cores this process may use, less those other processes keep busy.
 
 PyTorch's default is one thread per core of the machine. On a machine busy with other jobs that oversubscribes
 the cores: OpenMP threads spin-wait for each other at every parallel region, and one descheduled thread stalls
 them all; the issue that introduced this module measured a 200-step ``tiny`` run at 100 s with the default and
 19 s with one thread under a load of 4-6 on 2 cores. So the default is
 
-    threads = max(1, min(current threads, usable cores - round(1-minute load average)))
+    threads = max(1, min(current threads, usable cores - round(busy)))
 
 where the current threads are PyTorch's (one per core, or what ``OMP_NUM_THREADS`` or an embedding program's
-``torch.set_num_threads`` set: an explicit lower setting is kept), the usable cores are ``os.sched_getaffinity(0)`` (a container's or ``taskset``'s limit, not the machine's
-core count) and the load is ``os.getloadavg()[0]`` (it counts runnable processes; this process is not running
-yet when it is read, and a load above the cores leaves one thread). ``train.threads`` > 0 overrides it.
+``torch.set_num_threads`` set: an explicit lower setting is kept), the usable cores are ``os.sched_getaffinity(0)``
+(a container's or ``taskset``'s limit, not the machine's core count), and ``busy`` is how many of those cores
+*other* processes kept busy over the last 0.1 s (:func:`others_busy_cores`: Linux's per-CPU counters in
+``/proc/stat`` less this process's own CPU time from ``/proc/self/stat``). Where that cannot be read (not Linux)
+``busy`` is the 1-minute load average (``os.getloadavg()[0]``). The load average used to be the only input, and it
+counts this process's own recent work: on an idle 2-core machine, right after ``pip install`` or the run's own
+tokenizer training, it read 0.8-1.5, and the default job trained at one thread in 5 min 15 s instead of 3 min 57 s
+at two (2026-12-03, AMD EPYC). ``train.threads`` > 0 overrides it.
 
-The choice depends on the load at start, so a resumed run may get another count than its first part, and GEMM
+The choice depends on the machine at start, so a resumed run may get another count than its first part, and GEMM
 reductions split over another number of threads round differently: for bit-exact resumes set ``train.threads``.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -33,18 +40,22 @@ class ThreadChoice:
         usable_cores: ``len(os.sched_getaffinity(0))`` (``os.cpu_count()`` where unsupported).
         load: 1-minute load average (``None`` where unsupported).
         requested: ``train.threads`` (0 = choose).
+        busy: usable cores that other processes kept busy when the choice was made (:func:`others_busy_cores`;
+            ``None`` where unsupported, or not measured because nothing was left to choose).
     """
 
     threads: int
     usable_cores: int
     load: float | None
     requested: int
+    busy: float | None = None
 
     def line(self) -> str:
         load = "unknown" if self.load is None else f"{self.load:.1f}"
         if self.requested:
             return f"threads: {self.threads} (train.threads; {self.usable_cores} usable cores, load average {load})"
-        return (f"threads: {self.threads} ({self.usable_cores} usable cores, load average {load}; "
+        busy = "" if self.busy is None else f", {self.busy:.1f} of them busy with other processes"
+        return (f"threads: {self.threads} ({self.usable_cores} usable cores{busy}, load average {load}; "
                 "set train.threads=N to override)")
 
 
@@ -64,17 +75,74 @@ def load_average() -> float | None:
         return None
 
 
+def _cpu_ticks(cpus: set[int]) -> int | None:
+    """Busy clock ticks (user, nice, system, irq, softirq, steal) summed over ``cpus``, from ``/proc/stat``."""
+    try:
+        lines = Path("/proc/stat").read_text().splitlines()
+    except OSError:
+        return None
+    total = 0
+    for line in lines:
+        name, *fields = line.split()
+        if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
+            user, nice, system, _idle, _iowait, irq, softirq, steal = (int(f) for f in fields[:8])
+            total += user + nice + system + irq + softirq + steal
+    return total
+
+
+def _own_ticks() -> int | None:
+    """This process's CPU time (all threads, user + system) in clock ticks, from ``/proc/self/stat``."""
+    try:
+        stat = Path("/proc/self/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": field 3 (state) onwards
+    return int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15 of proc(5)
+
+
+def others_busy_cores(sample_s: float = 0.1) -> float | None:
+    """How many of this process's usable cores other processes keep busy now.
+
+    Samples the busy ticks of the usable CPUs (``/proc/stat``) and this process's own CPU time
+    (``/proc/self/stat``) ``sample_s`` seconds apart; the difference, over the elapsed ticks, is the cores busy
+    with everything but this process (its own OpenMP threads, still spinning after its last parallel region,
+    included in its own time). Tick resolution is 1 / ``SC_CLK_TCK`` (10 ms on Linux).
+
+    Args:
+        sample_s: sampling window in seconds.
+    Returns:
+        cores in [0, usable cores], or ``None`` where the counters do not exist (not Linux).
+    """
+    try:
+        cpus = os.sched_getaffinity(0)
+        hz = os.sysconf("SC_CLK_TCK")
+    except (AttributeError, OSError, ValueError):
+        return None
+    t0, busy0, own0 = time.monotonic(), _cpu_ticks(cpus), _own_ticks()
+    if busy0 is None or own0 is None:
+        return None
+    time.sleep(sample_s)
+    t1, busy1, own1 = time.monotonic(), _cpu_ticks(cpus), _own_ticks()
+    if busy1 is None or own1 is None:
+        return None
+    others = ((busy1 - busy0) - (own1 - own0)) / ((t1 - t0) * hz)
+    return min(float(len(cpus)), max(0.0, others))
+
+
 def default_threads(cores: int, load: float | None) -> int:
-    """``max(1, cores - round(load))``; all ``cores`` when the load is unknown."""
+    """``max(1, cores - round(load))``; all ``cores`` when the load is unknown. ``load``: cores busy with other
+    work (:func:`others_busy_cores`, or the load average where that is unknown)."""
     if load is None:
         return cores
     return max(1, min(cores, cores - int(round(load))))
 
 
 def choose_threads(requested: int = 0) -> ThreadChoice:
-    """Pick the intra-op threads (``requested`` > 0 wins; else never more than PyTorch has now) and apply them
-    with ``torch.set_num_threads``."""
+    """Pick the intra-op threads (``requested`` > 0 wins; else never more than PyTorch has now, and the usable
+    cores less those other processes keep busy) and apply them with ``torch.set_num_threads``."""
     cores, load = usable_cores(), load_average()
-    threads = requested if requested > 0 else min(torch.get_num_threads(), default_threads(cores, load))
+    current = torch.get_num_threads()
+    busy = others_busy_cores() if requested <= 0 and min(current, cores) > 1 else None
+    threads = requested if requested > 0 else min(current, default_threads(cores, load if busy is None else busy))
     torch.set_num_threads(threads)
-    return ThreadChoice(threads, cores, load, requested)
+    return ThreadChoice(threads, cores, load, requested, busy)
