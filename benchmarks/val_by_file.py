@@ -16,7 +16,9 @@ settings; the documents are listed in split order). ``--tokens NAME --top N`` ad
 name contains NAME, the N target tokens on which the last run loses most to the first (summed over the document's
 occurrences): occurrences, each run's mean loss on them, their share of the document's mean difference, and each
 run's two most frequent top-1 predictions there. Used in docs/moe-vs-dense.md to find that one token of Pygments'
-``lexers/_mapping.py`` carries most of the MoE's deficit there.
+``lexers/_mapping.py`` carries most of the MoE's deficit there. ``--files PATH ... [--max-tokens N]`` scores the
+given files (their first N predictions) instead of the held-out split: text none of the runs trained on, such as
+another package's generated tables (wave 9's out-of-distribution check).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import torch
 
 from moetrain.commands.run_dir import load_run
 from moetrain.data import discover_files
-from moetrain.data.corpus import read_documents, split_documents
+from moetrain.data.corpus import Document, read_documents, split_documents
 
 
 @torch.no_grad()
@@ -73,10 +75,10 @@ def token_losses(model: torch.nn.Module, ids: list[int], seq_len: int) -> tuple[
     return torch.cat(losses), torch.cat(argmax)
 
 
-def print_token_table(runs: list, labels: list[str], doc, top: int) -> None:
-    """The ``--tokens`` table for one document (see the module docstring)."""
+def print_token_table(runs: list, labels: list[str], doc, top: int, max_tokens: int = 0) -> None:
+    """The ``--tokens`` table for one document (see the module docstring; ``max_tokens`` as ``--max-tokens``)."""
     tokenizer = runs[0].tokenizer
-    ids = tokenizer.encode(doc.text).ids
+    ids = tokenizer.encode(doc.text).ids[: max_tokens + 1 if max_tokens > 0 else None]
     per_run = [token_losses(run.model, ids, run.config.data.seq_len) for run in runs]
     targets = torch.tensor(ids[1:])
     diff = per_run[-1][0] - per_run[0][0]  # last run minus first, per prediction
@@ -100,8 +102,13 @@ def print_token_table(runs: list, labels: list[str], doc, top: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("runs", nargs="+", help="run directories")
-    parser.add_argument("--tokens", metavar="NAME", help="the per-token table for the held-out document named *NAME*")
+    parser.add_argument("--tokens", metavar="NAME",
+                        help="the per-token table for the first scored document whose name contains NAME")
     parser.add_argument("--top", type=int, default=10, help="rows of the per-token table (default 10)")
+    parser.add_argument("--files", nargs="+", metavar="PATH",
+                        help="score these files instead of the held-out split (text none of the runs trained on)")
+    parser.add_argument("--max-tokens", type=int, default=0,
+                        help="score at most this many predictions of each document (default 0: all)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     scores: dict[str, dict[str, tuple[float, int]]] = {}
@@ -110,11 +117,14 @@ def main() -> None:
     for run_dir in args.runs:
         run = load_run(run_dir)
         loaded.append(run)
-        if val is None:
+        if val is None and args.files:
+            val = [Document("/".join(Path(f).parts[-2:]), Path(f).read_text(encoding="utf-8")) for f in args.files]
+        elif val is None:
             docs, _ = read_documents(discover_files(run.config.data.path))
             _, val = split_documents(docs, run.config.data.val_fraction)
-        scores[run_dir] = {d.name: doc_loss(run.model, run.tokenizer.encode(d.text).ids, run.config.data.seq_len)
-                           for d in val}
+        limit = args.max_tokens + 1 if args.max_tokens > 0 else None
+        scores[run_dir] = {d.name: doc_loss(run.model, run.tokenizer.encode(d.text).ids[:limit],
+                                            run.config.data.seq_len) for d in val}
     names = [d.name for d in val or []]
     labels = [Path(r).name for r in args.runs]
     print("| file | tokens | " + " | ".join(labels) + " |")
@@ -129,13 +139,11 @@ def main() -> None:
         rest = [v for k, v in s.items() if k != largest]
         print(f"{label}: all {total / n:.3f} over {n} predictions; without {largest}: "
               f"{sum(v[0] for v in rest) / sum(v[1] for v in rest):.3f}")
-
-
     if args.tokens:
         matches = [d for d in val or [] if args.tokens in d.name]
         if not matches:
-            raise SystemExit(f"--tokens {args.tokens}: no held-out document's name contains it")
-        print_token_table(loaded, labels, matches[0], args.top)
+            raise SystemExit(f"--tokens {args.tokens}: no scored document's name contains it")
+        print_token_table(loaded, labels, matches[0], args.top, args.max_tokens)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from moetrain.runtime.threads import choose_threads, default_threads, others_bus
 
 
 @pytest.mark.parametrize("cores, load, want", [(2, 0.0, 2), (2, 1.2, 1), (2, 2.0, 1), (2, 6.0, 1), (16, 3.4, 13),
-                                               (4, None, 4)])
+                                               (4, None, 4), (2, 0.5, 1), (4, 2.5, 1), (4, 2.49, 2)])
 def test_default_threads_leave_the_loaded_cores(cores, load, want):
     assert default_threads(cores, load) == want
 
@@ -47,12 +46,34 @@ def test_others_busy_cores_subtracts_this_process_s_own_ticks(monkeypatch):
     assert others_busy_cores() == pytest.approx(1.8)
 
 
+def test_a_proc_stat_without_the_affinity_s_cpus_or_unparsable_gives_no_measure(monkeypatch, tmp_path):
+    """An offline CPU, a container's renumbered ``/proc/stat``, or a malformed line: no measure (the load average
+    decides), never a made-up 0 that would take every core."""
+    stat = tmp_path / "stat"
+    monkeypatch.setattr(threads_mod, "Path", lambda name: stat if name == "/proc/stat" else Path(name))
+    stat.write_text("cpu  9 0 9 9 0 0 0 0 0 0\ncpu0 5 0 4 9 0 0 0 0 0 0\n")
+    assert threads_mod._cpu_ticks({0}) == 9
+    assert threads_mod._cpu_ticks({0, 1}) is None  # cpu1 has no line
+    stat.write_text("cpu0 5 0 4\n\n")
+    assert threads_mod._cpu_ticks({0}) is None  # too few fields
+    stat.write_text("cpu0 5 x 4 9 0 0 0 0 0 0\n")
+    assert threads_mod._cpu_ticks({0}) is None
+
+
 @pytest.mark.skipif(not Path("/proc/stat").exists(), reason="needs Linux's /proc")
-def test_others_busy_cores_sees_a_spinning_process_and_not_this_one():
-    """A child spinning on one core is counted (whatever else runs, the measure is at least that core, up to the
-    usable cores); this process spinning in a thread of its own for the whole window is not (the same measure
-    with and without it, within the 10 ms tick and what other jobs do meanwhile, bounded by one core)."""
-    cores = len(os.sched_getaffinity(0))
+def test_the_proc_counters_agree_with_the_process_clock_and_see_a_spinning_child():
+    """This process's ticks (``/proc/self/stat``) advance with ``time.process_time`` (an independent clock of the
+    same CPU time) while it spins, and the usable CPUs' busy ticks by at least as much; a child spinning on a core is
+    counted as another process's (whatever else runs, the measure is at least half a core, at most the cores)."""
+    hz = os.sysconf("SC_CLK_TCK")
+    cpus = os.sched_getaffinity(0)
+    own0, busy0, clock0 = threads_mod._own_ticks(), threads_mod._cpu_ticks(cpus), time.process_time()
+    while time.process_time() - clock0 < 0.3:
+        pass
+    own1, busy1, clock1 = threads_mod._own_ticks(), threads_mod._cpu_ticks(cpus), time.process_time()
+    assert abs((own1 - own0) / hz - (clock1 - clock0)) < 0.05
+    assert busy1 - busy0 >= own1 - own0 - len(cpus)  # one tick of rounding per CPU
+    cores = len(cpus)
     child = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         time.sleep(0.3)
@@ -60,17 +81,6 @@ def test_others_busy_cores_sees_a_spinning_process_and_not_this_one():
     finally:
         child.kill()
         child.wait()
-    stop = threading.Event()
-    spinner = threading.Thread(target=lambda: [None for _ in iter(stop.is_set, True)])
-    spinner.start()
-    try:
-        time.sleep(0.05)
-        with_own = others_busy_cores(0.3)
-    finally:
-        stop.set()
-        spinner.join()
-    without = others_busy_cores(0.3)
-    assert 0 <= with_own <= cores and abs(with_own - without) < 0.75
 
 
 def test_the_default_follows_the_busy_cores_not_the_load_average(monkeypatch):

@@ -36,6 +36,7 @@ from torch.utils.data import DataLoader
 from moetrain.data.batch import Batch, PackedBatch
 from moetrain.data.dataset import BatchSampler, PreparedData, TokenWindows, eval_batches
 from moetrain.data.packing import DocumentBatches, DocumentChunks
+from moetrain.data.val_coverage import val_coverage_note
 
 
 class WindowBatches:
@@ -216,11 +217,14 @@ class DataPipeline:
         train: the :class:`BatchLoader`.
         val: validation micro-batches (the same packing as training, fixed shape, in stream order).
         describe: one line for the log (``"1234 training windows of 256 tokens"``).
+        val_note: a line for the log when one held-out document dominates the evaluated tokens
+            (:func:`~moetrain.data.val_coverage.val_coverage_note`), else ``None``.
     """
 
     train: BatchLoader
     val: list[Batch]
     describe: str
+    val_note: str | None = None
 
 
 def build_pipeline(data: PreparedData, seq_len: int, packing: str, batch_size: int, tokens_per_batch: int,
@@ -241,9 +245,12 @@ def build_pipeline(data: PreparedData, seq_len: int, packing: str, batch_size: i
     """
     if packing == "windows":
         train = TokenWindows(data.train_tokens, seq_len)
-        val: list[Batch] = list(eval_batches(TokenWindows(data.val_tokens, seq_len), batch_size, eval_batch_count))
+        windows = eval_batches(TokenWindows(data.val_tokens, seq_len), batch_size, eval_batch_count)
+        note = val_coverage_note(data.val_tokens, data.eos_id, sum(inputs.shape[0] for inputs, _ in windows), seq_len,
+                                 data.num_val_docs, batch_size)
+        val: list[Batch] = list(windows)
         return DataPipeline(BatchLoader(WindowBatches(train, batch_size, seed), seed, workers, prefetch, pin_memory),
-                            val, f"{len(train)} training windows of {seq_len} tokens")
+                            val, f"{len(train)} training windows of {seq_len} tokens", note)
     chunks = DocumentChunks(data.train_tokens, data.eos_id, seq_len)
     val_docs = DocumentBatches(DocumentChunks(data.val_tokens, data.eos_id, seq_len), batch_size, 0, seed,
                                shuffle=False)

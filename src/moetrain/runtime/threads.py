@@ -9,12 +9,14 @@ them all; the issue that introduced this module measured a 200-step ``tiny`` run
 
 where the current threads are PyTorch's (one per core, or what ``OMP_NUM_THREADS`` or an embedding program's
 ``torch.set_num_threads`` set: an explicit lower setting is kept), the usable cores are ``os.sched_getaffinity(0)``
-(a container's or ``taskset``'s limit, not the machine's core count), and ``busy`` is how many of those cores
-*other* processes kept busy over the last 0.1 s (:func:`others_busy_cores`: Linux's per-CPU counters in
-``/proc/stat`` less this process's own CPU time from ``/proc/self/stat``). Where that cannot be read (not Linux)
-``busy`` is the 1-minute load average (``os.getloadavg()[0]``). The load average used to be the only input, and it
-counts this process's own recent work: on an idle 2-core machine, right after ``pip install`` or the run's own
-tokenizer training, it read 0.8-1.5, and the default job trained at one thread in 5 min 15 s instead of 3 min 57 s
+(a cpuset's or ``taskset``'s limit, not the machine's core count; a CPU quota such as ``docker --cpus`` is not
+seen), ``busy`` is how many of those cores *other* processes kept busy over the last 0.1 s (:func:`others_busy_cores`:
+Linux's per-CPU counters in ``/proc/stat`` less this process's own CPU time from ``/proc/self/stat``), and a half is
+rounded up. Where those counters cannot be read (not Linux; a ``/proc/stat`` without the affinity's CPUs) ``busy``
+is the 1-minute load average (``os.getloadavg()[0]``). A 0.1 s sample can miss a neighbour that is momentarily
+idle; the choice then holds for the whole run. The load average used to be the only input, and it
+counts the past minute of everything: on an idle 2-core machine, right after ``pip install`` or after an earlier run
+had ended, it read 0.8-1.5, and the default job trained at one thread in 5 min 15 s instead of 3 min 57 s
 at two (2026-12-03, AMD EPYC). ``train.threads`` > 0 overrides it.
 
 The choice depends on the machine at start, so a resumed run may get another count than its first part, and GEMM
@@ -23,6 +25,7 @@ reductions split over another number of threads round differently: for bit-exact
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -76,28 +79,30 @@ def load_average() -> float | None:
 
 
 def _cpu_ticks(cpus: set[int]) -> int | None:
-    """Busy clock ticks (user, nice, system, irq, softirq, steal) summed over ``cpus``, from ``/proc/stat``."""
+    """Busy clock ticks (user, nice, system, irq, softirq, steal; guest time is inside user) summed over ``cpus``,
+    from ``/proc/stat``; ``None`` unless every one of ``cpus`` has a line there (an offline CPU, or a container
+    whose ``/proc/stat`` numbers its CPUs otherwise than the affinity does) and every line parses."""
     try:
-        lines = Path("/proc/stat").read_text().splitlines()
-    except OSError:
+        found, total = set(), 0
+        for line in Path("/proc/stat").read_text().splitlines():
+            name, _, rest = line.partition(" ")
+            if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
+                user, nice, system, _idle, _iowait, irq, softirq, steal = (int(f) for f in rest.split()[:8])
+                total += user + nice + system + irq + softirq + steal
+                found.add(int(name[3:]))
+    except (OSError, ValueError):
         return None
-    total = 0
-    for line in lines:
-        name, *fields = line.split()
-        if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
-            user, nice, system, _idle, _iowait, irq, softirq, steal = (int(f) for f in fields[:8])
-            total += user + nice + system + irq + softirq + steal
-    return total
+    return total if found == cpus else None
 
 
 def _own_ticks() -> int | None:
     """This process's CPU time (all threads, user + system) in clock ticks, from ``/proc/self/stat``."""
     try:
         stat = Path("/proc/self/stat").read_text()
-    except OSError:
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": field 3 (state) onwards
+        return int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15 of proc(5)
+    except (OSError, ValueError, IndexError):
         return None
-    fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": field 3 (state) onwards
-    return int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15 of proc(5)
 
 
 def others_busy_cores(sample_s: float = 0.1) -> float | None:
@@ -114,7 +119,7 @@ def others_busy_cores(sample_s: float = 0.1) -> float | None:
         cores in [0, usable cores], or ``None`` where the counters do not exist (not Linux).
     """
     try:
-        cpus = os.sched_getaffinity(0)
+        cpus = set(os.sched_getaffinity(0))
         hz = os.sysconf("SC_CLK_TCK")
     except (AttributeError, OSError, ValueError):
         return None
@@ -130,11 +135,11 @@ def others_busy_cores(sample_s: float = 0.1) -> float | None:
 
 
 def default_threads(cores: int, load: float | None) -> int:
-    """``max(1, cores - round(load))``; all ``cores`` when the load is unknown. ``load``: cores busy with other
-    work (:func:`others_busy_cores`, or the load average where that is unknown)."""
+    """``max(1, cores - round(load))``, halves rounded up; all ``cores`` when the load is unknown. ``load``: cores
+    busy with other work (:func:`others_busy_cores`, or the load average where that is unknown)."""
     if load is None:
         return cores
-    return max(1, min(cores, cores - int(round(load))))
+    return max(1, min(cores, cores - math.floor(load + 0.5)))
 
 
 def choose_threads(requested: int = 0) -> ThreadChoice:

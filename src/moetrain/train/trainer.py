@@ -419,6 +419,8 @@ class Trainer:
             f"model: {total / 1e6:.2f}M parameters, {active / 1e6:.2f}M active per token; "
             f"{pipeline.describe}; device {self.device}"
         )
+        if pipeline.val_note:
+            self.log(pipeline.val_note)
         return TrainState(model, optimizer, build_scheduler(optimizer, t), pipeline.train, config=cfg.to_dict())
 
     def _restore(self, checkpointer: Checkpointer, ckpt: LoadedCheckpoint | None, state: TrainState,

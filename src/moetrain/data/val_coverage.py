@@ -1,0 +1,85 @@
+"""What the validation loss measures: how much of the evaluated tokens one held-out document makes up.
+
+Training evaluates the first ``train.eval_batches`` batches of the validation split, in stream order, not a sample
+of it. Where one held-out document is most of those tokens, the validation loss is mostly that document's loss. This
+is how Pygments' split misled issue 19's comparison (docs/moe-vs-dense.md, waves 8-9): one generated file,
+``lexers/_mapping.py``, was 25,346 of the 32,768 evaluated tokens (77%), and an MoE that led its twin on every
+other held-out file trailed it on the run's validation loss. :func:`val_coverage_note` says so at the start of a run
+with ``data.packing=windows`` (the default); with ``documents`` packing the rows are chunks of documents padded to
+the row length, and no note is computed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+# A note is printed when one document makes up more than this share of the evaluated tokens.
+DOMINANT_SHARE = 0.5
+
+
+@dataclass(frozen=True)
+class DocumentShare:
+    """The largest document among the evaluated tokens.
+
+    Attributes:
+        largest: tokens of the largest document (its closing EOS included) among the evaluated ones.
+        evaluated: tokens evaluated (predictions).
+        documents: documents they touch (a document cut by the end of the span counts).
+    """
+
+    largest: int
+    evaluated: int
+    documents: int
+
+    @property
+    def share(self) -> float:
+        """``largest / evaluated`` (0 when nothing is evaluated)."""
+        return self.largest / self.evaluated if self.evaluated else 0.0
+
+
+def largest_document(targets: np.ndarray, eos_id: int) -> DocumentShare:
+    """Split a run of target tokens at the EOS that closes each document and find the longest part.
+
+    Args:
+        targets: [N] integer token ids, the predictions evaluated, in stream order (each document is followed by
+            ``eos_id``, as :func:`~moetrain.data.dataset.prepare_data` writes the streams).
+        eos_id: the EOS token id.
+    Returns:
+        The :class:`DocumentShare`; an EOS is counted with the document it closes.
+    """
+    n = len(targets)
+    ends = np.flatnonzero(np.asarray(targets) == eos_id) + 1  # exclusive end of each closed document
+    if n and (len(ends) == 0 or ends[-1] != n):
+        ends = np.append(ends, n)  # the last document runs past the span
+    lengths = np.diff(np.concatenate([[0], ends]))
+    return DocumentShare(int(lengths.max()) if n else 0, n, len(lengths))
+
+
+def val_coverage_note(val_tokens: np.ndarray, eos_id: int, evaluated_windows: int, seq_len: int,
+                      val_documents: int, batch_size: int) -> str | None:
+    """One log line when a single held-out document dominates what the validation loss measures, else ``None``.
+
+    Args:
+        val_tokens: [N] the validation stream.
+        eos_id: its EOS id.
+        evaluated_windows: windows of ``seq_len`` predictions evaluated (``train.eval_batches`` batches' rows).
+        seq_len: ``data.seq_len``.
+        val_documents: documents in the validation split (a one-document split gets no note).
+        batch_size: ``train.batch_size`` (to say how many batches would cover the split).
+    Returns:
+        ``"data: note: ..."`` naming the share, the evaluated and total tokens and, when more full batches exist,
+        the ``train.eval_batches`` that evaluates all of them; ``None`` when the share is at most
+        :data:`DOMINANT_SHARE`.
+    """
+    n = evaluated_windows * seq_len
+    found = largest_document(val_tokens[1 : 1 + n], eos_id)  # window i predicts tokens[i*S + 1 : i*S + S + 1]
+    if val_documents < 2 or found.share <= DOMINANT_SHARE:
+        return None
+    full = ((len(val_tokens) - 1) // seq_len) // batch_size  # eval_batches evaluates full batches only
+    advice = (f"train.eval_batches={full} evaluates all {full} full batches of the split" if full * batch_size >
+              evaluated_windows else "that is the whole split (the full batches of it)")
+    return (f"data: note: one held-out document is {found.share:.0%} of the {found.evaluated:,} validation tokens "
+            f"evaluated ({found.documents} of {val_documents} documents; the split has {len(val_tokens):,} tokens, "
+            f"end-of-text tokens included), so val_loss mostly measures that document; {advice}")
