@@ -249,10 +249,12 @@ def diagnose(config, run_dir: str | None, steps: int) -> dict:
 
 def findings(d: dict) -> list[str]:
     """One recommendation per finding, most costly first."""
+    from moetrain.runtime.threads import default_threads
+
     out = []
     busy = d.get("busy")  # cores other processes keep busy; the load average where that was not measured
     load, what = (busy, "other processes busy on") if busy is not None else (d["load"] or 0.0, "a load of")
-    fit = max(1, d["usable_cores"] - round(load))
+    fit = default_threads(d["usable_cores"], load)  # the rule the trainer's own choice follows
     if d["threads"] > fit:
         out.append(f"threads: {d['threads']} threads on {d['usable_cores']} usable cores with {what} {load:.1f} "
                    f"oversubscribe the CPU; set train.threads={fit}")
