@@ -16,6 +16,7 @@ from moetrain.config import build_config
 from moetrain.errors import ConfigError
 from moetrain.model.transformer import MoETransformer
 from moetrain.train.checkpoint import CheckpointStore
+from moetrain.train.resume_config import is_fixed
 from moetrain.train.schedule import build_scheduler, lr_factor, retarget_schedule
 from moetrain.train.trainer import build_optimizer
 
@@ -109,3 +110,42 @@ def test_resume_is_exact_and_refuses_a_changed_scale(tmp_path, capsys):
     plain = tmp_path / "plain"  # the scales change the training: a run without them differs
     assert main([*_args(corpus, cache, plain, "train.router_lr_scale=1", "train.expert_lr_scale=1")]) == 0
     assert losses_by_step(plain)[8] != losses_by_step(ref)[8]
+
+
+def test_expert_weight_decay_groups_and_one_step_against_plain_adamw():
+    """``train.expert_weight_decay``: the routed experts' tensors (not the shared expert's) decay at their own rate,
+    every other matrix at ``train.weight_decay``; one update equals plain AdamW at that decay."""
+    config, model, opt = _model_and_optimizer(expert_weight_decay=0.7, expert_lr_scale=2.0)
+    t = config.train
+    group_of = {id(p): g for g in opt.param_groups for p in g["params"]}
+    assert len(group_of) == len(list(model.parameters()))
+    for name, p in model.named_parameters():
+        want = 0.0 if p.dim() < 2 else 0.7 if ".ffn.experts." in name else t.weight_decay
+        assert group_of[id(p)]["weight_decay"] == want, name
+    sched = build_scheduler(opt, t)
+    step_lr = t.lr * lr_factor(0, t)
+    params = dict(model.named_parameters())
+    refs = {}
+    for name, scale, wd in (("blocks.0.ffn.experts.down_proj", 2.0, 0.7),
+                            ("blocks.0.ffn.shared_expert.down_proj.weight", 1.0, t.weight_decay)):
+        ref = params[name].detach().clone().requires_grad_(True)
+        refs[name] = (ref, torch.optim.AdamW([ref], lr=step_lr * scale, betas=(t.beta1, t.beta2), eps=t.eps,
+                                             weight_decay=wd))
+    torch.manual_seed(1)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    for name, (ref, ref_opt) in refs.items():
+        ref.grad = params[name].grad.clone()
+        ref_opt.step()
+    opt.step()
+    sched.step()
+    for name, (ref, _) in refs.items():
+        assert torch.allclose(params[name].detach(), ref.detach(), rtol=0, atol=1e-7), name
+
+
+def test_expert_weight_decay_unset_is_the_default_and_fixed_on_resume():
+    _, model, opt = _model_and_optimizer(expert_weight_decay=None)
+    assert len(opt.param_groups) == 2
+    assert is_fixed("train.expert_weight_decay")
+    with pytest.raises(ConfigError, match=r"^train.expert_weight_decay: must be >= 0, got -0.5"):
+        build_config("tiny", overrides={"train": {"expert_weight_decay": -0.5}})

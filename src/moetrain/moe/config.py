@@ -81,13 +81,20 @@ class ExpertsConfig:
             ``down_proj`` [E, D, F]; Mixtral, Qwen, DeepSeek) or ``gelu`` (the classic two-matrix FFN
             ``down(gelu(up x))``, exact erf GELU, no biases; weights ``up_proj`` [E, F, D] and ``down_proj``
             [E, D, F]; Switch, GShard). The shared expert uses the same activation.
+        dropout: probability of zeroing an element of the routed experts' combined output [T, D] in training
+            (before the shared expert is added; on top of ``model.dropout``, which drops the whole FFN branch).
+            Switch Transformer's "expert dropout" (Fedus et al. 2022, section 4.2: 0.4 in the experts, 0.1
+            elsewhere, for fine-tuning on small data) drops each expert's hidden units instead; dropping the
+            weighted sum keeps the fused expert kernels. 0 = off.
     """
 
     ffn_hidden: int = 512
     activation: Literal["swiglu", "gelu"] = "swiglu"
+    dropout: float = 0.0
 
     def __post_init__(self) -> None:
         require(self.ffn_hidden >= 1, "ffn_hidden", f"must be >= 1, got {self.ffn_hidden}")
+        require(0.0 <= self.dropout < 1.0, "dropout", f"must be in [0, 1), got {self.dropout}")
 
 
 @dataclass(frozen=True, kw_only=True)

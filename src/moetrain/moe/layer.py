@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from moetrain.errors import ConfigError
 from moetrain.execution import ExecutionConfig
@@ -144,6 +145,8 @@ class MoELayer(nn.Module):
             expert_out = self.experts(rows, tokens_per_expert)  # [R, D]
             y = self.dispatcher.combine(expert_out, meta)  # [T, D]
         y = y.to(x.dtype)
+        if self.config.experts.dropout > 0:
+            y = F.dropout(y, self.config.experts.dropout, self.training)
         if self.shared_expert is not None:
             shared = self.shared_expert(tokens)
             if self.shared_expert_gate is not None:

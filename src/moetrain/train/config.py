@@ -26,6 +26,8 @@ class TrainConfig:
             experts' tensors, as a multiple of ``lr`` (same warm-up and decay; their own AdamW groups, created only
             when a scale is not 1). Fixed for a run (a resume refuses a change).
         weight_decay / beta1 / beta2 / eps: AdamW (decay applies to matrices only, not norms or biases).
+        expert_weight_decay: AdamW's decay of the routed experts' tensors alone (not the shared expert's);
+            ``None`` (default): ``weight_decay``. Fixed for a run (a resume refuses a change).
         grad_clip: clip the global gradient norm to this value (0 disables).
         dtype: ``fp32``, or ``bf16`` autocast (the router stays in fp32).
         seed: seeds the weights, the data order and all RNGs.
@@ -69,6 +71,7 @@ class TrainConfig:
     router_lr_scale: float = 1.0
     expert_lr_scale: float = 1.0
     weight_decay: float = 0.1
+    expert_weight_decay: float | None = None
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
@@ -98,6 +101,9 @@ class TrainConfig:
                      "threads", "tokens_per_batch", "time_budget_s"):
             value = getattr(self, name)
             require(value >= 0, name, f"must be >= 0, got {value}")
+        if self.expert_weight_decay is not None:
+            require(self.expert_weight_decay >= 0, "expert_weight_decay",
+                    f"must be >= 0, got {self.expert_weight_decay}")
         require(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
         for name in ("router_lr_scale", "expert_lr_scale"):
             value = getattr(self, name)

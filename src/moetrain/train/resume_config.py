@@ -24,8 +24,9 @@ from moetrain.errors import ConfigError
 # data.workers / data.prefetch only choose which process builds the batches, never which batches (data/loader.py).
 CHANGEABLE_MODEL_DATA = {"data.cache_dir", "data.workers", "data.prefetch"}
 CHANGEABLE_PREFIX = "model.execution."
+# The lr scales and the experts' decay decide the AdamW groups.
 FIXED_TRAIN = {"batch_size", "grad_accum", "tokens_per_batch", "seed", "weight_decay", "beta1", "beta2", "eps",
-               "checkpoint_url", "router_lr_scale", "expert_lr_scale"}  # the lr scales decide the AdamW groups
+               "checkpoint_url", "router_lr_scale", "expert_lr_scale", "expert_weight_decay"}
 
 
 def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:

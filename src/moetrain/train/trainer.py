@@ -79,12 +79,22 @@ def lr_scale(name: str, config: Config) -> float:
     return 1.0
 
 
+def weight_decay(name: str, config: Config) -> float:
+    """AdamW's decoupled weight decay for matrix parameter ``name`` (an FQN): ``train.expert_weight_decay`` for a
+    routed expert tensor (``...ffn.experts.*``; not the shared expert) when it is set, else ``train.weight_decay``.
+    Norms and biases are never decayed (:func:`build_optimizer`)."""
+    if ".experts." in name and config.train.expert_weight_decay is not None:
+        return config.train.expert_weight_decay
+    return config.train.weight_decay
+
+
 def build_optimizer(model: torch.nn.Module, config: Config) -> torch.optim.AdamW:
     """AdamW with weight decay on matrices and expert tensors (dim >= 2) only, not on norms.
 
-    Groups: decayed, then not decayed, at ``train.lr``; then one group per (decay, scale) for the router and expert
-    tensors whose :func:`lr_scale` is not 1, at ``train.lr * scale``, each group carrying its ``lr_scale`` (which
-    the schedule multiplies: train/schedule.py). With both scales at 1 there are exactly the first two groups.
+    Groups: decayed, then not decayed, at ``train.lr``; then one group per (scale, decay) for the router and expert
+    tensors whose :func:`lr_scale` is not 1 or whose decay is :func:`weight_decay` 's own, at ``train.lr * scale``,
+    each group carrying its ``lr_scale`` (which the schedule multiplies: train/schedule.py). With both scales at 1
+    and no ``train.expert_weight_decay`` there are exactly the first two groups.
 
     PyTorch's fused implementation (one kernel over all tensors; transformers' Trainer default ``adamw_torch_fused``)
     when every parameter is a plain CPU or CUDA tensor: on this project's 2-core CPU it steps the earlier (hidden 256)
@@ -93,11 +103,13 @@ def build_optimizer(model: torch.nn.Module, config: Config) -> torch.optim.AdamW
     t = config.train
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     params = [p for _, p in named]
-    by_key: dict[tuple[float, bool], list[torch.nn.Parameter]] = {(1.0, True): [], (1.0, False): []}
+    by_key: dict[tuple[float, bool, float], list[torch.nn.Parameter]] = {
+        (1.0, True, t.weight_decay): [], (1.0, False, 0.0): []}
     for name, p in named:
-        by_key.setdefault((lr_scale(name, config), p.dim() >= 2), []).append(p)
-    groups = [{"params": ps, "weight_decay": t.weight_decay if decay else 0.0, "lr": t.lr * scale, "lr_scale": scale}
-              for (scale, decay), ps in by_key.items() if ps or scale == 1.0]
+        decay = p.dim() >= 2
+        by_key.setdefault((lr_scale(name, config), decay, weight_decay(name, config) if decay else 0.0), []).append(p)
+    groups = [{"params": ps, "weight_decay": wd, "lr": t.lr * scale, "lr_scale": scale}
+              for (scale, _, wd), ps in by_key.items() if ps or (scale, wd) in ((1.0, t.weight_decay), (1.0, 0.0))]
     fused = all(type(p) is torch.nn.Parameter and p.device.type in ("cpu", "cuda") and p.dtype.is_floating_point
                 for p in params) or None
     return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, fused=fused)
@@ -123,7 +135,7 @@ def evaluate(model: MoETransformer, batches: Iterable[Batch], device: torch.devi
 
 
 __all__ = ["CONFIG_FILE", "TOKENIZER_FILE", "TrainResult", "Trainer", "build_optimizer", "evaluate", "lr_scale",
-           "resolve_device", "resume_hint", "rng_state", "seed_everything", "set_rng_state"]
+           "resolve_device", "resume_hint", "rng_state", "seed_everything", "set_rng_state", "weight_decay"]
 
 
 @dataclass
