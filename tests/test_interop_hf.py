@@ -281,3 +281,16 @@ def test_layer_plan_mapping():
     assert plan(decoder_sparse_step=1, mlp_only_layers=[0, 1]) == [2, 3, 4, 5]
     with pytest.raises(ConfigError, match="mlp_only_layers=\\[3\\]"):
         plan(decoder_sparse_step=1, mlp_only_layers=[3])
+
+
+def test_export_keeps_a_model_trained_with_dropout(tmp_path):
+    """Dropout (``model.dropout``, ``model.moe.experts.dropout``) is training-only: the export is the same model."""
+    torch.manual_seed(0)
+    plain = MoETransformer(OURS["mixtral"]())
+    dropped = MoETransformer(dataclasses.replace(OURS["mixtral"](), dropout=0.1, moe=_moe(
+        router=RouterConfig(norm_topk_prob=True), experts=ExpertsConfig(ffn_hidden=24, dropout=0.2))))
+    dropped.load_state_dict(plain.state_dict())
+    to_hf(plain, tmp_path / "plain")
+    to_hf(dropped, tmp_path / "dropped")
+    assert (json.loads((tmp_path / "plain" / "config.json").read_text())
+            == json.loads((tmp_path / "dropped" / "config.json").read_text()))

@@ -147,5 +147,6 @@ def test_expert_weight_decay_unset_is_the_default_and_fixed_on_resume():
     _, model, opt = _model_and_optimizer(expert_weight_decay=None)
     assert len(opt.param_groups) == 2
     assert is_fixed("train.expert_weight_decay")
-    with pytest.raises(ConfigError, match=r"^train.expert_weight_decay: must be >= 0, got -0.5"):
-        build_config("tiny", overrides={"train": {"expert_weight_decay": -0.5}})
+    for bad in (-0.5, float("inf")):
+        with pytest.raises(ConfigError, match=rf"^train.expert_weight_decay: must be >= 0 and finite, got {bad}"):
+            build_config("tiny", overrides={"train": {"expert_weight_decay": bad}})

@@ -34,7 +34,9 @@ from moetrain.moe.config import MoEConfig
 # Fields (paths under ``model.``; a table covers its fields) that change training or execution, not the function the
 # model computes: they never block an export. Those in CARRIED travel in config.json["moetrain"]; the rest (the
 # initialisation, the execution choices such as the backend) stay local.
-TRAINING_ONLY = ("init_std", "execution", "moe.losses", "moe.router.expert_bias_update_rate")
+# Dropout is the identity at inference, so an exported model computes the same function without it.
+TRAINING_ONLY = ("init_std", "execution", "moe.losses", "moe.router.expert_bias_update_rate", "dropout",
+                 "moe.experts.dropout")
 # config.json["moetrain"] key -> our field under model.moe. The keys are the exported format (older exports wrote
 # them too), so they keep their names when our fields move.
 CARRIED = {

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Literal
 
@@ -27,7 +29,9 @@ class TrainConfig:
             when a scale is not 1). Fixed for a run (a resume refuses a change).
         weight_decay / beta1 / beta2 / eps: AdamW (decay applies to matrices only, not norms or biases).
         expert_weight_decay: AdamW's decay of the routed experts' tensors alone (not the shared expert's);
-            ``None`` (default): ``weight_decay``. Fixed for a run (a resume refuses a change).
+            ``None`` (default): ``weight_decay``. A preset may set it (``cpu-small``: 1.0, docs/moe-vs-dense.md wave
+            11), and then ``weight_decay`` alone no longer reaches the experts: set both to change all decay. Fixed
+            for a run (a resume refuses a change).
         grad_clip: clip the global gradient norm to this value (0 disables).
         dtype: ``fp32``, or ``bf16`` autocast (the router stays in fp32).
         seed: seeds the weights, the data order and all RNGs.
@@ -101,9 +105,10 @@ class TrainConfig:
                      "threads", "tokens_per_batch", "time_budget_s"):
             value = getattr(self, name)
             require(value >= 0, name, f"must be >= 0, got {value}")
+        require(math.isfinite(self.weight_decay), "weight_decay", f"must be finite, got {self.weight_decay}")
         if self.expert_weight_decay is not None:
-            require(self.expert_weight_decay >= 0, "expert_weight_decay",
-                    f"must be >= 0, got {self.expert_weight_decay}")
+            require(0 <= self.expert_weight_decay < math.inf, "expert_weight_decay",
+                    f"must be >= 0 and finite, got {self.expert_weight_decay}")
         require(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
         for name in ("router_lr_scale", "expert_lr_scale"):
             value = getattr(self, name)
