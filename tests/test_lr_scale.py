@@ -52,18 +52,17 @@ def test_each_parameter_is_in_the_group_of_its_scale():
     assert shared and all(group_of[id(dict(model.named_parameters())[n])]["lr_scale"] == 1.0 for n in shared)
 
 
-def test_one_step_equals_plain_adamw_at_the_scaled_rate():
-    config, model, opt = _model_and_optimizer(**SCALES)
-    sched = build_scheduler(opt, config.train)
-    step_lr = config.train.lr * lr_factor(0, config.train)
+def _step_against_plain_adamw(config, model, opt, sched, specs):
+    """One step of ``opt`` (random gradients) against a plain ``torch.optim.AdamW`` per parameter of ``specs``
+    ((name, lr scale, weight decay), ...) at the schedule's first rate: the updated tensors must agree."""
     t = config.train
-    names = ["blocks.0.ffn.router.weight", "blocks.0.ffn.experts.gate_up_proj", "blocks.0.attn.q_proj.weight"]
+    step_lr = t.lr * lr_factor(0, t)
     params = dict(model.named_parameters())
     refs = {}
-    for name, scale in zip(names, (0.25, 2.0, 1.0)):
+    for name, scale, wd in specs:
         ref = params[name].detach().clone().requires_grad_(True)
         refs[name] = (ref, torch.optim.AdamW([ref], lr=step_lr * scale, betas=(t.beta1, t.beta2), eps=t.eps,
-                                             weight_decay=t.weight_decay))
+                                             weight_decay=wd))
     torch.manual_seed(1)
     for p in model.parameters():
         p.grad = torch.randn_like(p)
@@ -74,6 +73,16 @@ def test_one_step_equals_plain_adamw_at_the_scaled_rate():
     sched.step()
     for name, (ref, _) in refs.items():
         assert torch.allclose(params[name].detach(), ref.detach(), rtol=0, atol=1e-7), name
+
+
+def test_one_step_equals_plain_adamw_at_the_scaled_rate():
+    config, model, opt = _model_and_optimizer(**SCALES)
+    sched = build_scheduler(opt, config.train)
+    t = config.train
+    _step_against_plain_adamw(config, model, opt, sched, [
+        ("blocks.0.ffn.router.weight", 0.25, t.weight_decay),
+        ("blocks.0.ffn.experts.gate_up_proj", 2.0, t.weight_decay),
+        ("blocks.0.attn.q_proj.weight", 1.0, t.weight_decay)])
     factor = lr_factor(1, config.train)  # the schedule moves every group by the same factor
     assert [g["lr"] for g in opt.param_groups] == pytest.approx([t.lr * g["lr_scale"] * factor
                                                                   for g in opt.param_groups])
@@ -122,25 +131,9 @@ def test_expert_weight_decay_groups_and_one_step_against_plain_adamw():
     for name, p in model.named_parameters():
         want = 0.0 if p.dim() < 2 else 0.7 if ".ffn.experts." in name else t.weight_decay
         assert group_of[id(p)]["weight_decay"] == want, name
-    sched = build_scheduler(opt, t)
-    step_lr = t.lr * lr_factor(0, t)
-    params = dict(model.named_parameters())
-    refs = {}
-    for name, scale, wd in (("blocks.0.ffn.experts.down_proj", 2.0, 0.7),
-                            ("blocks.0.ffn.shared_expert.down_proj.weight", 1.0, t.weight_decay)):
-        ref = params[name].detach().clone().requires_grad_(True)
-        refs[name] = (ref, torch.optim.AdamW([ref], lr=step_lr * scale, betas=(t.beta1, t.beta2), eps=t.eps,
-                                             weight_decay=wd))
-    torch.manual_seed(1)
-    for p in model.parameters():
-        p.grad = torch.randn_like(p)
-    for name, (ref, ref_opt) in refs.items():
-        ref.grad = params[name].grad.clone()
-        ref_opt.step()
-    opt.step()
-    sched.step()
-    for name, (ref, _) in refs.items():
-        assert torch.allclose(params[name].detach(), ref.detach(), rtol=0, atol=1e-7), name
+    _step_against_plain_adamw(config, model, opt, build_scheduler(opt, t), [
+        ("blocks.0.ffn.experts.down_proj", 2.0, 0.7),
+        ("blocks.0.ffn.shared_expert.down_proj.weight", 1.0, t.weight_decay)])
 
 
 def test_expert_weight_decay_unset_is_the_default_and_fixed_on_resume():

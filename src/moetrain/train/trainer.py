@@ -108,8 +108,9 @@ def build_optimizer(model: torch.nn.Module, config: Config) -> torch.optim.AdamW
     for name, p in named:
         decay = p.dim() >= 2
         by_key.setdefault((lr_scale(name, config), decay, weight_decay(name, config) if decay else 0.0), []).append(p)
+    # every key past the two defaults was made by an append, so only those two may be empty, and they always stay
     groups = [{"params": ps, "weight_decay": wd, "lr": t.lr * scale, "lr_scale": scale}
-              for (scale, _, wd), ps in by_key.items() if ps or (scale, wd) in ((1.0, t.weight_decay), (1.0, 0.0))]
+              for (scale, _, wd), ps in by_key.items()]
     fused = all(type(p) is torch.nn.Parameter and p.device.type in ("cpu", "cuda") and p.dtype.is_floating_point
                 for p in params) or None
     return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, fused=fused)
