@@ -313,7 +313,10 @@ def _hand_lr(step: int, lr: float, warmup: int, total: int, lo: float) -> float:
     (["--steps", "3"], ["train.steps: 3 is below the step of the checkpoint to resume (4"]),
     (["--preset", "cpu-small"], ["--preset cpu-small cannot be combined with --resume", "'tiny'"]),
     (["--config", "{root}/other_preset.toml"], ["preset: cannot change when resuming", "'tiny'", "'cpu-small'"]),
-], ids=["model", "data", "batch", "seed", "steps-below", "preset-flag", "preset-in-file"])
+    # tiny leaves the experts' decay unset (null: train.weight_decay): the message says it as a config would
+    (["train.expert_weight_decay=1.0"], ["train.expert_weight_decay: cannot change when resuming (the run was "
+                                         "trained with null, got 1.0)"]),
+], ids=["model", "data", "batch", "seed", "steps-below", "preset-flag", "preset-in-file", "null-value"])
 def test_resume_refuses_fixed_fields_and_touches_nothing(env, stopped, capsys, argv, words):
     from _crash_util import tree_digest
 
@@ -459,6 +462,9 @@ def test_resume_may_switch_execution_choices_that_keep_the_maths(env, stopped, t
         assert main(["train", "--out", str(run), "--resume", "--no-progress", "--stop-at-step", "6", *extra]) == 0
         out = capsys.readouterr().out
         assert ("resuming with a changed config" in out) == bool(extra)
+        if extra:  # the values as a config writes them, not Python's True / False
+            assert "model.execution.recompute_experts false -> true" in out, out
+            assert "model.execution.moe_backend 'fused' -> 'loop'" in out, out
         losses[name] = [r["train_loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
                         if r.get("step", 0) > 4 and "train_loss" in r]
     assert losses["same"] and losses["switched"] == pytest.approx(losses["same"], rel=1e-5)
@@ -468,3 +474,43 @@ def test_a_fresh_run_directory_gets_no_restart_note(env, tmp_path, capsys):
     run = tmp_path / "fresh"
     assert main([*_train(env, run), "--no-progress", "--steps", "1"]) == 0
     assert "stopped before writing" not in capsys.readouterr().out
+
+
+# -- 11: where the config fields are: --help points to --list-fields ------------------------------------------------
+
+def test_train_help_shows_how_to_set_fields_with_an_example_that_runs(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--help"])
+    assert e.value.code == 0
+    help_text = capsys.readouterr().out
+    assert "FIELD=VALUE" in help_text and "moetrain train --list-fields" in help_text
+    example = next(line.split() for line in help_text.splitlines() if line.strip().startswith("moetrain train --pre"))
+    assert "train.steps=100" in example and "model.moe_every=0" in example
+    assert main([*example[1:], "--dry-run"]) == 0  # the example is a valid command
+    assert "dry run: the config is valid" in capsys.readouterr().out
+
+
+def test_list_fields_prints_every_field_with_its_value_type_and_description(capsys):
+    import dataclasses
+
+    from moetrain.config import Config
+    from moetrain.config_docs import field_docs, nested_configs, sections
+
+    assert main(["train", "--list-fields", "--preset", "tiny", "train.steps=7"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("config fields of preset 'tiny'") and "docs/configuration.md" in lines[0]
+    by_path = {line.split(" = ")[0]: line for line in lines[1:]}
+    want = [f"{path}.{f.name}" for path, cls in sections(Config) if path for f in dataclasses.fields(cls)
+            if f.name not in nested_configs(cls)]
+    assert list(by_path) == want and len(lines) == len(want) + 1  # every field, once, in declaration order
+    assert by_path["train.steps"].split() == ["train.steps", "=", "7", "(int)", "optimizer", "steps", "of", "the",
+                                               "whole", "run", "(the", "LR", "schedule", "spans", "these)."]
+    assert by_path["model.hidden"].split()[:4] == ["model.hidden", "=", "64", "(int)"]
+    assert by_path["model.hidden"].endswith(field_docs(build_config("tiny").model.__class__)["hidden"])
+    # tiny leaves the experts' decay unset, cpu-small sets it: the value is the selected preset's, null for None
+    assert by_path["train.expert_weight_decay"].split()[:6] == ["train.expert_weight_decay", "=", "null", "(float",
+                                                                "|", "None)"]
+    assert by_path["train.deterministic"].split()[:3] == ["train.deterministic", "=", "true"]
+    assert by_path["train.dtype"].split()[:3] == ["train.dtype", "=", "'fp32'"]
+    assert main(["train", "--list-fields"]) == 0
+    assert "train.expert_weight_decay = 1.0 " in capsys.readouterr().out

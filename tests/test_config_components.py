@@ -24,7 +24,7 @@ from moetrain.moe.config import (
     RouterConfig,
     SharedExpertConfig,
 )
-from moetrain.train.resume_config import is_fixed, resume_changes
+from moetrain.train.resume_config import describe, is_fixed, resume_changes
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -175,6 +175,23 @@ def test_execution_may_change_on_resume_the_maths_may_not():
     changed = build_config("tiny", overrides={"model": {"moe": {"capacity": {"factor": 2.0}}}})
     with pytest.raises(ConfigError, match=r"model\.moe\.capacity\.factor: cannot change when resuming"):
         resume_changes(saved, changed)
+
+
+def test_resume_messages_write_values_as_a_config_does():
+    """null, not None; true / false, not True / False; strings quoted as every ConfigError quotes them."""
+    saved = build_config("tiny")
+    assert saved.train.expert_weight_decay is None
+    changed = build_config("tiny", overrides={"train": {"expert_weight_decay": 1.0}})
+    with pytest.raises(ConfigError) as err:
+        resume_changes(saved, changed)
+    assert str(err.value).startswith("train.expert_weight_decay: cannot change when resuming (the run was trained "
+                                     "with null, got 1.0); start a new run")
+    with pytest.raises(ConfigError, match=r"^train\.expert_weight_decay: .* trained with 1\.0, got null\)"):
+        resume_changes(changed, saved)
+    allowed = build_config("tiny", overrides={"monitor": {"collapse_from_step": 50, "tb_heatmap": False},
+                                              "train": {"dtype": "bf16"}})
+    assert describe(resume_changes(saved, allowed)) == ("monitor.collapse_from_step null -> 50, "
+                                                        "monitor.tb_heatmap true -> false, train.dtype 'fp32' -> 'bf16'")
 
 
 def test_round_trip_through_plain_data():

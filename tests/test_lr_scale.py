@@ -143,3 +143,46 @@ def test_expert_weight_decay_unset_is_the_default_and_fixed_on_resume():
     for bad in (-0.5, float("inf")):
         with pytest.raises(ConfigError, match=rf"^train.expert_weight_decay: must be >= 0 and finite, got {bad}"):
             build_config("tiny", overrides={"train": {"expert_weight_decay": bad}})
+
+
+def _group_lines(text: str) -> list[tuple[str, int, int, float, float]]:
+    """The dry run's optimizer group lines as (role, tensors, parameters, lr, weight decay)."""
+    import re
+
+    found = re.findall(r"^  (.+): (\d+) tensors, ([\d,]+) parameters, lr ([\d.e-]+)(?: \([^)]*\))?, "
+                       r"weight decay ([\d.e-]+)$", text, re.M)
+    return [(role, int(n), int(p.replace(",", "")), float(lr), float(wd)) for role, n, p, lr, wd in found]
+
+
+def test_dry_run_prints_the_optimizer_groups_the_trainer_builds(capsys):
+    """``moetrain train --dry-run`` with the default preset (cpu-small): one line per AdamW group, counted from the
+    meta model, equal to the groups ``build_optimizer`` gives a real model of the same config."""
+    assert main(["train", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    config = build_config("cpu-small")
+    t = config.train
+    assert f"optimizer: AdamW, 4 parameter groups (whole model; train.lr={t.lr:g})" in out
+    printed = _group_lines(out)
+    assert [g[0] for g in printed] == ["matrices", "norms and biases", "routers", "routed experts"]
+    groups = {g[0]: g for g in printed}
+    assert groups["routers"][3] == pytest.approx(0.1 * t.lr) and groups["routers"][4] == t.weight_decay == 0.1
+    assert groups["routed experts"][3] == pytest.approx(t.lr) and groups["routed experts"][4] == 1.0
+    assert groups["matrices"][4] == 0.1 and groups["norms and biases"][4] == 0.0
+    assert "lr 0.0003 (0.1 x train.lr), weight decay 0.1" in out and "weight decay 1.0\n" in out
+    torch.manual_seed(0)
+    model = MoETransformer(config.model)
+    opt = build_optimizer(model, config)
+    assert [(len(g["params"]), sum(p.numel() for p in g["params"]), g["lr"], g["weight_decay"])
+            for g in opt.param_groups] == [(n, p, pytest.approx(lr), wd) for _, n, p, lr, wd in printed]
+    assert sum(g[2] for g in printed) == sum(p.numel() for p in model.parameters())
+
+
+def test_dry_run_names_shared_groups_by_what_they_hold():
+    """With one scale for routers and experts they share a group; without any, they are among the matrices."""
+    from moetrain.parallel.dry_run import dry_run
+
+    both = "\n".join(dry_run(build_config("tiny", overrides={"train": {"router_lr_scale": 0.5,
+                                                                         "expert_lr_scale": 0.5}}), 1).lines)
+    assert [g[0] for g in _group_lines(both)] == ["matrices", "norms and biases", "routers + routed experts"]
+    plain = "\n".join(dry_run(build_config("tiny"), 1).lines)
+    assert [g[0] for g in _group_lines(plain)] == ["matrices (with the routers and routed experts)", "norms and biases"]

@@ -213,6 +213,19 @@ def merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def format_value(value: Any) -> str:
+    """``value`` (plain config data, as :func:`to_dict` gives) spelled as a config file or a ``FIELD=VALUE`` override
+    writes it, for messages: ``null``, ``true`` / ``false``, numbers as Python prints them (``0.003``), strings
+    quoted as every :class:`ConfigError` quotes them (``'bf16'``), lists item by item (``[1, null]``)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(format_value(v) for v in value) + "]"
+    return repr(value)
+
+
 def _parse_scalar(text: str) -> Any:
     lowered = text.strip().lower()
     if lowered in ("true", "false"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -17,8 +18,18 @@ from moetrain.errors import MoetrainError
 from moetrain.train.run_lock import LOCK_FILE, RunLock
 
 
+EPILOG = """\
+config fields: set any field with FIELD=VALUE anywhere after `train` (values as in a config file: numbers,
+true / false, null, strings plain), or in a --config FILE.toml / .json; e.g.
+  moetrain train --preset tiny train.steps=100 model.moe_every=0
+every field with its value in the preset, its type and meaning: moetrain train --list-fields [--preset NAME]
+(each in full: docs/configuration.md)
+"""
+
+
 def add_parser(sub) -> None:
-    p = sub.add_parser("train", help="train a model (default: the cpu-small preset on the Python stdlib corpus)")
+    p = sub.add_parser("train", help="train a model (default: the cpu-small preset on the Python stdlib corpus)",
+                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", help="tiny | cpu-small (default); the shape-only mixtral-8x7b, qwen3-30b-a3b and "
                    "olmoe-1b-7b are for plan, not training")
     p.add_argument("--config", help="a .toml or .json file of config fields (applied over the preset)")
@@ -34,10 +45,13 @@ def add_parser(sub) -> None:
     p.add_argument("--init-from", metavar="HF_DIR",
                    help="fine-tune a Hugging Face checkpoint: model and tokenizer from HF_DIR (see export, upcycle)")
     p.add_argument("--dry-run", action="store_true",
-                   help="validate the config and print its parallel layout and per-rank memory for --world-size "
-                        "ranks (model on the meta device; no data, no run directory)")
+                   help="validate the config and print its parallel layout, per-rank memory and optimizer groups "
+                        "for --world-size ranks (model on the meta device; no data, no run directory)")
     p.add_argument("--world-size", type=int, default=None,
                    help="ranks for --dry-run (default: $WORLD_SIZE, or 1)")
+    p.add_argument("--list-fields", action="store_true",
+                   help="print every config field with its value (the preset's, with --config and FIELD=VALUE on "
+                        "top), type and meaning, then exit")
     p.add_argument("overrides", nargs="*", metavar="FIELD=VALUE", help="e.g. model.moe.top_k=1 train.lr=1e-3")
     p.set_defaults(func=run)
 
@@ -102,6 +116,15 @@ def run(args) -> int:
     if args.steps is not None:
         overrides = merge(overrides, {"train": {"steps": args.steps}})
     file_data = upgrade(load_file(args.config)) if args.config else None
+    if args.list_fields:
+        from moetrain.config_docs import field_lines
+
+        config = build_config(args.preset, file_data, overrides)
+        print(f"config fields of preset {config.preset!r} (set one with FIELD=VALUE or in a --config file; "
+              "each in full: docs/configuration.md)")
+        for line in field_lines(config):
+            print(line)
+        return 0
     init = None
     if args.init_from:
         from moetrain.interop.finetune import load_init

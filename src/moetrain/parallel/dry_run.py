@@ -4,9 +4,10 @@ group, data or memory (the model is built on the meta device).
 What it checks, each failure one line naming the field: the mesh sizes multiply to N (:class:`.layout.Layout`),
 ``ep`` divides the experts, the pipeline has at least one block per stage, tied embeddings are not split over
 pipeline stages, the micro-batch splits over the data-parallel ranks and into the BTA tiles. What it prints: the
-mesh, the stages with their blocks (balanced by the cost model: :func:`.pipeline.stage_blocks`), and this layout's
+mesh, the stages with their blocks (balanced by the cost model: :func:`.pipeline.stage_blocks`), this layout's
 per-rank bytes of parameters + gradients + AdamW state counted from the meta model's shapes (with FSDP2's row
-padding), next to the planner's figure for the same stages.
+padding), next to the planner's figure for the same stages, and the whole model's AdamW groups as the trainer builds
+them (:func:`moetrain.train.param_groups.param_groups`): tensors, parameters, peak learning rate, weight decay.
 """
 
 from __future__ import annotations
@@ -115,8 +116,25 @@ def dry_run(config: Config, world: int) -> DryRun:
                                     + (" + norm + LM head" if i == len(stages) - 1 else "")
                                     for i, b in enumerate(stages)),
              f"per rank: {per_rank * STATE_BYTES / 1e9:.2f} GB of fp32 parameters + gradients + AdamW state "
-             f"({per_rank / 1e6:.1f}M parameters; planner: {planner * STATE_BYTES / 1e9:.2f} GB)"]
+             f"({per_rank / 1e6:.1f}M parameters; planner: {planner * STATE_BYTES / 1e9:.2f} GB)",
+             *optimizer_lines(model, config)]
     return DryRun(layout, stages, per_rank * STATE_BYTES, planner * STATE_BYTES, lines)
+
+
+def optimizer_lines(model: torch.nn.Module, config: Config) -> list[str]:
+    """One line per AdamW group of ``model`` (any device, meta included) as the trainer builds it: its role,
+    tensors, parameters, peak learning rate (``train.lr`` x its scale; the schedule's warm-up and decay multiply
+    it) and weight decay; after a header line."""
+    from moetrain.train.param_groups import param_groups
+
+    lr = config.train.lr
+    groups = param_groups(model.named_parameters(), config)
+    lines = [f"optimizer: AdamW, {len(groups)} parameter groups (whole model; train.lr={lr:g})"]
+    for g in groups:
+        scale = "" if g.lr_scale == 1 else f" ({g.lr_scale:g} x train.lr)"
+        lines.append(f"  {g.role}: {len(g.params)} tensors, {g.numel:,} parameters, lr {lr * g.lr_scale:g}{scale}, "
+                     f"weight decay {g.weight_decay!r}")
+    return lines
 
 
 def too_large(config: Config, world: int, device_type: str, free_bytes: float) -> str | None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from moetrain.config import Config
+from moetrain.configlib import format_value
 from moetrain.errors import ConfigError
 
 # Fields under model.* / data.* that do not change what was trained: the execution choices, which change neither the
@@ -63,11 +64,11 @@ def resume_changes(saved: Config, new: Config) -> list[tuple[str, Any, Any]]:
                if before.get(k) != after.get(k)]
     for path, was, now in changes:
         if is_fixed(path):
-            raise ConfigError(f"{path}: cannot change when resuming (the run was trained with {was!r}, got {now!r}); "
-                              "start a new run with another --out to change it")
+            raise ConfigError(f"{path}: cannot change when resuming (the run was trained with {format_value(was)}, "
+                              f"got {format_value(now)}); start a new run with another --out to change it")
     return changes
 
 
 def describe(changes: list[tuple[str, Any, Any]]) -> str:
-    """``train.steps 300 -> 600, train.log_every 10 -> 5``."""
-    return ", ".join(f"{path} {was!r} -> {now!r}" for path, was, now in changes)
+    """``train.steps 300 -> 600, monitor.collapse_from_step null -> 50`` (values as a config writes them)."""
+    return ", ".join(f"{path} {format_value(was)} -> {format_value(now)}" for path, was, now in changes)

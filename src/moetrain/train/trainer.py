@@ -34,6 +34,7 @@ from moetrain.train.checkpoint import CorruptCheckpoint, LoadedCheckpoint, load_
 from moetrain.train.checkpointer import Checkpointer
 from moetrain.train.metrics import MetricsLogger
 from moetrain.train.monitor import RoutingMonitor
+from moetrain.train.param_groups import lr_scale, param_groups, weight_decay
 from moetrain.train.preemption import GracefulStop
 from moetrain.runtime.cpu import bf16_policy_line
 from moetrain.runtime.threads import choose_threads
@@ -68,52 +69,23 @@ def resume_hint(run_dir: Path, distributed: bool = False) -> str:
     return f"moetrain train --out {out} --resume"
 
 
-def lr_scale(name: str, config: Config) -> float:
-    """The multiple of ``train.lr`` for parameter ``name`` (an FQN): ``train.router_lr_scale`` for an MoE router's
-    gate (``...ffn.router.weight``), ``train.expert_lr_scale`` for a routed expert tensor (``...ffn.experts.*``;
-    not the shared expert), else 1."""
-    if ".router." in name:
-        return config.train.router_lr_scale
-    if ".experts." in name:
-        return config.train.expert_lr_scale
-    return 1.0
-
-
-def weight_decay(name: str, config: Config) -> float:
-    """AdamW's decoupled weight decay for matrix parameter ``name`` (an FQN): ``train.expert_weight_decay`` for a
-    routed expert tensor (``...ffn.experts.*``; not the shared expert) when it is set, else ``train.weight_decay``.
-    Norms and biases are never decayed (:func:`build_optimizer`)."""
-    if ".experts." in name and config.train.expert_weight_decay is not None:
-        return config.train.expert_weight_decay
-    return config.train.weight_decay
-
-
 def build_optimizer(model: torch.nn.Module, config: Config) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices and expert tensors (dim >= 2) only, not on norms.
-
-    Groups: decayed, then not decayed, at ``train.lr``; then one group per (scale, decay) for the router and expert
-    tensors whose :func:`lr_scale` is not 1 or whose decay is :func:`weight_decay` 's own, at ``train.lr * scale``,
-    each group carrying its ``lr_scale`` (which the schedule multiplies: train/schedule.py). With both scales at 1
-    and no ``train.expert_weight_decay`` there are exactly the first two groups.
+    """AdamW over :func:`~moetrain.train.param_groups.param_groups` (decay on matrices only, the routers' and
+    experts' own learning-rate scales and decay), each group at ``train.lr * scale`` and carrying its ``lr_scale``
+    (which the schedule multiplies: train/schedule.py).
 
     PyTorch's fused implementation (one kernel over all tensors; transformers' Trainer default ``adamw_torch_fused``)
     when every parameter is a plain CPU or CUDA tensor: on this project's 2-core CPU it steps the earlier (hidden 256)
     cpu-small's 15.5M parameters in ~13 ms instead of ~40 ms for the per-tensor loop. Otherwise (e.g. DTensor
     shards) the default."""
     t = config.train
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    params = [p for _, p in named]
-    by_key: dict[tuple[float, bool, float], list[torch.nn.Parameter]] = {
-        (1.0, True, t.weight_decay): [], (1.0, False, 0.0): []}
-    for name, p in named:
-        decay = p.dim() >= 2
-        by_key.setdefault((lr_scale(name, config), decay, weight_decay(name, config) if decay else 0.0), []).append(p)
-    # every key past the two defaults was made by an append, so only those two may be empty, and they always stay
-    groups = [{"params": ps, "weight_decay": wd, "lr": t.lr * scale, "lr_scale": scale}
-              for (scale, _, wd), ps in by_key.items()]
+    groups = param_groups(model.named_parameters(), config)
+    params = [p for g in groups for p in g.params]
     fused = all(type(p) is torch.nn.Parameter and p.device.type in ("cpu", "cuda") and p.dtype.is_floating_point
                 for p in params) or None
-    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, fused=fused)
+    return torch.optim.AdamW([{"params": g.params, "weight_decay": g.weight_decay, "lr": t.lr * g.lr_scale,
+                               "lr_scale": g.lr_scale} for g in groups],
+                             lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, fused=fused)
 
 
 @torch.no_grad()

@@ -1,0 +1,110 @@
+"""Every config field's path, type and description, read from the config dataclasses themselves.
+
+A field's description is its entry in its class docstring's ``Fields:`` / ``Attributes:`` section (``name: text``
+or ``a / b / c: text``, continued on deeper-indented lines). Two readers: ``moetrain train --list-fields``
+(:func:`field_lines`) and the configuration reference of the documentation (docs/hooks/config_tables.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import re
+import typing
+from typing import Any
+
+from moetrain.configlib import format_value
+
+_ENTRY = re.compile(r"^(?P<names>[A-Za-z_][A-Za-z0-9_]*(?:\s*/\s*[A-Za-z_][A-Za-z0-9_]*)*)"  # name or a / b / c
+                    r"(?:\s*\([^)]*\))?:\s*(?P<text>.*)$")  # an optional (type), then the text
+_SECTION = re.compile(r"^(Fields|Attributes)\b[^:]*:\s*$")
+# The end of a description's first sentence: a full stop before a space, not the one of an abbreviation.
+_SENTENCE_END = re.compile(r"(?<!\be\.g)(?<!\bi\.e)(?<!\bvs)(?<!\beq)(?<!\bsec)(?<!\bal)(?<!\bcf)\.\s")
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """``{field name: description}`` from the ``Fields...:`` / ``Attributes:`` sections of ``cls``'s docstring."""
+    doc = inspect.cleandoc(cls.__doc__ or "")
+    out: dict[str, str] = {}
+    in_section, entry_indent, current = False, None, None
+    for line in doc.splitlines():
+        stripped = line.strip()
+        indent = len(line) - len(line.lstrip())
+        if _SECTION.match(stripped) and indent == 0:
+            in_section, entry_indent, current = True, None, None
+            continue
+        if not in_section:
+            continue
+        if not stripped:
+            continue
+        if indent == 0:  # the section ended
+            in_section, current = False, None
+            continue
+        if entry_indent is None:
+            entry_indent = indent
+        m = _ENTRY.match(stripped) if indent == entry_indent else None
+        if m:
+            current = [n.strip() for n in m.group("names").split("/")]
+            for name in current:
+                out[name] = m.group("text")
+        elif current is not None and indent > entry_indent:
+            for name in current:
+                out[name] += " " + stripped
+    return out
+
+
+def nested_configs(cls: type) -> dict[str, type]:
+    """Fields of ``cls`` whose value is itself a config dataclass."""
+    try:
+        hints = typing.get_type_hints(cls)
+    except Exception:  # an annotation that does not resolve: fall back to the default factories
+        hints = {}
+    out = {}
+    for f in dataclasses.fields(cls):
+        tp = hints.get(f.name)
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+            out[f.name] = tp
+        elif f.default_factory is not dataclasses.MISSING and isinstance(f.default_factory, type) \
+                and dataclasses.is_dataclass(f.default_factory):
+            out[f.name] = f.default_factory
+    return out
+
+
+def sections(cls: type, path: str = "") -> list[tuple[str, type]]:
+    """``[(field path, dataclass)]`` depth-first from ``cls`` (the root has path "")."""
+    out = [(path, cls)]
+    for name, sub in nested_configs(cls).items():
+        out += sections(sub, f"{path}.{name}" if path else name)
+    return out
+
+
+def summary(text: str) -> str:
+    """The first sentence of a description as plain text in the config's words (reST roles and double backticks
+    removed, Python's ``None`` as ``null``)."""
+    text = re.sub(r":(?:class|func|meth|attr|data|mod|obj|exc):`~?([^`]+)`", r"\1", text).replace("``", "")
+    text = re.sub(r"\bNone\b", "null", text)
+    end = _SENTENCE_END.search(text)
+    return text[:end.start() + 1] if end else text
+
+
+def field_lines(config: Any) -> list[str]:
+    """One line per field of the sections of ``config`` (a :class:`moetrain.config.Config`; the root's ``preset``
+    is not a section field): ``path = value  (type)  summary of its description``, the value as an override
+    writes it (:func:`moetrain.configlib.format_value`), the description's :func:`summary`; in declaration order,
+    sections depth-first."""
+    rows = []
+    for path, cls in sections(type(config)):
+        if not path:
+            continue
+        section: Any = config
+        for part in path.split("."):
+            section = getattr(section, part)
+        docs, nested = field_docs(cls), nested_configs(cls)
+        hints = getattr(cls, "__annotations__", {})
+        for f in dataclasses.fields(cls):
+            if f.name in nested or not f.init:
+                continue
+            rows.append((f"{path}.{f.name} = {format_value(getattr(section, f.name))}",
+                         str(hints.get(f.name, f.type)).replace("typing.", ""), summary(docs.get(f.name, ""))))
+    width = max(len(left) for left, _, _ in rows)
+    return [f"{left:<{width}}  ({tp})  {text}".rstrip() for left, tp, text in rows]
