@@ -154,6 +154,18 @@ def test_each_component_names_its_full_field_path(override, message):
     assert str(err.value).startswith(message), str(err.value)
 
 
+@pytest.mark.parametrize("override, message", [
+    ("train.deterministic=null", "train.deterministic: expected true or false, got null"),
+    ("train.steps=true", "train.steps: expected an integer, got true"),
+    ("train.lr=null", "train.lr: expected a number, got null"),
+    ("train.dtype=null", "train.dtype: must be one of ['fp32', 'bf16'], got null"),
+])
+def test_type_errors_write_the_value_as_a_config_does(override, message):
+    with pytest.raises(ConfigError) as err:
+        build_config("tiny", overrides=upgrade(parse_overrides([override])))
+    assert str(err.value) == message
+
+
 def test_direct_construction_validates_too():
     with pytest.raises(ConfigError, match=r"^factor: must be > 0"):
         CapacityConfig(factor=0.0)

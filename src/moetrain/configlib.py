@@ -63,40 +63,40 @@ def _coerce(value: Any, tp: Any, path: str, legacy: Mapping[str, str] | None = N
                 return _coerce(value, arg, path, legacy)
             except ConfigError as e:
                 errors.append(str(e))
-        raise ConfigError(errors[0] if errors else f"{path}: unexpected value {value!r}")
+        raise ConfigError(errors[0] if errors else f"{path}: unexpected value {format_value(value)}")
     if origin is typing.Literal:
         choices = typing.get_args(tp)
         if value not in choices:
-            raise ConfigError(f"{path}: must be one of {list(choices)}, got {value!r}")
+            raise ConfigError(f"{path}: must be one of {list(choices)}, got {format_value(value)}")
         return value
     if origin in (tuple, list):
         (item_tp, *_rest) = typing.get_args(tp) or (Any,)
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{path}: expected a list, got {type(value).__name__} {value!r}")
+            raise ConfigError(f"{path}: expected a list, got {type(value).__name__} {format_value(value)}")
         return tuple(_coerce(v, item_tp, f"{path}[{i}]", legacy) for i, v in enumerate(value))
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
         if not isinstance(value, dict):
-            raise ConfigError(f"{path}: expected a table of fields, got {value!r}")
+            raise ConfigError(f"{path}: expected a table of fields, got {format_value(value)}")
         return from_dict(tp, value, path, legacy)
     if tp is Any:
         return value
     if tp is bool:
         if not isinstance(value, bool):
-            raise ConfigError(f"{path}: expected true or false, got {value!r}")
+            raise ConfigError(f"{path}: expected true or false, got {format_value(value)}")
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{path}: expected an integer, got {value!r}")
+            raise ConfigError(f"{path}: expected an integer, got {format_value(value)}")
         return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{path}: expected a number, got {value!r}")
+            raise ConfigError(f"{path}: expected a number, got {format_value(value)}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
-            raise ConfigError(f"{path}: expected a string, got {value!r}")
+            raise ConfigError(f"{path}: expected a string, got {format_value(value)}")
         return value
     raise ConfigError(f"{path}: unsupported field type {_type_name(tp)}")
 
