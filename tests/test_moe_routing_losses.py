@@ -21,7 +21,7 @@ from moetrain.moe.losses import (
     switch_load_balancing_loss,
     utilization_loss,
 )
-from moetrain.moe.router import route
+from moetrain.moe.router import route, softmax_experts, topk_stable
 
 
 def _pooled(routing, mask=None):
@@ -147,6 +147,37 @@ def test_ties_go_to_the_lowest_index():
     assert keep.reshape(-1).tolist() == [True, True, True, False, False]
 
 
+def _topk_by_stable_sort(scores, k):
+    """The reference: a stable descending sort, the first K (ties to the lowest index)."""
+    values, indices = torch.sort(scores, dim=-1, descending=True, stable=True)
+    return values[..., :k], indices[..., :k]
+
+
+@pytest.mark.parametrize("shape, k", [((64, 8), 2), ((64, 8), 1), ((32, 64), 8), ((16, 4, 16), 2), ((8, 6), 6)])
+def test_topk_stable_equals_a_stable_sort_with_ties_and_minus_inf(shape, k):
+    g = torch.Generator().manual_seed(0)
+    for scores in (torch.rand(shape, generator=g),  # no ties
+                   torch.randint(0, 3, shape, generator=g).float(),  # many ties
+                   torch.zeros(shape, dtype=torch.float64),  # all equal (a zero-initialised router)
+                   torch.rand(shape, generator=g).masked_fill(torch.rand(shape, generator=g) < 0.7, float("-inf"))):
+        values, indices = topk_stable(scores, k)
+        ref_values, ref_indices = _topk_by_stable_sort(scores, k)
+        assert torch.equal(indices, ref_indices) and torch.equal(values, ref_values)
+        assert (indices.sort(dim=-1).values.diff(dim=-1) > 0).all()  # no expert twice, even among -inf rows
+
+
+@pytest.mark.parametrize("experts", [4, 8, 15, 16, 64])
+def test_softmax_over_experts_equals_torch_softmax(experts):
+    logits = torch.randn(300, experts, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    grad = torch.randn(300, experts, generator=torch.Generator().manual_seed(2))
+    ours = softmax_experts(logits)
+    (d_ours,) = torch.autograd.grad(ours, logits, grad)
+    ref = torch.softmax(logits, dim=-1)
+    (d_ref,) = torch.autograd.grad(ref, logits, grad)
+    torch.testing.assert_close(ours, ref, rtol=0, atol=1e-7)
+    torch.testing.assert_close(d_ours, d_ref, rtol=1e-5, atol=1e-7)
+
+
 def test_jitter_only_in_training():
     layer = MoELayer(8, MoEConfig(num_experts=4, top_k=2, experts=ExpertsConfig(ffn_hidden=8),
                                   router=RouterConfig(jitter_eps=0.1)))
@@ -254,3 +285,11 @@ def test_zero_coefficient_losses_are_reported_without_a_graph():
         assert not value.requires_grad and torch.isfinite(value) and value > 0, name
     torch.testing.assert_close(out.moe_loss, 0.01 * out.aux_loss)
     assert out.moe_loss.requires_grad
+
+
+def test_routing_tensors_are_not_views():
+    """The router may be an FSDP2 unit of its own (parallel/fsdp.py), whose outputs must not be views."""
+    for experts in (4, 8, 16):
+        routing = route(torch.randn(12, experts, requires_grad=True), 2)
+        for name in ("logits", "scores", "probs", "topk_ids", "topk_weights"):
+            assert getattr(routing, name)._base is None, (experts, name)

@@ -52,16 +52,42 @@ class Routing:
 def topk_stable(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k along the last dim with ties broken by the lowest index.
 
+    K rounds of ``max`` over the last dim (which returns the first of equal maxima), each masking its pick, instead
+    of a stable descending sort of all E: the same ids and values, 2-3x faster on CPU (one thread, T = 4096, Intel
+    Xeon with AVX-512, 2026-12-03: E = 8, K = 2: 0.48 -> 0.25 ms; E = 64, K = 8: 7.8 -> 3.4 ms; E = 128, K = 8:
+    17.5 -> 5.6 ms). ``-inf`` scores are ranked as the lowest finite value while picking, so that a masked pick
+    (``-inf``) ranks below every score not yet picked and no id repeats; the returned values are the input's own.
+
     Args:
         scores: [..., E] float.
         k: how many to keep (<= E).
     Returns:
         (values [..., K], indices [..., K] int64), best first.
     """
-    values, indices = torch.sort(scores, dim=-1, descending=True, stable=True)
-    # Copies, not views: a view would keep the whole [..., E] int64 sort alive wherever the ids are saved for
-    # backward (the gather of the gating weights), 8 E bytes per token instead of 8 K.
-    return values[..., :k].contiguous(), indices[..., :k].contiguous()
+    work = scores.clamp(min=torch.finfo(scores.dtype).min)  # a copy, masked in place below
+    picks = []
+    for j in range(k):
+        _, pick = work.max(dim=-1, keepdim=True)  # [..., 1]: the first of equal maxima (torch.max's documented rule)
+        picks.append(pick)
+        if j + 1 < k:
+            work.scatter_(-1, pick, float("-inf"))
+    indices = torch.cat(picks, dim=-1)
+    return scores.gather(-1, indices), indices
+
+
+def softmax_experts(logits: torch.Tensor) -> torch.Tensor:
+    """``torch.softmax(logits, dim=-1)`` over the experts, [T, E] -> [T, E], in a layout that is fast for few experts.
+
+    On CPU with E < 16 the softmax runs over dim 0 of the transposed view, copied back to a contiguous [T, E] (the
+    router may be an FSDP2 unit of its own, which must not return views): PyTorch's last-dim CPU kernel handles a
+    row shorter than one vector register (16 fp32 lanes on AVX-512) lane by lane. Same maths, rounded within an ulp
+    of the last-dim kernel's. Measured forward + backward, one thread, T = 4096, Intel Xeon with AVX-512,
+    2026-12-03: E = 8: 0.87 -> 0.18 ms (0.21 with the copy); at E = 16 the last-dim kernel is faster (0.18 against
+    0.40 ms), so it is kept from 16 experts up and on other devices.
+    """
+    if logits.device.type == "cpu" and logits.dim() == 2 and logits.shape[-1] < 16:
+        return torch.softmax(logits.t(), dim=0).t().contiguous()
+    return torch.softmax(logits, dim=-1)
 
 
 def group_limited_mask(selection: torch.Tensor, num_groups: int, topk_groups: int) -> torch.Tensor:
@@ -121,7 +147,7 @@ def route(
     """
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     if score_func == "softmax":
-        scores = torch.softmax(logits, dim=-1)
+        scores = softmax_experts(logits)
         probs = scores
     elif score_func == "sigmoid":
         scores = torch.sigmoid(logits)
