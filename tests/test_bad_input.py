@@ -67,7 +67,10 @@ CASES = [
      "model.hidden: hidden size 66 is not divisible by the number of heads n_heads=4"),
     ("kv-heads", [*T, "model.n_kv_heads=3"], "model.n_kv_heads: n_heads=4 is not divisible by n_kv_heads=3"),
     ("seq-too-long", [*T, "data.seq_len=1000"], "data.seq_len: sequence length 1000 exceeds model.max_seq_len=128"),
-    ("negative-lr", [*T, "train.lr=-1"], "train.lr: must be > 0, got -1.0"),
+    ("negative-lr", [*T, "train.lr=-1"], "train.lr: must be > 0 and finite, got -1.0"),
+    ("infinite-lr", [*T, "train.lr=1e400"], "train.lr: must be > 0 and finite, got inf"),
+    ("infinite-router-lr", [*T, "train.router_lr_scale=Infinity"],
+     "train.router_lr_scale: must be > 0 and finite, got inf"),
     ("zero-steps", [*T, "--steps", "0"], "train.steps: must be >= 1, got 0"),
     ("keep-zero", [*T, "train.keep_checkpoints=0"], "train.keep_checkpoints: must be >= 1, got 0"),
     ("skips-zero", [*T, "train.max_nonfinite_skips=0"], "train.max_nonfinite_skips: must be >= 1, got 0"),
@@ -103,7 +106,7 @@ CASES = [
      "model.hidden: cannot change when resuming (the run was trained with 64, got 128)"),
     ("resume-other-experts", [*R, "model.moe.num_experts=8"],
      "model.moe.num_experts: cannot change when resuming (the run was trained with 4, got 8)"),
-    ("resume-bad-value", [*R, "train.lr=0"], "train.lr: must be > 0, got 0.0"),
+    ("resume-bad-value", [*R, "train.lr=0"], "train.lr: must be > 0 and finite, got 0.0"),
     ("eval-not-a-run", ["eval", "{root}/notrun"], "{root}/notrun/config.json not found"),
 ]
 if not torch.cuda.is_available():

@@ -17,8 +17,8 @@ import torch
 
 from conftest import sample_text
 from moetrain.cli import main
-from moetrain.config import build_config
-from moetrain.configlib import load_file
+from moetrain.config import build_config, upgrade
+from moetrain.configlib import load_file, parse_overrides
 from moetrain.errors import MoetrainError
 
 TINY = ["--no-progress", "train.eval_batches=1", "monitor.tb_heatmap=false"]
@@ -514,3 +514,35 @@ def test_list_fields_prints_every_field_with_its_value_type_and_description(caps
     assert by_path["train.dtype"].split()[:3] == ["train.dtype", "=", "'fp32'"]
     assert main(["train", "--list-fields"]) == 0
     assert "train.expert_weight_decay = 1.0 " in capsys.readouterr().out
+
+
+def test_dry_run_of_a_resumed_run_writes_nothing(env, tmp_path, capsys):
+    """--resume --dry-run checks the run's own config (with this command's changes) and trains nothing."""
+    import shutil
+
+    from _crash_util import tree_digest
+
+    run = tmp_path / "resumed"
+    shutil.copytree(env["run"], run)
+    before = tree_digest(run)
+    capsys.readouterr()
+    assert main(["train", "--out", str(run), "--resume", "--dry-run", "--world-size", "2", "--steps", "4",
+                 "parallel.ep=2"]) == 0
+    out = capsys.readouterr().out
+    assert "resuming would change the config: parallel.ep 1 -> 2, train.steps 2 -> 4" in out
+    assert f"dry run: the resumed run {run}'s config is valid for 2 rank(s); nothing was written" in out
+    assert "routed experts" in out or "matrices (with the routers and routed experts)" in out  # the AdamW groups
+    assert tree_digest(run) == before  # no step trained, no checkpoint, config.json unchanged
+
+
+@pytest.mark.parametrize("flag", [["--resume", "--out", "RUN"], ["--init-from", "RUN"], ["--dry-run"]])
+def test_list_fields_refuses_flags_it_would_ignore(env, capsys, flag):
+    argv = ["train", "--list-fields", *[str(env["run"]) if a == "RUN" else a for a in flag]]
+    one_line_error(capsys, argv, f"--list-fields lists a preset's fields and does not combine with {flag[0]}")
+
+
+def test_the_choice_none_can_be_typed_as_an_override(capsys):
+    """`none` reads as null in an override; a field whose choices hold 'none' takes it as that choice."""
+    assert build_config("tiny", overrides=upgrade(parse_overrides(["model.qk_norm=none"]))).model.qk_norm == "none"
+    assert main(["train", "--list-fields", "--preset", "tiny", "model.qk_norm=none"]) == 0
+    assert "model.qk_norm = 'none'" in capsys.readouterr().out

@@ -92,7 +92,7 @@ def test_one_step_equals_plain_adamw_at_the_scaled_rate():
 
 
 def test_scale_must_be_positive():
-    with pytest.raises(ConfigError, match=r"^train.expert_lr_scale: must be > 0, got 0"):
+    with pytest.raises(ConfigError, match=r"^train.expert_lr_scale: must be > 0 and finite, got 0"):
         build_config("tiny", overrides={"train": {"expert_lr_scale": 0}})
 
 

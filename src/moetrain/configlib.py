@@ -66,13 +66,15 @@ def _coerce(value: Any, tp: Any, path: str, legacy: Mapping[str, str] | None = N
         raise ConfigError(errors[0] if errors else f"{path}: unexpected value {format_value(value)}")
     if origin is typing.Literal:
         choices = typing.get_args(tp)
+        if value is None and "none" in choices:  # an override's `none` reads as null; here it is the choice 'none'
+            return "none"
         if value not in choices:
             raise ConfigError(f"{path}: must be one of {list(choices)}, got {format_value(value)}")
         return value
     if origin in (tuple, list):
         (item_tp, *_rest) = typing.get_args(tp) or (Any,)
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{path}: expected a list, got {type(value).__name__} {format_value(value)}")
+            raise ConfigError(f"{path}: expected a list, got {format_value(value)}")
         return tuple(_coerce(v, item_tp, f"{path}[{i}]", legacy) for i, v in enumerate(value))
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if isinstance(value, tp):

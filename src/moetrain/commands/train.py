@@ -119,6 +119,10 @@ def run(args) -> int:
     if args.list_fields:
         from moetrain.config_docs import field_lines
 
+        for flag, given in (("--resume", args.resume), ("--init-from", args.init_from), ("--dry-run", args.dry_run)):
+            if given:
+                raise MoetrainError(f"--list-fields lists a preset's fields and does not combine with {flag} (a run's "
+                                    f"own fields are in its {CONFIG_FILE}; --dry-run checks a config)")
         config = build_config(args.preset, file_data, overrides)
         print(f"config fields of preset {config.preset!r} (set one with FIELD=VALUE or in a --config file; "
               "each in full: docs/configuration.md)")
@@ -157,16 +161,21 @@ def run(args) -> int:
         else:
             config = init.config(args.preset, file_data, overrides)
         check_router_trainable(config)
-        world = args.world_size if args.world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
-        if args.dry_run:
-            from moetrain.parallel.dry_run import dry_run
+    world = args.world_size if args.world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    if args.dry_run:  # of the config this command would train, the resumed run's included; nothing is written
+        from moetrain.parallel.dry_run import dry_run
+        from moetrain.train.resume_config import describe
 
-            if world < 1:
-                raise MoetrainError(f"--world-size: must be >= 1, got {world}")
-            for line in dry_run(config, world).lines:
-                print(line)
-            print(f"dry run: the config is valid for {world} rank(s); nothing was written")
-            return 0
+        if world < 1:
+            raise MoetrainError(f"--world-size: must be >= 1, got {world}")
+        if resume and changes:
+            print(f"resuming would change the config: {describe(changes)}")
+        for line in dry_run(config, world).lines:
+            print(line)
+        what = f"the resumed run {args.out}'s config" if resume else "the config"
+        print(f"dry run: {what} is valid for {world} rank(s); nothing was written")
+        return 0
+    if not resume:
         if config.preset in SHAPE_ONLY:  # the sharded state against this machine's memory (parallel/dry_run.py)
             from moetrain.parallel.dry_run import too_large
             from moetrain.runtime.preflight import available_memory

@@ -129,9 +129,9 @@ def optimizer_lines(model: torch.nn.Module, config: Config) -> list[str]:
 
     lr = config.train.lr
     groups = param_groups(model.named_parameters(), config)
-    lines = [f"optimizer: AdamW, {len(groups)} parameter groups (whole model; train.lr={lr:g})"]
+    lines = [f"optimizer: AdamW, {len(groups)} parameter groups (whole model; train.lr={lr!r})"]
     for g in groups:
-        scale = "" if g.lr_scale == 1 else f" ({g.lr_scale:g} x train.lr)"
+        scale = "" if g.lr_scale == 1 else f" ({g.lr_scale!r} x train.lr)"
         lines.append(f"  {g.role}: {len(g.params)} tensors, {g.numel:,} parameters, lr {lr * g.lr_scale:g}{scale}, "
                      f"weight decay {g.weight_decay!r}")
     return lines

@@ -109,10 +109,9 @@ class TrainConfig:
         if self.expert_weight_decay is not None:
             require(0 <= self.expert_weight_decay < math.inf, "expert_weight_decay",
                     f"must be >= 0 and finite, got {self.expert_weight_decay}")
-        require(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
-        for name in ("router_lr_scale", "expert_lr_scale"):
+        for name in ("lr", "router_lr_scale", "expert_lr_scale"):
             value = getattr(self, name)
-            require(value > 0, name, f"must be > 0, got {value}")
+            require(0 < value < math.inf, name, f"must be > 0 and finite, got {value}")
         require(0 <= self.seed < 2**32, "seed", f"must be in [0, 2**32), got {self.seed}")
         require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
         require(0 <= self.beta1 < 1, "beta1", f"must be in [0, 1), got {self.beta1}")
