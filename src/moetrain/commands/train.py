@@ -46,7 +46,8 @@ def add_parser(sub) -> None:
                    help="fine-tune a Hugging Face checkpoint: model and tokenizer from HF_DIR (see export, upcycle)")
     p.add_argument("--dry-run", action="store_true",
                    help="validate the config and print its parallel layout, per-rank memory and optimizer groups "
-                        "for --world-size ranks (model on the meta device; no data, no run directory)")
+                        "for --world-size ranks (model on the meta device; no data, no run directory; with "
+                        "--resume: the run's own config with this command's changes, nothing written)")
     p.add_argument("--world-size", type=int, default=None,
                    help="ranks for --dry-run (default: $WORLD_SIZE, or 1)")
     p.add_argument("--list-fields", action="store_true",
