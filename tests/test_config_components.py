@@ -166,6 +166,17 @@ def test_type_errors_write_the_value_as_a_config_does(override, message):
     assert str(err.value) == message
 
 
+@pytest.mark.parametrize("raw, value", [
+    ("[nonfinite_loss, collapse]", ("nonfinite_loss", "collapse")),  # what a shell leaves of ['a', 'b']
+    ("['nonfinite_loss']", ("nonfinite_loss",)),
+    ('["collapse"]', ("collapse",)),  # JSON
+    ("[]", ()),
+])
+def test_list_overrides_with_or_without_quotes(raw, value):
+    config = build_config("tiny", overrides=upgrade(parse_overrides([f"monitor.fatal={raw}"])))
+    assert config.monitor.fatal == value
+
+
 def test_direct_construction_validates_too():
     with pytest.raises(ConfigError, match=r"^factor: must be > 0"):
         CapacityConfig(factor=0.0)

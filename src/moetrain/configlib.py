@@ -73,6 +73,8 @@ def _coerce(value: Any, tp: Any, path: str, legacy: Mapping[str, str] | None = N
         return value
     if origin in (tuple, list):
         (item_tp, *_rest) = typing.get_args(tp) or (Any,)
+        if isinstance(value, str) and (items := _bare_list(value)) is not None:
+            value = items  # an override's [a, b] (JSON would have given a list already)
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{path}: expected a list, got {format_value(value)}")
         return tuple(_coerce(v, item_tp, f"{path}[{i}]", legacy) for i, v in enumerate(value))
@@ -240,8 +242,20 @@ def _parse_scalar(text: str) -> Any:
         return text
 
 
+def _bare_list(text: str) -> list[Any] | None:
+    """``[a, b]`` (a list without JSON's quotes, as a shell leaves ``['a', 'b']``) -> ``["a", "b"]``; else None."""
+    stripped = text.strip()
+    if not (stripped.startswith("[") and stripped.endswith("]")):
+        return None
+    inner = stripped[1:-1].strip()
+    return [_parse_scalar(item.strip().strip("'\"")) for item in inner.split(",")] if inner else []
+
+
 def parse_overrides(items: list[str]) -> dict[str, Any]:
     """``["model.moe.top_k=1", "train.lr=3e-3"]`` -> nested dict.
+
+    Values: ``true`` / ``false``, ``null`` (or ``none``), JSON (numbers, ``["a", "b"]``), else the text as a string
+    (a field that expects a list also takes ``[a, b]``, what a shell leaves of ``['a', 'b']``: :func:`_coerce`).
 
     Raises:
         ConfigError: an item without ``=``, or with an empty field name (``=3``, ``model..top_k=1``).

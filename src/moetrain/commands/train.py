@@ -20,7 +20,7 @@ from moetrain.train.run_lock import LOCK_FILE, RunLock
 
 EPILOG = """\
 config fields: set any field with FIELD=VALUE anywhere after `train` (values as in a config file: numbers,
-true / false, null, strings plain), or in a --config FILE.toml / .json; e.g.
+true / false, null, strings plain, lists [a, b]), or in a --config FILE.toml / .json; e.g.
   moetrain train --preset tiny train.steps=100 model.moe_every=0
 every field with its value in the preset, its type and meaning: moetrain train --list-fields [--preset NAME]
 (each in full: docs/configuration.md)
