@@ -82,24 +82,21 @@ def param_groups(named: Iterable[tuple[str, torch.Tensor]], config: Config) -> l
         The groups; every tensor of ``named`` with ``requires_grad`` is in exactly one.
     """
     t = config.train
-    by_key: dict[tuple[float, bool, float], ParamGroup] = {
+    by_key: dict[tuple[float, bool, float], ParamGroup] = {  # (lr scale, decayed, decay): the two always there first
         (1.0, True, t.weight_decay): ParamGroup("matrices", 1.0, t.weight_decay),
         (1.0, False, 0.0): ParamGroup("norms and biases", 1.0, 0.0)}
-    decays: dict[tuple[float, bool, float], bool] = {}
     for name, p in named:
         if not p.requires_grad:
             continue
         decay = p.dim() >= 2
         scale, wd = lr_scale(name, config), weight_decay(name, config) if decay else 0.0
-        key = (scale, decay, wd)
-        if key not in by_key:
-            by_key[key], decays[key] = ParamGroup("", scale, wd), decay
-        by_key[key].names.append(name)
-        by_key[key].params.append(p)
-    for key, g in by_key.items():  # named once filled, by the kinds of tensor they hold
+        group = by_key.setdefault((scale, decay, wd), ParamGroup("", scale, wd))
+        group.names.append(name)
+        group.params.append(p)
+    for (_, decay, _), g in by_key.items():  # named once filled, by the kinds of tensor they hold
         kinds = _kinds(g.names)
-        if key in decays:
-            g.role = " + ".join(kinds) + ("" if decays[key] else " (not decayed)")
+        if not g.role:  # a group of its own for routers / experts
+            g.role = " + ".join(kinds) + ("" if decay else " (not decayed)")
         elif kinds:  # the routers / experts without a scale or decay of their own
             g.role += f" (with the {' and '.join(kinds)})"
     return list(by_key.values())

@@ -34,7 +34,7 @@ from moetrain.train.checkpoint import CorruptCheckpoint, LoadedCheckpoint, load_
 from moetrain.train.checkpointer import Checkpointer
 from moetrain.train.metrics import MetricsLogger
 from moetrain.train.monitor import RoutingMonitor
-from moetrain.train.param_groups import lr_scale, param_groups, weight_decay
+from moetrain.train.param_groups import param_groups
 from moetrain.train.preemption import GracefulStop
 from moetrain.runtime.cpu import bf16_policy_line
 from moetrain.runtime.threads import choose_threads
@@ -107,8 +107,8 @@ def evaluate(model: MoETransformer, batches: Iterable[Batch], device: torch.devi
 
 
 
-__all__ = ["CONFIG_FILE", "TOKENIZER_FILE", "TrainResult", "Trainer", "build_optimizer", "evaluate", "lr_scale",
-           "resolve_device", "resume_hint", "rng_state", "seed_everything", "set_rng_state", "weight_decay"]
+__all__ = ["CONFIG_FILE", "TOKENIZER_FILE", "TrainResult", "Trainer", "build_optimizer", "evaluate",
+           "resolve_device", "resume_hint", "rng_state", "seed_everything", "set_rng_state"]
 
 
 @dataclass
