@@ -546,3 +546,46 @@ def test_the_choice_none_can_be_typed_as_an_override(capsys):
     assert build_config("tiny", overrides=upgrade(parse_overrides(["model.qk_norm=none"]))).model.qk_norm == "none"
     assert main(["train", "--list-fields", "--preset", "tiny", "model.qk_norm=none"]) == 0
     assert "model.qk_norm = 'none'" in capsys.readouterr().out
+
+
+# -- deployment review: serve / generate / eval / stats arguments ---------------------------------------------------
+
+@pytest.mark.parametrize("argv, words", [
+    (["--threads", "0"], ["--threads", "0"]),  # was torch's RuntimeError traceback
+    (["--port", "99999"], ["--port", "99999"]),  # was uvicorn's OverflowError traceback, then an error
+    (["--port", "-5"], ["--port", "-5"]),
+    (["--routing", "threshold", "--threshold", "0"], ["--threshold", "0"]),  # was named "--p"
+    (["--routing", "load", "--load-low", "5", "--load-high", "2"], ["--load-low", "--load-high", "5", "2"]),
+    (["--top-k", "9"], ["--top-k", "9"]),  # was named "--k"
+    # flags the chosen policy never reads (they did nothing)
+    (["--routing", "threshold", "--top-k", "1"], ["--top-k", "the fixed"]),
+    (["--threshold", "0.5"], ["--threshold", "the threshold"]),
+    (["--k-max", "1"], ["--k-max", "the threshold"]),
+    (["--routing", "threshold", "--load-high", "9"], ["--load-high", "the load"]),
+    (["--hot-share", "0.2"], ["--hot-share", "--expert-memory-budget"]),
+    (["--calibration-text", "notes.txt"], ["--calibration-text", "--expert-memory-budget"]),
+])
+def test_serve_argument_errors_name_the_flag(env, capsys, argv, words):
+    one_line_error(capsys, ["serve", env["run"], "--port", "0", *argv], *words)
+
+
+def test_generate_seed_out_of_range_is_one_line(env, capsys):
+    one_line_error(capsys, ["generate", env["run"], "--prompt", "x", "--seed", str(2**70)], "--seed", str(2**70))
+
+
+def test_generate_and_eval_on_a_hugging_face_directory_say_so(env, tmp_path, capsys):
+    """An export is not a run directory: the error names the directory and what it is (was 'architectures: unknown
+    config key; known fields: [...]')."""
+    hf = tmp_path / "hf"
+    assert main(["export", str(env["run"]), str(hf)]) == 0
+    for argv in (["generate", hf, "--prompt", "x"], ["eval", hf]):
+        one_line_error(capsys, argv, str(hf), "Hugging Face", "moetrain serve")
+
+
+def test_stats_of_a_run_without_metrics_says_none_logged(env, tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_bytes((env["run"] / "config.json").read_bytes())
+    assert main(["stats", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "None" not in out and "steps logged: none of 2" in out, out

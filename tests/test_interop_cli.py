@@ -115,6 +115,10 @@ def test_upcycle_then_finetune(tmp_path, code_corpus, capsys):
                     "already an MoE")
     _one_line_error(capsys, ["upcycle", str(dense_dir), str(tmp_path / "x"), "--experts", "2", "--top-k", "3"],
                     "--top-k")
+    for std in ("nan", "inf"):  # nan passed `<= 0` and wrote NaN router weights
+        _one_line_error(capsys, ["upcycle", str(dense_dir), str(tmp_path / "x"), "--experts", "4", "--top-k", "2",
+                                 "--router-std", std], "--router-std", std)
+        assert not (tmp_path / "x").exists()
     _one_line_error(capsys, ["train", "--preset", "tiny", "--init-from", str(up), "--out", str(tmp_path / "r2"),
                               "model.hidden=64"],
                     "model.hidden=64", "--init-from")

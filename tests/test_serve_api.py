@@ -146,6 +146,10 @@ BAD = [
     ({"prompt": "x", "routing": {"policy": "magic"}}, "routing.policy"),
     ({"prompt": "x", "routing": {"policy": "fixed", "k": 99}}, "routing.k"),
     ({"prompt": "x", "routing": {"policy": "threshold", "p": 1.5}}, "routing.p"),
+    # fields the request's policy never reads (they did nothing)
+    ({"prompt": "x", "routing": {"policy": "threshold", "k": 1}}, "routing.k"),
+    ({"prompt": "x", "routing": {"k_max": 1}}, "routing.k_max"),
+    ({"prompt": "x", "routing": {"policy": "load", "p": 0.5}}, "routing.p"),
 ]
 
 
@@ -173,6 +177,17 @@ def test_bad_requests_get_a_4xx_naming_the_field_and_the_server_keeps_serving(se
     assert r.status_code == 413 and r.json()["error"]["param"] == "body"
     assert client.get("/health").json()["status"] == "ok"
     assert _complete(client, prompt="x", max_tokens=3, temperature=0)["finish_reason"] in ("length", "stop")
+
+
+def test_bad_request_messages_say_what_is_wrong(server):
+    """The message gives the reason, not the first union branch's type error or a silent no-op."""
+    client = httpx.Client(base_url=server[0].url, timeout=60)
+    for body, words in (({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, ["stop", "at most 4"]),
+                        ({"prompt": "x", "routing": {"policy": "threshold", "k": 1}}, ["routing.k", "fixed"])):
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 400, r.text
+        message = r.json()["error"]["message"]
+        assert all(w in message for w in words), message
 
 
 def test_full_queue_gets_429_and_a_disconnect_frees_the_slot(served):
@@ -347,6 +362,26 @@ def test_load_policy_through_the_engine_lowers_k_under_a_burst_and_restores_it(s
         assert k == policy.load_k(2, 4, depth) and used == [k], (depth, k, used)
     ks = [k for _, k, _ in trace]
     assert ks == sorted(ks)  # the queue only drains here, so k only rises
+
+
+def test_a_request_load_policy_uses_the_servers_queue_depths(served):
+    """A request's ``routing: {"policy": "load"}`` cannot set ``low`` / ``high``: it lowers k at the queue depths
+    the server was started with (``--load-low 0 --load-high 1``: one request is already deep enough for k_min),
+    not at hidden defaults (8 / 32 before, so k stayed 2)."""
+    from moetrain.serve.routing import RoutingPolicy
+
+    srv, _ = start_server(served[1], num_slots=2,
+                          policy=RoutingPolicy(policy="load", k_min=1, k_max=2, low=0, high=1))
+    try:
+        client = httpx.Client(base_url=srv.url, timeout=60)
+        for routing in (None, {"policy": "load"}):
+            body = {"prompt": PROMPTS[0], "max_tokens": 3, "temperature": 0}
+            _complete(client, **body, **({"routing": routing} if routing else {}))
+            text = client.get("/metrics").text
+            active = float(re.search(r"^moetrain_active_experts_per_token (\S+)$", text, re.M).group(1))
+            assert active == 1.0, (routing, active)
+    finally:
+        srv.stop()
 
 
 def test_batched_sampling_draws_what_each_row_draws_alone():

@@ -24,6 +24,8 @@ def run(args) -> int:
     from moetrain.data.tokenizer import EOS_TOKEN
     from moetrain.model.generate import generate
 
+    if not -(2**63) <= args.seed < 2**64:  # what torch.Generator.manual_seed takes
+        raise MoetrainError(f"--seed: must be in [-2**63, 2**64), got {args.seed}")
     config, tokenizer, model, _ = load_run(args.run_dir)
     ids = tokenizer.encode(args.prompt).ids
     if not ids:

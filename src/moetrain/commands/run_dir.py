@@ -33,7 +33,7 @@ def load_run(run_dir: str) -> Run:
     """Load a run directory (:class:`Run`).
 
     Raises:
-        MoetrainError: not a run directory, or an unparsable config.
+        MoetrainError: not a run directory (a Hugging Face directory included), or an unparsable config.
         DataError: an unreadable or damaged tokenizer.json (checked before the model is built).
         CheckpointError: no usable checkpoint.
     """
@@ -48,7 +48,11 @@ def load_run(run_dir: str) -> Run:
         if not (root / name).is_file():
             raise MoetrainError(f"{root / name} not found; is '{root}' a moetrain run directory?")
     try:
-        config = Config.from_dict(json.loads((root / CONFIG_FILE).read_text()))
+        raw = json.loads((root / CONFIG_FILE).read_text())
+        if isinstance(raw, dict) and "model_type" in raw and "model" not in raw:  # transformers' config.json
+            raise MoetrainError(f"{root}: a Hugging Face directory (model_type {raw['model_type']!r}), not a moetrain "
+                                f"run directory; serve it with `moetrain serve {root}`")
+        config = Config.from_dict(raw)
     except ValueError as e:  # JSONDecodeError; ConfigError passes through (it names the field)
         if isinstance(e, MoetrainError):
             raise

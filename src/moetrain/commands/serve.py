@@ -21,7 +21,8 @@ def add_parser(sub) -> None:
     p.add_argument("--routing", choices=["fixed", "threshold", "load"], default="fixed",
                    help="server routing policy (dynamic top-k; requests may override with a `routing` field)")
     p.add_argument("--top-k", type=int, default=None, help="fixed: experts per token (default: the trained k)")
-    p.add_argument("--threshold", type=float, default=0.9, help="threshold: probability mass p to reach")
+    p.add_argument("--threshold", type=float, default=None, help="threshold: probability mass p to reach "
+                   "(default 0.9)")
     p.add_argument("--k-min", type=int, default=None, help="threshold/load: fewest experts per token (default 1)")
     p.add_argument("--k-max", type=int, default=None, help="threshold/load: most experts (default: trained k)")
     p.add_argument("--load-low", type=int, default=None, help="load: queue depth where k starts to fall "
@@ -35,8 +36,9 @@ def add_parser(sub) -> None:
     p.add_argument("--expert-memory-budget", default=None, metavar="BYTES",
                    help="most bytes of routed experts resident (e.g. 64M); hot experts stay, cold ones are paged in "
                    "from the memory-mapped safetensors file through an LRU (default: all resident)")
-    p.add_argument("--hot-share", type=float, default=0.5,
-                   help="share of --expert-memory-budget pinned for the hottest experts (the rest is the LRU pool)")
+    p.add_argument("--hot-share", type=float, default=None,
+                   help="share of --expert-memory-budget pinned for the hottest experts (the rest is the LRU pool; "
+                   "default 0.5)")
     p.add_argument("--calibration-text", default=None, metavar="FILE",
                    help="rank experts by a calibration pass over this text (default: the run's routing statistics "
                    "in metrics.jsonl, else uniform)")
@@ -52,16 +54,38 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def policy_from_args(args):
-    from moetrain.serve.routing import RoutingPolicy
+# RoutingPolicy field -> the serve flag that sets it
+POLICY_FLAGS = {"k": "--top-k", "p": "--threshold", "k_min": "--k-min", "k_max": "--k-max", "low": "--load-low",
+                "high": "--load-high"}
 
-    low = args.load_low if args.load_low is not None else max(1, args.slots // 2)
-    high = args.load_high if args.load_high is not None else max(low + 1, 2 * args.slots)
+
+def _flag_error(e: ValueError) -> MoetrainError:
+    """A RoutingPolicy error ``"FIELD: ..."`` (or ``"low/high: ..."``) as one naming the flags."""
+    field, _, rest = str(e).partition(": ")
+    return MoetrainError(f"{'/'.join(POLICY_FLAGS.get(f, f) for f in field.split('/'))}: {rest}")
+
+
+def policy_from_args(args):
+    """The server's :class:`~moetrain.serve.routing.RoutingPolicy` from the routing flags.
+
+    Raises:
+        MoetrainError: a value out of range, or a flag that ``--routing`` does not read (it would do nothing).
+    """
+    from moetrain.serve.routing import RoutingPolicy, check_fields
+
+    given = {f: v for f, v in (("k", args.top_k), ("p", args.threshold), ("k_min", args.k_min),
+                               ("k_max", args.k_max), ("low", args.load_low), ("high", args.load_high))
+             if v is not None}
     try:
-        return RoutingPolicy(policy=args.routing, k=args.top_k, p=args.threshold, k_min=args.k_min,
-                             k_max=args.k_max, low=low, high=high)
+        check_fields(args.routing, given)  # a flag this policy does not read would do nothing
     except ValueError as e:
-        raise MoetrainError(f"--{str(e).replace('_', '-')}") from None
+        raise _flag_error(e) from None
+    low = given.pop("low", max(1, args.slots // 2))
+    high = given.pop("high", max(low + 1, 2 * args.slots))
+    try:
+        return RoutingPolicy(policy=args.routing, low=low, high=high, **given)
+    except ValueError as e:
+        raise _flag_error(e) from None
 
 
 def build_app(args, mesh=None):
@@ -75,9 +99,15 @@ def build_app(args, mesh=None):
     from moetrain.serve.engine import Engine
     from moetrain.serve.loader import load_served_model
 
-    for name in ("slots", "max_queue", "max_body_bytes"):
-        if getattr(args, name) < 1:
+    for name in ("slots", "max_queue", "max_body_bytes", "threads"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise MoetrainError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
+    if not 0 <= args.port <= 65535:
+        raise MoetrainError(f"--port: must be in [0, 65535] (0: any free port), got {args.port}")
+    if getattr(args, "expert_memory_budget", None) is None:
+        for flag, value in (("--hot-share", args.hot_share), ("--calibration-text", args.calibration_text)):
+            if value is not None:
+                raise MoetrainError(f"{flag}: only with --expert-memory-budget (it ranks the experts kept resident)")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     policy = policy_from_args(args)
@@ -87,7 +117,7 @@ def build_app(args, mesh=None):
         try:
             policy.bounds(c.top_k, c.num_experts)
         except ValueError as e:
-            raise MoetrainError(f"--{str(e).replace('_', '-')}") from None
+            raise _flag_error(e) from None
     if mesh is not None:
         from moetrain.serve.expert_parallel import (HEARTBEAT_S, BroadcastRunner, ep_experts_fn, parallel_config,
                                                     shard_for_serving)
@@ -191,7 +221,8 @@ def open_store(args, served):
             raise MoetrainError(f"--calibration-text: {e}") from None
     usage = served_usage(served, text)
     total = routed_expert_bytes(served.model)
-    store = ExpertStore(served.model, n, usage, served.experts_file(), hot_share=args.hot_share)
+    hot_share = 0.5 if args.hot_share is None else args.hot_share
+    store = ExpertStore(served.model, n, usage, served.experts_file(), hot_share=hot_share)
     print(f"moetrain serve: expert memory budget {n:,} of {total:,} bytes ({100 * n / total:.0f}%), "
           f"{len(store.pinned)} hot experts pinned, {len(store.pool)} in the LRU pool; usage from {usage.source}",
           file=sys.stderr)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import shutil
 from pathlib import Path
 from typing import cast
@@ -70,8 +71,8 @@ def upcycle_model(dense: MoETransformer, num_experts: int, top_k: int, router_st
     Raises:
         ConfigError: a model with MoE blocks, invalid E / K / router_std.
     """
-    if router_std <= 0:
-        raise ConfigError(f"--router-std: must be > 0, got {router_std}")
+    if not 0 < router_std < math.inf:  # written this way round so that nan fails too
+        raise ConfigError(f"--router-std: must be finite and > 0, got {router_std}")
     cfg = upcycled_config(dense.config, num_experts, top_k,
                           dense.config.attention_bias if shared_expert is None else shared_expert)
     gen = torch.Generator().manual_seed(seed)

@@ -57,7 +57,7 @@ def run_summary(log: RunLog) -> list[tuple[str, str]]:
     cfg = log.config or {}
     total = (cfg.get("train") or {}).get("steps")
     last_step = max((r["step"] for r in log.records), default=None)
-    out.append(("steps logged", f"{last_step}" + (f" of {total}" if total else "")))
+    out.append(("steps logged", f"{'none' if last_step is None else last_step}" + (f" of {total}" if total else "")))
     step, loss = log.latest("train_loss")
     if loss is not None:
         out.append(("train loss", f"{loss:.4f} (step {step})"))

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from moetrain.serve.cache import cache_key
 from moetrain.serve.engine import EngineStopped, Event, GenRequest, QueueFull, next_request_id
-from moetrain.serve.routing import RoutingPolicy
+from moetrain.serve.routing import RoutingPolicy, check_fields
 
 StrictInt = Annotated[int, Field(strict=True)]
 StrictFloat = Annotated[float, Field(strict=True, allow_inf_nan=False)]
@@ -64,11 +64,12 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
     counter = getattr(request.app.state, "bad_requests", None)  # /metrics' requests_total{outcome="bad_request"}
     if counter is not None:
         counter.inc()
-    e = exc.errors()[0]
-    loc = [str(x) for x in e.get("loc", ()) if x != "body"]
-    # a union (stop: str | list) reports each branch's type name in the path; keep the field names only
-    loc = [x for x in loc if x not in ("str", "int", "float", "bool") and not x.isdigit()
-           and not x.startswith(("list[", "constrained-", "function-"))]
+    errors = exc.errors()
+    e = errors[0]
+    loc = _field_path(e)
+    # a union (stop: str | list) reports one error per branch: a value of a branch's type that breaks its limits
+    # (five stop strings) says more than "not a string"
+    e = next((x for x in errors if _field_path(x) == loc and not x.get("type", "").endswith("_type")), e)
     if e.get("type") == "json_invalid":
         return error(400, f"malformed JSON body: {e.get('msg')} ({e.get('ctx', {}).get('error', '')})", "body")
     if not loc:
@@ -78,6 +79,13 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
     got = json.dumps(value)[:80] if _jsonable(value) else repr(value)[:80]
     shown = "missing" if e.get("type") == "missing" else f"got {got}"
     return error(400, f"{param}: {e.get('msg')}; {shown}", param)
+
+
+def _field_path(e: dict) -> list[str]:
+    """A pydantic error's field names (``["routing", "k"]``), without the union branches' type names and indices."""
+    loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+    return [x for x in loc if x not in ("str", "int", "float", "bool") and not x.isdigit()
+            and not x.startswith(("list[", "constrained-", "function-"))]
 
 
 def _jsonable(v) -> bool:
@@ -179,7 +187,9 @@ def _check(engine, body: CompletionRequest) -> tuple[list[int] | None, RoutingPo
     policy = None
     if body.routing is not None:
         try:
-            policy = RoutingPolicy(**body.routing.model_dump())
+            check_fields(body.routing.policy, body.routing.model_fields_set - {"policy"})  # none it would ignore
+            # a request cannot set the load policy's queue depths: the server's (--load-low / --load-high) apply
+            policy = RoutingPolicy(**body.routing.model_dump(), low=engine.policy.low, high=engine.policy.high)
             if engine.moe_blocks:
                 c = engine.model.blocks[engine.moe_blocks[0]].ffn.config
                 policy.bounds(c.top_k, c.num_experts)

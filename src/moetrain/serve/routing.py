@@ -25,6 +25,23 @@ import torch
 import torch.nn.functional as F
 
 POLICIES = ("fixed", "threshold", "load")
+# the fields each policy reads; one given for another policy would do nothing, so check_fields refuses it
+POLICY_FIELDS = {"fixed": ("k",), "threshold": ("p", "k_min", "k_max"), "load": ("k_min", "k_max", "low", "high")}
+
+
+def check_fields(policy: str, given) -> None:
+    """Refuse fields that ``policy`` does not read.
+
+    Args:
+        policy: ``fixed``, ``threshold`` or ``load``.
+        given: names of the :class:`RoutingPolicy` fields that were set explicitly (``policy`` itself aside).
+    Raises:
+        ValueError: ``"FIELD: ..."`` for the first field ``policy`` ignores, naming the policies that read it.
+    """
+    for name in given:
+        if name not in POLICY_FIELDS.get(policy, (name,)):
+            readers = [p for p, fields in POLICY_FIELDS.items() if name in fields]
+            raise ValueError(f"{name}: only the {' / '.join(readers)} policy reads it, not {policy!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
