@@ -9,7 +9,8 @@ from _parallel_util import spawn
 from moetrain.config import build_config
 from moetrain.errors import ConfigError
 from moetrain.parallel.config import ParallelConfig
-from moetrain.parallel.launch import ParallelHooks
+from moetrain.parallel import ac
+from moetrain.parallel.launch import ParallelHooks, start
 from moetrain.parallel.mesh import build_mesh, init_distributed
 
 
@@ -56,3 +57,52 @@ def test_world_size_and_batch_checks(tmp_path):
     for r in spawn(_checks_worker, 2, tmp_path):
         assert r["mesh"].startswith("parallel.ep: world size 2") and "not divisible by ep=4" in r["mesh"], r
         assert r["batch"].startswith("train.batch_size: 3 sequences") and "over 2 ranks" in r["batch"], r
+
+
+def test_plain_path_refuses_cpu_offload_and_a_replica_count_for_one_process(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ConfigError, match=r"^parallel.cpu_offload: .*set it to false"):
+        start(build_config("tiny", overrides={"parallel": {"cpu_offload": True}}), "cpu")
+    with pytest.raises(ConfigError, match=r"^parallel: world size 1 .* 1 \* 3 \* 1 \* 1"):
+        start(build_config("tiny", overrides={"parallel": {"dp_replicate": 3}}), "cpu")
+    # fsdp=on keeps one process off the FSDP2 engine, but not off the mesh check: dp_shard=2 needs 2 ranks
+    with pytest.raises(ConfigError, match=r"^parallel: world size 1 .* \(the rest\) \* 2 \* 1"):
+        start(build_config("tiny", overrides={"parallel": {"fsdp": "on", "dp_shard": 2}}), "cpu")
+
+
+def test_plain_path_applies_activation_checkpointing(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    cfg = build_config("tiny", overrides={"parallel": {"activation_checkpoint": "full"}})
+    hooks = start(cfg, "cpu")
+    model = hooks.prepare_model(hooks.build_model(cfg.model, torch.device("cpu")))
+    seen = []
+    model.blocks[0].attn.register_forward_hook(lambda m, i, o: seen.append(ac.in_recompute()))
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, 9))
+    model(tokens[:, :-1], tokens[:, 1:]).loss.backward()
+    assert seen == [False, True]  # the forward, then its recompute in backward
+
+
+def _replicate_worker(rank: int, world: int, out_dir) -> str:
+    try:
+        start(build_config("tiny", overrides={"parallel": {"dp_replicate": 3}}), "cpu")
+    except ConfigError as e:
+        return str(e)
+    return "started"
+
+
+def test_plain_path_checks_dp_replicate_against_the_world(tmp_path):
+    # dp_replicate=3 on 2 ranks: the dry run refuses it, so the run must too (every rank, before any collective).
+    for r in spawn(_replicate_worker, 2, tmp_path):
+        assert r.startswith("parallel: world size 2") and "1 * 3 * 1 * 1" in r, r
+
+
+def test_overwrite_keeps_the_old_run_when_the_layout_is_refused(tmp_path, monkeypatch, capsys):
+    from moetrain.cli import main
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_00000010").mkdir(parents=True)
+    (run / "config.json").write_text("{}")
+    assert main(["train", "--preset", "tiny", "--out", str(run), "--overwrite", "parallel.dp_replicate=3"]) == 2
+    assert capsys.readouterr().err.startswith("moetrain: error: parallel: world size 1")
+    assert (run / "checkpoints" / "step_00000010").is_dir() and (run / "config.json").is_file()

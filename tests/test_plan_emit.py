@@ -14,6 +14,7 @@ from moetrain.analysis.shape import ModelShape
 from moetrain.cli import main
 from moetrain.config import build_config
 from moetrain.errors import ConfigError
+from moetrain.model.transformer import MoETransformer
 from moetrain.parallel.dry_run import check, dry_run, too_large
 
 RECOMMENDATIONS = [("qwen3-30b-a3b", 16, "h200"), ("mixtral-8x7b", 16, "h100")]
@@ -76,3 +77,38 @@ def test_too_large_preset_names_the_figure_and_the_smallest_layout():
     assert why.startswith("preset mixtral-8x7b: needs 747.") and "80.0 GB free" in why
     assert "the smallest layout that fits is 64 cpu devices" in why and "--emit FILE.toml" in why
     assert too_large(build_config("tiny"), 1, "cpu", 80e9) is None
+
+
+def test_emit_without_a_fitting_layout_fails_and_writes_nothing(tmp_path, capsys):
+    # 1024 sequences do not split over 3 devices: no layout fits, so there is nothing to emit; a script running
+    # `plan --emit q.toml && torchrun ... --config q.toml` must stop here, not train an older q.toml.
+    path = tmp_path / "q.toml"
+    assert main(["plan", "--preset", "tiny", "--devices", "3", "--device", "h100", "--emit", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("moetrain: error: --emit:") and "nothing fits" in err and str(path) in err, err
+    assert not path.exists()
+
+
+@pytest.mark.parametrize("overrides, world, field", [
+    ({"model": {"tie_embeddings": False, "moe": {"losses": {"pooled_aux_loss_coeff": 0.1}}},
+      "parallel": {"pp": 2}, "train": {"grad_accum": 2}}, 2, "model.moe.losses.pooled_aux_loss_coeff"),
+    ({"data": {"packing": "documents"}, "parallel": {"ep": 2}}, 2, "data.packing"),
+])
+def test_dry_run_refuses_what_the_trainer_refuses(overrides, world, field):
+    with pytest.raises(ConfigError) as e:
+        check(build_config("tiny", overrides=overrides), world)
+    assert str(e.value).startswith(field), str(e.value)
+
+
+def test_dry_run_of_the_plain_expert_parallel_path_counts_replicated_weights():
+    # parallel.ep=2 alone (fsdp=auto, dp_shard=1, pp=1) trains on the plain path: every rank holds all non-expert
+    # weights and half the experts; only fsdp=on shards the non-expert weights over the ep ranks.
+    cfg = build_config("tiny", overrides={"parallel": {"ep": 2}})
+    model = MoETransformer(cfg.model)
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    held = sum(p.numel() for p in model.parameters()) - experts // 2
+    plain = dry_run(cfg, 2)
+    assert plain.rank_bytes == held * 16
+    assert "non-expert parameters replicated" in plain.lines[0] and "= 2 ranks" in plain.lines[0], plain.lines[0]
+    sharded = dry_run(build_config("tiny", overrides={"parallel": {"ep": 2, "fsdp": "on"}}), 2)
+    assert sharded.rank_bytes < plain.rank_bytes and "sharded over 2 ranks" in sharded.lines[0]

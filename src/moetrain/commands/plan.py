@@ -79,6 +79,8 @@ def run(args) -> int:
     print()
     if result.recommended is None:
         print(f"recommended: none. {result.reason}")
+        if args.emit:  # an error, so that `plan --emit F && torchrun ... --config F` cannot train an older F
+            raise ConfigError(f"--emit: no layout to write ({result.reason}); {args.emit} was not written")
         return 0
     r = result.recommended.best
     assert r is not None  # plan() recommends only a fitting candidate

@@ -191,9 +191,11 @@ def run(args) -> int:
             raise MoetrainError(f"--out {run_dir}: exists and is not a directory")
         if any(p.exists() and not p.is_dir() for p in run_dir.parents):
             raise MoetrainError(f"--out {run_dir}: a parent path is a file, not a directory")
+    from moetrain.parallel.dry_run import check
     from moetrain.runtime.preflight import check_fits
     from moetrain.train.trainer import resolve_device
 
+    check(config, world)  # the layout --dry-run checks, before --overwrite can delete the old run
     check_fits(config, resolve_device(config.train.device).type)  # before any allocation or write
 
     had_files = run_dir.is_dir() and bool(os.listdir(run_dir))  # before the lock creates the directory and its file

@@ -37,6 +37,7 @@ from moetrain.data.batch import Batch, PackedBatch
 from moetrain.data.dataset import BatchSampler, PreparedData, TokenWindows, eval_batches
 from moetrain.data.packing import DocumentBatches, DocumentChunks
 from moetrain.data.val_coverage import val_coverage_note
+from moetrain.errors import ConfigError
 
 
 class WindowBatches:
@@ -225,6 +226,16 @@ class DataPipeline:
     val: list[Batch]
     describe: str
     val_note: str | None = None
+
+
+def check_packing(packing: str, ranks: int) -> None:
+    """Refuse ``data.packing=documents`` on several ranks (the trainer and ``--dry-run`` both call it).
+
+    Raises:
+        ConfigError: ``documents`` with ``ranks > 1`` (the ranks' row split of a micro-batch assumes equal windows).
+    """
+    if packing == "documents" and ranks > 1:
+        raise ConfigError("data.packing: 'documents' is not supported with several ranks yet; use 'windows'")
 
 
 def build_pipeline(data: PreparedData, seq_len: int, packing: str, batch_size: int, tokens_per_batch: int,

@@ -1,13 +1,15 @@
 """``moetrain train --dry-run --world-size N``: validate a config and lay it out for N ranks without a process
 group, data or memory (the model is built on the meta device).
 
-What it checks, each failure one line naming the field: the mesh sizes multiply to N (:class:`.layout.Layout`),
-``ep`` divides the experts, the pipeline has at least one block per stage, tied embeddings are not split over
-pipeline stages, the micro-batch splits over the data-parallel ranks and into the BTA tiles. What it prints: the
-mesh, the stages with their blocks (balanced by the cost model: :func:`.pipeline.stage_blocks`), this layout's
-per-rank bytes of parameters + gradients + AdamW state counted from the meta model's shapes (with FSDP2's row
-padding), next to the planner's figure for the same stages, and the whole model's AdamW groups as the trainer builds
-them (:func:`moetrain.train.param_groups.param_groups`): tensors, parameters, peak learning rate, weight decay.
+What it checks, each failure one line naming the field: the mesh sizes multiply to N (:class:`.layout.Layout`), ``ep``
+divides the experts, the pipeline has at least one block per stage, tied embeddings and the pooled aux loss are not
+split over pipeline stages, document packing is not asked of several ranks, the micro-batch splits over the
+data-parallel ranks and into the BTA tiles. What it prints: the mesh (the plain data-parallel path, ``dp_shard = pp =
+1`` without ``fsdp=on``, replicates the non-expert weights), the stages with their blocks (balanced by the cost model:
+:func:`.pipeline.stage_blocks`), this layout's per-rank bytes of parameters + gradients + AdamW state counted from the
+meta model's shapes (with FSDP2's row padding), next to the planner's figure for the same stages, and the whole
+model's AdamW groups as the trainer builds them (:func:`moetrain.train.param_groups.param_groups`): tensors,
+parameters, peak learning rate, weight decay.
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from moetrain.data.loader import check_packing
 from moetrain.errors import ConfigError
 from moetrain.parallel.layout import Layout
-from moetrain.parallel.pipeline import rank_stages, stage_blocks
+from moetrain.parallel.pipeline import check_losses, rank_stages, stage_blocks
 
 if TYPE_CHECKING:
     from moetrain.config import Config
@@ -55,12 +58,13 @@ def check(config: Config, world: int) -> tuple[Layout, list[range]]:
     """
     p, m, t = config.parallel, config.model, config.train
     layout = Layout.from_config(p, world)
-    if world > 1 and not p.sharded and layout.dp_shard == 1 and layout.pp == 1:
-        pass  # the plain data-parallel path: dp = world / ep
     stages = stage_blocks(m, layout.pp * p.pp_stages_per_rank, config.data.seq_len, p.activation_checkpoint)
     if layout.pp > 1 and m.tie_embeddings:
         raise ConfigError("model.tie_embeddings: the embedding (first stage) and the LM head (last stage) cannot "
                           f"share a weight across parallel.pp={layout.pp} pipeline stages; set it to false")
+    if layout.pp > 1:
+        check_losses(m)
+    check_packing(config.data.packing, world)
     if t.batch_size % layout.data_parallel:
         raise ConfigError(f"train.batch_size: {t.batch_size} sequences per micro-batch do not split over the "
                           f"{layout.data_parallel} data-parallel ranks per stage (dp_replicate x dp_shard x ep)")
@@ -86,6 +90,8 @@ def dry_run(config: Config, world: int) -> DryRun:
     from moetrain.parallel.meta_init import build_meta
 
     layout, stages = check(config, world)
+    plain = not config.parallel.sharded  # the plain data-parallel path: non-expert weights replicated on every rank
+    dense_shards = 1 if plain else layout.dp_shard * layout.ep
     model = build_meta(config.model)  # shapes only: no memory
     per_stage = []
     for i, blocks in enumerate(stages):
@@ -103,7 +109,7 @@ def dry_run(config: Config, world: int) -> DryRun:
                 else:
                     elems += local * _ceil_rows(p.shape[1:], layout.dp_shard)
             else:
-                elems += _ceil_rows(p.shape, layout.dp_shard * layout.ep)
+                elems += _ceil_rows(p.shape, dense_shards)
         per_stage.append(elems)
     held = [rank_stages(r, layout.pp, config.parallel.pp_stages_per_rank, config.parallel.pp_schedule)
             for r in range(layout.pp)]
@@ -111,12 +117,17 @@ def dry_run(config: Config, world: int) -> DryRun:
     shape = ModelShape.from_config(config.model)
     planner = sharded_params(count_params(shape), shape.n_layers, layout.ep, layout.pp, layout.dp_shard,
                              placements(stages, held))
-    lines = [layout.describe(),
+    mesh_line = layout.describe() if not plain else (
+        f"mesh dp {layout.dp_replicate} x ep {layout.ep} = {world} ranks, plain data parallel (parallel.fsdp="
+        f"{config.parallel.fsdp!r}, dp_shard 1, pp 1): non-expert parameters replicated on every rank, experts "
+        f"split over ep; {layout.data_parallel} data-parallel ranks")
+    lines = [mesh_line,
              "stages: " + ", ".join(f"{i}: blocks {b.start}-{b.stop - 1}" + (" + embedding" if i == 0 else "")
                                     + (" + norm + LM head" if i == len(stages) - 1 else "")
                                     for i, b in enumerate(stages)),
              f"per rank: {per_rank * STATE_BYTES / 1e9:.2f} GB of fp32 parameters + gradients + AdamW state "
-             f"({per_rank / 1e6:.1f}M parameters; planner: {planner * STATE_BYTES / 1e9:.2f} GB)",
+             f"({per_rank / 1e6:.1f}M parameters; planner{' (FSDP2, fsdp=on)' if plain else ''}: "
+             f"{planner * STATE_BYTES / 1e9:.2f} GB)",
              *optimizer_lines(model, config)]
     return DryRun(layout, stages, per_rank * STATE_BYTES, planner * STATE_BYTES, lines)
 

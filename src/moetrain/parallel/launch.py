@@ -34,11 +34,13 @@ import torch.distributed as dist
 from torch import nn
 
 from moetrain.errors import ConfigError, MoetrainError
+from moetrain.parallel import ac as activation_checkpointing
 from moetrain.parallel.all_gather import AllGatherDispatcher
 from moetrain.parallel.all_to_all import AllToAllDispatcher
 from moetrain.parallel.comm import CommStats, named_collective
 from moetrain.parallel.dcp import ShardLayout
 from moetrain.parallel.grads import all_reduce_mean, clip_grad_norm, sync_gradients
+from moetrain.parallel.layout import Layout
 from moetrain.parallel.mesh import ParallelMesh, init_distributed, single_process
 from moetrain.parallel.sharding import ExpertShard, moe_layers, shard_experts
 
@@ -101,12 +103,16 @@ class ParallelHooks:
         mesh: this rank's mesh position.
         dispatcher: ``parallel.dispatcher``.
         owns_group: destroy the default process group in :meth:`close` (it was created by :func:`start`).
+        activation_checkpoint: ``parallel.activation_checkpoint``, attached in :meth:`prepare_model`
+            (:mod:`moetrain.parallel.ac`).
     """
 
-    def __init__(self, mesh: ParallelMesh, dispatcher: str = "all_to_all", owns_group: bool = False):
+    def __init__(self, mesh: ParallelMesh, dispatcher: str = "all_to_all", owns_group: bool = False,
+                 activation_checkpoint: str = "none"):
         self.mesh = mesh
         self.dispatcher = dispatcher
         self.owns_group = owns_group
+        self.activation_checkpoint = activation_checkpoint
         self.stats = CommStats()
         self.plan: dict[str, ExpertShard] = {}
         self.model: nn.Module | None = None
@@ -142,9 +148,10 @@ class ParallelHooks:
         return model
 
     def prepare_model(self, model: nn.Module, log: Callable[[str], None] | None = None) -> nn.Module:
-        """Shard the experts and attach the dispatchers (call before building the optimizer); ``log`` gets one
-        line describing the mesh when distributed."""
+        """Shard the experts, attach the dispatchers and activation checkpointing (call before building the
+        optimizer); ``log`` gets one line describing the mesh when distributed."""
         self.plan = parallelize(model, self.mesh, self.dispatcher, self.stats)
+        activation_checkpointing.apply(model, self.activation_checkpoint)  # after parallelize: recomputes dispatch
         self.model = model
         if log is not None and self.distributed:
             held = sum(p.numel() for p in model.parameters())
@@ -374,14 +381,25 @@ def start(config: Config, device_type: str) -> ParallelHooks:
         config: the run :class:`~moetrain.config.Config` (its ``parallel`` section).
         device_type: ``cpu`` or ``cuda``.
     Raises:
-        ConfigError: an impossible mesh (the message names ``parallel.ep`` and the world size).
+        ConfigError: an impossible mesh (the message names the ``parallel`` fields and the world size, as
+            ``--dry-run`` does), or ``parallel.cpu_offload`` on the plain data-parallel path.
     """
     import os
 
-    if config.parallel.sharded and (int(os.environ.get("WORLD_SIZE", "1")) > 1 or config.parallel.fsdp == "auto"):
+    p, world = config.parallel, int(os.environ.get("WORLD_SIZE", "1"))
+    if p.sharded and (world > 1 or p.fsdp == "auto"):
         from moetrain.parallel.engine import start_sharded  # FSDP2 / pipeline engine (parallel.dp_shard, pp)
 
         return start_sharded(config, device_type)
+    # The plain path refuses what it would otherwise ignore: the mesh sizes --dry-run checks (one process with
+    # ep > 1 gets init_distributed's torchrun hint instead), and an offload of shards it does not have.
+    if world > 1 or p.ep == 1:
+        Layout.from_config(p, world)
+    if p.cpu_offload:
+        raise ConfigError(f"parallel.cpu_offload: offloads FSDP2 shards, but fsdp={p.fsdp!r} on {world} process(es) "
+                          "trains replicated weights on the plain data-parallel path (and FSDP2's CPUOffloadPolicy "
+                          "needs CUDA); set it to false")
     owns = not dist.is_initialized()
-    mesh = init_distributed(config.parallel, device_type)
-    return ParallelHooks(mesh, config.parallel.dispatcher, owns_group=owns and mesh.distributed)
+    mesh = init_distributed(p, device_type)
+    return ParallelHooks(mesh, p.dispatcher, owns_group=owns and mesh.distributed,
+                         activation_checkpoint=p.activation_checkpoint)

@@ -60,6 +60,17 @@ def stage_blocks(config: ModelConfig, stages: int, seq: int | None = None, recom
                         config.execution.bta_tiles, recompute)
 
 
+def check_losses(config: ModelConfig) -> None:
+    """Refuse the MoE losses a pipeline cannot split over its stages (the trainer and ``--dry-run`` both call it).
+
+    Raises:
+        ConfigError: ``pooled_aux_loss_coeff > 0`` (pooled over all layers at once).
+    """
+    if config.moe.losses.pooled_aux_loss_coeff > 0:
+        raise ConfigError("model.moe.losses.pooled_aux_loss_coeff: the pooled loss spans all layers at once and "
+                          "cannot be split over pipeline stages; use aux_loss_coeff or global_aux_loss_coeff")
+
+
 def rank_stages(pp_rank: int, pp: int, per_rank: int, schedule: str = "1f1b") -> list[int]:
     """Stage indices held by pipeline rank ``pp_rank``: looped (``pp_rank, pp_rank + P, ...``), or for the
     V-shaped schedules (:data:`V_SCHEDULES`, ``per_rank == 2``) ``[pp_rank, 2P - 1 - pp_rank]``."""
@@ -124,9 +135,7 @@ class StageModule(nn.Module):
     def __init__(self, model: "MoETransformer", blocks: range, first: bool, last: bool):
         super().__init__()
         config: ModelConfig = model.config
-        if config.moe.losses.pooled_aux_loss_coeff > 0:
-            raise ConfigError("model.moe.losses.pooled_aux_loss_coeff: the pooled loss spans all layers at once and "
-                              "cannot be split over pipeline stages; use aux_loss_coeff or global_aux_loss_coeff")
+        check_losses(config)
         self.config = config
         self.first, self.last = first, last
         all_blocks = [cast(Block, b) for b in model.blocks]

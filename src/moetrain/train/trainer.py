@@ -26,7 +26,7 @@ import torch
 from moetrain.config import Config
 from moetrain.data.batch import Batch, model_inputs, real_tokens
 from moetrain.data.dataset import PreparedData, prepare_data
-from moetrain.data.loader import DataPipeline, build_pipeline
+from moetrain.data.loader import DataPipeline, build_pipeline, check_packing
 from moetrain.errors import CheckpointError, ConfigError, MoetrainError
 from moetrain.model.transformer import MoETransformer, count_parameters
 from moetrain.parallel.launch import ParallelHooks
@@ -382,8 +382,7 @@ class Trainer:
             ConfigError: ``data.packing=documents`` under torchrun (the ranks' row split assumes equal windows).
         """
         cfg, t = self.config, self.config.train
-        if cfg.data.packing == "documents" and self.hooks.distributed:
-            raise ConfigError("data.packing: 'documents' is not supported with several ranks yet; use 'windows'")
+        check_packing(cfg.data.packing, self.hooks.mesh.world_size)
         return build_pipeline(data, cfg.data.seq_len, cfg.data.packing, t.batch_size, t.tokens_per_batch,
                               t.eval_batches, t.seed, cfg.data.workers, cfg.data.prefetch,
                               pin_memory=self.device.type == "cuda")
