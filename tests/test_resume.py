@@ -114,6 +114,7 @@ def test_a_nonfinite_step_is_skipped_without_touching_weights_or_optimizer(ref, 
                         "train.optimizer_state=all"), "--stop-at-step", "9"]) == 0
     out = capsys.readouterr().out
     assert "warning: step 7: non-finite loss (nan)" in out and "update skipped (1 in a row, 1 in total" in out
+    assert "trained 9 steps in " in out  # a run that ends normally closes with its summary
     skip = [r for r in metrics(run) if r.get("skipped_nonfinite")]
     assert skip == [{"step": 7, "skipped_nonfinite": True, "nonfinite_skips": 1}]
     store = CheckpointStore(run / "checkpoints")
@@ -136,7 +137,9 @@ def test_consecutive_nonfinite_steps_stop_with_error_and_a_checkpoint_of_the_las
     _poison(monkeypatch, set(range(6, 100)))
     rc = main(_args(corpus, root / "cache", run, "train.ckpt_every=5", "train.max_nonfinite_skips=3"))
     assert rc == 2
-    err = capsys.readouterr().err.strip().splitlines()
+    captured = capsys.readouterr()
+    assert "trained " not in captured.out  # no summary line that reads like success above the error
+    err = captured.err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("moetrain: error: train.max_nonfinite_skips: 3 consecutive steps "
                                                "(6-8) had a non-finite loss or gradient")
     assert str(run / "checkpoints" / "step_00000008") in err[0]

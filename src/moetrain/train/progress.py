@@ -112,8 +112,10 @@ class StepLog:
         if step < self.last_step:  # the last one is in the trainer's closing line
             self.log(f"step {step}: val_loss {val_loss:.4f}")
 
-    def close(self) -> None:
-        """Close the bar; then the summary line (wall time, mean tokens/s, MFU) when steps were run."""
+    def close(self, summary: bool = True) -> None:
+        """Close the bar; then, if ``summary`` and steps were run, the summary line (wall time, mean tokens/s, MFU).
+        The trainer passes ``summary=False`` when an error ends the run, so that its last lines are the error's, not
+        a line that reads like success."""
         self.console.close()
-        if self.console.step_no > self.console.initial:
+        if summary and self.console.step_no > self.console.initial:
             self.log(self.console.summary())

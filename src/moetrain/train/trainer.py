@@ -187,7 +187,7 @@ class Trainer:
             TrainingAlarm: a fatal routing alarm (after a checkpoint).
         """
         s = self._start(stop_at_step)
-        preempted = None
+        preempted, finished = None, False
         with GracefulStop() as stop:
             try:
                 while s.state.step < s.end:
@@ -199,8 +199,9 @@ class Trainer:
                     preempted = self._preempted(s, stop.received)
                     if preempted:
                         break
+                finished = True
             finally:
-                s.report.close()
+                s.report.close(summary=finished)  # no "trained N steps ..." above an error
                 s.state.monitor.close()
                 s.report.metrics.close()
                 s.state.sampler.close()  # stops DataLoader workers (data/loader.py)
