@@ -589,3 +589,24 @@ def test_stats_of_a_run_without_metrics_says_none_logged(env, tmp_path, capsys):
     assert main(["stats", str(run)]) == 0
     out = capsys.readouterr().out
     assert "None" not in out and "steps logged: none of 2" in out, out
+
+
+@pytest.mark.parametrize("flag, value", [
+    ("--temperature", "inf"),  # was accepted, sampling uniformly (serve refuses it)
+    ("--temperature", "nan"),
+    ("--temperature", "-1"),
+    ("--top-p", "nan"),
+    ("--top-p", "0"),
+    ("--top-p", "1.5"),
+])
+def test_generate_refuses_non_finite_or_out_of_range_sampling_flags(env, capsys, flag, value):
+    one_line_error(capsys, ["generate", env["run"], "--prompt", "x", flag, value], flag, value)
+
+
+def test_stats_on_a_hugging_face_export_says_so(env, tmp_path, capsys):
+    """An export's config.json is not a run's: stats said so in one line (was a partial summary, exit 0)."""
+    hf = tmp_path / "hf"
+    assert main(["export", str(env["run"]), str(hf)]) == 0
+    for command in ("stats", "report"):  # report wrote an almost empty report, exit 0
+        one_line_error(capsys, [command, hf], str(hf), "Hugging Face", "not a moetrain run directory")
+    assert not (hf / "report").exists()

@@ -89,6 +89,20 @@ def test_greedy_generation_equals_argmax_loop():
     assert out.tolist() == ids.tolist()
 
 
+@pytest.mark.parametrize("kwargs, words", [
+    ({"temperature": float("inf")}, "temperature"),  # was accepted: logits / inf sample uniformly
+    ({"temperature": float("nan")}, "temperature"),
+    ({"temperature": -0.5}, "temperature"),
+    ({"top_p": float("nan")}, "top.p"),
+    ({"top_p": 0.0}, "top.p"),
+    ({"top_p": 1.5}, "top.p"),
+])
+def test_generate_refuses_bad_sampling_arguments(kwargs, words):
+    model = MoETransformer(build_config("tiny").model).eval()
+    with pytest.raises(ValueError, match=words):
+        generate(model, torch.zeros(1, 3, dtype=torch.long), 2, **kwargs)
+
+
 def test_router_stays_fp32_under_bf16_autocast():
     torch.manual_seed(0)
     model = MoETransformer(build_config("tiny").model)

@@ -104,3 +104,40 @@ def test_cli_writes_sglang_and_our_format(tmp_path, capsys):
         load_placement(ours_path, [0, 1], 4)
     assert main(["placement", str(run), "--ep", "3"]) == 2  # a usage error
     assert "--ep: 3 ranks do not divide the 4 experts" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    return train_tiny(tmp_path_factory.mktemp("placement"))
+
+
+def test_cli_never_overwrites_an_earlier_placement_silently(tiny_run, tmp_path, capsys):
+    """A second placement into the same directory (here from other calibration text) is refused, naming the file
+    and --overwrite, and leaves both earlier files as they were; --overwrite replaces them, leaving no temp files."""
+    out = tmp_path / "pl"
+    argv = ["placement", str(tiny_run), "--ep", "2", "--redundant", "2", "--out", str(out)]
+    assert main(argv) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert sorted(before) == ["placement-ep2-r2.json", "placement-ep2-r2.sglang.json"]
+    text = tmp_path / "calib.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 20)
+    capsys.readouterr()
+    assert main([*argv, "--calibration-text", str(text)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(out / "placement-ep2-r2.json") in err[0] and "--overwrite" in err[0], err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert main([*argv, "--calibration-text", str(text), "--overwrite"]) == 0
+    after = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert sorted(after) == sorted(before) and after != before
+    assert json.loads(after["placement-ep2-r2.json"])["usage"].startswith("calibration")
+
+
+def test_cli_empty_calibration_text_names_the_flag_and_the_file(tiny_run, tmp_path, capsys):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    capsys.readouterr()
+    assert main(["placement", str(tiny_run), "--ep", "2", "--calibration-text", str(empty),
+                 "--out", str(tmp_path / "pl")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--calibration-text" in err[0] and str(empty) in err[0] and "at least 2 tokens" in err[0], err
+    assert not (tmp_path / "pl").exists()  # nothing written

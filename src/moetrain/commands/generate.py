@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from moetrain.commands.run_dir import load_run
 from moetrain.errors import MoetrainError
 
@@ -12,8 +14,8 @@ def add_parser(sub) -> None:
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-new-tokens", type=int, default=None,
                    help="tokens to add (default: 200, capped at the room left in the model's context)")
-    g.add_argument("--temperature", type=float, default=0.8)
-    g.add_argument("--top-p", type=float, default=0.95)
+    g.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default: 0.8)")
+    g.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass, in (0, 1] (default: 0.95)")
     g.add_argument("--seed", type=int, default=0)
     g.set_defaults(func=run)
 
@@ -26,6 +28,10 @@ def run(args) -> int:
 
     if not -(2**63) <= args.seed < 2**64:  # what torch.Generator.manual_seed takes
         raise MoetrainError(f"--seed: must be in [-2**63, 2**64), got {args.seed}")
+    if not (args.temperature >= 0 and math.isfinite(args.temperature)):  # NaN fails both; inf samples uniformly
+        raise MoetrainError(f"--temperature: must be finite and >= 0 (0 = greedy), got {args.temperature}")
+    if not 0 < args.top_p <= 1:  # also rejects NaN
+        raise MoetrainError(f"--top-p: must be in (0, 1], got {args.top_p}")
     config, tokenizer, model, _ = load_run(args.run_dir)
     ids = tokenizer.encode(args.prompt).ids
     if not ids:

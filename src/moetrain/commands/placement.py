@@ -20,6 +20,8 @@ def add_parser(sub) -> None:
                    help="count expert usage with a calibration pass over this text (default: the run's "
                    "metrics.jsonl routing statistics)")
     p.add_argument("--out", default=None, metavar="DIR", help="where to write the two JSON files (default: MODEL_DIR)")
+    p.add_argument("--overwrite", action="store_true", help="replace the two files of an earlier placement with the "
+                   "same --ep and --redundant")
     p.set_defaults(func=run)
 
 
@@ -27,7 +29,16 @@ def run(args) -> int:
     from moetrain.serve.expert_usage import served_usage
     from moetrain.serve.loader import load_served_model
     from moetrain.serve.placement import LayerPlacement, place, placement_dict, sglang_json
+    from moetrain.train.checkpoint import write_file_atomic
 
+    out = Path(args.out or args.model_dir)
+    stem = f"placement-ep{args.ep}-r{args.redundant}"
+    ours, sgl = out / f"{stem}.json", out / f"{stem}.sglang.json"
+    # Checked before the model loads: an earlier placement (perhaps from other usage) is never replaced silently.
+    for path in (ours, sgl):
+        if path.exists() and not args.overwrite:
+            raise MoetrainError(f"{path}: exists (an earlier placement); pass --overwrite to replace it or --out DIR "
+                                "to write elsewhere")
     served = load_served_model(args.model_dir)
     model = served.model
     blocks = [i for i, b in enumerate(model.blocks) if b.is_moe]
@@ -39,18 +50,17 @@ def run(args) -> int:
             text = Path(args.calibration_text).read_text()
         except OSError as err:
             raise MoetrainError(f"--calibration-text: {err}") from None
-    usage = served_usage(served, text)
+    usage = served_usage(served, text, name=f"--calibration-text {args.calibration_text}")
     if usage.source == "uniform":
         raise MoetrainError(f"{args.model_dir}: no routing statistics (metrics.jsonl with moe/layer*/tokens); "
                             "pass --calibration-text FILE")
     e = model.blocks[blocks[0]].ffn.config.num_experts
     layers = place(usage.counts, args.ep, args.redundant)
-    out = Path(args.out or args.model_dir)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"placement-ep{args.ep}-r{args.redundant}"
-    ours, sgl = out / f"{stem}.json", out / f"{stem}.sglang.json"
-    ours.write_text(json.dumps(placement_dict(layers, blocks, args.ep, args.redundant, e, usage.source), indent=1))
-    sgl.write_text(json.dumps(sglang_json(layers, blocks, model.config.n_layers, e)))
+    # Each file whole or not at all (temp file + rename): `serve --placement` never reads half a file.
+    write_file_atomic(ours, json.dumps(placement_dict(layers, blocks, args.ep, args.redundant, e, usage.source),
+                                       indent=1).encode())
+    write_file_atomic(sgl, json.dumps(sglang_json(layers, blocks, model.config.n_layers, e)).encode())
     print(f"expert usage: {usage.source}; {e} experts, {args.redundant} redundant, {args.ep} ranks "
           f"({(e + args.redundant) // args.ep} physical experts per rank)")
     print("predicted load per rank, max / mean (1.00 = balanced):")

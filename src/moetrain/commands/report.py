@@ -18,8 +18,11 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    from moetrain.commands.run_dir import refuse_hugging_face_dir
     from moetrain.report import build_report
+    from moetrain.report.runlog import load_run_log
 
+    refuse_hugging_face_dir(Path(args.run_dir), load_run_log(args.run_dir).config)
     if args.out is not None:  # the default RUN_DIR/report is the report's own: regenerated from the kept logs
         out = Path(args.out)
         if out.exists() and not out.is_dir():

@@ -29,6 +29,18 @@ class Run(NamedTuple):
     checkpoint: CheckpointInfo
 
 
+def refuse_hugging_face_dir(root: Path, config: Any) -> None:
+    """Raise if ``config`` (the parsed ``config.json`` of ``root``) is transformers', not a run's: a directory written
+    by ``moetrain export`` / ``upcycle`` is served, not read as a run.
+
+    Raises:
+        MoetrainError: naming the directory and its ``model_type``.
+    """
+    if isinstance(config, dict) and "model_type" in config and "model" not in config:
+        raise MoetrainError(f"{root}: a Hugging Face directory (model_type {config['model_type']!r}), not a moetrain "
+                            f"run directory; serve it with `moetrain serve {root}`")
+
+
 def load_run(run_dir: str) -> Run:
     """Load a run directory (:class:`Run`).
 
@@ -49,9 +61,7 @@ def load_run(run_dir: str) -> Run:
             raise MoetrainError(f"{root / name} not found; is '{root}' a moetrain run directory?")
     try:
         raw = json.loads((root / CONFIG_FILE).read_text())
-        if isinstance(raw, dict) and "model_type" in raw and "model" not in raw:  # transformers' config.json
-            raise MoetrainError(f"{root}: a Hugging Face directory (model_type {raw['model_type']!r}), not a moetrain "
-                                f"run directory; serve it with `moetrain serve {root}`")
+        refuse_hugging_face_dir(root, raw)
         config = Config.from_dict(raw)
     except ValueError as e:  # JSONDecodeError; ConfigError passes through (it names the field)
         if isinstance(e, MoetrainError):

@@ -219,7 +219,7 @@ def open_store(args, served):
             text = Path(args.calibration_text).read_text()
         except OSError as e:
             raise MoetrainError(f"--calibration-text: {e}") from None
-    usage = served_usage(served, text)
+    usage = served_usage(served, text, name=f"--calibration-text {args.calibration_text}")
     total = routed_expert_bytes(served.model)
     hot_share = 0.5 if args.hot_share is None else args.hot_share
     store = ExpertStore(served.model, n, usage, served.experts_file(), hot_share=hot_share)

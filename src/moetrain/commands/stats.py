@@ -13,12 +13,14 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    from moetrain.commands.run_dir import refuse_hugging_face_dir
     from moetrain.report.runlog import load_run_log
     from moetrain.report.table import HEADER, format_table, layer_rows, run_summary
 
     if args.alarms < 0:
         raise MoetrainError(f"--alarms: must be >= 0 (0 lists none), got {args.alarms}")
     log = load_run_log(args.run_dir)
+    refuse_hugging_face_dir(log.run_dir, log.config)
     print(f"run: {log.run_dir}")
     for label, value in run_summary(log):
         print(f"  {label}: {value}")

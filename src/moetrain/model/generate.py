@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from moetrain.model.attention import KVCache
@@ -25,11 +27,11 @@ def generate(
     sequence has produced ``eos_id``.
 
     Raises:
-        ValueError: the prompt plus new tokens exceed ``model.config.max_seq_len``, or temperature < 0, or top_p not
-            in (0, 1].
+        ValueError: the prompt plus new tokens exceed ``model.config.max_seq_len``, or temperature is negative or not
+            finite, or top_p not in (0, 1].
     """
-    if not temperature >= 0:  # also rejects NaN
-        raise ValueError(f"--temperature must be >= 0, got {temperature}")
+    if not (temperature >= 0 and math.isfinite(temperature)):  # NaN fails both; inf would sample uniformly
+        raise ValueError(f"--temperature must be finite and >= 0, got {temperature}")
     if max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
     if not 0 < top_p <= 1:  # also rejects NaN

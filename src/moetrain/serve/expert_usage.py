@@ -97,9 +97,10 @@ def usage_from_metrics(metrics_file: str | Path, blocks: list[int], num_experts:
 
 
 @torch.inference_mode()
-def calibrate_usage(model, token_ids: list[int], chunk: int | None = None) -> ExpertUsage:
+def calibrate_usage(model, token_ids: list[int], chunk: int | None = None, name: str = "calibration") -> ExpertUsage:
     """Usage from a calibration pass: the serving forward (the trained top-k) over ``token_ids`` in chunks of
-    ``chunk`` tokens (default: the model's context), counting each MoE layer's assignments.
+    ``chunk`` tokens (default: the model's context), counting each MoE layer's assignments. ``name`` says in an error
+    where the tokens came from (``--calibration-text FILE``).
 
     Raises:
         MoetrainError: fewer than 2 tokens, or a model without MoE layers.
@@ -114,7 +115,7 @@ def calibrate_usage(model, token_ids: list[int], chunk: int | None = None) -> Ex
     if not blocks:
         raise MoetrainError("calibration: the model has no MoE layers")
     if len(token_ids) < 2:
-        raise MoetrainError(f"calibration: needs at least 2 tokens, got {len(token_ids)}")
+        raise MoetrainError(f"{name}: needs at least 2 tokens, got {len(token_ids)}")
     size = chunk or cfg.max_seq_len
     runner = StepRunner(model, SlotKVCache(1, cfg.n_layers, cfg.n_kv_heads, cfg.max_seq_len, cfg.head_size))
     counts = torch.zeros(len(blocks), model.blocks[blocks[0]].ffn.config.num_experts, dtype=torch.float64)
@@ -125,18 +126,19 @@ def calibrate_usage(model, token_ids: list[int], chunk: int | None = None) -> Ex
     return ExpertUsage(tuple(blocks), counts, f"calibration ({len(token_ids)} tokens)")
 
 
-def served_usage(served, calibration_text: str | None = None) -> ExpertUsage:
+def served_usage(served, calibration_text: str | None = None, name: str = "calibration") -> ExpertUsage:
     """The usage to rank a served model's experts by: a calibration pass over ``calibration_text`` (a file's
     contents) when given, else the run's ``metrics.jsonl`` up to the served checkpoint's step, else uniform.
 
     Args:
         served: a :class:`~moetrain.serve.loader.ServedModel` (experts still loaded).
         calibration_text: text to calibrate on; ``None`` = use the run's statistics.
+        name: where ``calibration_text`` came from, for errors (``--calibration-text FILE``).
     """
     model = served.model
     blocks = [i for i, b in enumerate(model.blocks) if b.is_moe]
     e = model.blocks[blocks[0]].ffn.config.num_experts
     if calibration_text is not None:
-        return calibrate_usage(model, served.tokenizer.encode(calibration_text).ids)
+        return calibrate_usage(model, served.tokenizer.encode(calibration_text).ids, name=name)
     found = usage_from_metrics(Path(served.root) / "metrics.jsonl", blocks, e, served.step) if served.root else None
     return found or uniform_usage(blocks, e)
