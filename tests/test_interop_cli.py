@@ -145,3 +145,24 @@ def test_upcycled_logits_equal_dense(tmp_path, code_corpus, model_type, family):
         ref = dense(ids).logits
         assert (moe(ids).logits - ref).abs().max().item() < 1e-5
         assert (hf_moe(ids).logits - ref).abs().max().item() < 1e-5
+
+
+def test_init_from_leaves_out_the_presets_from_scratch_expert_decay():
+    """cpu-small's experts decay at 1.0 (a recipe for training from random weights, wave 11): a fine-tune of a
+    pretrained model gets the default (the experts decay like the rest) and a note, unless it asks for the value."""
+    from moetrain.config import build_config
+    from moetrain.configlib import parse_overrides
+    from moetrain.interop.finetune import InitFrom
+
+    init = InitFrom(model=build_config("cpu-small").model, weights={}, tokenizer=Path("tokenizer.json"))
+    assert build_config("cpu-small").train.expert_weight_decay == 1.0  # what the preset sets
+    config, notes = init.config("cpu-small", None, {})
+    assert config.train.expert_weight_decay is None and config.train.weight_decay == 0.1
+    assert len(notes) == 1 and "train.expert_weight_decay" in notes[0] and "'cpu-small'" in notes[0], notes
+    assert config.train.router_lr_scale == 0.1 and config.train.lr == 3e-3  # the rest of the preset stays
+    for given in ({"train": {"expert_weight_decay": 1.0}}, None):  # an override, or a --config file, keeps it
+        overrides = parse_overrides(["train.expert_weight_decay=1.0"]) if given is None else {}
+        config, notes = init.config("cpu-small", given, overrides)
+        assert config.train.expert_weight_decay == 1.0 and notes == []
+    config, notes = init.config("tiny", None, {})  # a preset without it: nothing to say
+    assert config.train.expert_weight_decay is None and notes == []

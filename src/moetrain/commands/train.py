@@ -139,6 +139,7 @@ def run(args) -> int:
     owner = os.environ.get("RANK", "0") == "0"
 
     resume, notes, changes = args.resume, [], []
+    init_notes: list[str] = []  # said after the run directory's own notes
     if resume:
         if not args.out:
             raise MoetrainError("--resume needs --out RUN_DIR (the run to continue)")
@@ -160,7 +161,7 @@ def run(args) -> int:
         if init is None:
             config = build_config(args.preset, file_data, overrides)
         else:
-            config = init.config(args.preset, file_data, overrides)
+            config, init_notes = init.config(args.preset, file_data, overrides)
         check_router_trainable(config)
     world = args.world_size if args.world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
     if args.dry_run:  # of the config this command would train, the resumed run's included; nothing is written
@@ -220,7 +221,7 @@ def run(args) -> int:
 
                 discover_files(config.data.path)
                 _clear(run_dir)
-        return _train(args, config, run_dir, resume, init, notes, changes)
+        return _train(args, config, run_dir, resume, init, notes + init_notes, changes)
 
 
 def _train(args, config, run_dir: Path, resume: bool, init, notes: list[str], changes: list) -> int:

@@ -22,6 +22,12 @@ from moetrain.interop.hf import TOKENIZER_FILE, from_hf, read_hf_config
 from moetrain.model.config import ModelConfig
 
 
+# Train fields a preset may set for training from scratch that would harm a pretrained model. cpu-small's experts
+# decay at 1.0 (docs/moe-vs-dense.md, wave 11): over its 600-step schedule that shrinks them towards e^-0.9 of their
+# norm, which regularises a model trained from random weights and erodes a pretrained one.
+FROM_SCRATCH = {"expert_weight_decay": "a regulariser for training from scratch; the experts decay like the rest"}
+
+
 @dataclass
 class InitFrom:
     """An imported checkpoint ready to start a run.
@@ -37,19 +43,32 @@ class InitFrom:
     tokenizer: Path
 
     def config(self, preset: str | None, file_data: dict[str, Any] | None, overrides: dict[str, Any]):
-        """The run's :class:`~moetrain.config.Config`: preset, then file, then this model, then overrides.
+        """The run's :class:`~moetrain.config.Config` and its notes: preset, then file, then this model, then
+        overrides; of the preset's train fields, those in :data:`FROM_SCRATCH` are left out (each with a note), so a
+        pretrained model is not regularised by a recipe for training from scratch unless the file or an override
+        asks for it.
 
+        Returns:
+            (config, notes): one ``note: ...`` line per preset value left out.
         Raises:
             ConfigError: an override that changes the imported architecture (the field is named).
         """
         from moetrain.config import Config, choose_preset, upgrade
         from moetrain.presets import preset_dict
 
-        data = merge(preset_dict(choose_preset(preset, file_data, overrides)), upgrade(file_data or {}))
+        base = preset_dict(choose_preset(preset, file_data, overrides))
+        given = merge(upgrade(file_data or {}), upgrade(overrides)).get("train", {})
+        notes = []
+        for name, why in FROM_SCRATCH.items():
+            if name in base.get("train", {}) and name not in given:
+                value = base["train"].pop(name)
+                notes.append(f"note: --init-from: train.{name} is left at its default, not the preset "
+                             f"{base['preset']!r}'s {value} ({why}); set it to keep it")
+        data = merge(base, upgrade(file_data or {}))
         data["model"] = to_dict(self.model)
         config = Config.from_dict(merge(data, upgrade(overrides)))
         _check_same_architecture(self.model, config.model)
-        return config
+        return config, notes
 
 
 def _check_same_architecture(imported: ModelConfig, final: ModelConfig) -> None:
