@@ -22,6 +22,7 @@ from moetrain.moe.balancing import CountReducer
 from moetrain.moe.config import MoEConfig
 from moetrain.moe.layer import MoEAux, MoELayer
 from moetrain.moe.losses import global_load_balancing_loss, pooled_load_balancing_loss
+from moetrain.moe.weight_init import deferred_init
 from moetrain.runtime.cpu import bf16_autocast_is_slow
 
 IGNORE_INDEX = -100
@@ -131,7 +132,8 @@ class MoETransformer(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden)
-        self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
+        with deferred_init():  # reset_parameters draws the MoE weights below, in one order (moe/weight_init.py)
+            self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
         self.norm = make_norm(config.norm, config.hidden, config.norm_eps)
         self.lm_head = nn.Linear(config.hidden, config.vocab_size, bias=False)
         if config.tie_embeddings:

@@ -36,6 +36,7 @@ from torch.utils.checkpoint import checkpoint
 
 from moetrain.moe.expert_ops import ACTIVATIONS, activate, compute_dtype, grouped_mm_aligned
 from moetrain.moe.fast_moe import fused_experts
+from moetrain.moe.weight_init import DEFAULT_STD, initialise_now
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -197,6 +198,14 @@ class RoutedExperts(nn.Module):
         else:
             self.up_proj = nn.Parameter(torch.empty(num_experts, ffn_hidden, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, ffn_hidden))
+        if initialise_now():  # not inside MoETransformer, which draws every weight itself (moe/weight_init.py)
+            self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float = DEFAULT_STD) -> None:
+        """Every expert weight ~ Normal(0, std) (the model scales ``down_proj``'s by 1 / sqrt(2 n_layers) itself)."""
+        for p in self.parameters():
+            p.normal_(0.0, std)
 
     @property
     def w_in(self) -> torch.Tensor:

@@ -28,6 +28,7 @@ from torch import nn
 
 from moetrain.moe.balancing import expert_bias_delta
 from moetrain.moe.config import MoEConfig
+from moetrain.moe.weight_init import DEFAULT_STD, initialise_now
 
 
 @dataclass(frozen=True)
@@ -193,6 +194,13 @@ class TopKRouter(nn.Module):
             self.register_buffer("e_score_correction_bias", torch.zeros(config.num_experts, dtype=torch.float32))
         else:
             self.e_score_correction_bias = None
+        if initialise_now():  # not inside MoETransformer, which draws every weight itself (moe/weight_init.py)
+            self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float = DEFAULT_STD) -> None:
+        """``weight`` [E, D] ~ Normal(0, std)."""
+        self.weight.normal_(0.0, std)
 
     def forward(self, x: torch.Tensor) -> Routing:
         """x: [T, D] any float dtype -> :class:`Routing` (fp32; input jitter only in training mode)."""
