@@ -509,7 +509,11 @@ def test_list_fields_prints_every_field_with_its_value_type_and_description(caps
     assert by_path["model.hidden"].endswith(field_docs(build_config("tiny").model.__class__)["hidden"])
     # tiny leaves the experts' decay unset, cpu-small sets it: the value is the selected preset's, null for None
     assert by_path["train.expert_weight_decay"].split()[:6] == ["train.expert_weight_decay", "=", "null", "(float",
-                                                                "|", "None)"]
+                                                                "or", "null)"]
+    # types as a user writes values, not as Python annotations
+    assert "(one of none / head / full)" in by_path["model.qk_norm"]
+    assert "(list, each one of dead_expert / collapse / token_drop / loss_spike / nonfinite_loss)" in by_path[
+        "monitor.fatal"]
     assert by_path["train.deterministic"].split()[:3] == ["train.deterministic", "=", "true"]
     assert by_path["train.dtype"].split()[:3] == ["train.dtype", "=", "'fp32'"]
     assert main(["train", "--list-fields"]) == 0

@@ -18,7 +18,7 @@ import re
 from typing import Any
 
 # The descriptions and the walk over the sections are the package's, shared with `moetrain train --list-fields`.
-from moetrain.config_docs import field_docs, sections
+from moetrain.config_docs import field_docs, field_types, sections
 from moetrain.config_docs import nested_configs as _nested
 
 log = logging.getLogger("mkdocs.hooks.config_tables")  # under "mkdocs": counted by --strict
@@ -31,12 +31,6 @@ def _inline(text: str) -> str:
     text = re.sub(r":(?:class|func|meth|attr|data|mod|obj|exc):`~?([^`]+)`", lambda m: f"`{m.group(1).split('.')[-1]}`"
                   if m.group(0).count("~") else f"`{m.group(1)}`", text)
     text = text.replace("``", "`")
-    return text.replace("|", "\\|")
-
-
-def _type_name(tp: Any) -> str:
-    text = tp if isinstance(tp, str) else getattr(tp, "__name__", None) or repr(tp)
-    text = str(text).replace("typing.", "")
     return text.replace("|", "\\|")
 
 
@@ -67,7 +61,7 @@ def render_reference() -> str:
         summary = _inline(inspect.cleandoc(cls.__doc__ or "").split("\n\n")[0].replace("\n", " "))
         nested = _nested(cls)
         rows = ["| field | type | default | meaning |", "|---|---|---|---|"]
-        hints = getattr(cls, "__annotations__", {})
+        kinds = field_types(cls)
         for f in dataclasses.fields(cls):
             full = f"{path}.{f.name}"
             if f.name in nested:
@@ -79,7 +73,7 @@ def render_reference() -> str:
                 log.warning("config reference: %s.%s (%s) has no description in its class docstring's Fields "
                             "section", cls.__module__, cls.__qualname__, full)
                 text = ""
-            rows.append(f"| `{full}` | `{_type_name(hints.get(f.name, f.type))}` | {_default(f)} | {_inline(text)} |")
+            rows.append(f"| `{full}` | {_inline(kinds[f.name])} | {_default(f)} | {_inline(text)} |")
         parts.append(f"### {path}\n\n`{cls.__module__}.{cls.__qualname__}`: {summary}\n\n" + "\n".join(rows))
     return "\n\n".join(parts)
 

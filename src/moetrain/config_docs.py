@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import re
+import types
 import typing
 from typing import Any
 
@@ -87,6 +88,30 @@ def summary(text: str) -> str:
     return text[:end.start() + 1] if end else text
 
 
+def field_types(cls: type) -> dict[str, str]:
+    """``{field name: its type as a user writes values}`` for the fields of config dataclass ``cls``: ``int``,
+    ``float or null``, ``one of windows / documents``, ``list, each one of dead_expert / collapse / ...``."""
+    try:
+        hints = typing.get_type_hints(cls, include_extras=False)
+    except Exception:  # an annotation that does not resolve: its source text
+        return {f.name: str(f.type).replace("typing.", "") for f in dataclasses.fields(cls)}
+    return {f.name: _type_text(hints[f.name]) for f in dataclasses.fields(cls) if f.name in hints}
+
+
+def _type_text(tp: Any) -> str:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Literal:
+        return "one of " + " / ".join(str(a) for a in args)
+    if origin in (typing.Union, types.UnionType):
+        kinds = [a for a in args if a is not type(None)]
+        text = " or ".join(_type_text(a) for a in kinds)
+        return text + " or null" if len(kinds) < len(args) else text
+    if origin in (tuple, list):
+        inner = _type_text(args[0]) if args else "any"
+        return f"list, each {inner}" if inner.startswith("one of") else f"list of {inner}"
+    return getattr(tp, "__name__", str(tp).replace("typing.", ""))
+
+
 def field_lines(config: Any) -> list[str]:
     """One line per field of the sections of ``config`` (a :class:`moetrain.config.Config`; the root's ``preset``
     is not a section field): ``path = value  (type)  summary of its description``, the value as an override
@@ -99,12 +124,11 @@ def field_lines(config: Any) -> list[str]:
         section: Any = config
         for part in path.split("."):
             section = getattr(section, part)
-        docs, nested = field_docs(cls), nested_configs(cls)
-        hints = getattr(cls, "__annotations__", {})
+        docs, nested, kinds = field_docs(cls), nested_configs(cls), field_types(cls)
         for f in dataclasses.fields(cls):
             if f.name in nested or not f.init:
                 continue
-            rows.append((f"{path}.{f.name} = {format_value(getattr(section, f.name))}",
-                         str(hints.get(f.name, f.type)).replace("typing.", ""), summary(docs.get(f.name, ""))))
+            rows.append((f"{path}.{f.name} = {format_value(getattr(section, f.name))}", kinds[f.name],
+                         summary(docs.get(f.name, ""))))
     width = max(len(left) for left, _, _ in rows)
     return [f"{left:<{width}}  ({tp})  {text}".rstrip() for left, tp, text in rows]

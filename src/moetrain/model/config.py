@@ -18,11 +18,12 @@ class ModelConfig:
         vocab_size: tokens in the vocabulary (the tokenizer is trained to this size).
         hidden: model width D.
         n_layers: transformer blocks L.
-        n_heads / n_kv_heads: query heads and key/value heads (grouped-query attention; n_heads % n_kv_heads == 0).
+        n_heads: query heads.
+        n_kv_heads: key/value heads (grouped-query attention; n_heads % n_kv_heads == 0).
         head_dim: per-head width; ``None`` means hidden // n_heads (then hidden must divide by n_heads).
         ffn_hidden: hidden width of the dense SwiGLU FFN used by non-MoE blocks.
-        qk_norm: ``none``; ``head`` = RMSNorm over each head's q and k (Qwen3); ``full`` = RMSNorm over the whole
-            q and k projections (OLMoE).
+        qk_norm: RMSNorm of queries and keys before attention: ``none``; ``head`` over each head's q and k
+            (Qwen3); ``full`` over the whole q and k projections (OLMoE).
         attention_bias: add a bias to the q, k and v projections (not o): Qwen2 / Qwen2-MoE's ``qkv_bias``.
         tie_embeddings: share the embedding and LM-head weights.
         rope_theta: rotary embedding base.

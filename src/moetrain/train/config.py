@@ -23,11 +23,16 @@ class TrainConfig:
             row, short ones several per row (document-masked), rows x longest row <= this; each micro-batch's
             losses are weighted by its real tokens (train/microbatch_weights.py). 0: off. Must be >=
             ``data.seq_len``.
-        lr / min_lr_ratio / warmup_steps: linear warm-up to ``lr``, then cosine decay to ``lr * min_lr_ratio``.
+        lr: peak learning rate (after a linear warm-up of ``warmup_steps``, cosine decay to ``lr * min_lr_ratio``).
+        min_lr_ratio: the learning rate at the last step, as a multiple of ``lr``.
+        warmup_steps: steps of linear warm-up from 0 to ``lr``.
         router_lr_scale / expert_lr_scale: the learning rate of the MoE routers' gate weights / of the routed
             experts' tensors, as a multiple of ``lr`` (same warm-up and decay; their own AdamW groups, created only
             when a scale is not 1). Fixed for a run (a resume refuses a change).
-        weight_decay / beta1 / beta2 / eps: AdamW (decay applies to matrices only, not norms or biases).
+        weight_decay: AdamW's decoupled weight decay (matrices only, not norms or biases).
+        beta1: AdamW's decay rate of the gradient's running mean (first moment).
+        beta2: AdamW's decay rate of the squared gradient's running mean (second moment).
+        eps: AdamW's denominator epsilon.
         expert_weight_decay: AdamW's decay of the routed experts' tensors alone (not the shared expert's);
             ``None`` (default): ``weight_decay``. A preset may set it (``cpu-small``: 1.0, docs/moe-vs-dense.md wave
             11), and then ``weight_decay`` alone no longer reaches the experts: set both to change all decay. Fixed
@@ -37,7 +42,9 @@ class TrainConfig:
         seed: seeds the weights, the data order and all RNGs.
         deterministic: ``torch.use_deterministic_algorithms`` (exact resume on CPU).
         device: ``auto`` (CUDA when present), ``cpu`` or ``cuda``.
-        eval_every / eval_batches: validation cadence (steps) and size (micro-batches); 0 disables periodic eval.
+        eval_every: steps between validations; 0 disables periodic evaluation.
+        eval_batches: micro-batches of the validation split each validation reads (the first ones, in stream
+            order: data/val_coverage.py).
         log_every: steps between metrics lines.
         ckpt_every: steps between checkpoints (0: only at the end).
         keep_checkpoints: how many of the newest checkpoints are kept (milestones come on top).
