@@ -112,3 +112,11 @@ def test_dry_run_of_the_plain_expert_parallel_path_counts_replicated_weights():
     assert "non-expert parameters replicated" in plain.lines[0] and "= 2 ranks" in plain.lines[0], plain.lines[0]
     sharded = dry_run(build_config("tiny", overrides={"parallel": {"ep": 2, "fsdp": "on"}}), 2)
     assert sharded.rank_bytes < plain.rank_bytes and "sharded over 2 ranks" in sharded.lines[0]
+
+
+def test_plan_prints_small_counts_and_rates_readably():
+    """tiny's parameters and a CPU's peak printed as 0.00B and 0 TFLOP/s."""
+    from moetrain.commands.plan import _params, _tflops
+
+    assert _params(160_000) == "0.16M" and _params(46_700_000_000) == "46.70B"
+    assert _tflops(0.31e12) == "0.31" and _tflops(989e12) == "989" and _tflops(12.4e12) == "12"

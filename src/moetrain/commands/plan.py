@@ -52,9 +52,9 @@ def run(args) -> int:
     act_bytes = 2 if args.dtype == "bf16" else 4
     result = plan(shape, flags, args.devices, hw, args.seq, args.global_batch, act_bytes)
 
-    print(f"model   {config.preset}: {counts.total / 1e9:.2f}B parameters ({counts.active / 1e9:.2f}B active), "
+    print(f"model   {config.preset}: {_params(counts.total)} parameters ({_params(counts.active)} active), "
           f"{shape.num_experts} experts top-{shape.top_k}, {shape.moe_layers} MoE of {shape.n_layers} blocks")
-    print(f"devices {args.devices} x {hw.name}: {hw.peak_flops / 1e12:.0f} TFLOP/s peak, {hw.mem_bytes / 1e9:.0f} GB, "
+    print(f"devices {args.devices} x {hw.name}: {_tflops(hw.peak_flops)} TFLOP/s peak, {hw.mem_bytes / 1e9:.0f} GB, "
           f"{hw.mem_bw / 1e12:.2f} TB/s, links {hw.intra_bw / 1e9:.0f} / {hw.inter_bw / 1e9:.0f} GB/s "
           f"(intra / inter node, per direction), {hw.efficiency:.0%} of peak assumed sustained")
     print(f"step    {args.global_batch} x {args.seq} tokens ({args.global_batch * args.seq / 1e6:.2f}M), "
@@ -104,6 +104,7 @@ def _emit(args, config, candidate) -> None:
 
     from moetrain.analysis.planner import trainer_fields
     from moetrain.configlib import load_file, merge, parse_overrides
+    from moetrain.train.checkpoint import write_file_atomic
 
     data = merge(load_file(args.config) if args.config else {}, parse_overrides(args.overrides))
     data = merge(data, trainer_fields(candidate, args.seq, args.dtype))
@@ -112,7 +113,7 @@ def _emit(args, config, candidate) -> None:
     header = (f"# moetrain plan --preset {config.preset} --devices {args.devices} --device {args.device}: "
               f"{candidate.layout.label}\n# run: torchrun --nproc_per_node ... (WORLD_SIZE {args.devices}) -m moetrain "
               f"train --config {path.name}\n")
-    path.write_text(header + _toml(data))
+    write_file_atomic(path, (header + _toml(data)).encode())  # a crash leaves the old file or the new one
     print(f"wrote {path}: {candidate.layout.label} as parallel.pp={candidate.layout.pp} ep={candidate.layout.ep} "
           f"dp_shard={candidate.layout.dp} (FSDP2); check it with `moetrain train --config {path} --dry-run "
           f"--world-size {args.devices}`")
@@ -163,3 +164,14 @@ def _ckpt_words(work) -> str:
     if work.checkpoint:
         return "on"
     return "off, experts recomputed (model.execution.recompute_experts=true)" if work.recompute_experts else "off"
+
+
+def _tflops(flops: float) -> str:
+    """FLOP/s as TFLOP/s for a line: whole numbers from 10 up, two significant digits below (a CPU's 0.31)."""
+    t = flops / 1e12
+    return f"{t:.0f}" if t >= 10 else f"{t:.2g}"
+
+
+def _params(n: int) -> str:
+    """A parameter count for a line: billions from 1B up, else millions (tiny's 0.00B was unreadable)."""
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
