@@ -199,8 +199,10 @@ def test_report_out_is_not_overwritten_without_overwrite(env, tmp_path, capsys):
     (["moe", "--json", "{tmp}"], ["--json {tmp}: is a directory"]),
     (["bta", "--json", "{tmp}/earlier.json"], ["--json {tmp}/earlier.json: exists", "--overwrite"]),
     (["train", "--json", "{tmp}/earlier.json/x.json"], ["a parent path is a file"]),
+    (["train", "--preset", "tiny", "--lr", "-1"], ["--lr: must be > 0 and finite, got -1"]),
+    (["train", "--preset", "tiny", "--lr", "nan"], ["--lr: must be > 0 and finite, got nan"]),
 ], ids=["bta-threads", "moe-threads", "train-batch", "train-seq", "train-seq-context", "json-dir", "json-exists",
-        "json-parent"])
+        "json-parent", "train-lr-negative", "train-lr-nan"])
 def test_bench_argument_errors(tmp_path, capsys, argv, words):
     (tmp_path / "earlier.json").write_text("{}")
     fill = {"tmp": tmp_path, "too_long": build_config("tiny").model.max_seq_len + 1}

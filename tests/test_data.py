@@ -87,6 +87,17 @@ def test_discover_missing_path_and_empty_glob(tmp_path):
         discover_files(str(tmp_path / "*.nothing"))
 
 
+def test_discover_names_what_a_path_that_exists_is_instead(tmp_path):
+    os.mkfifo(tmp_path / "pipe")  # opening it for reading would block until a writer comes
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone.txt")
+    with pytest.raises(DataError, match="pipe' is not a regular file or directory"):
+        discover_files(str(tmp_path / "pipe"))
+    for name in ("loop", "dangling"):
+        with pytest.raises(DataError, match=f"{name}' is a broken symbolic link"):
+            discover_files(str(tmp_path / name))
+
+
 # ---- reading -------------------------------------------------------------------------------------------------
 
 def test_read_jsonl_counts_bad_lines(tmp_path):
@@ -98,6 +109,16 @@ def test_read_jsonl_counts_bad_lines(tmp_path):
     assert [d.text for d in docs] == ["first doc", "second doc"]
     assert [d.name for d in docs] == ["docs.jsonl:1", "docs.jsonl:5"]
     assert (stats.bad_lines, stats.empty, stats.skipped) == (2, 1, 3)
+
+
+def test_read_jsonl_splits_lines_only_at_newlines(tmp_path):
+    # JSON leaves U+2028, U+2029 and U+0085 unescaped (ensure_ascii=False); str.splitlines() would cut there.
+    path = tmp_path / "docs.jsonl"
+    texts = ["a\u2028b", "c\u2029d\x85e", "f\r\ng"]
+    path.write_text("\r\n".join(json.dumps({"text": t}, ensure_ascii=False) for t in texts) + "\r\n")
+    docs, stats = read_documents([path])
+    assert [d.text for d in docs] == texts and stats.skipped == 0
+    assert [d.name for d in docs] == ["docs.jsonl:1", "docs.jsonl:2", "docs.jsonl:3"]
 
 
 def test_read_jsonl_without_text_field_is_an_error(tmp_path):
@@ -219,6 +240,33 @@ def test_prepare_data_caches_tokenizer_and_tokens(tmp_path, monkeypatch):
     assert with_other.tokenizer.get_vocab_size() <= 280
     assert with_other.tokenizer.decode(with_other.val_tokens[:-1].tolist()).startswith(
         first.tokenizer.decode(first.val_tokens[:20].tolist()))
+
+
+def test_file_name_that_is_not_utf8_is_read_and_cached(tmp_path):
+    root = make_corpus(tmp_path / "corpus", n_files=4)
+    (root / os.fsdecode(b"caf\xe9.txt")).write_text(CODE)  # a Latin-1 file name: not valid UTF-8
+    docs, _ = read_documents(discover_files(str(root)))
+    assert "caf\\xe9.txt" in [d.name for d in docs]  # printable, and the same on every machine
+    cfg = DataConfig(path=str(root), seq_len=8, val_fraction=0.2, cache_dir=str(tmp_path / "cache"))
+    data = prepare_data(cfg, vocab_size=300, log=quiet)
+    assert data.num_train_docs + data.num_val_docs == 5
+
+
+def test_edit_that_keeps_size_and_mtime_is_not_served_from_the_cache(tmp_path):
+    # `cp -p`, `rsync -t`, `touch -r` or an archive restore keep a file's mtime; an edit of the same length then
+    # looks unchanged by size and mtime alone.
+    root = make_corpus(tmp_path / "corpus", n_files=4)
+    cfg = DataConfig(path=str(root), seq_len=8, val_fraction=0.25, cache_dir=str(tmp_path / "cache"))
+    prepare_data(cfg, vocab_size=300, log=quiet)
+    target = root / "pkg0" / "mod00.py"
+    st = target.stat()
+    target.write_text(target.read_text().replace("greet", "adieu"))
+    os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert target.stat().st_size == st.st_size
+    logs: list[str] = []
+    again = prepare_data(cfg, vocab_size=300, log=logs.append)
+    assert not any("reused" in line for line in logs)
+    assert "adieu" in again.tokenizer.decode(np.concatenate([again.train_tokens, again.val_tokens]).tolist())
 
 
 def test_interrupted_cache_entry_is_rebuilt(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -80,6 +81,36 @@ def test_eval_names_what_training_logged_only_if_it_evaluated_alike(tmp_path, co
     assert "1 batches of 8 x 64 tokens, fp32, checkpoint step 10" in out and "training logged" not in out
 
 
+def test_eval_of_a_document_packed_run_uses_its_document_packed_validation_batches(tmp_path, capsys):
+    rng = random.Random(0)
+    words = "the quick brown fox jumps over a lazy dog def return class import".split()
+    corpus = tmp_path / "docs"  # documents of 30 to 800 words: packed rows differ from windows
+    corpus.mkdir()
+    for i in range(12):
+        (corpus / f"doc{i:02d}.txt").write_text(" ".join(rng.choice(words) for _ in range(rng.randint(30, 800))))
+    run = _train(tmp_path, corpus, "train.steps=10", "train.eval_every=10", "data.packing=documents",
+                 "data.val_fraction=0.3")
+    logged = [r["val_loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+              if r["step"] == 10 and "val_loss" in r]
+    capsys.readouterr()
+    assert main(["eval", str(run)]) == 0
+    first, second = capsys.readouterr().out.splitlines()
+    assert first.startswith(f"val_loss {logged[-1]:.4f} ") and "2 batches of 8 x 64 tokens" in first
+    assert second == f"training logged val_loss {logged[-1]:.4f} at step 10 on the same batches"
+
+
+def test_eval_does_not_call_an_edited_corpus_the_same_batches(tmp_path, code_corpus, capsys):
+    run = _train(tmp_path, code_corpus, "train.steps=2", "train.eval_every=2", "data.val_fraction=0.5")
+    capsys.readouterr()
+    assert main(["eval", str(run)]) == 0
+    assert "on the same batches" in capsys.readouterr().out
+    for f in code_corpus.iterdir():  # the corpus edited after training: other validation tokens
+        f.write_text(f.read_text().replace("value", "other"))
+    assert main(["eval", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "on the same batches" not in out and "validation batches differ from those training evaluated" in out
+
+
 def test_logged_val_loss_is_the_last_number_at_the_step(tmp_path):
     from moetrain.commands.eval import logged_val_loss
 
@@ -144,6 +175,13 @@ def test_overwrite_only_replaces_a_run_and_checks_data_first(tmp_path, capsys, c
     msg = _error(capsys, ["train", "--preset", "tiny", "--out", str(run), "--overwrite", "--data",
                           str(tmp_path / "typo.txt")])
     assert "does not exist" in msg and sorted(p.name for p in run.rglob("*")) == before
+    # Data that exists but is unusable (only binary; shorter than one sequence) is found before deleting too.
+    (tmp_path / "archive.gz").write_bytes(b"\x1f\x8b\x08\0\0\0\0\0")
+    (tmp_path / "short.txt").write_text("a few words\n")
+    for bad, what in (("archive.gz", "no usable text"), ("short.txt", "shorter than one sequence")):
+        msg = _error(capsys, ["train", "--preset", "tiny", "--out", str(run), "--overwrite", "--data",
+                              str(tmp_path / bad), f"data.cache_dir={tmp_path / 'c'}"])
+        assert what in msg and sorted(p.name for p in run.rglob("*")) == before
     a_file = tmp_path / "file"
     a_file.write_text("x")
     assert "not a directory" in _error(capsys, [*base, "--out", str(a_file)])
@@ -156,6 +194,10 @@ def test_more_bad_inputs_are_one_line(tmp_path, capsys, code_corpus):
     cfg = tmp_path / "c.json"
     cfg.write_text("[1, 2]")
     assert "JSON object" in _error(capsys, [*base, "--config", str(cfg)])
+    # `--data "$CORPUS"` with the variable unset: an error, not a run on the current directory.
+    for empty in (["--data", ""], ["data.path= "]):
+        msg = _error(capsys, ["train", "--preset", "tiny", "--no-progress", "--out", str(tmp_path / "r"), *empty])
+        assert "data.path" in msg and "empty" in msg
 
 
 def test_generate_defaults_fit_the_context_and_bad_sampling_values(tmp_path, capsys, code_corpus):

@@ -2,8 +2,8 @@
 
 Each benchmark lives in ``moetrain.bench.<name>`` and defines ``add_parser(sub)`` (which calls
 ``set_defaults(func=run)``); add one by adding its name to :data:`BENCHES`. The arguments every benchmark shares
-(``--threads``, ``--json``, ``--overwrite``, and ``bench train``'s ``--batch`` / ``--seq``) are checked here before
-the benchmark starts, so a bad value is a one-line error rather than a traceback minutes later.
+(``--threads``, ``--json``, ``--overwrite``, and ``bench train``'s ``--batch`` / ``--seq`` / ``--lr``) are checked
+here before the benchmark starts, so a bad value is a one-line error rather than a traceback minutes later.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib
+import math
 from pathlib import Path
 
 from moetrain.errors import ConfigError, MoetrainError
@@ -58,6 +59,8 @@ def _check_train(args) -> None:
 
     if args.batch is not None and args.batch < 1:
         raise ConfigError(f"--batch: must be >= 1, got {args.batch}")
+    if not (args.lr > 0 and math.isfinite(args.lr)):  # AdamW raises a bare ValueError only after the models are built
+        raise ConfigError(f"--lr: must be > 0 and finite, got {args.lr:g}")
     if args.seq is not None:
         if args.seq < 2:
             raise ConfigError(f"--seq: must be >= 2 (inputs and shifted targets), got {args.seq}")

@@ -41,6 +41,19 @@ def logged_val_loss(run_dir: Path, step: int) -> float | None:
     return float(found) if isinstance(found, (int, float)) and not isinstance(found, bool) else None
 
 
+def logged_val_fingerprint(run_dir: Path) -> str | None:
+    """The ``val_sha256`` that ``RUN_DIR/metrics.jsonl`` holds from before the first step (None: a run older than
+    the field, or no readable record)."""
+    from moetrain.report.runlog import load_run_log
+
+    try:
+        records = load_run_log(run_dir).records
+    except MoetrainError:
+        return None
+    found = next((r.get("val_sha256") for r in records if r["step"] == 0 and "val_sha256" in r), None)
+    return found if isinstance(found, str) else None
+
+
 def evaluated_alike(saved: dict | None, config) -> bool:
     """Whether ``saved``, the config.json inside a checkpoint (what training had when it wrote that checkpoint and
     its records), evaluated with ``config``'s settings (data, ``train.batch_size``, ``eval_batches``, ``dtype``): a
@@ -60,21 +73,31 @@ def run(args) -> int:
     import dataclasses
     import math
 
-    from moetrain.data.dataset import TokenWindows, eval_batches, prepare_data
+    from moetrain.data.batch import model_inputs
+    from moetrain.data.dataset import prepare_data
+    from moetrain.data.loader import build_pipeline
+    from moetrain.train.progress import batches_fingerprint
     from moetrain.train.trainer import TOKENIZER_FILE, evaluate
 
     if args.batches is not None and args.batches < 1:
         raise MoetrainError(f"--batches must be >= 1, got {args.batches}")
+    if args.data is not None and not args.data.strip():
+        raise MoetrainError(f"--data: is empty ({args.data!r}); give a file, directory or glob, or leave --data out "
+                            "for the run's own data")
     config, _, model, ckpt = load_run(args.run_dir)
     n_batches = config.train.eval_batches if args.batches is None else args.batches
     data_cfg = config.data if args.data is None else dataclasses.replace(config.data, path=args.data)
     data = prepare_data(data_cfg, config.model.vocab_size, tokenizer_path=Path(args.run_dir) / TOKENIZER_FILE,
                         log=lambda m: print(m, file=sys.stderr))
-    batches = eval_batches(TokenWindows(data.val_tokens, data_cfg.seq_len), config.train.batch_size, n_batches)
-    dtype = config.train.dtype
+    t = config.train
+    # The validation batches training built: packed documents with data.packing=documents, else windows.
+    batches = build_pipeline(data, data_cfg.seq_len, data_cfg.packing, t.batch_size, t.tokens_per_batch, n_batches,
+                             t.seed).val
+    dtype = t.dtype
     loss = evaluate(model, batches, next(model.parameters()).device, dtype)
     step = ckpt.step
-    shape = f"{len(batches)} batches of {batches[0][0].shape[0]} x {batches[0][0].shape[1]} tokens"
+    rows, width = model_inputs(batches[0])[0].shape  # [B, S]
+    shape = f"{len(batches)} batches of {rows} x {width} tokens"
     try:
         perplexity = math.exp(loss)
     except OverflowError:  # a diverged model: loss above ~709.8 nats
@@ -83,5 +106,10 @@ def run(args) -> int:
     same_set = args.data is None and n_batches == config.train.eval_batches and evaluated_alike(ckpt.config, config)
     logged = logged_val_loss(Path(args.run_dir), step) if same_set else None
     if logged is not None:
-        print(f"training logged val_loss {logged:.4f} at step {step} on the same batches")
+        # The config alone cannot tell: the corpus files may have been edited since training.
+        if logged_val_fingerprint(Path(args.run_dir)) in (None, batches_fingerprint(batches)):
+            print(f"training logged val_loss {logged:.4f} at step {step} on the same batches")
+        else:
+            print(f"training logged val_loss {logged:.4f} at step {step}, but these validation batches differ from "
+                  "those training evaluated (the corpus changed since)")
     return 0

@@ -216,10 +216,13 @@ def run(args) -> int:
                 if not (run_dir / CONFIG_FILE).is_file():
                     raise MoetrainError(f"--overwrite: '{run_dir}' is not a moetrain run directory (no config.json); "
                                         "refusing to delete it")
-                # Check the data before deleting anything, so a mistyped --data cannot cost the old run.
-                from moetrain.data.corpus import discover_files
+                # Prepare the data before deleting anything, so a mistyped --data or an unusable corpus (only
+                # binary files, shorter than a sequence) cannot cost the old run; the trainer then hits the cache
+                # and says what it holds.
+                from moetrain.data.dataset import prepare_data
 
-                discover_files(config.data.path)
+                prepare_data(config.data, config.model.vocab_size, tokenizer_path=init.tokenizer if init else None,
+                             log=lambda _line: None)
                 _clear(run_dir)
         return _train(args, config, run_dir, resume, init, notes + init_notes, changes)
 

@@ -39,6 +39,9 @@ class DataConfig:
     prefetch: int = 2
 
     def __post_init__(self) -> None:
+        # An empty path would be read as the current directory (`--data "$CORPUS"` with the variable unset).
+        require(self.path is None or bool(self.path.strip()), "path",
+                f"is empty ({self.path!r}); give a file, directory or glob, or null for the default corpus")
         require(self.seq_len >= 2, "seq_len", f"must be >= 2, got {self.seq_len}")
         require(0 < self.val_fraction < 1, "val_fraction", f"must be in (0, 1), got {self.val_fraction}")
         require(self.workers >= 0, "workers", f"must be >= 0, got {self.workers}")

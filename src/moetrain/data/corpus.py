@@ -108,6 +108,10 @@ def discover_files(path: str | None) -> list[Path]:
         if not files:
             raise DataError(f"data path '{path}' does not exist (the glob matches no files)")
         files = list(dict.fromkeys(files))
+    elif os.path.lexists(target):
+        broken = target.is_symlink() and not target.exists()
+        raise DataError(f"data path '{path}' " + ("is a broken symbolic link (its target is missing, or a loop)"
+                                                  if broken else "is not a regular file or directory"))
     else:
         raise DataError(f"data path '{path}' does not exist")
     if not files:
@@ -147,7 +151,7 @@ def read_documents(files: Sequence[Path], source: str | None = None) -> tuple[li
     docs: list[Document] = []
     counts = {"binary": 0, "unreadable": 0, "empty": 0, "bad_lines": 0}
     for f in files:
-        name = f.relative_to(root).as_posix()
+        name = _name(f.relative_to(root))
         try:
             raw = f.read_bytes()
         except OSError:
@@ -169,6 +173,12 @@ def read_documents(files: Sequence[Path], source: str | None = None) -> tuple[li
     return docs, stats
 
 
+def _name(rel: Path) -> str:
+    """``rel`` in posix form; bytes of a file name that are not UTF-8 become ``\\xNN`` escapes (Python holds them as
+    lone surrogates, which cannot be encoded, printed or written to JSON)."""
+    return os.fsencode(rel.as_posix()).decode("utf-8", errors="backslashreplace")
+
+
 def _decode(raw: bytes) -> str | None:
     """UTF-8 text of ``raw``; ``None`` for binary or non-UTF-8 bytes."""
     if b"\0" in raw[:_BINARY_PROBE_BYTES]:
@@ -186,7 +196,7 @@ def _read_jsonl(f: Path, name: str, raw: bytes, counts: dict[str, int]) -> list[
         counts["binary"] += 1
         return []
     docs, lines, bad = [], 0, 0
-    for lineno, line in enumerate(text.splitlines(), start=1):
+    for lineno, line in enumerate(text.split("\n"), start=1):  # not splitlines(): JSON keeps U+2028 raw
         if not line.strip():
             continue
         lines += 1

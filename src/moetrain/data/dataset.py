@@ -70,8 +70,8 @@ def prepare_data(cfg: DataConfig, vocab_size: int, tokenizer_path: Path | None =
     The tokenizer is trained on at most ``cfg.tokenizer_max_bytes`` of the training split (documents in a
     fixed pseudo-random order), unless ``tokenizer_path`` names one to reuse (resuming or evaluating a run).
     Results are cached under ``cfg.cache_dir`` / ``$MOETRAIN_CACHE`` / ``~/.cache/moetrain``, keyed by the file
-    list with sizes and mtimes (not contents), ``val_fraction``, ``vocab_size``, ``tokenizer_max_bytes`` and the
-    given tokenizer; a cache hit reads no corpus file and trains nothing. Every cache file is written to a
+    list with sizes, mtimes and ctimes (not contents), ``val_fraction``, ``vocab_size``, ``tokenizer_max_bytes``
+    and the given tokenizer; a cache hit reads no corpus file and trains nothing. Every cache file is written to a
     temporary name and renamed, and ``meta.json`` is written last, so an interrupted run leaves no entry that is
     later trusted.
 
@@ -137,16 +137,21 @@ def _cache_root(cfg: DataConfig) -> Path:
 
 
 def _cache_key(files: Sequence[Path], cfg: DataConfig, vocab_size: int, tokenizer_json: str | None) -> str:
-    """Hash of everything the cached tokens depend on; file sizes and mtimes stand in for contents (speed)."""
+    """Hash of everything the cached tokens depend on; file sizes, mtimes and ctimes stand in for contents (speed).
+    The ctime catches what the mtime misses: an edit whose mtime was put back (``cp -p``, ``touch -r``, an archive)
+    and a file made readable by ``chmod`` (it was skipped as unreadable); it costs a rebuild after a mere chmod."""
     h = hashlib.sha256()
     h.update(json.dumps({"version": _CACHE_VERSION, "val_fraction": cfg.val_fraction, "vocab_size": vocab_size,
                          "tokenizer_max_bytes": cfg.tokenizer_max_bytes}).encode())
     for f in files:
         try:
             st = f.stat()
-            h.update(f"{f.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+            # Both paths: a document is named by its own path, its text read from the symlink's target.
+            # fsencode: a file name that is not UTF-8 keeps its bytes.
+            h.update(os.fsencode(f"{os.path.abspath(f)}\0{f.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0"
+                                 f"{st.st_ctime_ns}\n"))
         except OSError:  # read_documents counts it as unreadable; the key just has to be stable
-            h.update(f"{f}\0missing\n".encode())
+            h.update(os.fsencode(f"{f}\0missing\n"))
     if tokenizer_json is not None:
         h.update(tokenizer_json.encode())
     return h.hexdigest()[:24]

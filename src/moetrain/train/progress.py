@@ -7,6 +7,8 @@ Records written (one JSON object per line, see :class:`~moetrain.train.metrics.M
   ``aux_loss``, ``z_loss``, ``grad_norm``, ``mfu``, ``data_wait_s``, ``monitor_s`` (see
   :mod:`moetrain.train.console`), ``elapsed_s``, ``val_loss`` when evaluated at that step, then the routing
   monitor's and the parallel hooks' fields; the first one of a run (not of a resume) also ``first_batch_sha256``;
+- before the first step of a run (not of a resume): ``step`` 0, ``val_loss``, ``val_sha256``
+  (:func:`batches_fingerprint` of the validation batches);
 - at an evaluation step that is not a logging step: ``step``, ``val_loss``, ``elapsed_s``;
 - at a skipped (non-finite) step: ``step``, ``skipped_nonfinite``, ``nonfinite_skips``.
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Iterable
 from typing import Any, Callable, TypeVar
 
 from moetrain.data.batch import Batch, model_inputs
@@ -38,6 +41,12 @@ def batch_fingerprint(batch: Batch) -> str:
         h.update(repr(tuple(t.shape)).encode())
         h.update(t.detach().to("cpu").long().contiguous().numpy().tobytes())
     return h.hexdigest()[:16]
+
+
+def batches_fingerprint(batches: Iterable[Batch]) -> str:
+    """The first 16 hex digits of the SHA-256 of the :func:`batch_fingerprint` of each of ``batches``, in order:
+    names a validation set (``val_sha256``), so ``moetrain eval`` can tell whether it evaluates the same tokens."""
+    return hashlib.sha256("".join(batch_fingerprint(b) for b in batches).encode()).hexdigest()[:16]
 
 
 class StepLog:

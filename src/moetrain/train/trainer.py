@@ -39,7 +39,7 @@ from moetrain.train.preemption import GracefulStop
 from moetrain.runtime.cpu import bf16_policy_line
 from moetrain.runtime.threads import choose_threads
 from moetrain.train.console import mfu_model
-from moetrain.train.progress import StepLog
+from moetrain.train.progress import StepLog, batches_fingerprint
 from moetrain.train.schedule import build_scheduler, retarget_schedule
 from moetrain.train.state import TrainState, rng_state, seed_everything, set_rng_state
 from moetrain.train.step import StepResult, autocast_context
@@ -348,7 +348,7 @@ class Trainer:
         next_batch = self.hooks.local_batch(state.sampler.next_batch)
         if state.initial_val_loss is None:
             state.initial_val_loss = self.hooks.evaluate(state.model, val_set, self.device, t.dtype)
-            metrics.log({"step": 0, "val_loss": state.initial_val_loss})
+            metrics.log({"step": 0, "val_loss": state.initial_val_loss, "val_sha256": batches_fingerprint(val_set)})
             self.log(f"step 0: val_loss {state.initial_val_loss:.4f}")
         report = StepLog(metrics, self.log, t.steps, state.step, t.batch_size * t.grad_accum * cfg.data.seq_len,
                          self.progress, mfu=mfu_model(cfg, self.device))
