@@ -77,6 +77,9 @@ CASES = [
     ("vocab-small", [*T, "model.vocab_size=100"], "model.vocab_size: must be >= 257"),
     ("ckpt-url", [*T, "train.checkpoint_url=bogus://x"],
      "train.checkpoint_url: unknown storage protocol in 'bogus://x'"),
+    ("ckpt-url-relative", [*T, "train.checkpoint_url=ckpts"],
+     "train.checkpoint_url: 'ckpts' is a relative path, which resolves against the directory each command is "
+     "started from"),
     ("ckpt-url-in-use", [*T, "train.checkpoint_url={run}/checkpoints"],
      "train.checkpoint_url: {run}/checkpoints already holds checkpoints (step_00000002 ...) of another run"),
     ("steps-not-int", [*T, "--steps", "ten"], "moetrain train: error: argument --steps: invalid int value: 'ten'"),
@@ -108,6 +111,7 @@ CASES = [
      "model.moe.num_experts: cannot change when resuming (the run was trained with 4, got 8)"),
     ("resume-bad-value", [*R, "train.lr=0"], "train.lr: must be > 0 and finite, got 0.0"),
     ("eval-not-a-run", ["eval", "{root}/notrun"], "{root}/notrun/config.json not found"),
+    ("eval-data-empty", ["eval", "{run}", "--data", ""], "--data: is empty ('')"),
 ]
 if not torch.cuda.is_available():
     CASES.append(("no-cuda", [*T, "train.device=cuda"],

@@ -274,6 +274,29 @@ def test_a_killed_lock_holder_does_not_block(tmp_path):
         pass
 
 
+def test_two_runs_cannot_share_a_local_checkpoint_url_at_once(env, tmp_path, capsys):
+    """Two new runs (different --out) given the same empty local train.checkpoint_url both passed the "already holds
+    checkpoints" check and then interleaved their checkpoints there (one run's final write failed, and its --resume
+    loaded the other run's step). The location is locked like a run directory while a run uses it."""
+    location = tmp_path / "ckpts"
+    code = ("import time\nfrom moetrain.train.run_lock import RunLock\n"
+            f"with RunLock({str(location)!r}):\n    print('locked', flush=True)\n    time.sleep(600)\n")
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        line = one_line_error(capsys, _train(env, tmp_path / "second", "--steps", "1",
+                                             f"train.checkpoint_url={location}"),
+                              f"train.checkpoint_url: the location '{location}' is in use by another moetrain train",
+                              f"lock {location / 'train.lock'}")
+        assert "choose another train.checkpoint_url" in line
+    finally:
+        holder.kill()
+        holder.wait()
+    assert not (tmp_path / "second").exists()
+    assert main(_train(env, tmp_path / "second", "--steps", "1", f"train.checkpoint_url={location}")) == 0
+    assert [p.name for p in location.glob("step_*")] == ["step_00000001"]
+
+
 def test_a_lock_on_a_new_directory_is_removed_when_the_run_fails(env, tmp_path, capsys):
     run = tmp_path / "new" / "run"
     one_line_error(capsys, ["train", "--preset", "tiny", "--data", tmp_path / "nowhere", "--out", run, *TINY],
@@ -595,6 +618,24 @@ def test_stats_of_a_run_without_metrics_says_none_logged(env, tmp_path, capsys):
     assert main(["stats", str(run)]) == 0
     out = capsys.readouterr().out
     assert "None" not in out and "steps logged: none of 2" in out, out
+
+
+def test_stats_of_a_run_without_the_routing_monitor_says_it_was_off(env, tmp_path, capsys):
+    """monitor.enabled=false: stats said "alarms: none" and "no routing statistics logged yet" of a finished run,
+    as if its routing had been checked and found healthy."""
+    import json
+
+    run = tmp_path / "run"
+    run.mkdir()
+    config = json.loads((env["run"] / "config.json").read_text())
+    config["monitor"]["enabled"] = False
+    (run / "config.json").write_text(json.dumps(config))
+    (run / "metrics.jsonl").write_text('{"step": 2, "train_loss": 5.0}\n')
+    assert main(["stats", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "alarms: not evaluated (monitor.enabled=false)" in out, out
+    assert "no routing statistics: the routing monitor was off (monitor.enabled=false)" in out, out
+    assert "logged yet" not in out
 
 
 @pytest.mark.parametrize("flag, value", [

@@ -143,6 +143,24 @@ def test_a_full_disk_at_a_checkpoint_leaves_the_earlier_ones_intact(env, tmp_pat
     assert "resumed from" in capsys.readouterr().out
 
 
+def test_a_full_disk_at_a_metrics_write_is_one_line_naming_the_file(env, tmp_path, monkeypatch, capsys):
+    """A full disk while a logging step appends to metrics.jsonl: the buffered write's ENOSPC carries no file name
+    (found with a 3 MB tmpfs), so the line must name the file itself, not just 'OSError: No space left on device'."""
+    run = tmp_path / "run"
+    import builtins
+
+    import moetrain.train.metrics as metrics_module
+
+    def full_open(file, mode="r", *args, **kwargs):
+        if Path(file).name == "metrics.jsonl" and "a" in mode:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return builtins.open(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr(metrics_module, "open", full_open, raising=False)
+    line, _ = _one_line(capsys, [*_train(env["corpus"], env["cache"], run), "--steps", "2", "train.log_every=1"])
+    assert f"({run / 'metrics.jsonl'})" in line and "No space left on device" in line, line
+
+
 def test_a_background_writer_error_is_one_line(capsys):
     """TensorBoard's writer thread failing on a full disk: one warning line, not a thread traceback."""
     from moetrain.runtime.oserrors import quiet_thread_os_errors

@@ -328,6 +328,55 @@ def test_fatal_alarm_checkpoints_then_raises(tmp_path):
     assert saved == []
 
 
+def test_a_resumed_run_stops_again_at_a_fatal_alarm_that_still_holds(tmp_path):
+    """A fatal collapse stops the run with a checkpoint; a resume from it (the restart loop of docs/checkpoints.md
+    runs the same command again) must not train on through the collapse because its episode was saved as active.
+    A non-fatal episode stays active across the resume (printed once)."""
+    model, layer = make_model()
+    config = MonitorConfig(collapse_fraction=0.9, dead_steps=1, fatal=("collapse",))
+    first = RoutingMonitor(model, config, tmp_path, log=lambda m: None)
+    layer.train()
+    layer(torch.tensor(ONLY_01))
+    first.end_step(1, torch.tensor(2.0))
+    first.flush(1)
+    with pytest.raises(TrainingAlarm, match="collapse"):
+        first.raise_if_fatal(lambda: None)
+    saved = first.state_dict()  # what the checkpoint of step 1 holds
+
+    resumed = RoutingMonitor(model, config, tmp_path, log=lambda m: None, start_step=1)
+    resumed.load_state_dict(saved)
+    layer(torch.tensor(ONLY_01))  # still collapsed
+    resumed.end_step(2, torch.tensor(2.0))
+    resumed.flush(2)
+    with pytest.raises(TrainingAlarm, match="collapse"):
+        resumed.raise_if_fatal(lambda: None)
+    assert [(a["kind"], a["step"]) for a in read_alerts(tmp_path)] == [
+        ("dead_expert", 1), ("collapse", 1), ("collapse", 2)]
+
+
+def test_a_full_disk_at_an_alarm_write_names_the_file(tmp_path, monkeypatch):
+    """A full disk fails the buffered append with an errno but no file name: the error names alerts.jsonl."""
+    import builtins
+    import errno
+
+    import moetrain.train.alerts as alerts_module
+    from moetrain.runtime.oserrors import MachineError
+
+    def full_open(file, mode="r", *args, **kwargs):
+        if Path(file).name == ALERTS_FILE and "a" in mode:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return builtins.open(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr(alerts_module, "open", full_open, raising=False)
+    model, layer = make_model()
+    monitor = RoutingMonitor(model, MonitorConfig(collapse_fraction=0.9), tmp_path, log=lambda m: None)
+    layer.train()
+    layer(torch.tensor(ONLY_01))
+    monitor.end_step(1, torch.tensor(2.0))
+    with pytest.raises(MachineError, match=f"\\({tmp_path / ALERTS_FILE}\\): No space left on device"):
+        monitor.flush(1)
+
+
 def test_state_dict_resume_continues_exactly(tmp_path):
     def feed(stats: RoutingStats, steps: range) -> None:
         for step in steps:
@@ -491,6 +540,8 @@ def test_disabled_monitor_records_nothing(tmp_path):
     ({"spike_factor": 0.5}, "monitor.spike_factor: must be > 1"),
     ({"spike_window": 5, "spike_warmup": 6}, "monitor.spike_warmup: must be in [1, spike_window=5]"),
     ({"fatal": ["collapse", "bogus"]}, "monitor.fatal[1]: must be one of"),
+    # a disabled monitor evaluates no alarm, so a fatal one would silently never stop the run
+    ({"enabled": False, "fatal": ["collapse"]}, "monitor.fatal: ['collapse'] needs monitor.enabled=true"),
     ({"dead_step": 3}, "monitor.dead_step: unknown config key; did you mean 'monitor.dead_steps'?"),
 ])
 def test_bad_monitor_config_names_the_field(override, message):

@@ -15,7 +15,7 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from moetrain.commands.run_dir import refuse_hugging_face_dir
     from moetrain.report.runlog import load_run_log
-    from moetrain.report.table import HEADER, format_table, layer_rows, run_summary
+    from moetrain.report.table import HEADER, format_table, layer_rows, monitor_enabled, run_summary
 
     if args.alarms < 0:
         raise MoetrainError(f"--alarms: must be >= 0 (0 lists none), got {args.alarms}")
@@ -26,7 +26,12 @@ def run(args) -> int:
         print(f"  {label}: {value}")
     rows = layer_rows(log)
     print()
-    print(format_table(HEADER, rows) if rows else "no routing statistics logged yet")
+    if rows:
+        print(format_table(HEADER, rows))
+    elif monitor_enabled(log):
+        print("no routing statistics logged yet")
+    else:
+        print("no routing statistics: the routing monitor was off (monitor.enabled=false)")
     if log.alerts and args.alarms > 0:
         print()
         print(f"newest alarms ({min(args.alarms, len(log.alerts))} of {len(log.alerts)}; all in alerts.jsonl):")

@@ -51,6 +51,11 @@ def format_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def monitor_enabled(log: RunLog) -> bool:
+    """Whether the run's routing monitor was on (``monitor.enabled``; true when the config does not say)."""
+    return ((log.config or {}).get("monitor") or {}).get("enabled", True) is not False
+
+
 def run_summary(log: RunLog) -> list[tuple[str, str]]:
     """(label, value) pairs summarising the run: steps, losses, learning rate, throughput, alarms."""
     out: list[tuple[str, str]] = []
@@ -73,7 +78,10 @@ def run_summary(log: RunLog) -> list[tuple[str, str]]:
     kinds: dict[str, int] = {}
     for a in log.alerts:
         kinds[a.get("kind", "?")] = kinds.get(a.get("kind", "?"), 0) + 1
-    out.append(("alarms", ", ".join(f"{k} x{n}" for k, n in sorted(kinds.items())) if kinds else "none"))
+    alarms = ", ".join(f"{k} x{n}" for k, n in sorted(kinds.items())) if kinds else "none"
+    if not kinds and not monitor_enabled(log):
+        alarms = "not evaluated (monitor.enabled=false)"
+    out.append(("alarms", alarms))
     if log.skipped_lines:
         out.append(("unreadable metrics lines", f"{log.skipped_lines} (a run in progress may end with a partial line)"))
     return out

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from moetrain.errors import MoetrainError
+from moetrain.runtime.oserrors import writing
 from moetrain.train.monitor_config import MonitorConfig
 from moetrain.train.routing_stats import Snapshot
 
@@ -184,7 +185,8 @@ class AlertTracker:
                for layer, group in dead.items()] + new
         self.active = set(current)
         if new:
-            with open(self.path, "a") as f:
+            # a full disk fails the buffered write with an errno but no file name: name the file here
+            with writing("the alarm log", self.path), open(self.path, "a") as f:
                 for alert in new:
                     f.write(json.dumps(_json_safe(alert.to_json())) + "\n")
         for alert in new:
@@ -197,7 +199,9 @@ class AlertTracker:
         return {"active": sorted(self.active, key=repr)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.active = {tuple(k) for k in state.get("active", [])}
+        # A fatal kind's episode is not restored: one that still holds stops the resumed run again, so a restart
+        # loop never trains on through an alarm it was told to stop at (drop the kind from monitor.fatal to go on).
+        self.active = {tuple(k) for k in state.get("active", []) if k[0] not in self.config.fatal}
 
 
 def _json_safe(d: dict[str, Any]) -> dict[str, Any]:

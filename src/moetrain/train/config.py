@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 from dataclasses import dataclass
 from typing import Literal
@@ -59,8 +60,9 @@ class TrainConfig:
             uninterrupted one exactly). ``all``: every checkpoint keeps it (any one resumes exactly). Sharded
             (torchrun, DCP) checkpoints and those on object stores always keep it: the moments share the DCP shards
             with the weights, and object stores have no atomic rename (train/checkpointer.py).
-        checkpoint_url: where checkpoints go: ``None`` = ``RUN_DIR/checkpoints``; a local path or an fsspec URL such
-            as ``s3://bucket/prefix`` (needs s3fs; endpoint and credentials from the AWS environment variables).
+        checkpoint_url: where checkpoints go: ``None`` = ``RUN_DIR/checkpoints``; an absolute local path or an fsspec
+            URL such as ``s3://bucket/prefix`` (needs s3fs; endpoint and credentials from the AWS environment
+            variables).
         max_nonfinite_skips: a step with a non-finite loss or gradient norm is skipped (no update); this many
             consecutive skips stop the run with an error after a checkpoint of the last good state.
         threads: ``torch.set_num_threads`` at the start of training (0: PyTorch's default, one per core); fewer
@@ -127,6 +129,12 @@ class TrainConfig:
             require(_known_protocol(self.checkpoint_url), "checkpoint_url",
                     f"unknown storage protocol in {self.checkpoint_url!r}; use a local path or an fsspec URL such as "
                     "s3://bucket/prefix")
+            # config.json keeps the value as given: a relative path would find another run's checkpoints, or none,
+            # when a later --resume, eval or export starts from another directory
+            local = self.checkpoint_url.removeprefix("file://")
+            require("://" in local or os.path.isabs(local), "checkpoint_url",
+                    f"{self.checkpoint_url!r} is a relative path, which resolves against the directory each command "
+                    f"is started from; give an absolute path (e.g. {os.path.abspath(local)!r})")
 
 
 def _known_protocol(url: str) -> bool:

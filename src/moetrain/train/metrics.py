@@ -7,6 +7,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from moetrain.runtime.oserrors import writing
+
 
 class MetricsLogger:
     """Appends records to ``RUN_DIR/metrics.jsonl`` and mirrors numeric fields to TensorBoard (``RUN_DIR/tb``).
@@ -31,7 +33,8 @@ class MetricsLogger:
 
     def log(self, record: dict[str, Any]) -> None:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
-        with open(self.path, "a") as f:
+        # a full disk fails the buffered write with an errno but no file name: name the file here
+        with writing("the metrics log", self.path), open(self.path, "a") as f:
             f.write(json.dumps(clean) + "\n")
         if self.writer is not None:
             # All scalars of a record in one event (what add_scalar writes, but once): each event is a hand-over to

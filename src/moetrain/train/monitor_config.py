@@ -50,7 +50,8 @@ class MonitorConfig:
         spike_window: steps in the rolling median (>= 1).
         spike_warmup: finite losses the window must hold before a step is checked (>= 1, <= ``spike_window``).
         fatal: alarm kinds that stop training with an error (exit status 2) after writing a checkpoint
-            (``nonfinite_loss`` writes none: the weights may already be non-finite; the previous checkpoint stays).
+            (``nonfinite_loss`` writes none: the weights may already be non-finite; the previous checkpoint stays);
+            needs ``enabled``.
         tb_histograms: write per-layer histograms (tokens per expert, aux-loss-free biases) to TensorBoard.
         tb_heatmap: write a per-layer expert-load heatmap image (experts x logging steps) to TensorBoard.
         tb_heatmap_every: logging steps between heatmap images (each shows the whole history, and encoding a PNG
@@ -90,3 +91,6 @@ class MonitorConfig:
         require(self.heatmap_history >= 1, "heatmap_history", f"must be >= 1, got {self.heatmap_history}")
         for kind in self.fatal:
             require(kind in ALARM_KINDS, "fatal", f"unknown alarm {kind!r}; choose from {list(ALARM_KINDS)}")
+        require(self.enabled or not self.fatal, "fatal",
+                f"{list(self.fatal)} needs monitor.enabled=true (a disabled monitor evaluates no alarm, so none would "
+                "stop the run); set monitor.fatal=[] or enable the monitor")

@@ -32,8 +32,10 @@ class RunLock:
             message names the path.
     """
 
-    def __init__(self, run_dir: str | Path):
+    def __init__(self, run_dir: str | Path, name: str = "run directory", choose: str = "--out"):
+        """``name`` and ``choose`` word the refusal (a local ``train.checkpoint_url`` is locked the same way)."""
         self.run_dir = Path(run_dir)
+        self.name, self.choose = name, choose
         self.path = self.run_dir / LOCK_FILE
         self._created: list[Path] = []
         self._lock: FileLock | None = None
@@ -58,8 +60,8 @@ class RunLock:
             lock.acquire()
         except Timeout:  # (a TimeoutError, so an OSError: first)
             self._remove_created()
-            raise MoetrainError(f"run directory '{self.run_dir}' is in use by another moetrain train (it holds the "
-                                f"lock {self.path}); wait for it to finish or choose another --out") from None
+            raise MoetrainError(f"{self.name} '{self.run_dir}' is in use by another moetrain train (it holds the "
+                                f"lock {self.path}); wait for it to finish or choose another {self.choose}") from None
         except OSError as e:
             self._remove_created()
             raise MachineError(os_error_line(e, "the run's lock file", self.path)) from e

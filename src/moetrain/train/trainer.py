@@ -12,6 +12,7 @@ over the whole step (LM loss, z-loss); the per-micro-batch Switch loss is likewi
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import shlex
@@ -30,12 +31,14 @@ from moetrain.data.loader import DataPipeline, build_pipeline, check_packing
 from moetrain.errors import CheckpointError, ConfigError, MoetrainError
 from moetrain.model.transformer import MoETransformer, count_parameters
 from moetrain.parallel.launch import ParallelHooks
-from moetrain.train.checkpoint import CorruptCheckpoint, LoadedCheckpoint, load_model_weights, write_file_atomic
+from moetrain.train.checkpoint import (CheckpointStore, CorruptCheckpoint, LoadedCheckpoint, load_model_weights,
+                                       write_file_atomic)
 from moetrain.train.checkpointer import Checkpointer
 from moetrain.train.metrics import MetricsLogger
 from moetrain.train.monitor import RoutingMonitor
 from moetrain.train.param_groups import param_groups
 from moetrain.train.preemption import GracefulStop
+from moetrain.train.run_lock import RunLock
 from moetrain.runtime.cpu import bf16_policy_line
 from moetrain.runtime.threads import choose_threads
 from moetrain.train.console import mfu_model
@@ -183,9 +186,26 @@ class Trainer:
         Raises:
             CheckpointError: ``--resume`` with no checkpoint that verifies, or a checkpoint that does not fit.
             ConfigError: bad input (the message names the field).
-            MoetrainError: ``train.max_nonfinite_skips`` consecutive non-finite steps (after a checkpoint).
+            MoetrainError: ``train.max_nonfinite_skips`` consecutive non-finite steps (after a checkpoint); a local
+                ``train.checkpoint_url`` in use by another run.
             TrainingAlarm: a fatal routing alarm (after a checkpoint).
         """
+        with self._lock_checkpoint_location():
+            return self._run(stop_at_step)
+
+    def _lock_checkpoint_location(self) -> contextlib.AbstractContextManager[Any]:
+        """Rank 0 holds a lock on a local ``train.checkpoint_url`` as on the run directory (``run_lock.py``): two
+        runs given the same location would otherwise both find it empty and then interleave their checkpoints.
+        Object stores have no such lock."""
+        url = self.config.train.checkpoint_url
+        if url is None or not self.hooks.is_main:
+            return contextlib.nullcontext()
+        store = CheckpointStore(url)
+        if not store.local or Path(store.root).resolve() == self.run_dir.resolve():  # that lock is held already
+            return contextlib.nullcontext()
+        return RunLock(store.root, name="train.checkpoint_url: the location", choose="train.checkpoint_url")
+
+    def _run(self, stop_at_step: int | None) -> TrainResult:
         s = self._start(stop_at_step)
         preempted, finished = None, False
         with GracefulStop() as stop:
