@@ -274,6 +274,18 @@ def test_a_killed_lock_holder_does_not_block(tmp_path):
         pass
 
 
+def test_overwrite_keeps_a_run_whose_checkpoint_location_holds_checkpoints(env, tmp_path, capsys):
+    """--overwrite of a run with an outside train.checkpoint_url deleted the run directory, then the trainer refused
+    the location (it holds the old run's checkpoints): the run was lost. Now refused before anything is deleted."""
+    run, location = tmp_path / "run", tmp_path / "ckpts"
+    argv = _train(env, run, "--steps", "1", f"train.checkpoint_url={location}")
+    assert main([str(a) for a in argv]) == 0
+    before = sorted(p.name for p in run.iterdir())
+    one_line_error(capsys, [*argv, "--overwrite"], f"--overwrite: train.checkpoint_url {location}",
+                   "step_00000001", "nothing in")
+    assert sorted(p.name for p in run.iterdir()) == before and (run / "config.json").is_file()
+
+
 def test_two_runs_cannot_share_a_local_checkpoint_url_at_once(env, tmp_path, capsys):
     """Two new runs (different --out) given the same empty local train.checkpoint_url both passed the "already holds
     checkpoints" check and then interleaved their checkpoints there (one run's final write failed, and its --resume

@@ -216,6 +216,7 @@ def run(args) -> int:
                 if not (run_dir / CONFIG_FILE).is_file():
                     raise MoetrainError(f"--overwrite: '{run_dir}' is not a moetrain run directory (no config.json); "
                                         "refusing to delete it")
+                _check_checkpoint_location(config, run_dir)
                 # Prepare the data before deleting anything, so a mistyped --data or an unusable corpus (only
                 # binary files, shorter than a sequence) cannot cost the old run; the trainer then hits the cache
                 # and says what it holds.
@@ -225,6 +226,28 @@ def run(args) -> int:
                              log=lambda _line: None)
                 _clear(run_dir)
         return _train(args, config, run_dir, resume, init, notes + init_notes, changes)
+
+
+def _check_checkpoint_location(config, run_dir: Path) -> None:
+    """Before ``--overwrite`` deletes ``run_dir``: a ``train.checkpoint_url`` outside it that holds checkpoints
+    (the old run's, most likely) would make the new run refuse to start only after the old one was gone.
+
+    Raises:
+        MoetrainError: naming the location and its newest checkpoint; nothing has been deleted.
+    """
+    from moetrain.train.checkpoint import CheckpointStore
+
+    url = config.train.checkpoint_url
+    if url is None:
+        return
+    store = CheckpointStore(url)
+    if store.local and run_dir.resolve() in (Path(store.root).resolve(), *Path(store.root).resolve().parents):
+        return  # inside the run directory: deleted with it
+    names = store.names()
+    if names:
+        raise MoetrainError(f"--overwrite: train.checkpoint_url {store.url} holds checkpoints ({names[-1]} ...), "
+                            "perhaps this run's own, which --overwrite does not delete; delete them or choose another "
+                            f"location (nothing in '{run_dir}' was deleted)")
 
 
 def _train(args, config, run_dir: Path, resume: bool, init, notes: list[str], changes: list) -> int:
