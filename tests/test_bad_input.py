@@ -77,6 +77,12 @@ CASES = [
     ("vocab-small", [*T, "model.vocab_size=100"], "model.vocab_size: must be >= 257"),
     ("ckpt-url", [*T, "train.checkpoint_url=bogus://x"],
      "train.checkpoint_url: unknown storage protocol in 'bogus://x'"),
+    ("resume-and-overwrite", [*R, "--overwrite"],
+     "--resume continues the run in --out and --overwrite deletes it first; pass one of them"),
+    ("milestone-not-multiple", [*T, "train.ckpt_every=2", "train.milestone_every=3"],
+     "train.milestone_every: must be a multiple of train.ckpt_every (2), got 3"),
+    ("milestone-no-ckpts", [*T, "train.ckpt_every=0", "train.milestone_every=4"],
+     "train.milestone_every: must be a multiple of train.ckpt_every (0), got 4"),
     ("ckpt-url-relative", [*T, "train.checkpoint_url=ckpts"],
      "train.checkpoint_url: 'ckpts' is a relative path, which resolves against the directory each command is "
      "started from"),

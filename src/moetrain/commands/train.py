@@ -116,6 +116,8 @@ def run(args) -> int:
         overrides = merge(overrides, {"data": {"path": args.data}})
     if args.steps is not None:
         overrides = merge(overrides, {"train": {"steps": args.steps}})
+    if args.resume and args.overwrite:  # one continues the run, the other deletes it: neither can be meant silently
+        raise MoetrainError("--resume continues the run in --out and --overwrite deletes it first; pass one of them")
     file_data = upgrade(load_file(args.config)) if args.config else None
     if args.list_fields:
         from moetrain.config_docs import field_lines

@@ -125,6 +125,10 @@ class TrainConfig:
         require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
         require(0 <= self.beta1 < 1, "beta1", f"must be in [0, 1), got {self.beta1}")
         require(0 <= self.beta2 < 1, "beta2", f"must be in [0, 1), got {self.beta2}")
+        if self.milestone_every > 0:  # milestones are kept among the checkpoints written, at ckpt_every's steps
+            require(self.ckpt_every > 0 and self.milestone_every % self.ckpt_every == 0, "milestone_every",
+                    f"must be a multiple of train.ckpt_every ({self.ckpt_every}), got {self.milestone_every}: "
+                    "milestones are kept among the checkpoints written, and no other step has one")
         if self.checkpoint_url is not None:
             require(_known_protocol(self.checkpoint_url), "checkpoint_url",
                     f"unknown storage protocol in {self.checkpoint_url!r}; use a local path or an fsspec URL such as "
