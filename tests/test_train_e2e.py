@@ -111,6 +111,19 @@ def test_eval_does_not_call_an_edited_corpus_the_same_batches(tmp_path, code_cor
     assert "on the same batches" not in out and "validation batches differ from those training evaluated" in out
 
 
+def test_a_resume_on_an_edited_corpus_says_its_validation_batches_changed(tmp_path, code_corpus, capsys):
+    """Resuming after the corpus changed went on silently on other windows and another validation set, and the
+    closing "(before training: ...)" compared different sets: the trainer now says so (val_sha256 of step 0)."""
+    run = _train(tmp_path, code_corpus, "train.steps=2", "train.ckpt_every=2", "data.val_fraction=0.5")
+    assert main(["train", "--out", str(run), "--resume", "--no-progress", "--steps", "3"]) == 0
+    assert "validation batches differ" not in capsys.readouterr().out  # the same corpus: nothing to say
+    for f in code_corpus.iterdir():
+        f.write_text(f.read_text().replace("value", "other"))
+    assert main(["train", "--out", str(run), "--resume", "--no-progress", "--steps", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "warning: the validation batches differ from those this run evaluated before the resume" in out, out
+
+
 def test_logged_val_loss_is_the_last_number_at_the_step(tmp_path):
     from moetrain.commands.eval import logged_val_loss
 

@@ -41,19 +41,6 @@ def logged_val_loss(run_dir: Path, step: int) -> float | None:
     return float(found) if isinstance(found, (int, float)) and not isinstance(found, bool) else None
 
 
-def logged_val_fingerprint(run_dir: Path) -> str | None:
-    """The ``val_sha256`` that ``RUN_DIR/metrics.jsonl`` holds from before the first step (None: a run older than
-    the field, or no readable record)."""
-    from moetrain.report.runlog import load_run_log
-
-    try:
-        records = load_run_log(run_dir).records
-    except MoetrainError:
-        return None
-    found = next((r.get("val_sha256") for r in records if r["step"] == 0 and "val_sha256" in r), None)
-    return found if isinstance(found, str) else None
-
-
 def evaluated_alike(saved: dict | None, config) -> bool:
     """Whether ``saved``, the config.json inside a checkpoint (what training had when it wrote that checkpoint and
     its records), evaluated with ``config``'s settings (data, ``train.batch_size``, ``eval_batches``, ``dtype``): a
@@ -76,7 +63,7 @@ def run(args) -> int:
     from moetrain.data.batch import model_inputs
     from moetrain.data.dataset import prepare_data
     from moetrain.data.loader import build_pipeline
-    from moetrain.train.progress import batches_fingerprint
+    from moetrain.train.progress import batches_fingerprint, logged_val_fingerprint
     from moetrain.train.trainer import TOKENIZER_FILE, evaluate
 
     if args.batches is not None and args.batches < 1:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 from moetrain.data.batch import Batch, model_inputs
@@ -47,6 +48,20 @@ def batches_fingerprint(batches: Iterable[Batch]) -> str:
     """The first 16 hex digits of the SHA-256 of the :func:`batch_fingerprint` of each of ``batches``, in order:
     names a validation set (``val_sha256``), so ``moetrain eval`` can tell whether it evaluates the same tokens."""
     return hashlib.sha256("".join(batch_fingerprint(b) for b in batches).encode()).hexdigest()[:16]
+
+
+def logged_val_fingerprint(run_dir: Path) -> str | None:
+    """The ``val_sha256`` that ``RUN_DIR/metrics.jsonl`` holds from before the first step (None: a run older than
+    the field, or no readable record)."""
+    from moetrain.errors import MoetrainError
+    from moetrain.report.runlog import load_run_log
+
+    try:
+        records = load_run_log(run_dir).records
+    except MoetrainError:
+        return None
+    found = next((r.get("val_sha256") for r in records if r["step"] == 0 and "val_sha256" in r), None)
+    return found if isinstance(found, str) else None
 
 
 class StepLog:

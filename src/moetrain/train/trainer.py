@@ -42,7 +42,7 @@ from moetrain.train.run_lock import RunLock
 from moetrain.runtime.cpu import bf16_policy_line
 from moetrain.runtime.threads import choose_threads
 from moetrain.train.console import mfu_model
-from moetrain.train.progress import StepLog, batches_fingerprint
+from moetrain.train.progress import StepLog, batches_fingerprint, logged_val_fingerprint
 from moetrain.train.schedule import build_scheduler, retarget_schedule
 from moetrain.train.state import TrainState, rng_state, seed_everything, set_rng_state
 from moetrain.train.step import StepResult, autocast_context
@@ -356,6 +356,11 @@ class Trainer:
             self.run_dir, resume_step=(state.step if ckpt is not None else -1) if self.resume else None))
         if ckpt is not None:
             self.log(f"resumed from {ckpt.location} at step {state.step}")
+            before = logged_val_fingerprint(self.run_dir) if self.hooks.is_main else None
+            if before is not None and before != batches_fingerprint(val_set):
+                self.log("warning: the validation batches differ from those this run evaluated before the resume (its "
+                         "corpus or data settings changed since it started): val_loss from here on does not compare "
+                         "with the earlier values, and training reads the new corpus")
         elif self.resume:
             self.log(f"warning: no checkpoint in {checkpointer.store.url} yet: starting from step 0")
         monitor_cfg = cfg.monitor
