@@ -574,6 +574,10 @@ def test_dry_run_of_a_resumed_run_writes_nothing(env, tmp_path, capsys):
     assert f"dry run: the resumed run {run}'s config is valid for 2 rank(s); nothing was written" in out
     assert "routed experts" in out or "matrices (with the routers and routed experts)" in out  # the AdamW groups
     assert tree_digest(run) == before  # no step trained, no checkpoint, config.json unchanged
+    # fewer steps than the checkpoint's: the real run refuses it, so the dry run must not call it valid
+    one_line_error(capsys, ["train", "--out", run, "--resume", "--dry-run", "--steps", "1"],
+                   "train.steps: 1 is below the step of the newest checkpoint to resume (2,", "give at least 2")
+    assert tree_digest(run) == before
 
 
 @pytest.mark.parametrize("flag", [["--resume", "--out", "RUN"], ["--init-from", "RUN"], ["--dry-run"]])

@@ -174,6 +174,8 @@ def run(args) -> int:
             raise MoetrainError(f"--world-size: must be >= 1, got {world}")
         if resume and changes:
             print(f"resuming would change the config: {describe(changes)}")
+        if resume:
+            _check_steps_cover_checkpoint(config, Path(args.out))
         for line in dry_run(config, world).lines:
             print(line)
         what = f"the resumed run {args.out}'s config" if resume else "the config"
@@ -228,6 +230,23 @@ def run(args) -> int:
                              log=lambda _line: None)
                 _clear(run_dir)
         return _train(args, config, run_dir, resume, init, notes + init_notes, changes)
+
+
+def _check_steps_cover_checkpoint(config, run_dir: Path) -> None:
+    """``--resume --dry-run``: the trainer's own check that ``train.steps`` reaches the newest checkpoint's step
+    (without verifying the checkpoint: the dry run reads no checkpoint file).
+
+    Raises:
+        ConfigError: ``train.steps`` below the newest checkpoint's step, naming both.
+    """
+    from moetrain.errors import ConfigError
+    from moetrain.train.checkpoint import CheckpointStore, step_of
+
+    store = CheckpointStore(config.train.checkpoint_url or run_dir / "checkpoints")
+    names = store.names()
+    if names and config.train.steps < step_of(names[-1]):
+        raise ConfigError(f"train.steps: {config.train.steps} is below the step of the newest checkpoint to resume "
+                          f"({step_of(names[-1])}, {store.location(names[-1])}); give at least {step_of(names[-1])}")
 
 
 def _check_checkpoint_location(config, run_dir: Path) -> None:

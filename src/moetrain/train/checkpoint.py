@@ -65,7 +65,7 @@ WRITE_DELAY_ENV = "MOETRAIN_CKPT_WRITE_DELAY"
 _NAME = re.compile(r"^step_(\d{8})$")
 
 
-def _step_of(name: str) -> int:
+def step_of(name: str) -> int:
     """The step in a checkpoint directory name that :data:`_NAME` matched (``names()`` lists only those)."""
     match = _NAME.match(name)
     assert match is not None, name
@@ -360,7 +360,7 @@ class CheckpointStore:
             files = body["files"]
             if manifest["manifest_sha256"] != _sha256(_canonical(body)):
                 raise CorruptCheckpoint(f"{manifest_loc}: SHA-256 of the manifest does not match (corrupt)")
-            if body["step"] != _step_of(name):
+            if body["step"] != step_of(name):
                 raise CorruptCheckpoint(f"{manifest_loc}: step {body['step']} does not match the directory name")
         except FileNotFoundError:
             raise CorruptCheckpoint(f"{manifest_loc}: missing (checkpoint never completed?)") from None
@@ -617,7 +617,7 @@ class CheckpointStore:
         names = self.names()
         kept = set(names[-keep:]) if keep > 0 else set()
         if milestone_every > 0:
-            kept |= {n for n in names if _step_of(n) % milestone_every == 0}
+            kept |= {n for n in names if step_of(n) % milestone_every == 0}
         deleted = [n for n in names if n not in kept]
         for n in deleted:
             self.delete(n)
