@@ -6,6 +6,7 @@ Commands run in-process through ``moetrain.cli.main`` except where a real proces
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -254,21 +255,28 @@ def test_a_second_trainer_on_a_busy_run_directory_exits_2(env, tmp_path, capsys)
     assert tree_digest(run) == before
 
 
+@contextlib.contextmanager
+def _lock_held_elsewhere(path: Path):
+    """A separate process holds ``RunLock(path)`` inside the block; it is SIGKILLed on exit (no cleanup runs)."""
+    code = ("import time\nfrom moetrain.train.run_lock import RunLock\n"
+            f"with RunLock({str(path)!r}):\n    print('locked', flush=True)\n    time.sleep(600)\n")
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        yield
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def test_a_killed_lock_holder_does_not_block(tmp_path):
     """A separate process takes the lock and is SIGKILLed: the lock file stays, the lock does not."""
     from moetrain.train.run_lock import RunLock
 
     run = tmp_path / "run"
-    code = ("import time\nfrom moetrain.train.run_lock import RunLock\n"
-            f"with RunLock({str(run)!r}):\n    print('locked', flush=True)\n    time.sleep(600)\n")
-    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "locked"
+    with _lock_held_elsewhere(run):  # killed on exit: no cleanup ran in the holder
         with pytest.raises(MoetrainError, match="is in use by another moetrain train"), RunLock(run):
             pass
-    finally:
-        holder.kill()  # SIGKILL: no cleanup ran in the holder
-        holder.wait()
     assert (run / "train.lock").exists()
     with RunLock(run):
         pass
@@ -291,19 +299,12 @@ def test_two_runs_cannot_share_a_local_checkpoint_url_at_once(env, tmp_path, cap
     checkpoints" check and then interleaved their checkpoints there (one run's final write failed, and its --resume
     loaded the other run's step). The location is locked like a run directory while a run uses it."""
     location = tmp_path / "ckpts"
-    code = ("import time\nfrom moetrain.train.run_lock import RunLock\n"
-            f"with RunLock({str(location)!r}):\n    print('locked', flush=True)\n    time.sleep(600)\n")
-    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "locked"
+    with _lock_held_elsewhere(location):
         line = one_line_error(capsys, _train(env, tmp_path / "second", "--steps", "1",
                                              f"train.checkpoint_url={location}"),
                               f"train.checkpoint_url: the location '{location}' is in use by another moetrain train",
                               f"lock {location / 'train.lock'}")
         assert "choose another train.checkpoint_url" in line
-    finally:
-        holder.kill()
-        holder.wait()
     assert not (tmp_path / "second").exists()
     assert main(_train(env, tmp_path / "second", "--steps", "1", f"train.checkpoint_url={location}")) == 0
     assert [p.name for p in location.glob("step_*")] == ["step_00000001"]

@@ -239,14 +239,13 @@ def _check_steps_cover_checkpoint(config, run_dir: Path) -> None:
     Raises:
         ConfigError: ``train.steps`` below the newest checkpoint's step, naming both.
     """
-    from moetrain.errors import ConfigError
     from moetrain.train.checkpoint import CheckpointStore, step_of
+    from moetrain.train.resume_config import require_steps_reach
 
     store = CheckpointStore(config.train.checkpoint_url or run_dir / "checkpoints")
     names = store.names()
-    if names and config.train.steps < step_of(names[-1]):
-        raise ConfigError(f"train.steps: {config.train.steps} is below the step of the newest checkpoint to resume "
-                          f"({step_of(names[-1])}, {store.location(names[-1])}); give at least {step_of(names[-1])}")
+    if names:
+        require_steps_reach(config.train.steps, step_of(names[-1]), store.location(names[-1]), "the newest checkpoint")
 
 
 def _check_checkpoint_location(config, run_dir: Path) -> None:

@@ -72,3 +72,19 @@ def resume_changes(saved: Config, new: Config) -> list[tuple[str, Any, Any]]:
 def describe(changes: list[tuple[str, Any, Any]]) -> str:
     """``train.steps 300 -> 600, monitor.collapse_from_step null -> 50`` (values as a config writes them)."""
     return ", ".join(f"{path} {format_value(was)} -> {format_value(now)}" for path, was, now in changes)
+
+
+def require_steps_reach(steps: int, step: int, location: str, which: str = "the checkpoint") -> None:
+    """A resumed run's ``train.steps`` must reach the step it resumes from (the trainer, and ``--resume --dry-run``).
+
+    Args:
+        steps: ``train.steps`` of the resumed config.
+        step: the step of ``which`` (the checkpoint found in ``location``).
+        location: where that checkpoint is, for the message.
+        which: how the message names it.
+    Raises:
+        ConfigError: ``steps < step``, naming both.
+    """
+    if steps < step:
+        raise ConfigError(f"train.steps: {steps} is below the step of {which} to resume ({step}, {location}); give "
+                          f"at least {step}")

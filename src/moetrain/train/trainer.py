@@ -43,6 +43,7 @@ from moetrain.runtime.cpu import bf16_policy_line
 from moetrain.runtime.threads import choose_threads
 from moetrain.train.console import mfu_model
 from moetrain.train.progress import StepLog, batches_fingerprint, logged_val_fingerprint
+from moetrain.train.resume_config import require_steps_reach
 from moetrain.train.schedule import build_scheduler, retarget_schedule
 from moetrain.train.state import TrainState, rng_state, seed_everything, set_rng_state
 from moetrain.train.step import StepResult, autocast_context
@@ -461,9 +462,7 @@ class Trainer:
                                           f"({len(corrupt)} failed; see the warnings above)") from None
                 ckpt = older
         t = self.config.train
-        if t.steps < state.step:
-            raise ConfigError(f"train.steps: {t.steps} is below the step of the checkpoint to resume "
-                              f"({state.step}, {ckpt.location}); give at least {state.step}")
+        require_steps_reach(t.steps, state.step, ckpt.location)
         assert state.optimizer is not None  # _build_state made it
         retarget_schedule(state.optimizer, state.scheduler, t)
         return ckpt, saved
