@@ -62,7 +62,7 @@ def run(args) -> int:
 
     from moetrain.data.batch import model_inputs
     from moetrain.data.dataset import prepare_data
-    from moetrain.data.loader import build_pipeline
+    from moetrain.data.loader import validation_batches
     from moetrain.train.progress import batches_fingerprint, logged_val_fingerprint
     from moetrain.train.trainer import TOKENIZER_FILE, evaluate
 
@@ -78,8 +78,7 @@ def run(args) -> int:
                         log=lambda m: print(m, file=sys.stderr))
     t = config.train
     # The validation batches training built: packed documents with data.packing=documents, else windows.
-    batches = build_pipeline(data, data_cfg.seq_len, data_cfg.packing, t.batch_size, t.tokens_per_batch, n_batches,
-                             t.seed).val
+    batches, _ = validation_batches(data, data_cfg.seq_len, data_cfg.packing, t.batch_size, n_batches, t.seed)
     dtype = t.dtype
     loss = evaluate(model, batches, next(model.parameters()).device, dtype)
     step = ckpt.step

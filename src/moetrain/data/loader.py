@@ -238,6 +238,28 @@ def check_packing(packing: str, ranks: int) -> None:
         raise ConfigError("data.packing: 'documents' is not supported with several ranks yet; use 'windows'")
 
 
+def validation_batches(data: PreparedData, seq_len: int, packing: str, batch_size: int, count: int,
+                       seed: int) -> tuple[list[Batch], str | None]:
+    """The fixed validation micro-batches training evaluates (``moetrain eval`` rebuilds the same), and the note on
+    how much of the split they cover (windows only; ``None`` when nothing needs saying).
+
+    Args:
+        data / seq_len / packing / batch_size / seed: as :func:`build_pipeline`.
+        count: ``train.eval_batches``: the first ``count`` batches of the split, in stream order.
+    Returns:
+        (batches, note): ``windows``: (inputs [B, S], targets [B, S]) int64 pairs; ``documents``: packed
+        batches (:class:`~moetrain.data.batch.PackedBatch`), unshuffled.
+    """
+    if packing == "windows":
+        windows = eval_batches(TokenWindows(data.val_tokens, seq_len), batch_size, count)
+        note = val_coverage_note(data.val_tokens, data.eos_id, sum(inputs.shape[0] for inputs, _ in windows), seq_len,
+                                 data.num_val_docs, batch_size)
+        return list(windows), note
+    val_docs = DocumentBatches(DocumentChunks(data.val_tokens, data.eos_id, seq_len), batch_size, 0, seed,
+                               shuffle=False)
+    return [val_docs[(0, i)] for i in range(min(count, val_docs.num_batches(0)))], None
+
+
 def build_pipeline(data: PreparedData, seq_len: int, packing: str, batch_size: int, tokens_per_batch: int,
                    eval_batch_count: int, seed: int, workers: int = 0, prefetch: int = 2,
                    pin_memory: bool = False) -> DataPipeline:
@@ -254,18 +276,12 @@ def build_pipeline(data: PreparedData, seq_len: int, packing: str, batch_size: i
         workers / prefetch: ``data.workers`` / ``data.prefetch``.
         pin_memory: page-locked batches (training on CUDA).
     """
+    val, note = validation_batches(data, seq_len, packing, batch_size, eval_batch_count, seed)
     if packing == "windows":
         train = TokenWindows(data.train_tokens, seq_len)
-        windows = eval_batches(TokenWindows(data.val_tokens, seq_len), batch_size, eval_batch_count)
-        note = val_coverage_note(data.val_tokens, data.eos_id, sum(inputs.shape[0] for inputs, _ in windows), seq_len,
-                                 data.num_val_docs, batch_size)
-        val: list[Batch] = list(windows)
         return DataPipeline(BatchLoader(WindowBatches(train, batch_size, seed), seed, workers, prefetch, pin_memory),
                             val, f"{len(train)} training windows of {seq_len} tokens", note)
     chunks = DocumentChunks(data.train_tokens, data.eos_id, seq_len)
-    val_docs = DocumentBatches(DocumentChunks(data.val_tokens, data.eos_id, seq_len), batch_size, 0, seed,
-                               shuffle=False)
-    val = [val_docs[(0, i)] for i in range(min(eval_batch_count, val_docs.num_batches(0)))]
     budget = f"micro-batches of <= {tokens_per_batch} tokens" if tokens_per_batch else f"rows of {seq_len} tokens"
     return DataPipeline(
         BatchLoader(DocumentBatches(chunks, batch_size, tokens_per_batch, seed), seed, workers, prefetch, pin_memory),
