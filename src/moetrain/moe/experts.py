@@ -203,7 +203,9 @@ class RoutedExperts(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, std: float = DEFAULT_STD) -> None:
-        """Every expert weight ~ Normal(0, std) (the model scales ``down_proj``'s by 1 / sqrt(2 n_layers) itself)."""
+        """Every expert weight ~ Normal(0, std): ``gate_up_proj`` [E, 2F, D] (or ``up_proj`` [E, F, D]) and
+        ``down_proj`` [E, D, F], fp32 unless the module was cast. ``MoETransformer.reset_parameters`` draws them
+        itself, ``down_proj``'s at std / sqrt(2 n_layers) (GPT-2's residual scaling)."""
         for p in self.parameters():
             p.normal_(0.0, std)
 

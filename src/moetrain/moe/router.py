@@ -199,7 +199,7 @@ class TopKRouter(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, std: float = DEFAULT_STD) -> None:
-        """``weight`` [E, D] ~ Normal(0, std)."""
+        """``weight`` [E, D] ~ Normal(0, std) (``MoETransformer.reset_parameters`` uses the model's ``init_std``)."""
         self.weight.normal_(0.0, std)
 
     def forward(self, x: torch.Tensor) -> Routing:
