@@ -4,7 +4,9 @@ bf16 / fp16 expert groups (``pad_groups``) and the largest-first worker queue (m
 - Kept scratch is never returned or saved: activation checkpointing (both kinds), ``retain_graph`` backward twice,
   anomaly mode and ``no_grad`` give bit-identical results to a plain call, two fused layers in one graph too.
 - 1 vs 2 intra-op threads (several blocks on the queue), repeated runs and two Python threads calling at once give
-  bit-identical outputs and gradients.
+  bit-identical outputs and gradients; the combine split across the workers gives the plain loop's sum.
+- The workers are PyTorch's OpenMP threads where it runs on OpenMP (Linux wheels), else a thread pool: the tests of
+  the queue run with both (``worker_kind``), and check that two workers really run at once, on distinct threads.
 - A worker's exception (simulated out-of-memory) is re-raised and leaves nothing behind; an interrupt that arrives
   while the caller waits for the workers is raised only after every worker has stopped (they write into the
   caller's kept buffers).
@@ -16,6 +18,7 @@ bf16 / fp16 expert groups (``pad_groups``) and the largest-first worker queue (m
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 import time
 
@@ -26,11 +29,76 @@ from torch.utils.checkpoint import checkpoint
 from moetrain.moe import fast_moe
 from moetrain.execution import ExecutionConfig
 from moetrain.moe.config import ExpertsConfig, MoEConfig
+from moetrain.moe.kernels.cpu import workers
 from moetrain.moe.kernels.cpu.workers import run_largest_first
 from moetrain.moe.dispatch import LocalDispatcher
 from moetrain.moe.experts import loop_experts
 from moetrain.moe.fast_moe import fused_moe
 from moetrain.moe.layer import MoELayer
+
+
+@pytest.fixture(params=["openmp", "pool"])
+def worker_kind(request, monkeypatch):
+    """The queue's workers: PyTorch's OpenMP team (skipped where there is none) or the thread pool."""
+    if request.param == "pool":
+        monkeypatch.setattr(workers, "_openmp_team", lambda: None)
+    elif workers._openmp_team() is None:
+        pytest.skip("PyTorch runs on no OpenMP runtime this module can start a team on")
+    return request.param
+
+
+def test_linux_wheels_get_the_openmp_team():
+    # PyTorch's Linux wheels run intra-op work on libgomp: the fast path must be found there, not skipped silently.
+    if sys.platform != "linux" or "parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        pytest.skip("not PyTorch on OpenMP on Linux")
+    assert workers._openmp_team() is not None
+
+
+def test_two_workers_run_at_once_on_distinct_threads(worker_kind):
+    # Each of the first two items waits until both have started: this finishes only if two workers run them at
+    # the same time. Every item runs once, single-threaded and without gradient tracking.
+    threads = torch.get_num_threads()
+    both = threading.Barrier(2, timeout=10)
+    seen = []
+
+    def fn(item):
+        seen.append((item, threading.get_ident(), torch.get_num_threads(), torch.is_grad_enabled()))
+        if item in "ab":
+            both.wait()
+
+    try:
+        torch.set_num_threads(2)
+        run_largest_first(fn, list("abcd"), [4, 3, 2, 1])
+        assert sorted(i for i, *_ in seen) == list("abcd")
+        assert len({ident for i, ident, *_ in seen if i in "ab"}) == 2
+        assert all(n == 1 and not grad for _, _, n, grad in seen)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_combine_split_across_workers_is_the_plain_sum(monkeypatch, worker_kind, dtype):
+    # The native combine splits the tokens across the workers above PARALLEL_SUM_K elements (0 here, so that a small
+    # case takes that path): the same bits as one worker, and the plain loop's fp32 sum rounded once.
+    g = torch.Generator().manual_seed(0)
+    t, k, d = 300, 3, 40
+    rows = torch.randn(t * k, d, generator=g).to(dtype)
+    rows_of = torch.randperm(t * k, generator=g).view(t, k)
+    native = fast_moe.cpu_kernels.supports(rows)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = fast_moe._sum_k(rows, rows_of, native)
+        monkeypatch.setattr(fast_moe, "PARALLEL_SUM_K", 0)
+        torch.set_num_threads(2)
+        split = fast_moe._sum_k(rows, rows_of, native)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, split)
+    plain = torch.stack([sum((rows[rows_of[i, j]].float() for j in range(k)), torch.zeros(d)) for i in range(t)])
+    if native or dtype == torch.float32:  # the ops' bf16 tree rounds per pair (see _sum_k)
+        assert torch.equal(split, plain.to(dtype))
 
 
 def _reference(ids, activation, x, w, w_in, w_out):
@@ -134,7 +202,7 @@ def test_checkpointing_retain_graph_anomaly_and_no_grad_change_nothing(dtype, re
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("recompute", [False, True])
-def test_one_or_two_threads_repeated_and_concurrent_calls_are_bitwise_equal(dtype, recompute):
+def test_one_or_two_threads_repeated_and_concurrent_calls_are_bitwise_equal(dtype, recompute, worker_kind):
     # N = 1024 rows: with 2 threads the default blocks are cut to MIN_BLOCK_ROWS, so several go through the queue;
     # every block's kernels are single-threaded and SwiGLU's elementwise work is per row, so the blocking does not
     # change a single bit. Two Python threads share the worker pool and keep their own scratch.
@@ -169,7 +237,7 @@ def test_one_or_two_threads_repeated_and_concurrent_calls_are_bitwise_equal(dtyp
         torch.set_num_threads(threads)
 
 
-def test_worker_failure_is_raised_and_leaves_nothing_behind(monkeypatch):
+def test_worker_failure_is_raised_and_leaves_nothing_behind(monkeypatch, worker_kind):
     ids, inputs, up = _case(torch.bfloat16, t=512, e=8, k=2, d=32, f=16)
     threads = torch.get_num_threads()
     real = fast_moe.scratch
@@ -205,7 +273,7 @@ class _Interrupt(BaseException):
 
 
 @pytest.mark.skipif(not hasattr(signal, "pthread_kill"), reason="needs signal.pthread_kill")
-def test_interrupt_while_waiting_for_workers_raises_only_after_they_stop():
+def test_interrupt_while_waiting_for_workers_raises_only_after_they_stop(worker_kind):
     # A pool worker signals the calling thread while the caller, its own items done, waits for the worker. The
     # interrupt must not leave run_largest_first while the worker still runs: in the fused path it writes into
     # the caller's kept buffers, which the caller's next call reuses. (The sleeps only make the bad interleaving

@@ -91,6 +91,12 @@ BLOCKS_PER_WORKER = 4
 MIN_BLOCK_ROWS = 256
 MODES = ("auto", "tiles", "grouped")
 
+# The native combine reads T * K * D elements; below this many it runs on the calling thread alone: handing out the
+# shares and two threads first touching a fresh output cost more than they save (2-core Sapphire Rapids, fp32,
+# sum_k alone: T = 4096, K = 2, D = 64 0.26 ms inline, 0.63 ms on 2 workers; D = 256 0.75 / 0.79; K = 8, D = 512
+# 7.5 / 2.3 ms).
+PARALLEL_SUM_K = 1 << 22
+
 _Block = tuple[int, int, list[tuple[int, int, int]]]  # (first row, rows, [(expert, first row in the block, rows)])
 _Needs = tuple[bool, bool, bool, bool]  # gradients wanted: x rows, gating weights, w_in, w_out
 _RowGrads = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
@@ -106,13 +112,14 @@ def _sum_k(rows: torch.Tensor, rows_of: torch.Tensor, native: bool = False) -> t
 
     ``native`` (CPU fp32 / bf16, moe/kernels/cpu/native.py available): one pass of :func:`cpu_kernels.sum_k` per worker
     over its share of the tokens, reading K rows and writing one, where the ops above write and read back 2K - 1
-    [T, D] slices. The same bits in fp32; in bf16 one rounding of the fp32 sum for every K.
+    [T, D] slices; one worker below :data:`PARALLEL_SUM_K` elements read. The same bits in fp32; in bf16 one
+    rounding of the fp32 sum for every K.
     """
     k = rows_of.shape[1]
     if native:
         out = hugepages.advise(rows.new_empty(rows_of.shape[0], rows.shape[1]))
         t = rows_of.shape[0]
-        shares = max(1, min(workers_for(rows.device), t))
+        shares = max(1, min(workers_for(rows.device), t)) if rows_of.numel() * rows.shape[1] >= PARALLEL_SUM_K else 1
         spans = [(t * i // shares, t * (i + 1) // shares) for i in range(shares)]
         run_largest_first(lambda span: cpu_kernels.sum_k(rows, rows_of, out, *span), spans,
                           [b - a for a, b in spans])
