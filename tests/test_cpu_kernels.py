@@ -193,6 +193,37 @@ def test_sum_k_is_the_ordered_fp32_sum_of_the_gathered_rows(dtype, k, d):
     assert torch.equal(part[10:20], out[10:20]) and (part[:10] == 5).all() and (part[20:] == 5).all()
 
 
+def _layout_by_loop(ids, e):
+    """The dropless layout by a plain loop: expert by expert, its assignments in flat (token, k) order."""
+    t, k = ids.shape
+    flat = ids.reshape(-1).tolist()
+    rows = [i for x in range(e) for i, y in enumerate(flat) if y == x]  # row r holds assignment rows[r]
+    rows_of = [0] * len(flat)
+    for r, i in enumerate(rows):
+        rows_of[i] = r
+    return (torch.tensor([i // k for i in rows], dtype=torch.int64).reshape(-1),
+            torch.tensor(rows_of, dtype=torch.int64).view(t, k), torch.bincount(ids.reshape(-1), minlength=e))
+
+
+@needs_kernels
+@pytest.mark.parametrize("t,k,e", [(0, 2, 8), (1, 1, 1), (37, 2, 8), (200, 8, 64), (50, 3, 128)])
+def test_route_dropless_is_the_stable_layout_of_a_plain_loop_and_of_the_sort(monkeypatch, t, k, e):
+    from moetrain.moe import dispatch
+
+    gen = torch.Generator().manual_seed(t + k + e)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]) if t else torch.empty(0, k).long()
+    got = cpu_kernels.route_dropless(ids, e)
+    for a, b in zip(got, _layout_by_loop(ids, e), strict=True):
+        assert torch.equal(a, b)
+    assert all(torch.equal(a, b) for a, b in zip(dispatch.route_dropless(ids, e), got, strict=True))
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)  # the torch.sort path
+    assert all(torch.equal(a, b) for a, b in zip(dispatch.route_dropless(ids, e), got, strict=True))
+    with pytest.raises(ValueError, match=r"expert ids outside \[0, 3\)"):
+        cpu_kernels.route_dropless(torch.tensor([[0, 1], [2, 3]]), 3)
+    with pytest.raises(ValueError, match="topk_ids: .*int64"):
+        cpu_kernels.route_dropless(torch.tensor([[0, 1]], dtype=torch.int32), 3)
+
+
 def test_bad_arguments_raise_before_touching_memory():
     h, dz, w = _inputs(4, 8, torch.float32)
     with pytest.raises(ValueError, match="a: expected a contiguous CPU torch.float32 tensor of shape"):

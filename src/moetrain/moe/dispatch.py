@@ -31,10 +31,14 @@ from typing import Any, cast
 import torch
 
 from moetrain.moe.dispatcher import Dispatcher
+from moetrain.moe.kernels.cpu import native as cpu_kernels
 
 
 def route_dropless(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The dropless grouped layout (stable sort by expert: token order within an expert).
+
+    On CPU with the native kernels (moe/kernels/cpu/native.py) one counting sort gives the same tensors (0.26 ->
+    0.04 ms at T = 4,096, K = 2, E = 8); elsewhere a stable ``torch.sort``.
 
     Args:
         topk_ids: [T, K] int64 expert of each assignment.
@@ -42,6 +46,9 @@ def route_dropless(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tens
     Returns:
         (token_ids [N] token of each row, rows_of [T, K] row of each assignment, tokens_per_expert [E] int64).
     """
+    if (type(topk_ids) is torch.Tensor and topk_ids.device.type == "cpu" and topk_ids.dtype == torch.int64
+            and topk_ids.dim() == 2 and topk_ids.is_contiguous() and cpu_kernels.available()):
+        return cpu_kernels.route_dropless(topk_ids, num_experts)  # the same tensors, one counting sort
     t, k = topk_ids.shape
     flat = topk_ids.reshape(-1)
     order = torch.sort(flat, stable=True).indices  # [N]

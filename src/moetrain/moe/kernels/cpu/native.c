@@ -160,3 +160,28 @@ KERNELS(bf16, uint16_t)
 
 SUM_K(f32, float)
 SUM_K(bf16, uint16_t)
+
+/* Dropless layout (moe/dispatch.py: route_dropless): a stable counting sort of the n = T * k assignments by expert.
+ * ids [n] int64 expert of each assignment; out: counts [e] rows per expert, starts [e] (scratch: each expert's next
+ * row), rows_of [n] row of each assignment, token_ids [n] token of each row (row r of expert x holds its assignments
+ * in flat order, as a stable sort of ids gives). Returns -1, writing nothing past counts, if an id is outside [0, e). */
+int64_t moetrain_route_dropless(const int64_t* ids, int64_t n, int64_t k, int64_t e, int64_t* counts, int64_t* starts,
+                                int64_t* rows_of, int64_t* token_ids) {
+    for (int64_t x = 0; x < e; ++x) counts[x] = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        int64_t x = ids[i];
+        if (x < 0 || x >= e) return -1;
+        ++counts[x];
+    }
+    int64_t row = 0;
+    for (int64_t x = 0; x < e; ++x) {
+        starts[x] = row;
+        row += counts[x];
+    }
+    for (int64_t i = 0; i < n; ++i) {
+        int64_t r = starts[ids[i]]++;
+        rows_of[i] = r;
+        token_ids[r] = i / k;
+    }
+    return 0;
+}

@@ -202,6 +202,8 @@ def _load(path: Path | str) -> ctypes.CDLL:
         bwd.argtypes, bwd.restype = [_P, _P, _P, _P, _P, _P, _I, _I], None
         comb = getattr(library, f"moetrain_sum_k_{sfx}")
         comb.argtypes, comb.restype = [_P, _P, _P, _I, _I, _I, _I], None
+    layout = library.moetrain_route_dropless
+    layout.argtypes, layout.restype = [_P, _I, _I, _I, _P, _P, _P, _P], _I
     return library
 
 
@@ -374,3 +376,35 @@ def sum_k(rows: torch.Tensor, rows_of: torch.Tensor, out: torch.Tensor, first: i
     if sel.numel() and (int(sel.min()) < 0 or int(sel.max()) >= n):
         raise ValueError(f"sum_k: rows_of has rows outside [0, {n})")
     _function("sum_k", rows.dtype)(*ptrs, first, last, k, d)
+
+
+def route_dropless(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The dropless grouped layout as one stable counting sort (two passes over the T K assignments): the same
+    tensors as :func:`moetrain.moe.dispatch.route_dropless`'s stable sort, which took ~0.5 ms of the forward of each
+    ``cpu-small`` MoE layer (T = 4,096, K = 2, E = 8; one thread, Intel Xeon with AVX-512, 2026-12-03).
+
+    Args:
+        topk_ids: [T, K] int64, contiguous, every value in [0, num_experts).
+        num_experts: E >= 1.
+    Returns:
+        (token_ids [T K] int64 token of each row, rows_of [T, K] int64 row of each assignment, tokens_per_expert [E]
+        int64).
+    Raises:
+        ValueError: not a contiguous 2-D CPU int64 tensor, E < 1, or an id outside [0, E).
+        TypeError: not a tensor.
+        RuntimeError: the kernels are not available.
+    """
+    t, k = _dims("topk_ids", topk_ids, 2)
+    _check("topk_ids", topk_ids, (t, k), torch.int64)
+    if num_experts < 1:
+        raise ValueError(f"num_experts: expected at least 1, got {num_experts}")
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"native CPU kernel route_dropless unavailable: {_why_not}")
+    counts, starts = torch.empty(2, num_experts, dtype=torch.int64)
+    rows_of = torch.empty(t, k, dtype=torch.int64)
+    token_ids = torch.empty(t * k, dtype=torch.int64)
+    if lib.moetrain_route_dropless(topk_ids.data_ptr(), t * k, k, num_experts, counts.data_ptr(), starts.data_ptr(),
+                                   rows_of.data_ptr(), token_ids.data_ptr()) != 0:
+        raise ValueError(f"topk_ids: expert ids outside [0, {num_experts})")
+    return token_ids, rows_of, counts
