@@ -17,6 +17,7 @@ bf16 / fp16 expert groups (``pad_groups``) and the largest-first worker queue (m
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -73,6 +74,38 @@ def test_two_workers_run_at_once_on_distinct_threads(worker_kind):
         assert len({ident for i, ident, *_ in seen if i in "ab"}) == 2
         assert all(n == 1 and not grad for _, _, n, grad in seen)
         assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork")
+def test_a_forked_child_runs_the_layer_after_the_parent_used_the_workers():
+    # libgomp's threads do not survive a fork: a region started in the child would wait for them forever. The child
+    # falls back to a thread pool of its own and gets the parent's result.
+    ids, inputs, _ = _case(torch.float32, t=512, e=8, k=2, d=32, f=16)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with torch.no_grad():
+            ref = _fused(ids)(*inputs)
+        pid = os.fork()
+        if pid == 0:  # the child: exit status 0 only if it finishes with the parent's bits
+            try:
+                with torch.no_grad():
+                    os._exit(0 if torch.equal(_fused(ids)(*inputs), ref) else 1)
+            finally:
+                os._exit(2)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child did not finish in 60 s")
+        assert os.waitstatus_to_exitcode(status) == 0
     finally:
         torch.set_num_threads(threads)
 

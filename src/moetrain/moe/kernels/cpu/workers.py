@@ -21,7 +21,7 @@ they sleep (``GOMP_SPINCOUNT``), so a separate pool thread shared its core with 
 dense ops: forward + backward 15.9 -> 13.2 ms, the training step 168 -> 157 ms against the dense twin's 130 ms
 (``OMP_WAIT_POLICY=PASSIVE`` freed the cores too but slowed every other op: both steps lost 15-30%). Inside the
 region every PyTorch op runs single-threaded (ATen, MKL and oneDNN run nested work inline). ``MOETRAIN_OMP_TEAM=0``
-uses the thread pool instead.
+uses the thread pool instead, and so does a forked child (libgomp's threads do not survive a fork).
 """
 
 from __future__ import annotations
@@ -44,7 +44,11 @@ _lock = threading.Lock()
 
 
 def _forget_pools() -> None:
+    global _team, _team_known
     _pools.clear()  # a forked child has none of the parent's threads
+    # nor libgomp's: a parallel region in the child waits forever for them (plain PyTorch ops at 2 threads hang in a
+    # forked child too, once the parent has run one); the child's MoE workers are a thread pool of its own
+    _team, _team_known = None, True
 
 
 if hasattr(os, "register_at_fork"):
