@@ -6,10 +6,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from moetrain.cli import main
 from moetrain.commands.compare import is_override, parse_variant
+from moetrain.commands.compare_leads import lead_rows, leads_markdown, loss_at_seconds
 
 from conftest import sample_text
 
@@ -81,14 +83,27 @@ def test_two_variants_train_on_the_same_tokens_and_are_tabulated(tmp_path, corpu
     assert first_batch(0) == moe["first_batch_sha256"] != first_batch(1)
 
     md = (out / "compare.md").read_text()
-    table = [line for line in md.splitlines() if line.startswith("|")]
+    table = [line for line in md.split("Leads over")[0].splitlines() if line.startswith("|")]
     assert table[0] == ("| variant | seed | params (active) | val @ 3 | val @ 6 | steps | train s | final val loss | "
                         "median tokens/s |")
     assert [row.split(" | ")[0:2] for row in table[2:]] == [["| dense", "0"], ["| moe", "0"]]
     assert f"| {moe['final_val_loss']:.3f} |" in table[3]
     assert "CPU " in md and "avx512_bf16" in md and "load average" in md and "torch " in md
     assert "every variant trained on the same first batch" in md
-    assert printed.rstrip().endswith(table[-1])  # the table is printed last
+
+    # The MoE's leads over the dense twin (the first variant), recomputed here with numpy's interpolation.
+    [lead] = report["leads"]
+    assert (lead["variant"], lead["seed"], lead["baseline"], lead["same_wave"]) == ("moe", 0, "dense", True)
+    assert lead["tokens"] == 6 * 8 * 64
+    assert lead["lead_per_token"] == pytest.approx(dense["final_val_loss"] - moe["final_val_loss"], abs=1e-12)
+    t_star = min(dense["evals"][-1]["seconds"], moe["evals"][-1]["seconds"])
+    interp = {name: float(np.interp(t_star, [e["seconds"] for e in r["evals"]], [e["val_loss"] for e in r["evals"]]))
+              for name, r in runs.items()}
+    assert lead["seconds"] == t_star
+    assert lead["lead_same_seconds"] == pytest.approx(interp["dense"] - interp["moe"], abs=1e-12)
+    assert lead["speed_ratio"] == pytest.approx(moe["median_tokens_per_s"] / dense["median_tokens_per_s"])
+    assert "Leads over `dense`" in md and f"| moe | 0 | {6 * 8 * 64} | {lead['lead_per_token']:+.3f} |" in md
+    assert table[-1] in printed and printed.rstrip().endswith(md.rstrip().splitlines()[-1])  # tables last
 
     # An existing DIR is never replaced silently.
     capsys.readouterr()
@@ -164,3 +179,39 @@ def test_spec_parsing(tmp_path):
     assert len(long) > 255 and parse_variant(long).overrides == {"model": {"moe": {"router": {
         "routed_scaling_factor": 11.0}}}}
     assert not is_override(long) and is_override("train.lr=" + "1" * 300)
+
+
+def _evals(points):
+    return [{"step": i, "tokens": i * 100, "seconds": t, "val_loss": v} for i, (t, v) in enumerate(points)]
+
+
+def _summary(variant, seed, points, rate):
+    return {"variant": variant, "seed": seed, "evals": _evals(points), "median_tokens_per_s": rate}
+
+
+def test_leads_by_hand():
+    """Leads over the first variant against values derived by hand: per token at the most common tokens, at the
+    same seconds at the earlier run's end with the other run interpolated, and unmarked only within one wave."""
+    base = _summary("dense", 0, [(0.0, 9.0), (100.0, 5.0), (200.0, 4.8)], 1000.0)
+    slow = _summary("moe", 0, [(0.0, 9.0), (110.0, 4.9), (220.0, 4.6)], 900.0)
+    fast = _summary("fast", 0, [(0.0, 9.0), (50.0, 5.5), (150.0, 4.9)], 1500.0)
+    short = _summary("short", 0, [(0.0, 9.0)], None)  # failed before its first evaluation after training
+    rows = {r["variant"]: r for r in lead_rows([base, slow, fast, short], parallel=2)}
+    assert list(rows) == ["moe", "fast", "short"]
+    # moe: at 200 tokens 4.8 - 4.6; at t* = 200 s, moe = 4.9 + (4.6 - 4.9) * 90 / 110.
+    assert rows["moe"]["tokens"] == 200 and rows["moe"]["lead_per_token"] == pytest.approx(0.2)
+    assert rows["moe"]["seconds"] == 200.0
+    assert rows["moe"]["lead_same_seconds"] == pytest.approx(4.8 - (4.9 - 0.3 * 90 / 110))
+    assert rows["moe"]["speed_ratio"] == pytest.approx(0.9) and rows["moe"]["same_wave"]
+    # fast ends first: t* = 150 s, dense = 5.0 + (4.8 - 5.0) * 50 / 100 = 4.9; fast = 4.9; ran in wave 2.
+    assert rows["fast"]["lead_per_token"] == pytest.approx(4.8 - 4.9)
+    assert rows["fast"]["seconds"] == 150.0 and rows["fast"]["lead_same_seconds"] == pytest.approx(0.0)
+    assert not rows["fast"]["same_wave"]
+    assert rows["short"]["lead_per_token"] is None and rows["short"]["lead_same_seconds"] is None
+    assert rows["short"]["speed_ratio"] is None
+    md = leads_markdown(list(rows.values()))
+    assert "| moe | 0 | 200 | +0.200 | 200.0 | +0.145 | 0.90 |" in md
+    assert "| fast | 0 | 200 | -0.100 | 150.0 (another wave) | +0.000 | 1.50 |" in md
+    assert "| short | 0 | - | - | - | - | - |" in md
+    assert loss_at_seconds(base["evals"], 250.0) is None  # no extrapolation
+    assert lead_rows([base], parallel=1) == [] and leads_markdown([]) == ""

@@ -15,8 +15,9 @@ other, so that the runs compared share the machine alike.
 What DIR holds at the end: ``compare-command.json`` (the command line, written first), ``configs/`` and ``logs/``
 (each run's config and console output), ``runs/`` (the run directories), ``compare.json`` (every run: variant,
 seed, parameters, every evaluation with tokens seen and wall seconds, median tokens/s, the fingerprint of the
-first batch; see :func:`summarize_run`), ``compare.md`` (the machine, a table, whether the variants of each seed
-saw the same first batch) and ``loss_vs_tokens.png`` / ``loss_vs_seconds.png``.
+first batch; see :func:`summarize_run`; and each variant's leads over the first variant, per token and at the same
+seconds: moetrain/commands/compare_leads.py), ``compare.md`` (the machine, a table, whether the variants of each
+seed saw the same first batch, the leads) and ``loss_vs_tokens.png`` / ``loss_vs_seconds.png``.
 
 Errors: a bad variant, seed list or field is a :class:`~moetrain.errors.ConfigError` naming the variant and the
 field (one line, exit status 2, before anything is written); an existing non-empty DIR is refused unless
@@ -38,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from moetrain.commands.compare_leads import lead_rows, leads_markdown
 from moetrain.errors import ConfigError, MoetrainError
 
 MARKER = "compare-command.json"  # the command's settings, written first: what --overwrite may delete
@@ -449,6 +451,8 @@ def render_markdown(report: dict[str, Any]) -> str:
             text = ", ".join(f"{k} {v or 'none logged'}" for k, v in shas.items())
             lines.append(f"- seed {seed}: the first batches DIFFER ({text}): a variant changes the data, the "
                          "tokenizer (model.vocab_size) or the batch shape, or a run failed.")
+    if report.get("leads"):
+        lines += ["", leads_markdown(report["leads"])]
     return "\n".join(lines) + "\n"
 
 
@@ -623,6 +627,7 @@ def run(args: argparse.Namespace) -> int:
         "settings": settings,
         "variants": [{"name": v.name, "spec": v.spec} for v in variants],
         "runs": summaries, "same_first_batch": same_tokens(summaries),
+        "leads": lead_rows(summaries, parallel),
     }
     (out / "compare.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "compare.md").write_text(render_markdown(report))
@@ -631,6 +636,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {path}")
     print()
     print(markdown_table(summaries))
+    if report["leads"]:
+        print()
+        print(leads_markdown(report["leads"]))
     failed = [r for r in runs if r.exit_code != 0]
     if failed:
         print(f"moetrain: error: {len(failed)} of {len(runs)} runs failed: "

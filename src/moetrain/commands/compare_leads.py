@@ -1,0 +1,113 @@
+"""Leads of each variant of a ``moetrain compare`` over the first one, per token and at the same seconds.
+
+The first variant on the command line is the baseline (the dense twin in ``moetrain compare
+dense:model.moe_every=0 moe: ...``). For each seed and each other variant:
+
+- **per token**: ``baseline - variant`` validation loss (nats/token; positive = the variant is lower) at the most
+  tokens both runs were evaluated at;
+- **at the same seconds**: the same difference at ``t* = min(T_baseline, T_variant)``, each run's training-loop
+  seconds at its last evaluation, each loss read off its run's evaluations by linear interpolation in seconds
+  (the run that finished first is read at its last evaluation; the other between the two evaluations around
+  ``t*``). This is how docs/moe-vs-dense.md has compared per second since issue 19's first wave ("the MoE's loss
+  interpolated at the time its twin finished"), made symmetric so that a faster variant is read at its own end;
+- **speed**: the variant's median tokens/s over the baseline's.
+
+A lead at the same seconds means something only between runs that shared the machine alike: it is marked when the
+two runs did not run in the same wave (more variants than ``--parallel``). Runs without two evaluations (failed,
+or stopped before the first) get no lead.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def loss_at_seconds(evals: list[dict[str, Any]], seconds: float) -> float | None:
+    """Validation loss at ``seconds`` of training, linear between the evaluations around it.
+
+    Args:
+        evals: a run's ``evals`` of ``compare.json`` (``seconds`` ascending; the step-0 evaluation at 0 s).
+        seconds: when, in seconds of the training loop.
+    Returns:
+        nats/token, or ``None`` when ``seconds`` lies outside the evaluated span (no extrapolation).
+    """
+    points = [(e["seconds"], e["val_loss"]) for e in evals if e["seconds"] is not None and e["val_loss"] is not None]
+    for (t0, l0), (t1, l1) in zip(points, points[1:]):
+        if t0 <= seconds <= t1:
+            return l1 if t1 == t0 else l0 + (l1 - l0) * (seconds - t0) / (t1 - t0)
+    if points and points[-1][0] == seconds:  # a single evaluation
+        return points[-1][1]
+    return None
+
+
+def _loss_by_tokens(run: dict[str, Any]) -> dict[int, float]:
+    return {e["tokens"]: e["val_loss"] for e in run["evals"] if e["val_loss"] is not None}
+
+
+def _last_eval(evals: list[dict[str, Any]]) -> dict[str, Any] | None:
+    done = [e for e in evals if e["val_loss"] is not None and e["seconds"] is not None]
+    return done[-1] if len(done) > 1 else None  # the step-0 evaluation alone is no training
+
+
+def lead_rows(summaries: list[dict[str, Any]], parallel: int) -> list[dict[str, Any]]:
+    """One row per (seed, variant other than the first), in the order of ``summaries``.
+
+    Args:
+        summaries: ``compare.json``'s ``runs``, in the order they ran (seed-major, variants in command-line
+            order): run ``i`` ran in wave ``i // parallel``.
+        parallel: runs per wave.
+    Returns:
+        dicts with ``variant``, ``seed``, ``baseline``, ``tokens`` (where the per-token lead is read),
+        ``lead_per_token``, ``seconds`` (``t*``), ``lead_same_seconds``, ``speed_ratio`` and ``same_wave``;
+        ``None`` for what a run without evaluations cannot give.
+    """
+    if not summaries:
+        return []
+    baseline = summaries[0]["variant"]
+    wave = {id(s): i // parallel for i, s in enumerate(summaries)}
+    rows = []
+    for seed in dict.fromkeys(s["seed"] for s in summaries):
+        runs = [s for s in summaries if s["seed"] == seed]
+        base = next((s for s in runs if s["variant"] == baseline), None)
+        for s in runs:
+            if s is base or base is None:
+                continue
+            row: dict[str, Any] = {"variant": s["variant"], "seed": seed, "baseline": baseline, "tokens": None,
+                                   "lead_per_token": None, "seconds": None, "lead_same_seconds": None,
+                                   "speed_ratio": None, "same_wave": wave[id(s)] == wave[id(base)]}
+            base_by, var_by = _loss_by_tokens(base), _loss_by_tokens(s)
+            common = (base_by.keys() & var_by.keys()) - {0}
+            if common:
+                row["tokens"] = max(common)
+                row["lead_per_token"] = base_by[row["tokens"]] - var_by[row["tokens"]]
+            last_base, last_var = _last_eval(base["evals"]), _last_eval(s["evals"])
+            if last_base is not None and last_var is not None:
+                t = min(last_base["seconds"], last_var["seconds"])
+                lb, lv = loss_at_seconds(base["evals"], t), loss_at_seconds(s["evals"], t)
+                row["seconds"] = t
+                row["lead_same_seconds"] = None if lb is None or lv is None else lb - lv
+            if base["median_tokens_per_s"] and s["median_tokens_per_s"]:
+                row["speed_ratio"] = s["median_tokens_per_s"] / base["median_tokens_per_s"]
+            rows.append(row)
+    return rows
+
+
+def leads_markdown(rows: list[dict[str, Any]]) -> str:
+    """The rows as a markdown section for ``compare.md`` (empty when there is one variant)."""
+    if not rows:
+        return ""
+
+    def num(value: float | None, fmt: str) -> str:
+        return "-" if value is None else format(value, fmt)
+
+    lines = [f"Leads over `{rows[0]['baseline']}` (its loss minus the variant's: positive = the variant is lower; per "
+             "token at the most tokens both were evaluated at; at the same seconds at the earlier of the two runs' "
+             "last evaluations, the other run's loss interpolated between its evaluations):", "",
+             "| variant | seed | tokens | lead per token | at seconds | lead at the same seconds | tokens/s ratio |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        seconds = num(r["seconds"], ".1f") + ("" if r["same_wave"] or r["seconds"] is None else " (another wave)")
+        lines.append(f"| {r['variant']} | {r['seed']} | {'-' if r['tokens'] is None else r['tokens']} | "
+                     f"{num(r['lead_per_token'], '+.3f')} | {seconds} | {num(r['lead_same_seconds'], '+.3f')} | "
+                     f"{num(r['speed_ratio'], '.2f')} |")
+    return "\n".join(lines)
