@@ -622,12 +622,13 @@ def run(args: argparse.Namespace) -> int:
     after = _loadavg()
 
     summaries = [summarize_run(out, r) for r in runs]
-    report = {
+    leads = lead_rows(summaries, parallel)
+    report: dict[str, Any] = {
         "machine": machine, "loadavg_before": before, "loadavg_after": after,
         "settings": settings,
         "variants": [{"name": v.name, "spec": v.spec} for v in variants],
         "runs": summaries, "same_first_batch": same_tokens(summaries),
-        "leads": lead_rows(summaries, parallel),
+        "leads": leads,
     }
     (out / "compare.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "compare.md").write_text(render_markdown(report))
@@ -636,9 +637,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {path}")
     print()
     print(markdown_table(summaries))
-    if report["leads"]:
+    if leads:
         print()
-        print(leads_markdown(report["leads"]))
+        print(leads_markdown(leads))
     failed = [r for r in runs if r.exit_code != 0]
     if failed:
         print(f"moetrain: error: {len(failed)} of {len(runs)} runs failed: "
