@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from moetrain.cli import main
-from moetrain.commands.compare import is_override, parse_variant
+from moetrain.commands.compare import Run, is_override, parse_variant, plan_waves
 from moetrain.commands.compare_leads import lead_rows, leads_markdown, loss_at_seconds
 
 from conftest import sample_text
@@ -128,6 +128,29 @@ def test_seconds_budget_stops_the_run_after_a_final_evaluation(tmp_path, corpus,
     assert "| moe | 0 |" in (out / "compare.md").read_text()
 
 
+def test_a_failed_run_has_no_final_loss_and_no_lead(tmp_path, corpus, cache, capsys):
+    """A run that diverges at its first steps (every update non-finite, the trainer stops it) keeps its step-0
+    evaluation in compare.json, but no final loss, no training seconds and no lead; and a variant that evaluates
+    more often is named as one whose seconds hold other work."""
+    out = tmp_path / "cmp"
+    bad = "bad:train.lr=1e12,train.max_nonfinite_skips=1,train.eval_every=2"
+    assert _compare(out, corpus, cache, "moe:", bad, "--steps", "6") == 1
+    printed = capsys.readouterr().out
+    report = json.loads((out / "compare.json").read_text())
+    runs = {r["variant"]: r for r in report["runs"]}
+    assert runs["moe"]["exit_code"] == 0 and runs["bad"]["exit_code"] != 0
+    assert [e["step"] for e in runs["bad"]["evals"]] == [0] and runs["bad"]["final_val_loss"] is None
+    [lead] = report["leads"]
+    assert lead["variant"] == "bad" and lead["lead_per_token"] is None and lead["lead_same_seconds"] is None
+    assert lead["note"] == f"bad failed (exit {runs['bad']['exit_code']}): no lead"
+    md = (out / "compare.md").read_text()
+    row = next(line for line in md.splitlines() if line.startswith("| bad | 0 | "))
+    assert row.endswith(f"| {runs['bad']['steps']} (exit {runs['bad']['exit_code']}) | - | - | - |")
+    [note] = report["notes"]
+    assert note.startswith("Note: the variants differ in train.eval_every (moe 3, bad 2)") and note in md
+    assert note in printed
+
+
 @pytest.mark.parametrize("spec, message", [
     ("dense:model.moe_evry=0", "variant 'dense': model.moe_evry: unknown config key; did you mean 'model.moe_every'?"),
     ("dense:model.moe_every=-1", "variant 'dense': model.moe_every: must be >= 0, got -1"),
@@ -185,33 +208,73 @@ def _evals(points):
     return [{"step": i, "tokens": i * 100, "seconds": t, "val_loss": v} for i, (t, v) in enumerate(points)]
 
 
-def _summary(variant, seed, points, rate):
-    return {"variant": variant, "seed": seed, "evals": _evals(points), "median_tokens_per_s": rate}
+def _summary(variant, seed, points, rate, wave=0, exit_code=0):
+    return {"variant": variant, "seed": seed, "evals": _evals(points), "median_tokens_per_s": rate, "wave": wave,
+            "exit_code": exit_code}
 
 
 def test_leads_by_hand():
     """Leads over the first variant against values derived by hand: per token at the most common tokens, at the
-    same seconds at the earlier run's end with the other run interpolated, and unmarked only within one wave."""
+    same seconds at the earlier run's end with the other run interpolated, marked when the runs did not share a
+    wave, and none for a failed run."""
     base = _summary("dense", 0, [(0.0, 9.0), (100.0, 5.0), (200.0, 4.8)], 1000.0)
     slow = _summary("moe", 0, [(0.0, 9.0), (110.0, 4.9), (220.0, 4.6)], 900.0)
-    fast = _summary("fast", 0, [(0.0, 9.0), (50.0, 5.5), (150.0, 4.9)], 1500.0)
-    short = _summary("short", 0, [(0.0, 9.0)], None)  # failed before its first evaluation after training
-    rows = {r["variant"]: r for r in lead_rows([base, slow, fast, short], parallel=2)}
-    assert list(rows) == ["moe", "fast", "short"]
+    fast = _summary("fast", 0, [(0.0, 9.0), (50.0, 5.5), (150.0, 4.9)], 1500.0, wave=1)
+    short = _summary("short", 0, [(0.0, 9.0)], None)  # stopped before its first evaluation after training
+    dead = _summary("dead", 0, [(0.0, 9.0), (100.0, 4.0)], 1200.0, exit_code=-9)  # killed after one evaluation
+    rows = {r["variant"]: r for r in lead_rows([base, slow, fast, short, dead])}
+    assert list(rows) == ["moe", "fast", "short", "dead"]
     # moe: at 200 tokens 4.8 - 4.6; at t* = 200 s, moe = 4.9 + (4.6 - 4.9) * 90 / 110.
     assert rows["moe"]["tokens"] == 200 and rows["moe"]["lead_per_token"] == pytest.approx(0.2)
     assert rows["moe"]["seconds"] == 200.0
     assert rows["moe"]["lead_same_seconds"] == pytest.approx(4.8 - (4.9 - 0.3 * 90 / 110))
     assert rows["moe"]["speed_ratio"] == pytest.approx(0.9) and rows["moe"]["same_wave"]
-    # fast ends first: t* = 150 s, dense = 5.0 + (4.8 - 5.0) * 50 / 100 = 4.9; fast = 4.9; ran in wave 2.
+    assert rows["moe"]["note"] is None
+    # fast ends first: t* = 150 s, dense = 5.0 + (4.8 - 5.0) * 50 / 100 = 4.9; fast = 4.9; ran in another wave.
     assert rows["fast"]["lead_per_token"] == pytest.approx(4.8 - 4.9)
     assert rows["fast"]["seconds"] == 150.0 and rows["fast"]["lead_same_seconds"] == pytest.approx(0.0)
-    assert not rows["fast"]["same_wave"]
-    assert rows["short"]["lead_per_token"] is None and rows["short"]["lead_same_seconds"] is None
-    assert rows["short"]["speed_ratio"] is None
+    assert not rows["fast"]["same_wave"] and "another wave" in rows["fast"]["note"]
+    for name in ("short", "dead"):
+        assert rows[name]["lead_per_token"] is None and rows[name]["lead_same_seconds"] is None
+        assert rows[name]["speed_ratio"] is None
+    assert rows["dead"]["note"] == "dead failed (exit -9): no lead"
     md = leads_markdown(list(rows.values()))
-    assert "| moe | 0 | 200 | +0.200 | 200.0 | +0.145 | 0.90 |" in md
-    assert "| fast | 0 | 200 | -0.100 | 150.0 (another wave) | +0.000 | 1.50 |" in md
-    assert "| short | 0 | - | - | - | - | - |" in md
+    assert "| moe | 0 | 200 | +0.200 | 200.0 | +0.145 | 0.90 |  |" in md
+    assert "| fast | 0 | 200 | -0.100 | 150.0 | +0.000 | 1.50 | another wave: seconds and tokens/s not comparable |" in md
+    assert "| short | 0 | - | - | - | - | - |  |" in md
+    assert "| dead | 0 | - | - | - | - | - | dead failed (exit -9): no lead |" in md
     assert loss_at_seconds(base["evals"], 250.0) is None  # no extrapolation
-    assert lead_rows([base], parallel=1) == [] and leads_markdown([]) == ""
+    assert lead_rows([base]) == [] and leads_markdown([]) == ""
+    # A failed baseline: no lead for any variant of its seed; short runs keep their seconds' digits.
+    rows = lead_rows([_summary("dense", 1, [(0.0, 9.0), (0.02, 8.0)], 1.0, exit_code=1),
+                      _summary("moe", 1, [(0.0, 9.0), (0.027, 8.5)], 1.0)])
+    assert rows[0]["lead_per_token"] is None and rows[0]["note"] == "dense failed (exit 1): no lead"
+    rows = lead_rows([_summary("dense", 1, [(0.0, 9.0), (0.02, 8.0)], 1.0),
+                      _summary("moe", 1, [(0.0, 9.0), (0.027, 8.5)], 1.0)])
+    assert "| moe | 1 | 100 | -0.500 | 0.020 |" in leads_markdown(rows)
+
+
+def _runs(variants, seeds):
+    return [Run(v, seed, None, f"{v}-s{seed}") for seed in seeds for v in variants]
+
+
+@pytest.mark.parametrize("variants, seeds, parallel, expected", [
+    # V = 2: parallel 2 is one seed a wave; 4 is two seeds; 3 leaves a slot free rather than split seed 1.
+    ("ab", [0, 1], 2, [["a-s0", "b-s0"], ["a-s1", "b-s1"]]),
+    ("ab", [0, 1, 2], 4, [["a-s0", "b-s0", "a-s1", "b-s1"], ["a-s2", "b-s2"]]),
+    ("ab", [0, 1], 3, [["a-s0", "b-s0"], ["a-s1", "b-s1"]]),
+    # V = 3 with parallel 2 (the helper's case): never a wave mixing seed 0's x with seed 1's a.
+    ("abx", [0, 1], 2, [["a-s0", "b-s0"], ["x-s0"], ["a-s1", "b-s1"], ["x-s1"]]),
+    ("abx", [0], 1, [["a-s0"], ["b-s0"], ["x-s0"]]),
+    ("abx", [0, 1], 5, [["a-s0", "b-s0", "x-s0"], ["a-s1", "b-s1", "x-s1"]]),
+])
+def test_waves_keep_a_seeds_variants_together(variants, seeds, parallel, expected):
+    runs = _runs(list(variants), seeds)
+    waves = plan_waves(runs, parallel)
+    assert [[r.name for r in w] for w in waves] == expected
+    assert all(len(w) <= parallel for w in waves)
+    assert [r.wave for r in runs] == [n for r in runs for n, w in enumerate(waves) if r in w]
+    for seed in seeds:  # the first variant shares its wave with as many of its seed's variants as fit
+        seed_runs = [r for r in runs if r.seed == seed]
+        together = sum(r.wave == seed_runs[0].wave for r in seed_runs)
+        assert together == min(parallel, len(variants))

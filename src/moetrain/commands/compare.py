@@ -9,8 +9,8 @@ DIR/runs/NAME-sSEED``, whose config is resolved and validated here first, so a b
 command sets ``train.seed`` (``--seeds``), ``train.threads`` (``--threads-per-run``) and, when given,
 ``data.path`` (``--data``), ``train.steps`` (``--steps``) and ``train.time_budget_s`` (``--seconds``) over every
 variant's own value. The corpus is tokenized once here before any run starts (the runs then read the same token
-cache), and the runs start in waves of ``--parallel``, each wave holding the variants of one seed next to each
-other, so that the runs compared share the machine alike.
+cache), and the runs start in waves of at most ``--parallel`` (:func:`plan_waves`): a wave never mixes the seeds'
+shares of the variants, so that a seed's variants run next to each other and share the machine alike.
 
 What DIR holds at the end: ``compare-command.json`` (the command line, written first), ``configs/`` and ``logs/``
 (each run's config and console output), ``runs/`` (the run directories), ``compare.json`` (every run: variant,
@@ -213,6 +213,7 @@ class Run:
             layer's experts), counted on the meta device.
         exit_code: the child's exit status (``None`` until it ended).
         seconds: the child process's wall time (s), start-up and data loading included.
+        wave: the index of the wave it runs in (:func:`plan_waves`).
     """
 
     variant: str
@@ -223,6 +224,7 @@ class Run:
     params_active: int = 0
     exit_code: int | None = None
     seconds: float = 0.0
+    wave: int = 0
 
 
 def count_params(config: Any) -> tuple[int, int]:
@@ -258,13 +260,41 @@ def child_command(out: Path, run: Run) -> list[str]:
             "--out", str(out / "runs" / run.name), "--no-progress"]
 
 
+def plan_waves(runs: list[Run], parallel: int) -> list[list[Run]]:
+    """The waves ``runs`` (seed-major, the variants in command-line order) start in; sets each run's ``wave``.
+
+    With V variants: when ``parallel >= V``, a wave holds ``parallel // V`` whole seeds (every variant of a seed runs
+    beside the others; up to ``V - 1`` slots stay free); else each seed's variants are cut into waves of
+    ``parallel``, in order, so the first variant (the baseline of the leads) shares a wave with the next
+    ``parallel - 1`` only. Cutting the run list into blocks of ``parallel`` instead would put one seed's variants in
+    different waves as soon as ``parallel`` is not a multiple of V.
+    """
+    seeds: dict[int, list[Run]] = {}
+    for r in runs:
+        seeds.setdefault(r.seed, []).append(r)
+    groups = list(seeds.values())
+    width = max((len(g) for g in groups), default=1)
+    waves: list[list[Run]] = []
+    if parallel >= width:
+        per_wave = parallel // width
+        for i in range(0, len(groups), per_wave):
+            waves.append([r for g in groups[i:i + per_wave] for r in g])
+    else:
+        for g in groups:
+            waves += [g[i:i + parallel] for i in range(0, len(g), parallel)]
+    for n, wave in enumerate(waves):
+        for r in wave:
+            r.wave = n
+    return waves
+
+
 def run_waves(out: Path, runs: list[Run], parallel: int, threads: int) -> None:
-    """Run ``runs`` in order, ``parallel`` at a time: each wave starts together and ends before the next starts
-    (so the runs of a wave share the machine for their whole length). Sets each run's ``exit_code`` and
-    ``seconds``; console output goes to ``DIR/logs/NAME-sSEED.log``. On Ctrl-C the running children get SIGTERM
+    """Run ``runs`` in the waves of :func:`plan_waves`: each wave starts together and ends before the next starts
+    (so the runs of a wave share the machine for their whole length). Sets each run's ``exit_code``, ``seconds``
+    and ``wave``; console output goes to ``DIR/logs/NAME-sSEED.log``. On Ctrl-C the running children get SIGTERM
     (they stop with a checkpoint) and the interrupt is raised again."""
     env = _child_env(threads)
-    waves = [runs[i:i + parallel] for i in range(0, len(runs), parallel)]
+    waves = plan_waves(runs, parallel)
     for n, wave in enumerate(waves, 1):
         print(f"wave {n}/{len(waves)}: {', '.join(r.name for r in wave)}", flush=True)
         procs: list[tuple[Run, subprocess.Popen[bytes], float]] = []
@@ -303,9 +333,10 @@ def summarize_run(out: Path, run: Run) -> dict[str, Any]:
 
     Keys: ``variant``, ``seed``, ``run_dir``, ``log``, ``exit_code``, ``process_seconds`` (the child's wall time,
     s), ``params_total`` / ``params_active``, ``tokens_per_step`` (batch_size x grad_accum x seq_len, padding
-    included), ``steps`` (the last step logged), ``stopped_by`` (``steps``, ``time budget`` or ``incomplete``),
-    ``evals`` (every evaluation: ``step``, ``tokens`` seen, ``seconds`` of the training loop (``elapsed_s``, 0 at
-    step 0), ``val_loss`` in nats/token), ``final_val_loss``, ``median_tokens_per_s`` (over the logging
+    included), ``wave`` (:func:`plan_waves`), ``steps`` (the last step logged), ``stopped_by`` (``steps``,
+    ``time budget`` or ``incomplete``), ``evals`` (every evaluation: ``step``, ``tokens`` seen, ``seconds`` of the
+    training loop (``elapsed_s``: wall seconds, the evaluations and checkpoints before it included; 0 at step 0),
+    ``val_loss`` in nats/token), ``final_val_loss`` (of the last evaluation after step 0; ``None`` without one), ``median_tokens_per_s`` (over the logging
     intervals) and ``first_batch_sha256`` (the tokens of its first batch). A run that wrote no metrics has empty
     ``evals`` and ``None`` values.
     """
@@ -336,12 +367,13 @@ def summarize_run(out: Path, run: Run) -> dict[str, Any]:
     else:
         stopped_by = "incomplete"
     ordered = [evals[s] for s in sorted(evals)]
+    trained = [e for e in ordered if e["step"] > 0]  # a run that failed in its first steps has only step 0's
     return {
         "variant": run.variant, "seed": run.seed, "run_dir": str(run_dir), "log": str(out / "logs" / f"{run.name}.log"),
-        "exit_code": run.exit_code, "process_seconds": round(run.seconds, 2),
+        "exit_code": run.exit_code, "process_seconds": round(run.seconds, 2), "wave": run.wave,
         "params_total": run.params_total, "params_active": run.params_active, "tokens_per_step": tokens_per_step,
         "steps": steps, "stopped_by": stopped_by, "evals": ordered,
-        "final_val_loss": ordered[-1]["val_loss"] if ordered and steps > 0 else None,
+        "final_val_loss": trained[-1]["val_loss"] if trained else None,
         "median_tokens_per_s": statistics.median(rates) if rates else None, "first_batch_sha256": sha,
     }
 
@@ -397,7 +429,7 @@ def markdown_table(summaries: list[dict[str, Any]]) -> str:
         cells = [s["variant"], str(s["seed"]), f"{_millions(s['params_total'])} ({_millions(s['params_active'])})"]
         cells += [f"{by_step[c]['val_loss']:.3f}" if c in by_step and by_step[c]["val_loss"] is not None else "-"
                   for c in columns]
-        last = s["evals"][-1] if s["evals"] and s["steps"] > 0 else None
+        last = next((e for e in reversed(s["evals"]) if e["step"] > 0), None)
         seconds = last["seconds"] if last is not None else None
         steps = str(s["steps"]) if s["exit_code"] == 0 else f"{s['steps']} (exit {s['exit_code']})"
         cells += [steps, "-" if seconds is None else f"{seconds:.1f}",
@@ -405,6 +437,25 @@ def markdown_table(summaries: list[dict[str, Any]]) -> str:
                   "-" if s["median_tokens_per_s"] is None else f"{s['median_tokens_per_s']:.0f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+# Settings that add work to a run's clock (elapsed_s) outside its optimizer steps.
+CLOCK_FIELDS = ("eval_every", "eval_batches", "ckpt_every", "log_every")
+
+
+def seconds_notes(runs: list[Run]) -> list[str]:
+    """Warnings for ``compare.md`` when the variants differ in what their clocks hold besides training:
+    ``elapsed_s`` counts the evaluations, checkpoints and logging steps' statistics before each step, so a variant
+    that evaluates or saves more often is slower per second by that work alone."""
+    notes = []
+    for name in CLOCK_FIELDS:
+        values = {r.variant: getattr(r.config.train, name) for r in runs}
+        if len(set(values.values())) > 1:
+            text = ", ".join(f"{k} {v}" for k, v in values.items())
+            notes.append(f"Note: the variants differ in train.{name} ({text}): their seconds and tokens/s include "
+                         "different evaluation / checkpoint / logging work, so the leads at the same seconds and the "
+                         "tokens/s ratios are not of the training alone.")
+    return notes
 
 
 def same_tokens(summaries: list[dict[str, Any]]) -> dict[int, bool | None]:
@@ -440,7 +491,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         "", "Variants: " + "; ".join(f"`{v['name']}` = `{v['spec']}`" for v in report["variants"]) + ".", "",
         markdown_table(report["runs"]), "",
         "Val loss in nats/token on the same validation batches; `train s`: wall seconds of the training loop at the "
-        "last evaluation; tokens/s: the median over the logging intervals.", "",
+        "last evaluation after step 0 (its evaluations and checkpoints included); tokens/s: the median over the "
+        "logging intervals.", "",
     ]
     for seed, same in report["same_first_batch"].items():
         shas = {s["variant"]: s["first_batch_sha256"] for s in report["runs"] if s["seed"] == seed}
@@ -453,6 +505,8 @@ def render_markdown(report: dict[str, Any]) -> str:
                          "tokenizer (model.vocab_size) or the batch shape, or a run failed.")
     if report.get("leads"):
         lines += ["", leads_markdown(report["leads"])]
+    for note in report.get("notes", []):
+        lines += ["", note]
     return "\n".join(lines) + "\n"
 
 
@@ -622,12 +676,12 @@ def run(args: argparse.Namespace) -> int:
     after = _loadavg()
 
     summaries = [summarize_run(out, r) for r in runs]
-    leads = lead_rows(summaries, parallel)
+    leads = lead_rows(summaries)
     report: dict[str, Any] = {
         "machine": machine, "loadavg_before": before, "loadavg_after": after,
         "settings": settings,
         "variants": [{"name": v.name, "spec": v.spec} for v in variants],
-        "runs": summaries, "same_first_batch": same_tokens(summaries),
+        "runs": summaries, "same_first_batch": same_tokens(summaries), "notes": seconds_notes(runs),
         "leads": leads,
     }
     (out / "compare.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -640,6 +694,9 @@ def run(args: argparse.Namespace) -> int:
     if leads:
         print()
         print(leads_markdown(leads))
+    for note in report["notes"]:
+        print()
+        print(note)
     failed = [r for r in runs if r.exit_code != 0]
     if failed:
         print(f"moetrain: error: {len(failed)} of {len(runs)} runs failed: "

@@ -4,17 +4,18 @@ The first variant on the command line is the baseline (the dense twin in ``moetr
 dense:model.moe_every=0 moe: ...``). For each seed and each other variant:
 
 - **per token**: ``baseline - variant`` validation loss (nats/token; positive = the variant is lower) at the most
-  tokens both runs were evaluated at;
+  tokens both runs were evaluated at (the last evaluation of both when they ran the same steps);
 - **at the same seconds**: the same difference at ``t* = min(T_baseline, T_variant)``, each run's training-loop
-  seconds at its last evaluation, each loss read off its run's evaluations by linear interpolation in seconds
-  (the run that finished first is read at its last evaluation; the other between the two evaluations around
-  ``t*``). This is how docs/moe-vs-dense.md has compared per second since issue 19's first wave ("the MoE's loss
-  interpolated at the time its twin finished"), made symmetric so that a faster variant is read at its own end;
+  seconds (``elapsed_s``, its evaluations and checkpoints included) at its last evaluation, each loss read off its
+  run's evaluations by linear interpolation in seconds (the run that finished first is read at its last
+  evaluation; the other between the two evaluations around ``t*``). This is how docs/moe-vs-dense.md has compared
+  per second since issue 19's first wave ("the MoE's loss interpolated at the time its twin finished"), made
+  symmetric so that a faster variant is read at its own end;
 - **speed**: the variant's median tokens/s over the baseline's.
 
-A lead at the same seconds means something only between runs that shared the machine alike: it is marked when the
-two runs did not run in the same wave (more variants than ``--parallel``). Runs without two evaluations (failed,
-or stopped before the first) get no lead.
+The seconds and the speed mean something only between runs that shared the machine alike: a row says so
+(``another wave``) when the two runs did not run in the same wave. A run that failed (non-zero exit status) gets no
+lead, whatever it logged before it stopped, and neither does a run without an evaluation after step 0.
 """
 
 from __future__ import annotations
@@ -45,26 +46,29 @@ def _loss_by_tokens(run: dict[str, Any]) -> dict[int, float]:
 
 
 def _last_eval(evals: list[dict[str, Any]]) -> dict[str, Any] | None:
-    done = [e for e in evals if e["val_loss"] is not None and e["seconds"] is not None]
-    return done[-1] if len(done) > 1 else None  # the step-0 evaluation alone is no training
+    done = [e for e in evals if e["val_loss"] is not None and e["seconds"] is not None and e["step"] > 0]
+    return done[-1] if done else None  # the step-0 evaluation alone is no training
 
 
-def lead_rows(summaries: list[dict[str, Any]], parallel: int) -> list[dict[str, Any]]:
+def _failed(run: dict[str, Any]) -> str | None:
+    code = run.get("exit_code", 0)
+    return None if code == 0 else f"{run['variant']} failed (exit {code}): no lead"
+
+
+def lead_rows(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per (seed, variant other than the first), in the order of ``summaries``.
 
     Args:
-        summaries: ``compare.json``'s ``runs``, in the order they ran (seed-major, variants in command-line
-            order): run ``i`` ran in wave ``i // parallel``.
-        parallel: runs per wave.
+        summaries: ``compare.json``'s ``runs`` (seed-major, variants in command-line order), each with its
+            ``wave`` (``moetrain.commands.compare.plan_waves``) and ``exit_code``.
     Returns:
         dicts with ``variant``, ``seed``, ``baseline``, ``tokens`` (where the per-token lead is read),
-        ``lead_per_token``, ``seconds`` (``t*``), ``lead_same_seconds``, ``speed_ratio`` and ``same_wave``;
-        ``None`` for what a run without evaluations cannot give.
+        ``lead_per_token``, ``seconds`` (``t*``), ``lead_same_seconds``, ``speed_ratio``, ``same_wave`` and
+        ``note`` (why a lead is missing or not comparable, or ``None``); ``None`` for what the runs cannot give.
     """
     if not summaries:
         return []
     baseline = summaries[0]["variant"]
-    wave = {id(s): i // parallel for i, s in enumerate(summaries)}
     rows = []
     for seed in dict.fromkeys(s["seed"] for s in summaries):
         runs = [s for s in summaries if s["seed"] == seed]
@@ -72,9 +76,16 @@ def lead_rows(summaries: list[dict[str, Any]], parallel: int) -> list[dict[str, 
         for s in runs:
             if s is base or base is None:
                 continue
+            same_wave = s["wave"] == base["wave"]
             row: dict[str, Any] = {"variant": s["variant"], "seed": seed, "baseline": baseline, "tokens": None,
                                    "lead_per_token": None, "seconds": None, "lead_same_seconds": None,
-                                   "speed_ratio": None, "same_wave": wave[id(s)] == wave[id(base)]}
+                                   "speed_ratio": None, "same_wave": same_wave,
+                                   "note": None if same_wave else "another wave: seconds and tokens/s not comparable"}
+            failed = _failed(base) or _failed(s)
+            if failed:
+                row["note"] = failed
+                rows.append(row)
+                continue
             base_by, var_by = _loss_by_tokens(base), _loss_by_tokens(s)
             common = (base_by.keys() & var_by.keys()) - {0}
             if common:
@@ -92,6 +103,10 @@ def lead_rows(summaries: list[dict[str, Any]], parallel: int) -> list[dict[str, 
     return rows
 
 
+def _seconds(value: float) -> str:
+    return f"{value:.1f}" if value >= 1 else f"{value:.3f}"
+
+
 def leads_markdown(rows: list[dict[str, Any]]) -> str:
     """The rows as a markdown section for ``compare.md`` (empty when there is one variant)."""
     if not rows:
@@ -100,14 +115,18 @@ def leads_markdown(rows: list[dict[str, Any]]) -> str:
     def num(value: float | None, fmt: str) -> str:
         return "-" if value is None else format(value, fmt)
 
-    lines = [f"Leads over `{rows[0]['baseline']}` (its loss minus the variant's: positive = the variant is lower; per "
-             "token at the most tokens both were evaluated at; at the same seconds at the earlier of the two runs' "
-             "last evaluations, the other run's loss interpolated between its evaluations):", "",
-             "| variant | seed | tokens | lead per token | at seconds | lead at the same seconds | tokens/s ratio |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [f"Leads over `{rows[0]['baseline']}`: its validation loss minus the variant's (positive: the variant "
+             "is lower).", "",
+             "- per token: at the most tokens both runs were evaluated at;",
+             "- at the same seconds: at the earlier of the two runs' last evaluations (training-loop seconds, "
+             "evaluations and checkpoints included), the other run's loss interpolated between its evaluations;",
+             "- tokens/s ratio: the variant's median tokens/s over the baseline's.", "",
+             "| variant | seed | tokens | lead per token | at seconds | lead at the same seconds | tokens/s ratio | "
+             "note |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        seconds = num(r["seconds"], ".1f") + ("" if r["same_wave"] or r["seconds"] is None else " (another wave)")
+        seconds = "-" if r["seconds"] is None else _seconds(r["seconds"])
         lines.append(f"| {r['variant']} | {r['seed']} | {'-' if r['tokens'] is None else r['tokens']} | "
                      f"{num(r['lead_per_token'], '+.3f')} | {seconds} | {num(r['lead_same_seconds'], '+.3f')} | "
-                     f"{num(r['speed_ratio'], '.2f')} |")
+                     f"{num(r['speed_ratio'], '.2f')} | {r['note'] or ''} |")
     return "\n".join(lines)
