@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from moetrain.commands.compare_leads import lead_rows, leads_markdown
+from moetrain.commands.compare_leads import last_trained_eval, lead_rows, leads_markdown
 from moetrain.errors import ConfigError, MoetrainError
 
 MARKER = "compare-command.json"  # the command's settings, written first: what --overwrite may delete
@@ -336,9 +336,9 @@ def summarize_run(out: Path, run: Run) -> dict[str, Any]:
     included), ``wave`` (:func:`plan_waves`), ``steps`` (the last step logged), ``stopped_by`` (``steps``,
     ``time budget`` or ``incomplete``), ``evals`` (every evaluation: ``step``, ``tokens`` seen, ``seconds`` of the
     training loop (``elapsed_s``: wall seconds, the evaluations and checkpoints before it included; 0 at step 0),
-    ``val_loss`` in nats/token), ``final_val_loss`` (of the last evaluation after step 0; ``None`` without one), ``median_tokens_per_s`` (over the logging
-    intervals) and ``first_batch_sha256`` (the tokens of its first batch). A run that wrote no metrics has empty
-    ``evals`` and ``None`` values.
+    ``val_loss`` in nats/token), ``final_val_loss`` (of the last evaluation after step 0; ``None`` without one),
+    ``median_tokens_per_s`` (over the logging intervals) and ``first_batch_sha256`` (the tokens of its first
+    batch). A run that wrote no metrics has empty ``evals`` and ``None`` values.
     """
     from moetrain.report.runlog import load_run_log
 
@@ -367,13 +367,13 @@ def summarize_run(out: Path, run: Run) -> dict[str, Any]:
     else:
         stopped_by = "incomplete"
     ordered = [evals[s] for s in sorted(evals)]
-    trained = [e for e in ordered if e["step"] > 0]  # a run that failed in its first steps has only step 0's
+    last = last_trained_eval(ordered)  # a run that failed in its first steps has only step 0's
     return {
         "variant": run.variant, "seed": run.seed, "run_dir": str(run_dir), "log": str(out / "logs" / f"{run.name}.log"),
         "exit_code": run.exit_code, "process_seconds": round(run.seconds, 2), "wave": run.wave,
         "params_total": run.params_total, "params_active": run.params_active, "tokens_per_step": tokens_per_step,
         "steps": steps, "stopped_by": stopped_by, "evals": ordered,
-        "final_val_loss": trained[-1]["val_loss"] if trained else None,
+        "final_val_loss": None if last is None else last["val_loss"],
         "median_tokens_per_s": statistics.median(rates) if rates else None, "first_batch_sha256": sha,
     }
 
@@ -429,7 +429,7 @@ def markdown_table(summaries: list[dict[str, Any]]) -> str:
         cells = [s["variant"], str(s["seed"]), f"{_millions(s['params_total'])} ({_millions(s['params_active'])})"]
         cells += [f"{by_step[c]['val_loss']:.3f}" if c in by_step and by_step[c]["val_loss"] is not None else "-"
                   for c in columns]
-        last = next((e for e in reversed(s["evals"]) if e["step"] > 0), None)
+        last = last_trained_eval(s["evals"])
         seconds = last["seconds"] if last is not None else None
         steps = str(s["steps"]) if s["exit_code"] == 0 else f"{s['steps']} (exit {s['exit_code']})"
         cells += [steps, "-" if seconds is None else f"{seconds:.1f}",

@@ -45,13 +45,14 @@ def _loss_by_tokens(run: dict[str, Any]) -> dict[int, float]:
     return {e["tokens"]: e["val_loss"] for e in run["evals"] if e["val_loss"] is not None}
 
 
-def _last_eval(evals: list[dict[str, Any]]) -> dict[str, Any] | None:
-    done = [e for e in evals if e["val_loss"] is not None and e["seconds"] is not None and e["step"] > 0]
-    return done[-1] if done else None  # the step-0 evaluation alone is no training
+def last_trained_eval(evals: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The last evaluation after step 0 of a run's ``evals`` (the step-0 evaluation alone is no training), or
+    ``None``: what a run's final loss and training seconds are read from."""
+    return next((e for e in reversed(evals) if e["step"] > 0 and e["val_loss"] is not None), None)
 
 
 def _failed(run: dict[str, Any]) -> str | None:
-    code = run.get("exit_code", 0)
+    code = run["exit_code"]
     return None if code == 0 else f"{run['variant']} failed (exit {code}): no lead"
 
 
@@ -91,8 +92,9 @@ def lead_rows(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
             if common:
                 row["tokens"] = max(common)
                 row["lead_per_token"] = base_by[row["tokens"]] - var_by[row["tokens"]]
-            last_base, last_var = _last_eval(base["evals"]), _last_eval(s["evals"])
-            if last_base is not None and last_var is not None:
+            last_base, last_var = last_trained_eval(base["evals"]), last_trained_eval(s["evals"])
+            if last_base is not None and last_var is not None and None not in (last_base["seconds"],
+                                                                                 last_var["seconds"]):
                 t = min(last_base["seconds"], last_var["seconds"])
                 lb, lv = loss_at_seconds(base["evals"], t), loss_at_seconds(s["evals"], t)
                 row["seconds"] = t
