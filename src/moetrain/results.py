@@ -25,7 +25,8 @@ OPTIONAL = ("figures", "table", "section", "gpu", "torch", "notes", "source")
 DEFAULT_SECTION = "Other"
 # Sections in the order the page shows them; a section not listed comes after these, alphabetically.
 SECTION_ORDER = ("MoE against its dense twin", "Training speed", "MoE layer speed", "CPU kernels", "Data",
-                 "Serving", "Memory", "Scale-out", "How the recipe was chosen")
+                 "BTA", "Checkpoints", "Serving", "Memory", "Scale-out",
+                 "How the recipe was chosen")
 PAGE_HEADER = """# Measured results
 
 Every figure the documentation quotes, one measurement per entry, each with the day, the machine, the commit and the
