@@ -196,3 +196,16 @@ def test_write_record_fills_in_the_machine_and_never_overwrites(tmp_path):
     assert path.name == f"{written['date']}-bench.json" and written["cpu"] and written["commit"]
     with pytest.raises(FileExistsError):
         results.write_record(record, tmp_path, slug="bench")
+
+
+HISTORY_TAG = re.compile(r"\b(wave|issue) [0-9]|\b[0-9a-f]{7} ?\)", re.I)
+
+
+@pytest.mark.parametrize("page", ["README.md"] + sorted(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md")
+                                                      if p.name != "results.md"))
+def test_docs_describe_the_product_without_history_tags(page):
+    """History (development rounds, issue numbers, commits) lives in CHANGELOG.md, git log and the results records
+    (results.md shows each record's commit by design); the README and the documentation describe the product."""
+    lines = (ROOT / page).read_text().splitlines()
+    tagged = [f"{page}:{i}: {line.strip()[:100]}" for i, line in enumerate(lines, 1) if HISTORY_TAG.search(line)]
+    assert not tagged, "history tags in the docs:\n" + "\n".join(tagged)
