@@ -29,8 +29,8 @@ SECTION_ORDER = ("MoE against its dense twin", "Training speed", "MoE layer spee
                  "How the recipe was chosen")
 PAGE_HEADER = """# Measured results
 
-Every figure the documentation quotes, one measurement per entry, each with the day, the machine, the commit and the
-command that produced it. This page is generated from the JSON records in the repository's `results/` folder by
+The measurements behind the documentation's figures, one per entry, each with the day, the machine, the commit and
+the command that produced it. This page is generated from the JSON records in the repository's `results/` folder by
 `python -m moetrain.results` (the record format: `results/README.md`); do not edit it by hand. Figures from
 different machines or days are not comparable with each other: compare only figures within one entry.
 """
