@@ -1,7 +1,8 @@
-"""Corpus -> byte-level BPE tokenizer -> cached token memmaps -> windows, resumable batches, eval batches.
+"""Corpus -> tokenizer -> cached token memmaps -> windows, resumable batches, eval batches.
 
-One concept per module: :mod:`.corpus` (files, documents, split), :mod:`.tokenizer`, :mod:`.dataset` (cache,
-windows, sampling), :mod:`.config` (:class:`DataConfig`).
+One concept per module: :mod:`.formats` (reading each corpus format as a stream of documents), :mod:`.corpus`
+(files, documents, split), :mod:`.tokenizer`, :mod:`.prepare` (streaming a corpus into a cache entry),
+:mod:`.dataset` (cache, windows, sampling), :mod:`.config` (:class:`DataConfig`).
 """
 
 from moetrain.data.config import DataConfig
@@ -10,6 +11,7 @@ from moetrain.data.corpus import (
                                   ReadStats,
                                   default_corpus_files,
                                   discover_files,
+                                  iter_documents,
                                   read_documents,
                                   split_documents,
 )
@@ -24,6 +26,6 @@ from moetrain.data.tokenizer import EOS_TOKEN, load_tokenizer, train_tokenizer
 
 __all__ = [
     "EOS_TOKEN", "BatchSampler", "DataConfig", "Document", "PreparedData", "ReadStats", "TokenWindows",
-    "default_corpus_files", "discover_files", "eval_batches", "load_tokenizer", "prepare_data", "read_documents",
+    "default_corpus_files", "discover_files", "iter_documents", "eval_batches", "load_tokenizer", "prepare_data", "read_documents",
     "split_documents", "train_tokenizer",
 ]
