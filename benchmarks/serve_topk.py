@@ -25,9 +25,9 @@ import torch.nn.functional as F
 
 
 def main() -> int:
+    from moetrain.model.attention import KVCache
     from moetrain.serve.engine import Engine, GenRequest
     from moetrain.serve.forward import StepBatch, StepRunner
-    from moetrain.serve.kv_cache import SlotKVCache
     from moetrain.serve.loader import load_served_model
     from moetrain.serve.moe import StepPolicies
     from moetrain.serve.routing import RoutingPolicy
@@ -61,7 +61,7 @@ def main() -> int:
     decode_tps(sm, policies[1], Engine, GenRequest)  # warm-up (thread pools, allocator): not measured
     rows = []
     for policy in policies:
-        runner = StepRunner(sm.model, SlotKVCache(1, cfg.n_layers, cfg.n_kv_heads, cfg.max_seq_len, cfg.head_size))
+        runner = StepRunner(sm.model, KVCache(cfg.n_layers, 1, cfg.max_seq_len))
         nll, n, active = 0.0, 0, 0
         for chunk in chunks:
             batch = StepBatch.build([(0, 0, chunk)])

@@ -266,8 +266,8 @@ def test_exported_hf_directory_serves_what_the_run_serves(served, server, tmp_pa
     through the engine's step runner) and over HTTP the same completions, greedy and seeded sampled ones (a
     40-step tiny run's greedy text is mostly one repeated token; the sampled ones draw from the whole
     distribution, so they differ wherever the logits differ by more than rounding)."""
+    from moetrain.model.attention import KVCache
     from moetrain.serve.forward import StepBatch, StepRunner
-    from moetrain.serve.kv_cache import SlotKVCache
     from moetrain.serve.moe import StepPolicies
     from moetrain.serve.routing import RoutingPolicy
 
@@ -279,8 +279,7 @@ def test_exported_hf_directory_serves_what_the_run_serves(served, server, tmp_pa
 
     def step_logits(model_served):
         cfg = model_served.model.config
-        runner = StepRunner(model_served.model, SlotKVCache(len(PROMPTS), cfg.n_layers, cfg.n_kv_heads,
-                                                            cfg.max_seq_len, cfg.head_size))
+        runner = StepRunner(model_served.model, KVCache(cfg.n_layers, len(PROMPTS), cfg.max_seq_len))
         seqs = [(i, 0, model_served.tokenizer.encode(p).ids) for i, p in enumerate(PROMPTS)]
         out = []
         for _ in range(5):

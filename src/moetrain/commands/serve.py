@@ -119,12 +119,11 @@ def build_app(args, mesh=None):
         except ValueError as e:
             raise _flag_error(e) from None
     if mesh is not None:
-        from moetrain.serve.expert_parallel import (HEARTBEAT_S, BroadcastRunner, ep_experts_fn, parallel_config,
-                                                    shard_for_serving)
+        from moetrain.serve.expert_parallel import HEARTBEAT_S, BroadcastRunner, parallel_config, shard_for_serving
 
-        tables = shard_for_serving(served.model, mesh, read_placement(args, served, mesh.ep))
+        shard_for_serving(served.model, mesh, read_placement(args, served, mesh.ep))  # the EP dispatchers
         engine = Engine(served, num_slots=args.slots, max_queue=args.max_queue, policy=policy,
-                        int8_router=args.int8_router, experts_fn=ep_experts_fn(mesh, tables))
+                        int8_router=args.int8_router)
         if mesh.rank != 0:
             return None, engine
         engine.runner = engine.peers = BroadcastRunner(engine.runner, mesh)

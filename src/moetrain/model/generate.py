@@ -42,7 +42,7 @@ def generate(
             f"model.max_seq_len={model.config.max_seq_len}"
         )
     model.eval()
-    cache = KVCache(model.config.n_layers)
+    cache = KVCache(model.config.n_layers, input_ids.shape[0], input_ids.shape[1] + max_new_tokens)
     out = input_ids
     logits = model(input_ids, kv_cache=cache).logits[:, -1].float()  # [B, V]
     done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from moetrain.serve.forward import StepBatch, StepRunner
-from moetrain.serve.kv_cache import SlotKVCache
+from moetrain.model.attention import KVCache
 from moetrain.serve.metrics import ServeMetrics
 from moetrain.serve.moe import StepPolicies
 from moetrain.serve.routing import RoutingPolicy
@@ -93,7 +93,6 @@ class Engine:
     def __init__(self, served, num_slots: int = 16, max_queue: int = 64, policy: RoutingPolicy | None = None,
                  metrics: ServeMetrics | None = None, int8_router: bool = False, experts_fn=None,
                  max_prefill_tokens: int = 2048, expert_store=None, int8_experts: bool = False):
-        from moetrain.serve.moe import experts_forward
         from moetrain.serve.routing import Int8Router
 
         self.served, self.model = served, served.model
@@ -102,7 +101,7 @@ class Engine:
         self.num_slots, self.max_queue, self.max_prefill_tokens = num_slots, max_queue, max_prefill_tokens
         self.policy = policy or RoutingPolicy()
         self.metrics = metrics or ServeMetrics()
-        self.cache = SlotKVCache(num_slots, cfg.n_layers, cfg.n_kv_heads, cfg.max_seq_len, cfg.head_size)
+        self.cache = KVCache(cfg.n_layers, num_slots, cfg.max_seq_len)
         self.moe_blocks = [i for i, b in enumerate(self.model.blocks) if b.is_moe]
         routers = {i: Int8Router(self.model.blocks[i].ffn.router.weight) for i in self.moe_blocks} if int8_router \
             else {}
@@ -117,7 +116,7 @@ class Engine:
 
             self.int8_experts = Int8Experts(self.model)
             experts_fn = self.int8_experts.experts_forward
-        self.runner = StepRunner(self.model, self.cache, routers, experts_fn or experts_forward)
+        self.runner = StepRunner(self.model, self.cache, routers, experts_fn)
         self._pageins = 0
         self.waiting: collections.deque[GenRequest] = collections.deque()
         self.running: list[GenRequest] = []
