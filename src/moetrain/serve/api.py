@@ -561,7 +561,15 @@ class Api:
             offsets.append(offset)
             offset += len(t)
         return {"tokens": tokens, "token_logprobs": [x.logprob for x in lps],
-                "top_logprobs": [{self._token(a): b for a, b in x.top} for x in lps], "text_offset": offsets}
+                "top_logprobs": [self._alternatives(x.top) for x in lps], "text_offset": offsets}
+
+    def _alternatives(self, top) -> dict[str, float]:
+        """OpenAI's completions format keys alternatives by token text: where ids decode alike (pieces of one
+        UTF-8 character), the most likely keeps the key."""
+        out: dict[str, float] = {}
+        for token_id, lp in top:
+            out.setdefault(self._token(token_id), lp)
+        return out
 
     def _chat_logprobs(self, lps) -> dict:
         def entry(token_id: int, lp: float) -> dict:
