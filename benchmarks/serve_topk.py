@@ -118,11 +118,13 @@ def plot(rows, burst, path: str) -> None:
 
 
 def decode_tps(sm, policy, Engine, GenRequest, n: int = 16, tokens: int = 32) -> float:
+    from moetrain.model.sampling import SamplingParams
+
     engine = Engine(sm, num_slots=n, policy=policy)
     engine.start()
     done = threading.Semaphore(0)
     reqs = [GenRequest(sm.tokenizer.encode(f"ROMEO {i}:").ids, tokens, lambda ev: ev.finish_reason and done.release(),
-                       0.8, 1.0, i) for i in range(n)]
+                       SamplingParams(0.8, 1.0), i) for i in range(n)]
     t0 = time.perf_counter()
     for r in reqs:
         engine.submit(r)

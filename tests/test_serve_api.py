@@ -142,7 +142,7 @@ BAD = [
     ({"prompt": "x", "stream": "yes"}, "stream"),
     ({"prompt": "x", "stop": [1, 2]}, "stop"),
     ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
-    ({"prompt": "x", "n": 2}, "n"),
+    ({"prompt": "x", "n": 0}, "n"),
     ({"prompt": "x", "routing": {"policy": "magic"}}, "routing.policy"),
     ({"prompt": "x", "routing": {"policy": "fixed", "k": 99}}, "routing.k"),
     ({"prompt": "x", "routing": {"policy": "threshold", "p": 1.5}}, "routing.p"),
@@ -386,7 +386,7 @@ def test_a_request_load_policy_uses_the_servers_queue_depths(served):
 def test_batched_sampling_draws_what_each_row_draws_alone():
     """sample_rows (one softmax / sort / cumsum per (temperature, top_p) group) gives each row the token that
     generate()'s own lines give it as a batch of one with the same generator state."""
-    from moetrain.serve.sampling import sample_rows
+    from moetrain.model.sampling import SamplingParams, sample_rows
 
     torch.manual_seed(0)
     logits = torch.randn(24, 512) * 3
@@ -404,7 +404,7 @@ def test_batched_sampling_draws_what_each_row_draws_alone():
     for draw in range(3):  # the generators advance alike in both
         gens_a = [torch.Generator().manual_seed(100 * draw + i) for i in range(24)]
         gens_b = [torch.Generator().manual_seed(100 * draw + i) for i in range(24)]
-        got = sample_rows(logits, temps, tops, gens_a)
+        got = sample_rows(logits, [SamplingParams(t, p) for t, p in zip(temps, tops)], gens_a)
         want = [alone(logits[i], temps[i], tops[i], gens_b[i]) for i in range(24)]
         assert got == want
         assert len(set(got)) > 12  # real draws, not one token
