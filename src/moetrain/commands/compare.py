@@ -631,7 +631,6 @@ def run(args: argparse.Namespace) -> int:
     from moetrain.config import upgrade
 
     shared = upgrade(parse_overrides(shared_items))
-    parallel = args.parallel or default_parallel(args.threads_per_run)
 
     runs: list[Run] = []
     notes: list[str] = []
@@ -642,6 +641,12 @@ def run(args: argparse.Namespace) -> int:
             if seed == seeds[0]:
                 notes += _notes(v, shared, forced)
             runs.append(Run(v.name, seed, config, f"{v.name}-s{seed}"))
+    from moetrain.commands.train import check_data_path
+
+    for path in dict.fromkeys(r.config.data.path for r in runs):
+        check_data_path(path)
+    # torch (runtime.threads) only after the configs and data paths passed: a mistyped field answers at once
+    parallel = args.parallel or default_parallel(args.threads_per_run)
     out = Path(args.out)
     _check_out(out, args.overwrite)
     from moetrain.report.figures import _pyplot

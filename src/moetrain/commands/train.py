@@ -104,10 +104,27 @@ def _resumed_config(run_dir: Path, args, file_data: dict | None, overrides: dict
     return config, resume_changes(saved, config)
 
 
+def check_data_path(path: str | None) -> None:
+    """Refuse a ``data.path`` naming nothing before torch is imported (a missing file answers at once); the full
+    discovery (and its error for a glob matching no files) is :func:`moetrain.data.corpus.discover_files`'s.
+
+    Raises:
+        DataError: the path does not exist (or is a broken link, or a glob matches no files).
+    """
+    if path is None:
+        return
+    target = Path(path).expanduser()
+    if not (target.is_file() or target.is_dir()):
+        from moetrain.data.corpus import discover_files
+
+        discover_files(path)
+
+
 def run(args) -> int:
+    # Everything up to the config and data checks stays clear of torch (an import of seconds), so a mistyped field or
+    # a missing --data file answers at once; tests/test_cli_fast_errors.py holds it.
     from moetrain.config import build_config, check_router_trainable, upgrade
     from moetrain.presets import SHAPE_ONLY
-    from moetrain.train.trainer import CONFIG_FILE
 
     if args.stop_at_step is not None and args.stop_at_step < 1:
         raise MoetrainError(f"--stop-at-step: must be >= 1, got {args.stop_at_step}")
@@ -124,6 +141,8 @@ def run(args) -> int:
 
         for flag, given in (("--resume", args.resume), ("--init-from", args.init_from), ("--dry-run", args.dry_run)):
             if given:
+                from moetrain.train.trainer import CONFIG_FILE
+
                 raise MoetrainError(f"--list-fields lists a preset's fields and does not combine with {flag} (a run's "
                                     f"own fields are in its {CONFIG_FILE}; --dry-run checks a config)")
         config = build_config(args.preset, file_data, overrides)
@@ -143,6 +162,8 @@ def run(args) -> int:
     resume, notes, changes = args.resume, [], []
     init_notes: list[str] = []  # said after the run directory's own notes
     if resume:
+        from moetrain.train.trainer import CONFIG_FILE
+
         if not args.out:
             raise MoetrainError("--resume needs --out RUN_DIR (the run to continue)")
         run_dir = Path(args.out)
@@ -165,7 +186,18 @@ def run(args) -> int:
         else:
             config, init_notes = init.config(args.preset, file_data, overrides)
         check_router_trainable(config)
+        check_data_path(config.data.path)
+    from moetrain.train.trainer import CONFIG_FILE  # torch from here on
+
     world = args.world_size if args.world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    if not resume and world >= 1:  # a resumed run keeps its config.json's micro-batches
+        from moetrain.parallel import microbatches
+        from moetrain.presets import PRESETS
+
+        if not microbatches.given(PRESETS.get(config.preset), file_data, overrides):
+            config, chosen = microbatches.choose(config, world)
+            if chosen:
+                notes.append(f"note: {chosen}")
     if args.dry_run:  # of the config this command would train, the resumed run's included; nothing is written
         from moetrain.parallel.dry_run import dry_run
         from moetrain.train.resume_config import describe
@@ -176,6 +208,8 @@ def run(args) -> int:
             print(f"resuming would change the config: {describe(changes)}")
         if resume:
             _check_steps_cover_checkpoint(config, Path(args.out))
+        for note in notes:
+            print(note)
         for line in dry_run(config, world).lines:
             print(line)
         what = f"the resumed run {args.out}'s config" if resume else "the config"

@@ -141,8 +141,7 @@ class ShardedHooks(ParallelHooks):
         self.grad_accum, self.micro_shape = grad_accum, micro_shape
         self.runner: PipelineRunner | None = None
 
-    def build_model(self, config: ModelConfig, device: torch.device, seed: int = 0, meta_init: bool = False
-                    ) -> nn.Module:
+    def build_model(self, config: ModelConfig, device: torch.device, seed: int = 0) -> nn.Module:
         """The whole model on the meta device (no memory): :meth:`prepare_model` materialises this rank's
         shards only."""
         return build_meta(config)
