@@ -57,7 +57,7 @@ def add_parser(sub: Any) -> None:
                        "loss-vs-tokens / loss-vs-seconds plots")
     p.add_argument("variants", nargs="*", metavar="VARIANT",
                    help="a config file (.toml / .json) or NAME:FIELD=VALUE,FIELD=VALUE (NAME: alone = the preset); "
-                   "e.g. dense:model.moe_every=0,model.ffn_hidden=1024 moe:")
+                   "e.g. dense:model.moe_every=0 moe: (the preset's dense twin: its FFN is as wide as the active experts)")
     p.add_argument("--out", required=True, help="output directory (must be new or empty unless --overwrite)")
     p.add_argument("--preset", help="the preset under every variant (default: a config file's own, else cpu-small)")
     p.add_argument("--data", help="text file, directory, glob or .jsonl for every run (data.path)")
