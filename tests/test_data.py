@@ -31,7 +31,7 @@ from moetrain.data import (
 from moetrain.data import prepare as prepare_module
 from moetrain.errors import ConfigError, DataError
 
-from conftest import SHAKESPEARE, SHAKESPEARE_MISSING  # noqa: E402 -- one path for every test that needs it
+from conftest import SHAKESPEARE  # noqa: E402 -- one path for every test that needs it
 
 CODE = '''def greet(name: str) -> str:
     """Say hello — with unicode: héllo, 世界, emoji 🚀."""
@@ -298,7 +298,6 @@ def test_corpus_shorter_than_one_sequence_is_an_error(tmp_path):
         prepare_data(cfg, vocab_size=300, log=quiet)
 
 
-@pytest.mark.skipif(not SHAKESPEARE.is_file(), reason=SHAKESPEARE_MISSING)
 def test_tinyshakespeare_single_file(tmp_path):
     cfg = DataConfig(path=str(SHAKESPEARE), seq_len=64, val_fraction=0.1, tokenizer_max_bytes=200_000,
                      cache_dir=str(tmp_path / "cache"))

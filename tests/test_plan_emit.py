@@ -115,8 +115,11 @@ def test_dry_run_of_the_plain_expert_parallel_path_counts_replicated_weights():
 
 
 def test_plan_prints_small_counts_and_rates_readably():
-    """tiny's parameters and a CPU's peak printed as 0.00B and 0 TFLOP/s."""
-    from moetrain.commands.plan import _params, _tflops
+    """tiny's parameters and a CPU's rates in units that read (0.16M, 31 GFLOP/s, 12.4 GB/s), not 0.00B, 0.03 TFLOP/s
+    and 0.00 TB/s."""
+    from moetrain.commands.plan import _params, _si
 
     assert _params(160_000) == "0.16M" and _params(46_700_000_000) == "46.70B"
-    assert _tflops(0.31e12) == "0.31" and _tflops(989e12) == "989" and _tflops(12.4e12) == "12"
+    assert _si(0.031e12, "FLOP/s") == "31 GFLOP/s" and _si(989.4e12, "FLOP/s") == "989 TFLOP/s"
+    assert _si(12.4e9, "B/s") == "12.4 GB/s" and _si(3.35e12, "B/s") == "3.35 TB/s" and _si(450e9, "B/s") == "450 GB/s"
+    assert _si(5.0, "B/s") == "5 B/s"

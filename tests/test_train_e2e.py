@@ -12,7 +12,7 @@ import pytest
 
 from moetrain.cli import main
 
-from conftest import SHAKESPEARE, SHAKESPEARE_MISSING
+from conftest import SHAKESPEARE
 
 
 def _train(tmp_path: Path, data: Path, *extra: str) -> Path:
@@ -137,7 +137,6 @@ def test_logged_val_loss_is_the_last_number_at_the_step(tmp_path):
     assert {step: logged_val_loss(tmp_path, step) for step in expected} == expected
 
 
-@pytest.mark.skipif(not SHAKESPEARE.is_file(), reason=SHAKESPEARE_MISSING)
 def test_tiny_run_on_tinyshakespeare(tmp_path):
     run = _train(tmp_path, SHAKESPEARE)
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

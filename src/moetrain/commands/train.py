@@ -22,7 +22,8 @@ EPILOG = """\
 config fields: set any field with FIELD=VALUE anywhere after `train` (values as in a config file: numbers,
 true / false, null, strings plain, lists [a, b]), or in a --config FILE.toml / .json; e.g.
   moetrain train --preset tiny train.steps=100 model.moe_every=0
-every field with its value in the preset, its type and meaning: moetrain train --list-fields [--preset NAME]
+every field with its value in the preset, its type and meaning:
+  moetrain train --list-fields --preset tiny
 (each in full: docs/configuration.md)
 """
 

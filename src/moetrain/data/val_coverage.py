@@ -2,7 +2,7 @@
 
 Training evaluates the first ``train.eval_batches`` batches of the validation split, in stream order, not a sample
 of it. Where one held-out document is most of those tokens, the validation loss is mostly that document's loss. This
-is how Pygments' split misled issue 19's comparison (docs/moe-vs-dense.md, waves 8-9): one generated file,
+is how Pygments' split once misled an MoE-vs-dense comparison (docs/moe-vs-dense.md): one generated file,
 ``lexers/_mapping.py``, was 25,346 of the 32,768 evaluated tokens (77%), and an MoE that led its twin on every
 other held-out file trailed it on the run's validation loss. :func:`val_coverage_note` says so at the start of a run
 with ``data.packing=windows`` (the default); with ``documents`` packing the rows are chunks of documents padded to

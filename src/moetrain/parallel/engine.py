@@ -318,9 +318,7 @@ def start_sharded(config: Config, device_type: str) -> ShardedHooks:
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=p.timeout_s),
                                     device_id=device if backend == "nccl" else None)
         owns = True
-    mesh = build_layout_mesh(layout, p.timeout_s, device)
-    if mesh.rank == 0:
-        print(f"parallel: {layout.describe()}", flush=True)
+    mesh = build_layout_mesh(layout, p.timeout_s, device)  # the mesh line is prepare_model's log (rank 0's)
     micro = (config.train.batch_size // layout.data_parallel, config.data.seq_len)
     return ShardedHooks(mesh, p, config.train.dtype, config.train.seed, owns_group=owns,
                         grad_accum=config.train.grad_accum, micro_shape=micro)

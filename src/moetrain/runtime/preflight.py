@@ -3,7 +3,7 @@
 this machine has free.
 
 Without it a mistyped ``model.hidden=1099511627776`` ended in the allocator's error after asking for 2 PB, and
-``train.batch_size=1000000000`` in numpy's ``_ArrayMemoryError`` (issue 20).
+``train.batch_size=1000000000`` in numpy's ``_ArrayMemoryError``.
 """
 
 from __future__ import annotations
