@@ -288,3 +288,31 @@ def test_small_validation_split_is_warned(tmp_path, capsys):
     assert "raise data.val_fraction or add documents" in line
     val_tokens = int(line.split("small: ")[1].split(" tokens")[0].replace(",", ""))
     assert 0 < val_tokens < 2 * 64 * 8  # less than the tiny preset's 2 eval batches of 8 x 64
+
+
+def test_split_by_16_byte_digests_equals_the_full_sha256_order():
+    """The streaming split keeps 16 bytes of each name's SHA-256: the same held-out set as sorting by the whole
+    digest (a plain loop)."""
+    import hashlib
+
+    from moetrain.data.corpus import digest_rows, held_out, name_digest
+
+    names = [f"dir{i % 7}/file{i}.py" for i in range(5000)] + ["dup:1", "dup:1"]
+    for fraction in (0.01, 0.2, 0.5):
+        n_val = min(max(1, round(len(names) * fraction)), len(names) - 1)
+        by_hash = sorted(range(len(names)), key=lambda i: hashlib.sha256(names[i].encode()).digest())
+        mask = held_out(digest_rows(b"".join(name_digest(n) for n in names)), fraction)
+        assert set(np.flatnonzero(mask).tolist()) == set(by_hash[:n_val])
+
+
+def test_zstd_of_several_frames_reads_whole(tmp_path):
+    """`zstd -c a b > c` and pzstd write several frames: all are read."""
+    from moetrain.data import discover_files, read_documents
+
+    c = zstandard.ZstdCompressor()
+    lines = [json.dumps({"text": f"doc {i}"}) + "\n" for i in range(100)]
+    path = tmp_path / "multi.jsonl.zst"
+    path.write_bytes(c.compress("".join(lines[:40]).encode()) + c.compress("".join(lines[40:]).encode()))
+    docs, _ = read_documents(discover_files(str(path)))
+    assert [d.text for d in docs] == [f"doc {i}" for i in range(100)]
+    assert docs[-1].name == "multi:100"

@@ -188,9 +188,9 @@ def test_overwrite_only_replaces_a_run_and_checks_data_first(tmp_path, capsys, c
                           str(tmp_path / "typo.txt")])
     assert "does not exist" in msg and sorted(p.name for p in run.rglob("*")) == before
     # Data that exists but is unusable (only binary; shorter than one sequence) is found before deleting too.
-    (tmp_path / "archive.gz").write_bytes(b"\x1f\x8b\x08\0\0\0\0\0")
+    (tmp_path / "archive.bin.part").write_bytes(b"\x1f\x8b\x08\0\0\0\0\0")  # a .gz is read as gzip
     (tmp_path / "short.txt").write_text("a few words\n")
-    for bad, what in (("archive.gz", "no usable text"), ("short.txt", "shorter than one sequence")):
+    for bad, what in (("archive.bin.part", "no usable text"), ("short.txt", "shorter than one sequence")):
         msg = _error(capsys, ["train", "--preset", "tiny", "--out", str(run), "--overwrite", "--data",
                               str(tmp_path / bad), f"data.cache_dir={tmp_path / 'c'}"])
         assert what in msg and sorted(p.name for p in run.rglob("*")) == before

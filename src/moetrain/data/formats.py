@@ -219,11 +219,11 @@ def iter_text_documents(path: Path, name: str, text_field: str, counts: Counts) 
             yield from _whole_file(path, name, counts)
     except DataError:
         raise
-    except PermissionError:
-        counts.unreadable += 1
+    except (PermissionError, FileNotFoundError, IsADirectoryError):
+        counts.unreadable += 1  # as before: counted, not fatal
     except _read_errors() as e:
         if isinstance(e, OSError) and not compression_of(path) and inner_suffix(path) not in (".parquet", ".arrow"):
-            counts.unreadable += 1  # a plain file that vanished or is a directory, as before
+            counts.unreadable += 1  # another I/O error on a plain file
             return
         raise corrupt(path, e) from None
 

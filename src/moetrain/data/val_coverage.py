@@ -105,7 +105,8 @@ def small_split_warning(val_tokens: int, val_documents: int, rows: int, batch_si
     wanted = count * batch_size
     if rows >= wanted:
         return None
-    return (f"data: warning: the validation split is small: {val_tokens:,} tokens in {val_documents} documents, "
+    docs = f"{val_documents} document" + ("" if val_documents == 1 else "s")
+    return (f"data: warning: the validation split is small: {val_tokens:,} tokens in {docs}, "
             f"{rows} rows of {seq_len} tokens where train.eval_batches={count} x train.batch_size={batch_size} = "
             f"{wanted} were asked for, so val_loss is measured on {rows * seq_len:,} tokens only and is noisy; raise "
             f"data.val_fraction or add documents (or lower train.eval_batches to silence this)")
