@@ -13,8 +13,8 @@ The chosen experts' gating weights are the router's unbiased scores renormalised
 layer renormalises, as it does in training), then scaled by ``routed_scaling_factor``: with k = K this is exactly
 the training router's weights.
 
-Model code is untouched: the policy is applied by :func:`moetrain.serve.moe.serve_moe` from the layer's router
-weights; the training path never sees it.
+The policy enters the model as the MoE layers' routing hook (:class:`moetrain.serve.moe.StepRouting`, computed from
+the layer's router weights); the training path never sees it.
 """
 
 from __future__ import annotations
