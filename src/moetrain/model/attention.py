@@ -300,8 +300,9 @@ class Attention(nn.Module):
         for g in batch.groups:
             keys, values = cache.read(self.layer_index, g.slots, g.keys)  # [b, Hkv, P, Hd]
             qg = q[g.rows].view(g.b, g.s, hq, hd).transpose(1, 2)  # [b, H, s, Hd]
-            o = F.scaled_dot_product_attention(qg, keys.to(q.dtype), values.to(q.dtype), attn_mask=g.mask,
-                                               is_causal=g.mask is None, enable_gqa=True)  # [b, H, s, Hd]
+            mask = None if g.mask is None else g.mask.to(q.device)  # built on the host, once per batch
+            o = F.scaled_dot_product_attention(qg, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask,
+                                               is_causal=mask is None, enable_gqa=True)  # [b, H, s, Hd]
             out[g.rows] = o.transpose(1, 2).reshape(g.b * g.s, hq, hd)
         y: torch.Tensor = self.o_proj(out.view(n, hq * hd))
         return y.view(shape)
