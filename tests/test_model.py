@@ -103,6 +103,33 @@ def test_ragged_batch_matches_each_sequence_alone(qk_norm):
     assert (got - want).abs().max() <= 1e-5
 
 
+def test_kv_cache_and_ragged_batch_refuse_what_does_not_fit():
+    cache = KVCache(2, num_slots=2, max_len=8)
+    assert cache.append(2, 5).positions.tolist() == [0, 1, 2, 3, 4] * 2 and cache.length == 5
+    with pytest.raises(ValueError, match=r"KVCache: 2 sequences x 5 \+ 4 positions exceed the cache's 2 slots x 8"):
+        cache.append(2, 4)
+    with pytest.raises(ValueError, match="KVCache: 3 sequences"):
+        cache.append(3, 1)
+    with pytest.raises(ValueError, match="RaggedBatch: need at least one sequence with at least one new token"):
+        RaggedBatch.build([(0, 0, 2), (1, 3, 0)])
+    attn = MoETransformer(build_config("tiny").model).blocks[0].attn
+    with pytest.raises(ValueError, match="batch: a KV cache needs the tokens' RaggedBatch"):
+        attn(torch.ones(1, 3, attn.q_proj.in_features), kv_cache=cache)
+
+
+def test_ragged_batch_groups_sequences_by_new_token_count():
+    """Decoding sequences share one SDPA call (a slice of consecutive rows, a gather of scattered slots); a prompt
+    from position 0 attends causally without a mask; a later chunk gets the mask of its offset."""
+    b = RaggedBatch.build([(4, 0, 3), (0, 7, 1), (2, 5, 1), (1, 2, 2)])
+    assert b.cu_seqlens.tolist() == [0, 3, 4, 5, 7] and b.last_tokens().tolist() == [2, 3, 4, 6]
+    assert b.positions.tolist() == [0, 1, 2, 7, 5, 2, 3] and b.slots.tolist() == [4, 4, 4, 0, 2, 1, 1]
+    prompt, decode, chunk = b.groups
+    assert (prompt.rows, prompt.slots, prompt.keys, prompt.mask) == (slice(0, 3), slice(4, 5), 3, None)
+    assert decode.rows == slice(3, 5) and decode.slots.tolist() == [0, 2] and decode.keys == 8
+    assert decode.mask[:, 0, 0].tolist() == [[True] * 8, [True] * 6 + [False] * 2]
+    assert chunk.mask[0, 0].tolist() == [[True] * 3 + [False], [True] * 4]
+
+
 def test_greedy_generation_equals_argmax_loop():
     torch.manual_seed(0)
     model = MoETransformer(build_config("tiny").model).eval()

@@ -61,16 +61,13 @@ class KVCache:
     of ``num_slots`` sequences (a sequence owns a slot; ``moetrain generate`` uses slots 0 .. B - 1, the serving
     engine one slot per running request).
 
-    Keys and values are written where a :class:`RaggedBatch` puts its tokens (:meth:`write`) and read back as
-    contiguous [b, Hkv, p, Hd] blocks (:meth:`read`: a view for consecutive slots, a gather otherwise), which
-    ``F.scaled_dot_product_attention`` reads directly. Why blocks and not pages (vLLM's PagedAttention, transformers'
-    ``PagedAttentionCache``): a slot holds one sequence of at most the model's context (128 positions for ``tiny``,
-    1024 for ``cpu-small``), so the worst-case waste is small (cpu-small fp32: 2 x 4 layers x 2 heads x 1024 x 32 x
-    4 B = 2 MiB per slot) and known at start-up, and SDPA has no block-table read (a gather per step would cost what
-    paging saves); admission cannot fail half-way for lack of pages.
-
-    A layer's block is allocated at its first write, in the keys' dtype and device (zeros: positions past a
-    sequence's length are always masked, and a masked zero cannot turn into NaN).
+    The interface :class:`Attention` uses: :meth:`write` stores keys and values where a :class:`RaggedBatch` puts
+    its tokens, :meth:`read` returns [b, Hkv, p, Hd] blocks that ``F.scaled_dot_product_attention`` reads directly
+    (a view for consecutive slots, a gather otherwise). Blocks, not pages (vLLM, transformers'
+    ``PagedAttentionCache``): a slot holds at most the model's context (cpu-small fp32: 2 MiB per slot), so the
+    waste is small and known at start-up, SDPA has no block-table read, and admission never fails half-way for lack
+    of pages. A layer's block is allocated at its first write, in the keys' dtype and device, as zeros (positions
+    past a sequence's length are masked; a masked zero cannot turn into NaN).
 
     Args:
         n_layers: L.
@@ -118,10 +115,6 @@ class KVCache:
         kc, vc = self.k[layer], self.v[layer]
         assert kc is not None and vc is not None, "KVCache.read before the layer's first write"
         return kc[slots, :, :length], vc[slots, :, :length]
-
-    def nbytes(self) -> int:
-        """Bytes held by the blocks allocated so far."""
-        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v) if t is not None)
 
 
 @dataclass(frozen=True)
@@ -307,8 +300,9 @@ class Attention(nn.Module):
         for g in batch.groups:
             keys, values = cache.read(self.layer_index, g.slots, g.keys)  # [b, Hkv, P, Hd]
             qg = q[g.rows].view(g.b, g.s, hq, hd).transpose(1, 2)  # [b, H, s, Hd]
-            o = F.scaled_dot_product_attention(qg, keys.to(q.dtype), values.to(q.dtype), attn_mask=g.mask,
-                                               is_causal=g.mask is None, enable_gqa=True)  # [b, H, s, Hd]
+            mask = None if g.mask is None else g.mask.to(q.device)  # built on the host, once per batch
+            o = F.scaled_dot_product_attention(qg, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask,
+                                               is_causal=mask is None, enable_gqa=True)  # [b, H, s, Hd]
             out[g.rows] = o.transpose(1, 2).reshape(g.b * g.s, hq, hd)
         y: torch.Tensor = self.o_proj(out.view(n, hq * hd))
         return y.view(shape)
