@@ -64,3 +64,19 @@ def test_token_logprobs_are_the_models_log_softmax():
     assert got[0][0] == pytest.approx(float(lp[0, 0]))
     assert [t for t, _ in got[0][1]] == [1, 2] and got[0][1][0][1] == pytest.approx(float(lp[0, 1]))
     assert got[1][0] == pytest.approx(float(lp[1, 2])) and got[1][1][0][0] == 2
+
+
+def test_generate_takes_the_values_serve_takes():
+    """`moetrain generate` ended in a traceback at temperature / top_p 1e-300; it samples with the same sampler as
+    serve, so both are the greedy continuation."""
+    from moetrain.config import build_config
+    from moetrain.model.generate import generate
+    from moetrain.model.transformer import MoETransformer
+
+    torch.manual_seed(0)
+    model = MoETransformer(build_config("tiny").model).eval()
+    prompt = torch.randint(0, 500, (1, 5))
+    greedy = generate(model, prompt, 6, temperature=0.0)
+    assert generate(model, prompt, 6, temperature=1e-300).tolist() == greedy.tolist()
+    assert generate(model, prompt, 6, temperature=0.7, top_p=1e-300,
+                    generator=torch.Generator().manual_seed(1)).tolist() == greedy.tolist()

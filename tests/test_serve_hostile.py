@@ -333,3 +333,22 @@ def test_tiny_temperature_among_ten_others_over_http(server, served):
     for body, r in zip(bodies, answers):
         want = _reference(served, body["prompt"], body["max_tokens"], body["temperature"], body.get("seed", 0))
         assert r.json()["choices"][0]["token_ids"] == want
+
+
+def test_a_huge_prompt_does_not_stall_the_server(server):
+    """Tokenization runs off the event loop, and a prompt far over the context is refused from a prefix: /health
+    answers promptly while 1 MB prompts are refused (each took seconds of tokenizing on the event loop)."""
+    url = server[0].url
+    text = "def x(self, y):\n    return self.z(w) " * 25_000  # ~1 MB
+    with cf.ThreadPoolExecutor(4) as pool:
+        big = [pool.submit(httpx.post, url + "/v1/completions", json={"prompt": text[:1_000_000]}, timeout=60)
+               for _ in range(4)]
+        waits = []
+        while not all(f.done() for f in big):
+            t0 = time.monotonic()
+            assert httpx.get(url + "/health", timeout=30).status_code == 200
+            waits.append(time.monotonic() - t0)
+        answers = [f.result() for f in big]
+    assert all(r.status_code == 400 and r.json()["error"]["param"] == "prompt" for r in answers)
+    assert "context" in answers[0].json()["error"]["message"]
+    assert max(waits, default=0.0) < 1.0, waits

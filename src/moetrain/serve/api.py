@@ -40,6 +40,8 @@ StrictBool = Annotated[bool, Field(strict=True)]
 TokenId = Annotated[StrictInt, Field(ge=0)]
 StopStr = Annotated[str, Field(strict=True, min_length=1)]
 MAX_CHOICES = 128  # n x prompts of one request, at most (and never more than the queue holds)
+PREFIX_CHARS_PER_TOKEN = 16  # a prompt longer than this x the context is first tokenised in part (Api._encode)
+PREFIX_MARGIN = 8  # tokens the cut at the prefix's end may add
 
 
 class _Strict(BaseModel):
@@ -373,8 +375,21 @@ class Api:
         return Prepared(chat, body, prompts, echo, max_tokens, sampling, stops, self._policy(body), logprobs)
 
     def _encode(self, text: str, special: bool, param: str) -> list[int]:
+        """Token ids of ``text``. A text far longer than the context is refused from a prefix's tokens: when its
+        first ``PREFIX_CHARS_PER_TOKEN x context`` characters already make more tokens than the context holds (a
+        margin for the cut word), the whole cannot fit, and a 1 MB prompt costs milliseconds, not seconds."""
+        n_ctx = self.engine.max_seq_len
+        limit = PREFIX_CHARS_PER_TOKEN * n_ctx
         try:  # encode_batch releases the GIL while it runs (a long prompt does not stall the engine thread)
+            if len(text) > limit:
+                head = self.served.tokenizer.encode_batch([text[:limit]], add_special_tokens=special)[0].ids
+                if len(head) >= n_ctx + PREFIX_MARGIN:
+                    raise ApiError(400, f"{param}: more than {len(head) - PREFIX_MARGIN} tokens in its first {limit} "
+                                   f"of {len(text)} characters, but the context is {n_ctx} (prompt + max_tokens "
+                                   "must fit)", param)
             ids = self.served.tokenizer.encode_batch([text], add_special_tokens=special)[0].ids
+        except ApiError:
+            raise
         except Exception as e:  # noqa: BLE001 - e.g. a lone surrogate (\ud800) the tokenizer cannot take
             raise ApiError(400, f"{param}: cannot be tokenized: {e}", param) from None
         if not ids:
