@@ -5,7 +5,7 @@
 
 Both ranks are forked processes (one intra-op thread each) in one gloo process group; every variant is built once
 through the trainer's own hooks (``moetrain.parallel.launch.start``: ``ShardedHooks`` for FSDP2, ``ParallelHooks``
-for the all-reduce path), from the same per-index initialisation (``parallel.meta_init``), on the ``tiny`` preset's
+for the all-reduce path), from the same per-index initialisation (every layout's), on the ``tiny`` preset's
 shapes with ``--layers`` blocks. The variants then alternate: each round times ``--steps`` optimizer steps of each
 variant (between barriers, order rotated every round), so slow phases of a shared machine hit every variant alike.
 Printed: the median tokens/s of each variant over the rounds, their ratios to the all-reduce path, the CPU model
@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-VARIANTS = {"allreduce": {"fsdp": "off"}, "fsdp_zero3": {"dp_shard": 2},
+VARIANTS = {"allreduce": {"fsdp": "off"}, "fsdp_replicate": {"fsdp": "on"}, "fsdp_zero3": {"dp_shard": 2},
             "fsdp_zero2": {"dp_shard": 2, "reshard_after_forward": False}}
 WORLD = 2
 
@@ -52,7 +52,7 @@ def _config(variant: str, layers: int):
 
     return build_config("tiny", overrides={
         "model": {"n_layers": layers}, "train": {"device": "cpu"},
-        "parallel": {"timeout_s": 300, "meta_init": True, **VARIANTS[variant]}})
+        "parallel": {"timeout_s": 300, **VARIANTS[variant]}})
 
 
 def _build(variant: str, layers: int) -> dict:
@@ -63,7 +63,7 @@ def _build(variant: str, layers: int) -> dict:
 
     cfg = _config(variant, layers)
     hooks = start(cfg, "cpu")
-    model = hooks.prepare_model(hooks.build_model(cfg.model, torch.device("cpu"), cfg.train.seed, True))
+    model = hooks.prepare_model(hooks.build_model(cfg.model, torch.device("cpu"), cfg.train.seed))
     opt = build_optimizer(model, cfg)
     gen = torch.Generator().manual_seed(0)
     b, s = cfg.train.batch_size, cfg.data.seq_len

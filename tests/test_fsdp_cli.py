@@ -6,6 +6,7 @@ batch: the training losses of steps 1-3 within 1e-6 relative, the validation los
 the final (step-3) checkpoints, read back resharded to one process, within 1e-5; the mesh line is printed; a pp=2 x
 ep=2 checkpoint resumes in one process with the losses the job logged.
 
+The model is the tiny preset's, its embedding tied to the LM head (across the pipeline's first and last stage).
 The Switch loss is off (computed on each rank's rows, it is not the global batch's); the global-batch aux loss,
 linear in the batch, is on; 2 micro-batches per step (the pipeline's micro-batches).
 """
@@ -34,7 +35,7 @@ SLOW_LAYOUTS = {"pp2_dp_shard2_ep2": (8, ["parallel.pp=2", "parallel.dp_shard=2"
 def _args(tmp: Path, out: str, steps: int = 3) -> list[str]:
     return ["train", "--preset", "tiny", "--data", str(tmp / "corpus"), "--out", str(tmp / out), "--no-progress",
             f"data.cache_dir={tmp / 'cache'}", f"train.steps={steps}", "train.log_every=1", "train.eval_batches=1",
-            "train.grad_accum=2", "train.ckpt_every=2", "model.tie_embeddings=false",
+            "train.grad_accum=2", "train.ckpt_every=2",
             "model.moe.losses.aux_loss_coeff=0", "model.moe.losses.global_aux_loss_coeff=0.01", "train.device=cpu"]
 
 

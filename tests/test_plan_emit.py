@@ -57,8 +57,12 @@ def test_tied_embeddings_are_never_pipelined():
     shape = ModelShape.from_config(build_config("tiny").model)
     assert shape.tie_embeddings
     assert all(l.pp == 1 for l in candidate_layouts(shape, 8, 64))
-    cfg = build_config("tiny", overrides={"parallel": {"pp": 2}})
-    with pytest.raises(ConfigError, match="model.tie_embeddings"):
+    # the trainer sums the two copies' gradients
+    check(build_config("tiny", overrides={"parallel": {"pp": 2}, "train": {"grad_accum": 2}}), 2)
+    cfg = build_config("tiny", overrides={"parallel": {"pp": 2, "pp_schedule": "zbv", "pp_stages_per_rank": 2,
+                                                       "reshard_after_forward": False}, "model": {"n_layers": 4},
+                                          "train": {"grad_accum": 4}})
+    with pytest.raises(ConfigError, match="model.tie_embeddings: parallel.pp_schedule='zbv'"):
         check(cfg, 2)
 
 

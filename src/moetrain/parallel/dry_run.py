@@ -2,8 +2,8 @@
 group, data or memory (the model is built on the meta device).
 
 What it checks, each failure one line naming the field: the mesh sizes multiply to N (:class:`.layout.Layout`), ``ep``
-divides the experts, the pipeline has at least one block per stage, tied embeddings and the pooled aux loss are not
-split over pipeline stages, document packing is not asked of several ranks, the micro-batch splits over the
+divides the experts, the pipeline has at least one block per stage, tied embeddings are not asked of a V-shaped
+schedule (both ends on one rank) and the pooled aux loss is not split over pipeline stages, document packing is not asked of several ranks, the micro-batch splits over the
 data-parallel ranks and into the BTA tiles. What it prints: the mesh (the plain data-parallel path, ``dp_shard = pp =
 1`` without ``fsdp=on``, replicates the non-expert weights), the stages with their blocks (balanced by the cost model:
 :func:`.pipeline.stage_blocks`), this layout's per-rank bytes of parameters + gradients + AdamW state counted from the
@@ -22,7 +22,7 @@ import torch
 from moetrain.data.loader import check_packing
 from moetrain.errors import ConfigError
 from moetrain.parallel.layout import Layout
-from moetrain.parallel.pipeline import check_losses, rank_stages, stage_blocks
+from moetrain.parallel.pipeline import V_SCHEDULES, check_losses, rank_stages, stage_blocks
 
 if TYPE_CHECKING:
     from moetrain.config import Config
@@ -59,9 +59,10 @@ def check(config: Config, world: int) -> tuple[Layout, list[range]]:
     p, m, t = config.parallel, config.model, config.train
     layout = Layout.from_config(p, world)
     stages = stage_blocks(m, layout.pp * p.pp_stages_per_rank, config.data.seq_len, p.activation_checkpoint)
-    if layout.pp > 1 and m.tie_embeddings:
-        raise ConfigError("model.tie_embeddings: the embedding (first stage) and the LM head (last stage) cannot "
-                          f"share a weight across parallel.pp={layout.pp} pipeline stages; set it to false")
+    if layout.pp > 1 and m.tie_embeddings and p.pp_schedule in V_SCHEDULES:
+        raise ConfigError(f"model.tie_embeddings: parallel.pp_schedule='{p.pp_schedule}' places the embedding and "
+                          "the LM head on the same rank in two stages, which cannot share a weight; set it to false "
+                          "or use pp_schedule 1f1b, interleaved_1f1b or gpipe")
     if layout.pp > 1:
         check_losses(m)
     check_packing(config.data.packing, world)

@@ -149,17 +149,21 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def clip_grad_norm(model: nn.Module, mesh: LayoutMesh, max_norm: float) -> torch.Tensor:
+def clip_grad_norm(model: nn.Module, mesh: LayoutMesh, max_norm: float,
+                   counted_elsewhere: nn.Parameter | None = None) -> torch.Tensor:
     """Clip the sharded gradients to ``max_norm`` by their global L2 norm and return it (fp32 scalar), as
     ``torch.nn.utils.clip_grad_norm_`` on one process: coefficient ``max_norm / (norm + 1e-6)`` capped at 1.
 
     Every rank sums the squares of its local shards; a shard is held by the R replicas, so the sum is divided by R
     before one all-reduce over the whole world (stages hold different parameters, so pipeline stages add up).
+    ``counted_elsewhere`` (the last stage's copy of a tied embedding, whose gradient equals the first stage's) is
+    clipped but left out of the sum, so the shared weight counts once, as in one process.
     """
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     sq = torch.zeros((), dtype=torch.float32, device=mesh.device)
-    for g in grads:
-        sq += _local(g).detach().float().pow(2).sum()
+    for p in model.parameters():
+        if p.grad is not None and p is not counted_elsewhere:
+            sq += _local(p.grad).detach().float().pow(2).sum()
     sq /= mesh.layout.dp_replicate
     if mesh.distributed:
         with named_collective("all_reduce (squared gradient norm, all ranks)"):

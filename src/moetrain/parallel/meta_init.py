@@ -47,6 +47,14 @@ def _std(name: str, p: torch.Tensor, config: ModelConfig) -> float | None:
     return config.init_std
 
 
+def saved_name(config: ModelConfig, name: str) -> str:
+    """The name under which parameter ``name`` is initialised and its optimizer state saved: with tied embeddings
+    a pipeline's last stage holds its own copy of the embedding as ``lm_head.weight`` (the first stage holds
+    ``embed_tokens.weight``), drawn and saved as the embedding (a tied whole model never names ``lm_head.weight``:
+    ``named_parameters`` lists a shared parameter once)."""
+    return "embed_tokens.weight" if config.tie_embeddings and name == "lm_head.weight" else name
+
+
 def _seed(seed: int, name: str, block: int) -> int:
     digest = hashlib.blake2b(f"{seed}/{name}/{block}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
@@ -106,7 +114,7 @@ def init_parameters(model: nn.Module, config: ModelConfig, seed: int,
         if shard is not None:
             start += shard.offset
             shape = torch.Size((shard.global_rows, *shape[1:]))
-        rows = normal_rows(seed, name, shape, start, start + local.shape[0], std)
+        rows = normal_rows(seed, saved_name(config, name), shape, start, start + local.shape[0], std)
         if local.dim() > 1 and local.shape[1] != shape[1]:  # sharded on dim 1 too (experts: FSDP2 Shard(1))
             rows = rows[:, offset[1]: offset[1] + local.shape[1]]
         local.copy_(rows)

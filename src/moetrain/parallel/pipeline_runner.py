@@ -16,12 +16,13 @@ them first, as ``MoETransformer.moe_counts`` does in one process (~1/3 more comp
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe,
                                          ScheduleInterleaved1F1B, ScheduleZBVZeroBubble)
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
@@ -293,6 +294,41 @@ class PipelineRunner:
     def moe_layers(self) -> list[MoELayer]:
         return [layer for m in self.modules for layer in m.moe_layers()]
 
+    @property
+    def tied(self) -> nn.Parameter | None:
+        """This rank's share of a tied embedding: the first stage's embedding or the last stage's LM head copy
+        (``None`` untied or on a middle rank)."""
+        if not self.config.tie_embeddings:
+            return None
+        for m in self.modules:
+            if m.first and m.embed_tokens is not None:
+                return cast(nn.Parameter, m.embed_tokens.weight)
+            if m.last and m.lm_head is not None:
+                return cast(nn.Parameter, m.lm_head.weight)
+        return None
+
+    @property
+    def tied_copy(self) -> nn.Parameter | None:
+        """The last stage's copy of a tied embedding (left out of the gradient norm: the first stage counts it)."""
+        last = next((m for m in self.modules if m.last), None)
+        if not self.config.tie_embeddings or last is None or last.lm_head is None:
+            return None
+        return cast(nn.Parameter, last.lm_head.weight)
+
+    @torch.no_grad()
+    def sum_tied_grads(self) -> None:
+        """Sum a tied embedding's gradient over its two copies (an all-reduce between the first and the last rank
+        of the pipeline, Megatron-Core's ``_allreduce_embedding_grads``): what one process's shared weight gets.
+        Both copies are FSDP2-sharded alike (same shape and mesh sizes), so the local shards line up."""
+        p, group = self.tied, self.mesh.embed_group
+        if p is None or group is None:
+            return
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        with named_collective("all_reduce (tied embedding gradient, first and last pipeline stage)", group):
+            dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group)
+
     def train_step(self, next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]],
                    optimizer: torch.optim.Optimizer, scheduler: Any, config: TrainConfig,
                    reduce_mean: Callable[[torch.Tensor], torch.Tensor] | None = None,
@@ -307,6 +343,7 @@ class PipelineRunner:
         acc = self.forward_backward([next_batch() for _ in range(self.m)])
 
         def clip(max_norm: float) -> torch.Tensor:
-            return clip_grad_norm(self.local, self.mesh, max_norm)
+            self.sum_tied_grads()
+            return clip_grad_norm(self.local, self.mesh, max_norm, self.tied_copy)
 
         return finish_step(acc, self.moe_layers(), optimizer, scheduler, config, clip, count_reducer, reduce_mean)
