@@ -82,7 +82,10 @@ def _run(make, activation: str, dtype: torch.dtype, case: str, reference: bool):
     """(y, dx, d router weight, d w_in, d w_out) and, for the dispatchers, the layout facts of the capacity case."""
     x, w_router, w_in, w_out, up = _inputs(activation, dtype)
     x, w_router = x.requires_grad_(), w_router.requires_grad_()
-    experts = RoutedExperts(E, D, F_HIDDEN, activation, backend="loop").to(dtype)
+    dispatcher = None if reference else make()
+    # a dispatcher that fuses the experts hands the tokens to the fused backend's one Function
+    backend = "fused" if dispatcher is not None and dispatcher.fuses_experts else "loop"
+    experts = RoutedExperts(E, D, F_HIDDEN, activation, backend=backend).to(dtype)
     with torch.no_grad():
         experts.w_in.copy_(w_in)
         experts.down_proj.copy_(w_out)
@@ -92,7 +95,7 @@ def _run(make, activation: str, dtype: torch.dtype, case: str, reference: bool):
     if reference:
         y = _loop_reference(x, ids, weights, keep, experts.w_in, experts.down_proj, activation)
     else:
-        dispatcher = make()
+        assert dispatcher is not None
         if case == "dropless" and dispatcher.fuses_experts:
             y = dispatcher.forward(x, ids, weights, experts)
         else:

@@ -65,33 +65,28 @@ class Hardware:
 
 _EFFICIENCY_NOTE = "assumption: typical sustained fraction of peak for large training GEMMs, not a vendor figure"
 
+
+def _hopper_sxm(gpu: str, mem_gb: int, hbm: str, mem_bw: float, mem_bw_text: str) -> Hardware:
+    """An NVIDIA Hopper SXM GPU (H100, H200): the same Tensor Cores, NVLink and DGX networking, its own memory."""
+    sheet = f"NVIDIA {gpu} datasheet"
+    return Hardware(
+        name=gpu.lower(), peak_flops=989.4 * TFLOPS, mem_bytes=mem_gb * GB, mem_bw=mem_bw, intra_bw=450 * GB,
+        inter_bw=50 * GB, devices_per_node=8, efficiency=0.5,
+        sources={
+            "peak_flops": f"NVIDIA {gpu} Tensor Core GPU datasheet, {gpu} SXM: BF16 Tensor Core 1,979 TFLOPS with "
+                          "sparsity = 989.4 dense",
+            "mem_bytes": f"{sheet}, {gpu} SXM: {mem_gb} GB {hbm}",
+            "mem_bw": f"{sheet}, {gpu} SXM: {mem_bw_text}",
+            "intra_bw": f"{sheet}: NVLink 900 GB/s (bidirectional) = 450 GB/s per direction",
+            "inter_bw": f"NVIDIA DGX {gpu} datasheet: 8x 400 Gb/s ConnectX-7 (one per GPU) = 50 GB/s per GPU",
+            "efficiency": _EFFICIENCY_NOTE,
+        },
+    )
+
+
 PRESETS: dict[str, Hardware] = {
-    "h100": Hardware(
-        name="h100", peak_flops=989.4 * TFLOPS, mem_bytes=80 * GB, mem_bw=3.35e12, intra_bw=450 * GB,
-        inter_bw=50 * GB, devices_per_node=8, efficiency=0.5,
-        sources={
-            "peak_flops": "NVIDIA H100 Tensor Core GPU datasheet, H100 SXM: BF16 Tensor Core 1,979 TFLOPS with "
-                          "sparsity = 989.4 dense",
-            "mem_bytes": "NVIDIA H100 datasheet, H100 SXM: 80 GB HBM3",
-            "mem_bw": "NVIDIA H100 datasheet, H100 SXM: 3.35 TB/s",
-            "intra_bw": "NVIDIA H100 datasheet: NVLink 900 GB/s (bidirectional) = 450 GB/s per direction",
-            "inter_bw": "NVIDIA DGX H100 datasheet: 8x 400 Gb/s ConnectX-7 (one per GPU) = 50 GB/s per GPU",
-            "efficiency": _EFFICIENCY_NOTE,
-        },
-    ),
-    "h200": Hardware(
-        name="h200", peak_flops=989.4 * TFLOPS, mem_bytes=141 * GB, mem_bw=4.8e12, intra_bw=450 * GB,
-        inter_bw=50 * GB, devices_per_node=8, efficiency=0.5,
-        sources={
-            "peak_flops": "NVIDIA H200 Tensor Core GPU datasheet, H200 SXM: BF16 Tensor Core 1,979 TFLOPS with "
-                          "sparsity = 989.4 dense",
-            "mem_bytes": "NVIDIA H200 datasheet, H200 SXM: 141 GB HBM3e",
-            "mem_bw": "NVIDIA H200 datasheet, H200 SXM: 4.8 TB/s",
-            "intra_bw": "NVIDIA H200 datasheet: NVLink 900 GB/s (bidirectional) = 450 GB/s per direction",
-            "inter_bw": "NVIDIA DGX H200 datasheet: 8x 400 Gb/s ConnectX-7 (one per GPU) = 50 GB/s per GPU",
-            "efficiency": _EFFICIENCY_NOTE,
-        },
-    ),
+    "h100": _hopper_sxm("H100", 80, "HBM3", 3.35e12, "3.35 TB/s"),
+    "h200": _hopper_sxm("H200", 141, "HBM3e", 4.8e12, "4.8 TB/s"),
     "trn1": Hardware(
         name="trn1", peak_flops=190 * TFLOPS, mem_bytes=32 * GIB, mem_bw=820 * GIB, intra_bw=384 * GIB,
         inter_bw=800e9 / 8 / 16, devices_per_node=16, efficiency=0.5,

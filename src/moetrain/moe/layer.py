@@ -3,8 +3,9 @@ explicit record of losses and counts.
 
 The layer is single-device code: every movement of tokens goes through its dispatcher
 (:class:`~moetrain.moe.dispatcher.Dispatcher`). The default is chosen from the backend when the layer is built
-(:func:`local_dispatcher`: the ``fused`` backend's dispatcher runs dispatch + experts + combine as one Function);
-expert parallelism attaches its own (``moetrain.parallel``) through :meth:`MoELayer.set_dispatcher`.
+(:func:`local_dispatcher`: the ``fused`` backend's hands tokens and routing to the experts module, which runs
+dispatch + experts + combine as one Function); expert parallelism attaches its own (``moetrain.parallel``) through
+:meth:`MoELayer.set_dispatcher`.
 
 Legend: B = batch, S = sequence, T = B * S tokens, D = hidden, E = experts, K = top-k, C = capacity.
 """
@@ -25,7 +26,7 @@ from moetrain.moe.capacity import capacity_keep, expert_capacity
 from moetrain.moe.config import MoEConfig
 from moetrain.moe.dispatch import LocalDispatcher
 from moetrain.moe.dispatcher import Dispatcher
-from moetrain.moe.experts import RoutedExperts
+from moetrain.moe.experts import BACKENDS, RoutedExperts
 from moetrain.moe.fast_moe import FusedLocalDispatcher
 from moetrain.moe.gate_smoothing import routing_entropy_deficit
 from moetrain.moe.losses import (
@@ -88,7 +89,7 @@ ExpertProvider = Callable[["MoELayer", torch.Tensor, torch.Tensor], torch.Tensor
 
 class MoELayer(nn.Module):
     """Top-k MoE FFN: router (softmax or sigmoid, groups, expert bias), optional capacity, routed experts
-    (SwiGLU or GELU; grouped_mm, padded or loop backend), optional (gated) shared expert.
+    (SwiGLU or GELU; a named backend of moe/experts.py), optional (gated) shared expert.
 
     Parameter names follow transformers where they exist: ``router.weight`` [E, D] (HF ``gate.weight``),
     ``router.e_score_correction_bias`` [E], ``experts.gate_up_proj`` / ``experts.up_proj`` and
@@ -166,7 +167,7 @@ class MoELayer(nn.Module):
         """Routed experts (dispatch -> experts -> combine), expert dropout and the shared expert: [T, D] -> [T, D]
         in the tokens' dtype."""
         if keep is None and layout is None and self.dispatcher.fuses_experts and self.expert_provider is None:
-            # dispatch -> experts -> combine as one autograd Function (moe/fast_moe.py)
+            # dispatch -> experts -> combine as one step of the experts module (moe/fast_moe.py)
             y = self.dispatcher.forward(tokens, ids, weights, self.experts)
         else:
             rows, tokens_per_expert, meta = self.dispatcher.dispatch(
@@ -202,9 +203,9 @@ class MoELayer(nn.Module):
             valid = None if padding_mask is None else padding_mask.reshape(-1).to(device=ids.device, dtype=torch.bool)
             capacity = expert_capacity(ids.shape[0], c.top_k, c.num_experts, factor, c.capacity.min_capacity)
             keep = capacity_keep(ids, routing.topk_weights, c.num_experts, capacity, c.capacity.drop_policy, valid)
-            if c.capacity.pad_to_capacity or backend == "padded":
+            if c.capacity.pad_to_capacity or self.experts.kernel.capacity_layout:
                 layout = capacity
-        elif backend == "padded":
+        elif self.experts.kernel.capacity_layout:
             # Dropless capacity buffers must fit the busiest expert: one host sync (the price of this backend).
             layout = max(int(expert_counts(ids, c.num_experts).max()), 1)
         if (keep is not None or layout is not None) and not self.dispatcher.supports_capacity:
@@ -254,9 +255,10 @@ class MoELayer(nn.Module):
 
 def local_dispatcher(num_experts: int, backend: str) -> Dispatcher:
     """The single-device dispatcher a layer starts with: :class:`~moetrain.moe.fast_moe.FusedLocalDispatcher` for
-    the ``fused`` backend (dropless: dispatch + experts + combine as one Function), else
-    :class:`~moetrain.moe.dispatch.LocalDispatcher` (the reference)."""
-    return FusedLocalDispatcher(num_experts) if backend == "fused" else LocalDispatcher(num_experts)
+    a backend with a fused form (``fused``: dropless dispatch + experts + combine as one Function, run through the
+    experts module), else :class:`~moetrain.moe.dispatch.LocalDispatcher` (the reference)."""
+    fused = BACKENDS[backend].fused is not None
+    return FusedLocalDispatcher(num_experts) if fused else LocalDispatcher(num_experts)
 
 
 def _check_padding_mask(padding_mask: torch.Tensor | None, shape: torch.Size) -> None:
