@@ -78,8 +78,14 @@ def _assert_same_as_reference(run: Path, ref: Path) -> None:
 
 
 def _records(run: Path) -> list[dict]:
+    """The records but their timings and the resume records (``"event": "resume"``, which a killed run adds: each
+    names a checkpoint step and the steps logged after it, now recomputed)."""
     timing = ("tokens_per_s", "step_time", "seconds", "elapsed", "mfu", "data_wait_s", "monitor_s")
-    return [{k: v for k, v in r.items() if not any(t in k for t in timing)} for r in metrics(run)]
+    records = metrics(run)
+    for r in records:
+        if r.get("event") == "resume":
+            assert r["last_logged_step"] - r["resumed_from_step"] == r["lost_steps"] >= 1, r
+    return [{k: v for k, v in r.items() if not any(t in k for t in timing)} for r in records if "event" not in r]
 
 
 def _all_complete_checkpoints_verify(run: Path) -> list[int]:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from moetrain.configlib import load_file, merge, parse_overrides
 from moetrain.errors import MoetrainError
+from moetrain.train.restart import RESTART_ENV, torchrun_restart
 from moetrain.train.run_lock import LOCK_FILE, RunLock
 
 
@@ -134,6 +135,12 @@ def run(args) -> int:
         overrides = merge(overrides, {"data": {"path": args.data}})
     if args.steps is not None:
         overrides = merge(overrides, {"train": {"steps": args.steps}})
+    restart = torchrun_restart()
+    if restart and not args.dry_run:  # torchrun's agent restarted the group after a failure: continue the run
+        if not args.out:
+            raise MoetrainError(f"torchrun restarted the job ({RESTART_ENV}={restart}) but the command has no --out, "
+                                "so there is no run to continue; pass --out RUN_DIR with --max-restarts")
+        args.resume, args.overwrite = True, False  # --overwrite was for the first start
     if args.resume and args.overwrite:  # one continues the run, the other deletes it: neither can be meant silently
         raise MoetrainError("--resume continues the run in --out and --overwrite deletes it first; pass one of them")
     file_data = upgrade(load_file(args.config)) if args.config else None
@@ -161,6 +168,9 @@ def run(args) -> int:
     owner = os.environ.get("RANK", "0") == "0"
 
     resume, notes, changes = args.resume, [], []
+    if restart and not args.dry_run:
+        notes.append(f"note: torchrun restart {restart} ({RESTART_ENV}): continuing {args.out} from its newest "
+                     "checkpoint that verifies, as --resume does")
     init_notes: list[str] = []  # said after the run directory's own notes
     if resume:
         from moetrain.train.trainer import CONFIG_FILE

@@ -7,6 +7,7 @@ Every collective moetrain issues runs inside :func:`named_collective`, so a peer
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from typing import Iterator
@@ -25,7 +26,10 @@ class CollectiveError(RuntimeError):
 
 def group_ranks(group: dist.ProcessGroup | None) -> list[int]:
     """Global ranks of ``group`` (the default group when ``None``)."""
-    return dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    if group is not None:
+        return dist.get_process_group_ranks(group)
+    # init_process_group itself failed: no group yet, the world is torchrun's
+    return list(range(dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))))
 
 
 @contextmanager

@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from moetrain.errors import ConfigError
-from moetrain.parallel import ac as activation_checkpointing
+from moetrain.parallel import ac as activation_checkpointing, rendezvous
 from moetrain.parallel.comm import CollectiveError, collective_error, named_collective
 from moetrain.parallel.config import ParallelConfig
 from moetrain.parallel.dcp import ShardLayout
@@ -315,8 +315,9 @@ def start_sharded(config: Config, device_type: str) -> ShardedHooks:
         nccl_error_handling(backend)  # NCCL's watchdog raises in this thread instead of tearing the process down
         with named_collective("init_process_group (rendezvous at MASTER_ADDR:MASTER_PORT)"):
             # The time-out of every collective (gloo's, and NCCL's watchdog); sub-groups get it in build_layout_mesh.
-            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=p.timeout_s),
-                                    device_id=device if backend == "nccl" else None)
+            timeout = datetime.timedelta(seconds=p.timeout_s)
+            dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None,
+                                    **rendezvous.init_kwargs(timeout))
         owns = True
     mesh = build_layout_mesh(layout, p.timeout_s, device)  # the mesh line is prepare_model's log (rank 0's)
     micro = (config.train.batch_size // layout.data_parallel, config.data.seq_len)

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from moetrain.errors import ConfigError
+from moetrain.parallel import rendezvous
 from moetrain.parallel.comm import named_collective
 from moetrain.parallel.config import ParallelConfig
 
@@ -167,8 +168,7 @@ def init_distributed(config: ParallelConfig, device_type: str = "cpu") -> Parall
         nccl_error_handling(backend)
         with named_collective("init_process_group (rendezvous at MASTER_ADDR:MASTER_PORT)"):
             # The time-out of every collective (gloo's, and NCCL's watchdog); sub-groups get it in build_mesh.
-            dist.init_process_group(
-                backend, timeout=datetime.timedelta(seconds=config.timeout_s),
-                device_id=device if backend == "nccl" else None,
-            )
+            timeout = datetime.timedelta(seconds=config.timeout_s)
+            dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None,
+                                    **rendezvous.init_kwargs(timeout))
     return build_mesh(config.ep, config.timeout_s, device)

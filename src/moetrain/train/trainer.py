@@ -43,6 +43,7 @@ from moetrain.runtime.cpu import bf16_policy_line
 from moetrain.runtime.threads import choose_threads
 from moetrain.train.console import mfu_model
 from moetrain.train.progress import StepLog, batches_fingerprint, logged_val_fingerprint
+from moetrain.train.restart import last_logged_step, resume_record, torchrun_restart
 from moetrain.train.resume_config import require_steps_reach
 from moetrain.train.schedule import build_scheduler, retarget_schedule
 from moetrain.train.state import TrainState, rng_state, seed_everything, set_rng_state
@@ -353,8 +354,7 @@ class Trainer:
         for line in (threads.line(), bf16_policy_line(t.dtype, self.device)):
             if line:
                 self.log(line)
-        metrics = self.hooks.metrics_logger(lambda: MetricsLogger(
-            self.run_dir, resume_step=(state.step if ckpt is not None else -1) if self.resume else None))
+        metrics = self.hooks.metrics_logger(lambda: self._open_metrics(state.step if ckpt is not None else -1))
         if ckpt is not None:
             self.log(f"resumed from {ckpt.location} at step {state.step}")
             before = logged_val_fingerprint(self.run_dir) if self.hooks.is_main else None
@@ -384,6 +384,21 @@ class Trainer:
                      report, end=t.steps if stop_at_step is None else min(t.steps, stop_at_step))
         state.model.train()
         return s
+
+    def _open_metrics(self, resume_step: int) -> MetricsLogger:
+        """The metrics writer (rank 0); on a resume, the records after ``resume_step`` (-1: no checkpoint) are
+        dropped and, when steps were lost or torchrun restarted the group, one record says so (train/restart.py)."""
+        if not self.resume:
+            return MetricsLogger(self.run_dir)
+        last = last_logged_step(self.run_dir / "metrics.jsonl")
+        metrics = MetricsLogger(self.run_dir, resume_step=resume_step)
+        record = resume_record(max(resume_step, 0), last, torchrun_restart())
+        if record is not None:
+            metrics.log(record)
+            self.log(f"resumed at step {record['resumed_from_step']}: {record['lost_steps']} logged step(s) after it "
+                     f"were lost and are trained again" + (f" (torchrun restart {record['torchrun_restart']})"
+                                                           if record["torchrun_restart"] else ""))
+        return metrics
 
     def _find_checkpoint(self, checkpointer: Checkpointer) -> tuple[LoadedCheckpoint | None, list[str]]:
         """The checkpoint to resume from (``None`` without ``--resume``) and the names of newer corrupt ones.
