@@ -308,7 +308,7 @@ def test_resume_skips_a_checkpoint_whose_shard_is_corrupt(tmp_path):
     run = tmp_path / "run"
     args = ["train", "--preset", "tiny", "--data", str(tmp_path / "corpus"), "--out", str(run), "--no-progress",
             f"data.cache_dir={tmp_path / 'cache'}", "train.steps=4", "train.log_every=1", "train.eval_every=0",
-            "train.eval_batches=1", "train.ckpt_every=2", "model.tie_embeddings=false", "parallel.meta_init=true",
+            "train.eval_batches=1", "train.ckpt_every=2", "model.tie_embeddings=false",
             "parallel.dp_shard=2"]
     _torchrun(2, args, tmp_path / "first.log")
     first = {d["step"]: d["train_loss"] for d in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())

@@ -212,3 +212,14 @@ def test_the_default_dispatcher_is_chosen_from_the_backend(backend, expected):
     layer = MoELayer(D, MoEConfig(num_experts=E, top_k=K, experts=ExpertsConfig(ffn_hidden=F_HIDDEN)),
                      ExecutionConfig(moe_backend=backend))
     assert type(layer.dispatcher) is expected
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_local_dispatch_of_no_tokens(keep):
+    """An expert-parallel serving rank whose share of a step is empty (fewer tokens than ranks) dispatches and
+    combines zero tokens, also with a keep mask (a dynamic top-k policy): [0, D] back, no error."""
+    d = LocalDispatcher(E)
+    ids, w = torch.zeros(0, K, dtype=torch.int64), torch.zeros(0, K)
+    rows, tpe, meta = d.dispatch(torch.zeros(0, D), ids, w, keep=torch.zeros(0, K, dtype=torch.bool) if keep else None)
+    assert rows.shape == (0, D) and tpe.tolist() == [0] * E
+    assert d.combine(rows, meta).shape == (0, D)

@@ -7,7 +7,7 @@ import torch
 
 from moetrain.config import build_config
 from moetrain.configlib import parse_overrides
-from moetrain.model.attention import KVCache
+from moetrain.model.attention import KVCache, RaggedBatch
 from moetrain.model.generate import generate
 from moetrain.model.transformer import MoETransformer, count_parameters
 
@@ -71,10 +71,36 @@ def test_kv_cache_matches_full_forward(qk_norm):
     x = torch.randint(0, 500, (2, 12))
     with torch.no_grad():
         full = model(x).logits
-        cache = KVCache(model.config.n_layers)
+        cache = KVCache(model.config.n_layers, 2, 12)
         parts = [model(x[:, :7], kv_cache=cache).logits, model(x[:, 7:8], kv_cache=cache).logits,
                  model(x[:, 8:], kv_cache=cache).logits]
     assert (torch.cat(parts, 1) - full).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("qk_norm", ["none", "head"])
+def test_ragged_batch_matches_each_sequence_alone(qk_norm):
+    """The serving layout: one flat batch mixing a prompt from position 0, a second chunk of a prompt (positions
+    4 .. 6 after 0 .. 3 were cached), two decoding sequences at different lengths and a prompt of the first one's
+    length (grouped with it), in scattered slots; every token's hidden state equals its sequence run alone."""
+    torch.manual_seed(0)
+    model = MoETransformer(build_config("tiny", overrides={"model": {"qk_norm": qk_norm}}).model).eval()
+    seqs = [torch.randint(0, 500, (n,)) for n in (5, 7, 9, 4, 5)]
+    cache = KVCache(model.config.n_layers, 6, 16)
+
+    def run(chunks):  # (slot, start, token ids) -> hidden states [N, D]
+        batch = RaggedBatch.build([(slot, start, len(ids)) for slot, start, ids in chunks])
+        x = model.embed_tokens(torch.cat([ids for _, _, ids in chunks]))
+        for block in model.blocks:
+            x, _ = block(x, kv_cache=cache, batch=batch)
+        return x
+
+    with torch.no_grad():
+        run([(1, 0, seqs[1][:4]), (2, 0, seqs[2][:8]), (5, 0, seqs[3][:3])])  # earlier steps fill the cache
+        got = run([(3, 0, seqs[0]), (1, 4, seqs[1][4:]), (2, 8, seqs[2][8:]), (5, 3, seqs[3][3:]),
+                   (0, 0, seqs[4])])
+        alone = [model._trunk(s[None], None)[0][0] for s in seqs]
+    want = torch.cat([alone[0], alone[1][4:], alone[2][8:], alone[3][3:], alone[4]])
+    assert (got - want).abs().max() <= 1e-5
 
 
 def test_greedy_generation_equals_argmax_loop():

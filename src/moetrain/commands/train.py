@@ -191,6 +191,14 @@ def run(args) -> int:
     from moetrain.train.trainer import CONFIG_FILE  # torch from here on
 
     world = args.world_size if args.world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    if not resume and world >= 1:  # a resumed run keeps its config.json's micro-batches
+        from moetrain.parallel import microbatches
+        from moetrain.presets import PRESETS
+
+        if not microbatches.given(PRESETS.get(config.preset), file_data, overrides):
+            config, chosen = microbatches.choose(config, world)
+            if chosen:
+                notes.append(f"note: {chosen}")
     if args.dry_run:  # of the config this command would train, the resumed run's included; nothing is written
         from moetrain.parallel.dry_run import dry_run
         from moetrain.train.resume_config import describe
@@ -201,6 +209,8 @@ def run(args) -> int:
             print(f"resuming would change the config: {describe(changes)}")
         if resume:
             _check_steps_cover_checkpoint(config, Path(args.out))
+        for note in notes:
+            print(note)
         for line in dry_run(config, world).lines:
             print(line)
         what = f"the resumed run {args.out}'s config" if resume else "the config"

@@ -54,8 +54,9 @@ class ParallelConfig:
             DualPipe; without a registered overlap callback its forward / backward pairs run one after the other);
             both need ``reshard_after_forward = false``.
         pp_stages_per_rank: pipeline stages (virtual stages) per rank.
-        meta_init: build the model on the meta device and materialise only this rank's shards, initialised from
-            global indices (always on in the FSDP2 engine; also selectable for a single process, for comparison).
+        meta_init: deprecated and ignored (accepted so that older run directories' configs still load): every
+            layout, one process included, builds on the meta device and initialises from global indices
+            (:mod:`moetrain.parallel.meta_init`).
         fsdp: the engine: ``auto`` (FSDP2 when ``dp_shard > 1`` or ``pp > 1``), ``on`` (FSDP2 even when
             ``dp_shard == 1``: non-expert parameters are then still sharded over the ``ep`` ranks of a replica, as
             the planner's layouts assume), ``off`` (the plain data-parallel path; needs ``dp_shard == pp == 1``).

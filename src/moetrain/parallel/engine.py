@@ -141,8 +141,7 @@ class ShardedHooks(ParallelHooks):
         self.grad_accum, self.micro_shape = grad_accum, micro_shape
         self.runner: PipelineRunner | None = None
 
-    def build_model(self, config: ModelConfig, device: torch.device, seed: int = 0, meta_init: bool = False
-                    ) -> nn.Module:
+    def build_model(self, config: ModelConfig, device: torch.device, seed: int = 0) -> nn.Module:
         """The whole model on the meta device (no memory): :meth:`prepare_model` materialises this rank's
         shards only."""
         return build_meta(config)
@@ -290,7 +289,7 @@ class ShardedHooks(ParallelHooks):
 
 def start_sharded(config: Config, device_type: str) -> ShardedHooks:
     """Join the ``torchrun`` job (or stay one process) and build the FSDP2 engine's mesh; the mesh line is
-    printed by rank 0.
+    rank 0's, once (:meth:`ShardedHooks.prepare_model`'s log).
 
     Raises:
         ConfigError: the world size does not fit ``pp * dp_replicate * dp_shard * ep``, NCCL on a CPU run.

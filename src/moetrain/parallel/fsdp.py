@@ -144,13 +144,6 @@ def expert_placement(experts: nn.Module, local_experts: int, shards: int) -> Pla
     return place
 
 
-def set_gradient_sync(model: nn.Module, sync: bool) -> None:
-    """Reduce-scatter gradients at the end of this backward (``True``) or keep accumulating unreduced gradients
-    (``False``: the first micro-batches of a gradient-accumulation step; costs one unsharded gradient copy)."""
-    if isinstance(model, FSDPModule):
-        model.set_requires_gradient_sync(sync)
-
-
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 

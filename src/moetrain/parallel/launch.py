@@ -132,20 +132,14 @@ class ParallelHooks:
         return self.mesh.distributed
 
     # -- model and data ---------------------------------------------------------------------------------------
-    def build_model(self, config: ModelConfig, device: torch.device, seed: int = 0, meta_init: bool = False
-                    ) -> nn.Module:
-        """The whole model on ``device``: initialised by ``MoETransformer.reset_parameters``, or with
-        ``meta_init`` (``parallel.meta_init``) by the per-index initialisation of the sharded engine
-        (:mod:`moetrain.parallel.meta_init`), so that one process starts from the weights an FSDP2 / pipeline
-        job starts from. :class:`~moetrain.parallel.engine.ShardedHooks` builds on the meta device instead."""
-        from moetrain.model.transformer import MoETransformer
+    def build_model(self, config: ModelConfig, device: torch.device, seed: int = 0) -> nn.Module:
+        """The whole model on ``device``, initialised from global indices and ``seed`` (``train.seed``;
+        :mod:`moetrain.parallel.meta_init`): the weights every layout starts from. Built on the meta device first,
+        so no value is drawn twice. :class:`~moetrain.parallel.engine.ShardedHooks` keeps it on the meta device
+        and materialises this rank's shards only."""
+        from moetrain.parallel.meta_init import build_meta, materialise
 
-        model = MoETransformer(config).to(device)
-        if meta_init:
-            from moetrain.parallel.meta_init import init_parameters
-
-            init_parameters(model, config, seed)
-        return model
+        return materialise(build_meta(config), config, device, seed)
 
     def prepare_model(self, model: nn.Module, log: Callable[[str], None] | None = None) -> nn.Module:
         """Shard the experts, attach the dispatchers and activation checkpointing (call before building the

@@ -19,7 +19,6 @@ backend default time-out.
 from __future__ import annotations
 
 import datetime
-import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -202,8 +201,3 @@ def build_layout_mesh(layout: Layout, timeout_s: float, device: torch.device) ->
     return LayoutMesh(layout, rank, (p, r, s, x), device, ep_mesh, dense, expert, stage_group, pp_group, pp_ranks,
                       expert_global)
 
-
-def all_coords(layout: Layout) -> list[tuple[int, int, int, int]]:
-    """Every (p, r, s, x) in rank order (for tests and printing)."""
-    return list(itertools.product(range(layout.pp), range(layout.dp_replicate), range(layout.dp_shard),
-                                  range(layout.ep)))

@@ -41,7 +41,7 @@ from moetrain.parallel.pipeline import StageModule, rank_stages, stage_blocks, s
 from moetrain.parallel.sharding import ExpertShard
 from moetrain.model.transformer import MOE_LOSS_TERMS
 from moetrain.train.config import TrainConfig
-from moetrain.train.step import Accumulated, StepResult
+from moetrain.train.step import Accumulated, StepResult, finish_step
 
 if TYPE_CHECKING:
     from moetrain.model.transformer import MoETransformer
@@ -305,33 +305,8 @@ class PipelineRunner:
             count_reducer: sum of [L_s, E] counts over the stage's data-parallel ranks (``None`` when there is one).
         """
         acc = self.forward_backward([next_batch() for _ in range(self.m)])
-        if reduce_mean is not None:
-            names = list(acc.moe_losses)
-            means = reduce_mean(torch.stack([acc.lm_loss, *acc.moe_losses.values()]))
-            acc.lm_loss, acc.moe_losses = means[0], dict(zip(names, means[1:]))
-        max_norm = config.grad_clip if config.grad_clip > 0 else float("inf")
-        grad_norm = clip_grad_norm(self.local, self.mesh, max_norm)
-        result = StepResult(lm_loss=acc.lm_loss, aux_loss=acc.moe_losses["aux_loss"], z_loss=acc.moe_losses["z_loss"],
-                            grad_norm=grad_norm, lr=scheduler.get_last_lr()[0],
-                            tokens_per_expert=list(acc.tokens_per_expert.unbind(0)), moe_losses=acc.moe_losses,
-                            dropped_per_expert=list(acc.dropped_per_expert.unbind(0)))
-        checked = torch.stack([acc.lm_loss, result.aux_loss, result.z_loss, acc.moe_losses["moe_loss"],
-                               grad_norm.to(acc.lm_loss.dtype)])
-        if not bool(torch.isfinite(checked).all()):
-            optimizer.zero_grad(set_to_none=True)
-            result.skipped = True
-            return result
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        if any(layer.router.e_score_correction_bias is not None for layer in self.moe_layers()):
-            counts = acc.global_counts
-            if counts is None:
-                counts = acc.tokens_per_expert
-                if count_reducer is not None:
-                    counts = count_reducer(counts.clone())
-            with torch.no_grad():
-                for i, layer in enumerate(self.moe_layers()):  # as train.step.update_expert_biases
-                    if layer.router.e_score_correction_bias is not None:
-                        layer.router.update_expert_bias(counts[i])
-        return result
+
+        def clip(max_norm: float) -> torch.Tensor:
+            return clip_grad_norm(self.local, self.mesh, max_norm)
+
+        return finish_step(acc, self.moe_layers(), optimizer, scheduler, config, clip, count_reducer, reduce_mean)
