@@ -289,7 +289,7 @@ class ShardedHooks(ParallelHooks):
 
 def start_sharded(config: Config, device_type: str) -> ShardedHooks:
     """Join the ``torchrun`` job (or stay one process) and build the FSDP2 engine's mesh; the mesh line is
-    printed by rank 0.
+    rank 0's, once (:meth:`ShardedHooks.prepare_model`'s log).
 
     Raises:
         ConfigError: the world size does not fit ``pp * dp_replicate * dp_shard * ep``, NCCL on a CPU run.
