@@ -352,3 +352,29 @@ def test_a_huge_prompt_does_not_stall_the_server(server):
     assert all(r.status_code == 400 and r.json()["error"]["param"] == "prompt" for r in answers)
     assert "context" in answers[0].json()["error"]["message"]
     assert max(waits, default=0.0) < 1.0, waits
+
+
+def test_an_unexpected_error_is_an_openai_500_and_counted(served, monkeypatch):
+    """Whatever escapes an endpoint (here: a bug planted in request preparation) is answered 500 in OpenAI's shape
+    (uvicorn's plain-text 500 before), counted as an error, and the server goes on."""
+    from moetrain.serve.api import Api
+
+    prepare = Api.prepare
+
+    def planted(self, raw, chat):
+        if b"boom" in raw:
+            raise RuntimeError("planted bug")
+        return prepare(self, raw, chat)
+
+    monkeypatch.setattr(Api, "prepare", planted)
+    srv, _ = start_server(served, num_slots=2)
+    try:
+        with httpx.Client(base_url=srv.url, timeout=60) as c:
+            r = c.post("/v1/completions", json={"prompt": "boom"})
+            assert r.status_code == 500 and r.headers["content-type"] == "application/json", r.text
+            err = r.json()["error"]
+            assert err["type"] == "server_error" and set(err) == {"message", "type", "param", "code"}
+            assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+        assert _outcomes(srv.url) == {"error": 1.0, "ok": 1.0}
+    finally:
+        srv.stop()
