@@ -104,18 +104,15 @@ def test_dry_run_refuses_what_the_trainer_refuses(overrides, world, field):
     assert str(e.value).startswith(field), str(e.value)
 
 
-def test_dry_run_of_the_plain_expert_parallel_path_counts_replicated_weights():
-    # parallel.ep=2 alone (fsdp=auto, dp_shard=1, pp=1) trains on the plain path: every rank holds all non-expert
-    # weights and half the experts; only fsdp=on shards the non-expert weights over the ep ranks.
+def test_dry_run_of_expert_parallelism_alone_counts_the_engines_shards():
+    # parallel.ep=2 alone (dp_shard=1, pp=1) runs on the one FSDP2 engine: every rank holds half the experts and
+    # half of each non-expert weight (sharded over the ep ranks), as with the old fsdp=on, which changes nothing.
     cfg = build_config("tiny", overrides={"parallel": {"ep": 2}})
     model = MoETransformer(cfg.model)
-    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
-    held = sum(p.numel() for p in model.parameters()) - experts // 2
-    plain = dry_run(cfg, 2)
-    assert plain.rank_bytes == held * 16
-    assert "non-expert parameters replicated" in plain.lines[0] and "= 2 ranks" in plain.lines[0], plain.lines[0]
-    sharded = dry_run(build_config("tiny", overrides={"parallel": {"ep": 2, "fsdp": "on"}}), 2)
-    assert sharded.rank_bytes < plain.rank_bytes and "sharded over 2 ranks" in sharded.lines[0]
+    run = dry_run(cfg, 2)
+    assert run.rank_bytes < sum(p.numel() for p in model.parameters()) * 16
+    assert "sharded over 2 ranks" in run.lines[0] and "= 2 ranks" in run.lines[0], run.lines[0]
+    assert dry_run(build_config("tiny", overrides={"parallel": {"ep": 2, "fsdp": "on"}}), 2).rank_bytes == run.rank_bytes
 
 
 def test_plan_prints_small_counts_and_rates_readably():

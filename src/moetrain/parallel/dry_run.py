@@ -4,8 +4,8 @@ group, data or memory (the model is built on the meta device).
 What it checks, each failure one line naming the field: the mesh sizes multiply to N (:class:`.layout.Layout`), ``ep``
 divides the experts, the pipeline has at least one block per stage, tied embeddings are not asked of a V-shaped
 schedule (both ends on one rank) and the pooled aux loss is not split over pipeline stages, document packing is not asked of several ranks, the micro-batch splits over the
-data-parallel ranks and into the BTA tiles. What it prints: the mesh (the plain data-parallel path, ``dp_shard = pp =
-1`` without ``fsdp=on``, replicates the non-expert weights), the stages with their blocks (balanced by the cost model:
+data-parallel ranks and into the BTA tiles. What it prints: the mesh (FSDP2 in every layout: non-expert weights
+sharded over the ``dp_shard x ep`` ranks of a replica), the stages with their blocks (balanced by the cost model:
 :func:`.pipeline.stage_blocks`), this layout's per-rank bytes of parameters + gradients + AdamW state counted from the
 meta model's shapes (with FSDP2's row padding), next to the planner's figure for the same stages, and the whole
 model's AdamW groups as the trainer builds them (:func:`moetrain.train.param_groups.param_groups`): tensors,
@@ -91,8 +91,7 @@ def dry_run(config: Config, world: int) -> DryRun:
     from moetrain.parallel.meta_init import build_meta
 
     layout, stages = check(config, world)
-    plain = not config.parallel.sharded  # the plain data-parallel path: non-expert weights replicated on every rank
-    dense_shards = 1 if plain else layout.dp_shard * layout.ep
+    dense_shards = layout.dp_shard * layout.ep
     model = build_meta(config.model)  # shapes only: no memory
     per_stage = []
     for i, blocks in enumerate(stages):
@@ -118,16 +117,12 @@ def dry_run(config: Config, world: int) -> DryRun:
     shape = ModelShape.from_config(config.model)
     planner = sharded_params(count_params(shape), shape.n_layers, layout.ep, layout.pp, layout.dp_shard,
                              placements(stages, held))
-    mesh_line = layout.describe() if not plain else (
-        f"mesh dp {layout.dp_replicate} x ep {layout.ep} = {world} ranks, plain data parallel (parallel.fsdp="
-        f"{config.parallel.fsdp!r}, dp_shard 1, pp 1): non-expert parameters replicated on every rank, experts "
-        f"split over ep; {layout.data_parallel} data-parallel ranks")
-    lines = [mesh_line,
+    lines = [layout.describe(),
              "stages: " + ", ".join(f"{i}: blocks {b.start}-{b.stop - 1}" + (" + embedding" if i == 0 else "")
                                     + (" + norm + LM head" if i == len(stages) - 1 else "")
                                     for i, b in enumerate(stages)),
              f"per rank: {per_rank * STATE_BYTES / 1e9:.2f} GB of fp32 parameters + gradients + AdamW state "
-             f"({per_rank / 1e6:.1f}M parameters; planner{' (FSDP2, fsdp=on)' if plain else ''}: "
+             f"({per_rank / 1e6:.1f}M parameters; planner: "
              f"{planner * STATE_BYTES / 1e9:.2f} GB)",
              *optimizer_lines(model, config)]
     return DryRun(layout, stages, per_rank * STATE_BYTES, planner * STATE_BYTES, lines)

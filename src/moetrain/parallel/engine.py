@@ -1,10 +1,9 @@
-"""The trainer's hooks for the FSDP2 engine (``parallel.dp_shard > 1`` or ``parallel.pp > 1``): the
-``pp x dp_replicate x dp_shard x ep`` mesh (:mod:`.layout`), expert slicing and dispatchers, activation
-checkpointing (:mod:`.ac`), FSDP2 (:mod:`.fsdp`); the same interface as :class:`~.launch.ParallelHooks`.
+"""The trainer's hooks for every ``torchrun`` job: the ``pp x dp_replicate x dp_shard x ep`` mesh (:mod:`.layout`),
+expert slicing and dispatchers, activation checkpointing (:mod:`.ac`), FSDP2 (:mod:`.fsdp`), pipeline stages
+(:mod:`.pipeline_runner`); the interface of :class:`~.launch.ParallelHooks`, the one-process hooks.
 
-What differs from the plain data-parallel hooks:
-
-- gradients are reduce-scattered by FSDP2 during backward (no all-reduce after it); ``sync_grads`` only clips
+- gradients are reduced by FSDP2 during backward (reduce-scattered over the shards, all-reduced over the
+  replicas: plain data parallelism is ``dp_replicate`` with one shard); ``sync_grads`` only clips
   (:func:`.fsdp.clip_grad_norm`);
 - counts and losses are reduced over the data-parallel ranks of a pipeline stage (``stage_group``), not the world:
   the stages hold different layers;
@@ -169,8 +168,10 @@ class ShardedHooks(ParallelHooks):
         self.model = model
         if log is not None:
             held = local_bytes(model)["params"]
-            log(f"parallel: {lm.layout.describe()}; FSDP2 "
-                f"{'ZeRO-3' if self.parallel.reshard_after_forward else 'ZeRO-2'}, activation checkpointing "
+            zero = "ZeRO-3" if self.parallel.reshard_after_forward else "ZeRO-2"
+            if lm.layout.dp_shard * lm.layout.ep == 1:
+                zero = "replicas only (plain data parallel: one unit, gradients all-reduced in backward)"
+            log(f"parallel: {lm.layout.describe()}; FSDP2 {zero}, activation checkpointing "
                 f"{self.parallel.activation_checkpoint}; rank 0 holds {held / 1e6:.2f} MB of parameters")
         return model
 
