@@ -1,4 +1,5 @@
-"""Routed experts: E FFNs stored as 3-D tensors, computed by grouped GEMM, padded batched GEMM or a reference loop.
+"""Routed experts: E FFNs stored as 3-D tensors, computed by one of four named backends (fused, grouped GEMM, padded
+batched GEMM, the reference loop).
 
 Legend: R = dispatched rows (grouped by expert), D = hidden, E = experts, F = expert FFN hidden, C = capacity.
 

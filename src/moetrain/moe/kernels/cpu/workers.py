@@ -117,8 +117,9 @@ def workers_for(device: torch.device) -> int:
 def run_largest_first(fn: Callable[[T], None], items: Sequence[T], sizes: Sequence[int]) -> None:
     """``fn(item)`` for every item, on single-threaded workers that each take the largest item left whenever they
     are free (a shared queue), when PyTorch has several intra-op threads; inline otherwise. ``fn`` runs without
-    gradient tracking, in the caller's ``torch.inference_mode`` state (see the module docstring). Re-raises the first exception (the other workers stop at their next item), also an
-    interrupt of the wait, and only once every worker has stopped (they write into the caller's buffers).
+    gradient tracking, in the caller's ``torch.inference_mode`` state (see the module docstring). Re-raises the
+    first exception (the other workers stop at their next item), also an interrupt of the wait, and only once every
+    worker has stopped (they write into the caller's buffers).
 
     Why a queue rather than a fixed split: the cores of a shared machine do not run at the same speed from moment
     to moment, and experts' row counts differ; a worker that falls behind takes fewer items instead of holding up
