@@ -17,7 +17,7 @@ import torch
 from conftest import sample_text
 from moetrain.cli import main
 from moetrain.config import build_config
-from moetrain.model.transformer import MoETransformer
+from moetrain.parallel import meta_init
 from moetrain.train.alerts import read_alerts
 from moetrain.train.trainer import Trainer
 
@@ -69,15 +69,15 @@ COLLAPSE_MOE = {"router": {"expert_bias": True, "expert_bias_update_rate": 0.0}}
 def forced_collapse(monkeypatch):
     """Initialise every model with a +100 selection bias on experts 0 and 1 of each MoE layer, so that every token
     chooses experts 0 and 1 (top-2 of 4) whatever its router logits."""
-    original = MoETransformer.reset_parameters
+    original = meta_init.init_parameters  # every layout's initialisation, one process included
 
     @torch.no_grad()
-    def collapsed(self):
-        original(self)
-        for layer in self.moe_layers():
+    def collapsed(model, *args, **kwargs):
+        original(model, *args, **kwargs)
+        for layer in model.moe_layers():
             layer.router.e_score_correction_bias[:2] = 100.0
 
-    monkeypatch.setattr(MoETransformer, "reset_parameters", collapsed)
+    monkeypatch.setattr(meta_init, "init_parameters", collapsed)
 
 
 def test_healthy_tiny_run_raises_no_alarm(healthy_run):
