@@ -80,7 +80,7 @@ def _assert_same_as_reference(run: Path, ref: Path) -> None:
 def _records(run: Path) -> list[dict]:
     """The records but their timings and the resume records (``"event": "resume"``, which a killed run adds: each
     names a checkpoint step and the steps logged after it, now recomputed)."""
-    timing = ("tokens_per_s", "step_time", "seconds", "elapsed", "mfu", "data_wait_s", "monitor_s")
+    timing = ("tokens_per_s", "step_time", "seconds", "elapsed", "mfu", "data_wait_s", "monitor_s", "mem/")
     records = metrics(run)
     for r in records:
         if r.get("event") == "resume":

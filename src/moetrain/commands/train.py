@@ -246,7 +246,7 @@ def run(args) -> int:
     from moetrain.train.trainer import resolve_device
 
     check(config, world)  # the layout --dry-run checks, before --overwrite can delete the old run
-    check_fits(config, resolve_device(config.train.device).type)  # before any allocation or write
+    check_fits(config, resolve_device(config.train.device).type, world=world)  # before any allocation or write
 
     had_files = run_dir.is_dir() and bool(os.listdir(run_dir))  # before the lock creates the directory and its file
     with RunLock(run_dir) if owner else contextlib.nullcontext():

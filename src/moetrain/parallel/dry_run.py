@@ -42,14 +42,6 @@ class DryRun:
     lines: list[str]
 
 
-def _ceil_rows(shape: tuple[int, ...] | torch.Size, shards: int) -> int:
-    """Elements of the largest FSDP2 shard of a tensor of ``shape`` over ``shards`` ranks (dim 0, padded)."""
-    rest = 1
-    for d in shape[1:]:
-        rest *= d
-    return -(-shape[0] // shards) * rest if len(shape) else 1
-
-
 def check(config: Config, world: int) -> tuple[Layout, list[range]]:
     """The layout and pipeline stages of ``config`` on ``world`` ranks.
 
@@ -91,26 +83,10 @@ def dry_run(config: Config, world: int) -> DryRun:
     from moetrain.parallel.meta_init import build_meta
 
     layout, stages = check(config, world)
-    dense_shards = layout.dp_shard * layout.ep
+    from moetrain.parallel.memory import memory_lines, stage_elements
+
     model = build_meta(config.model)  # shapes only: no memory
-    per_stage = []
-    for i, blocks in enumerate(stages):
-        names = {f"blocks.{b}." for b in blocks}
-        elems = 0
-        for name, p in model.named_parameters():
-            first = i == 0 and name.startswith("embed_tokens.")
-            last = i == len(stages) - 1 and name.startswith(("norm.", "lm_head."))
-            if not (first or last or any(name.startswith(n) for n in names)):
-                continue
-            if ".experts." in name:  # E / ep experts, sharded over dp_shard (on dim 1 when fewer: fsdp.py)
-                local = p.shape[0] // layout.ep
-                if local >= layout.dp_shard:
-                    elems += _ceil_rows((local, *p.shape[1:]), layout.dp_shard)
-                else:
-                    elems += local * _ceil_rows(p.shape[1:], layout.dp_shard)
-            else:
-                elems += _ceil_rows(p.shape, dense_shards)
-        per_stage.append(elems)
+    per_stage = [sharded for sharded, _ in stage_elements(model, config, layout, stages)]
     held = [rank_stages(r, layout.pp, config.parallel.pp_stages_per_rank, config.parallel.pp_schedule)
             for r in range(layout.pp)]
     per_rank = max(sum(per_stage[s] for s in mine) for mine in held)
@@ -124,6 +100,7 @@ def dry_run(config: Config, world: int) -> DryRun:
              f"per rank: {per_rank * STATE_BYTES / 1e9:.2f} GB of fp32 parameters + gradients + AdamW state "
              f"({per_rank / 1e6:.1f}M parameters; planner: "
              f"{planner * STATE_BYTES / 1e9:.2f} GB)",
+             *memory_lines(config, world, model),
              *optimizer_lines(model, config)]
     return DryRun(layout, stages, per_rank * STATE_BYTES, planner * STATE_BYTES, lines)
 

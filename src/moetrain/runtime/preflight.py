@@ -28,18 +28,73 @@ def human_bytes(n: float) -> str:
 
 def available_memory(device_type: str = "cpu") -> float:
     """Bytes free for this process: ``MemAvailable`` of ``/proc/meminfo`` on Linux (physical RAM elsewhere), or
-    the CUDA device's free memory."""
+    less where a per-process limit leaves less (:func:`process_limit`); or the CUDA device's free memory."""
     if device_type == "cuda":
         import torch
 
         return float(torch.cuda.mem_get_info()[0])
+    free = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     try:
         for line in open("/proc/meminfo"):
             if line.startswith("MemAvailable:"):
-                return float(line.split()[1]) * 1024
+                free = float(line.split()[1]) * 1024
     except OSError:
         pass
-    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    limit = process_limit()
+    return free if limit is None else min(free, limit[1])
+
+
+def process_limit() -> tuple[str, float] | None:
+    """The tighter of this process's ``RLIMIT_DATA`` and ``RLIMIT_AS`` soft limits (``ulimit -d`` / ``-v``, a
+    scheduler's or a benchmark's cap) as (name, bytes still free under it: the limit minus ``VmData`` / ``VmSize``
+    of ``/proc/self/status``); ``None`` without a limit."""
+    import resource
+
+    use = {}
+    try:
+        for line in open("/proc/self/status"):
+            key, _, rest = line.partition(":")
+            if key in ("VmData", "VmSize"):
+                use[key] = float(rest.split()[0]) * 1024
+    except OSError:
+        return None
+    found = []
+    for name, which, key in (("RLIMIT_DATA", resource.RLIMIT_DATA, "VmData"),
+                             ("RLIMIT_AS", resource.RLIMIT_AS, "VmSize")):
+        soft = resource.getrlimit(which)[0]
+        if soft != resource.RLIM_INFINITY and key in use:
+            found.append((name, max(float(soft) - use[key], 0.0)))
+    return min(found, key=lambda f: f[1]) if found else None
+
+
+def sharded_suggestion(config, free: float, device_type: str = "cpu") -> str:
+    """The smallest FSDP2 layout (``parallel.dp_shard = N``, N = 2, 4, ... 64) whose busiest rank's estimate
+    (:func:`moetrain.parallel.memory.rank_memory`) fits ``free`` bytes, as a phrase for an error message."""
+    from dataclasses import replace
+
+    from moetrain.errors import MoetrainError
+    from moetrain.parallel.config import ParallelConfig
+    from moetrain.parallel.memory import rank_memory
+
+    if estimate_memory(config).state / 64 > free:  # even the whole state split 64 ways does not fit
+        return "no dp_shard of up to 64 processes fits either; see `moetrain plan`"
+    for n in (2, 4, 8, 16, 32, 64):
+        try:
+            layout = replace(config, parallel=ParallelConfig(dp_shard=n), train=replace(config.train,
+                             batch_size=max(config.train.batch_size, n) // n * n))
+            need = max(r.total for r in rank_memory(layout, n)) + _batch_bytes(layout)
+        except (MoetrainError, RuntimeError):  # a layout this model cannot take (e.g. experts over shards)
+            continue
+        if need <= free:
+            gpus = " (one GPU each)" if device_type == "cuda" else ""
+            return (f"try parallel.dp_shard={n} on {n} processes{gpus}: `torchrun --nproc_per_node {n} -m moetrain "
+                    f"train ... parallel.dp_shard={n}` (about {human_bytes(need)} per process)")
+    return "no dp_shard of up to 64 processes fits either; see `moetrain plan`"
+
+
+def _batch_bytes(config) -> float:
+    t, seq = config.train, config.data.seq_len
+    return float(2 * 8 * t.batch_size * seq * (1 + t.eval_batches))
 
 
 @dataclass(frozen=True)
@@ -79,26 +134,40 @@ def estimate_memory(config) -> MemoryEstimate:
     return MemoryEstimate(state=float(state), activations=float(act), batches=float(batches))
 
 
-def check_fits(config, device_type: str = "cpu", free: float | None = None) -> MemoryEstimate:
-    """Refuse a config whose estimate exceeds the free memory, naming the fields that size the larger part.
+def check_fits(config, device_type: str = "cpu", free: float | None = None, world: int = 1) -> MemoryEstimate:
+    """Refuse a config whose estimate exceeds the free memory, naming the fields that size the larger part. On
+    ``world > 1`` ranks of a sharded or pipelined layout the estimate is the busiest rank's
+    (:func:`moetrain.parallel.memory.rank_memory`: its shards, gathered parameters and activations).
 
     Raises:
         ConfigError: the model state (``model.*``) or one micro-batch (``train.batch_size`` x ``data.seq_len``)
-            cannot fit; the message gives the estimate and the free memory.
+            cannot fit; the message gives the estimate, the free memory (and the per-process limit that sets it)
+            and, for the model state, the smallest ``parallel.dp_shard`` layout that fits.
     """
     from moetrain.analysis.shape import ModelShape
 
     est = estimate_memory(config)
+    if world > 1 and config.parallel.sharded:
+        from moetrain.parallel.memory import rank_memory
+
+        busiest = max(rank_memory(config, world), key=lambda r: r.total)
+        est = MemoryEstimate(state=busiest.state + busiest.gathered, activations=busiest.activations,
+                             batches=est.batches)
+    limit = process_limit() if free is None and device_type == "cpu" else None
     free = available_memory(device_type) if free is None else free
     if est.total <= free:
         return est
     s, t = ModelShape.from_config(config.model), config.train
     have = f"this machine has {human_bytes(free)} free"
+    if limit is not None and limit[1] <= free:
+        have = f"this process may use {human_bytes(free)} more under its {limit[0]} limit"
     if est.state >= est.activations + est.batches:
         fields = (f"model.hidden={s.hidden}, model.n_layers={s.n_layers}, model.vocab_size={s.vocab}, "
                   f"{s.num_experts} experts of FFN width {s.expert_ffn}")
-        raise ConfigError(f"model.hidden: the model ({fields}) needs about {human_bytes(est.state)} for weights, "
-                          f"gradients and AdamW state alone, before any activation; {have}")
+        where = "per rank " if world > 1 else ""
+        raise ConfigError(f"model.hidden: the model ({fields}) needs about {human_bytes(est.state)} {where}for "
+                          f"weights, gradients and AdamW state alone, before any activation; {have} (out of "
+                          f"memory); {sharded_suggestion(config, free, device_type)}")
     raise ConfigError(f"train.batch_size: one micro-batch of {t.batch_size} x data.seq_len={config.data.seq_len} "
                       f"tokens needs about {human_bytes(est.activations + est.batches)} of activations and token "
                       f"batches (+ {human_bytes(est.state)} of model state); {have}; lower train.batch_size "

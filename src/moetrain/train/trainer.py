@@ -34,6 +34,7 @@ from moetrain.parallel.launch import ParallelHooks
 from moetrain.train.checkpoint import (CheckpointStore, CorruptCheckpoint, LoadedCheckpoint, load_model_weights,
                                        write_file_atomic)
 from moetrain.train.checkpointer import Checkpointer
+from moetrain.train import memory_stats
 from moetrain.train.metrics import MetricsLogger
 from moetrain.train.monitor import RoutingMonitor
 from moetrain.train.param_groups import param_groups
@@ -179,6 +180,7 @@ class Trainer:
         self.init_weights, self.init_tokenizer = init_weights, init_tokenizer
         self.device = resolve_device(config.train.device)
         self.hooks = hooks if hooks is not None else ParallelHooks.local(self.device)
+        self._memory_baseline = 0  # bytes in use before the model was built (train/memory_stats.py)
 
     # -- the loop ----------------------------------------------------------------------------------------------
     def run(self, stop_at_step: int | None = None) -> TrainResult:
@@ -267,6 +269,8 @@ class Trainer:
         with s.report.console.monitoring():  # counted in the next record's monitor_s
             record.update(s.state.monitor.flush(step, s.report.metrics.writer))
         record.update(self.hooks.step_metrics())  # per-rank tokens and bytes exchanged
+        record.update(memory_stats.memory_record(s.state.model, s.state.optimizer, self.device,
+                                                 self._memory_baseline))  # per-rank peak memory (a collective)
         padding = s.state.sampler.take_padding_fraction()  # packed documents only
         if padding is not None:
             record["padding_fraction"] = padding
@@ -340,6 +344,7 @@ class Trainer:
         data, tokenizer = self.hooks.prepare_data(lambda: self._prepare(ckpt), cfg.data, cfg.model.vocab_size)
         pipeline = self._pipeline(data)
         val_set = pipeline.val
+        self._memory_baseline = memory_stats.reset_peak(self.device)  # before the model: what training adds
         state = self._build_state(data, ckpt, pipeline)
         checkpointer.layout = self.hooks.layout  # the expert shards exist now
         ckpt, saved = self._restore(checkpointer, ckpt, state, corrupt)
