@@ -147,7 +147,7 @@ def check_fits(config, device_type: str = "cpu", free: float | None = None, worl
     from moetrain.analysis.shape import ModelShape
 
     est = estimate_memory(config)
-    if world > 1 and config.parallel.sharded:
+    if world > 1:
         from moetrain.parallel.memory import rank_memory
 
         busiest = max(rank_memory(config, world), key=lambda r: r.total)
