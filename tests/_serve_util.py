@@ -4,9 +4,22 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 from conftest import sample_text
 
 from moetrain.cli import main
+
+
+# the session's intra-op thread count as conftest set it (torch's default, at most 2): what `moetrain serve` runs at
+# unless --threads is given; read at collection, before any in-process training sets its own
+DEFAULT_THREADS = torch.get_num_threads()
+
+
+def at_default_threads() -> int:
+    """Set the intra-op thread count back to the session's default (training in-process sets one thread) and
+    return it."""
+    torch.set_num_threads(DEFAULT_THREADS)
+    return DEFAULT_THREADS
 
 
 def train_tiny(root: Path, steps: int = 40) -> Path:

@@ -16,7 +16,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
-from _serve_util import start_server, train_tiny  # noqa: E402
+from _serve_util import at_default_threads, start_server, train_tiny  # noqa: E402
 
 from moetrain.model.generate import generate  # noqa: E402
 from moetrain.serve.chat import load_chat_template, plain_prompt  # noqa: E402
@@ -25,7 +25,9 @@ from moetrain.serve.loader import load_served_model  # noqa: E402
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    return load_served_model(str(train_tiny(tmp_path_factory.mktemp("serve_openai"))))
+    run = train_tiny(tmp_path_factory.mktemp("serve_openai"))
+    at_default_threads()  # the in-process training left one thread; serving runs at the default
+    return load_served_model(str(run))
 
 
 @pytest.fixture(scope="module")
