@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -13,6 +14,18 @@ from moetrain.cli import main
 # the session's intra-op thread count as conftest set it (torch's default, at most 2): what `moetrain serve` runs at
 # unless --threads is given; read at collection, before any in-process training sets its own
 DEFAULT_THREADS = torch.get_num_threads()
+
+
+@contextlib.contextmanager
+def one_thread_now():
+    """One intra-op thread inside the block (the engine's steps too): for requests compared token for token with
+    each alone, which holds where the batch's other rows cannot change the rounding."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
 
 
 def at_default_threads() -> int:

@@ -18,7 +18,7 @@ import torch
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
-from _serve_util import at_default_threads, start_server, train_tiny  # noqa: E402
+from _serve_util import at_default_threads, one_thread_now, start_server, train_tiny  # noqa: E402
 
 from moetrain.model.generate import generate  # noqa: E402
 from moetrain.serve.loader import load_served_model  # noqa: E402
@@ -286,16 +286,12 @@ def test_the_bystander_was_unaffected_and_every_outcome_is_counted(server, serve
 
 
 @pytest.fixture
-def one_thread_now():
-    """One intra-op thread for this test (the engine's steps too): its requests are compared token for token with
-    each alone, which holds where the batch's other rows cannot change the rounding."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def one_thread():
+    with one_thread_now():
+        yield
 
 
-def test_a_request_whose_sampling_fails_fails_alone(served, one_thread_now):
+def test_a_request_whose_sampling_fails_fails_alone(served, one_thread):
     """Eleven requests in flight; one's sampling raises (a logit_bias token outside the vocabulary, which the HTTP
     API refuses up front, sent to the engine directly): it gets its own error event, the ten others their solo
     answers."""
@@ -331,7 +327,7 @@ def test_a_request_whose_sampling_fails_fails_alone(served, one_thread_now):
         assert [t for ev in events[i] for t in ev.token_ids] == _reference(served, prompts[i], 8, 0.8, seed=i)
 
 
-def test_tiny_temperature_among_ten_others_over_http(server, served, one_thread_now):
+def test_tiny_temperature_among_ten_others_over_http(server, served, one_thread):
     """The issue's case: {"prompt": "hello", "max_tokens": 4, "temperature": 1e-300} in flight with ten seeded
     requests: all eleven are answered, the ten with their solo answers."""
     url = server[0].url
