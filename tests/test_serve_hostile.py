@@ -286,12 +286,12 @@ def test_the_bystander_was_unaffected_and_every_outcome_is_counted(server, serve
 
 
 @pytest.fixture
-def one_thread():
+def one_thread_here():  # conftest's one_thread is module-wide
     with one_thread_now():
         yield
 
 
-def test_a_request_whose_sampling_fails_fails_alone(served, one_thread):
+def test_a_request_whose_sampling_fails_fails_alone(served, one_thread_here):
     """Eleven requests in flight; one's sampling raises (a logit_bias token outside the vocabulary, which the HTTP
     API refuses up front, sent to the engine directly): it gets its own error event, the ten others their solo
     answers."""
@@ -327,7 +327,7 @@ def test_a_request_whose_sampling_fails_fails_alone(served, one_thread):
         assert [t for ev in events[i] for t in ev.token_ids] == _reference(served, prompts[i], 8, 0.8, seed=i)
 
 
-def test_tiny_temperature_among_ten_others_over_http(server, served, one_thread):
+def test_tiny_temperature_among_ten_others_over_http(server, served, one_thread_here):
     """The issue's case: {"prompt": "hello", "max_tokens": 4, "temperature": 1e-300} in flight with ten seeded
     requests: all eleven are answered, the ten with their solo answers."""
     url = server[0].url

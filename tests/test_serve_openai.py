@@ -174,12 +174,12 @@ def test_logprobs_are_the_models(served, client):
 
 
 @pytest.fixture
-def one_thread():
+def one_thread_here():  # conftest's one_thread is module-wide
     with one_thread_now():  # batches of several rows compared with one alone: equal where rounding cannot differ
         yield
 
 
-def test_echo_stop_token_id_and_list_prompts(served, client, one_thread):
+def test_echo_stop_token_id_and_list_prompts(served, client, one_thread_here):
     sm = served
     plain = client.completions.create(model=sm.name, prompt="ROMEO:", max_tokens=8, temperature=0).choices[0].text
     echoed = client.completions.create(model=sm.name, prompt="ROMEO:", max_tokens=8, temperature=0, echo=True)
