@@ -2,11 +2,37 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
+import torch
 from conftest import sample_text
 
 from moetrain.cli import main
+
+
+# the session's intra-op thread count as conftest set it (torch's default, at most 2): what `moetrain serve` runs at
+# unless --threads is given; read at collection, before any in-process training sets its own
+DEFAULT_THREADS = torch.get_num_threads()
+
+
+@contextlib.contextmanager
+def one_thread_now():
+    """One intra-op thread inside the block (the engine's steps too): for requests compared token for token with
+    each alone, which holds where the batch's other rows cannot change the rounding."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+def at_default_threads() -> int:
+    """Set the intra-op thread count back to the session's default (training in-process sets one thread) and
+    return it."""
+    torch.set_num_threads(DEFAULT_THREADS)
+    return DEFAULT_THREADS
 
 
 def train_tiny(root: Path, steps: int = 40) -> Path:

@@ -18,7 +18,7 @@ import torch
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
-from _serve_util import start_server, train_tiny  # noqa: E402
+from _serve_util import at_default_threads, one_thread_now, start_server, train_tiny  # noqa: E402
 
 from moetrain.model.generate import generate  # noqa: E402
 from moetrain.serve.loader import load_served_model  # noqa: E402
@@ -29,7 +29,9 @@ HEADER_S, READ_S, MAX_CONN = 1.0, 1.0, 48
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    return load_served_model(str(train_tiny(tmp_path_factory.mktemp("serve_hostile"))))
+    run = train_tiny(tmp_path_factory.mktemp("serve_hostile"))
+    at_default_threads()  # the in-process training left one thread; serving runs at the default
+    return load_served_model(str(run))
 
 
 def _reference(sm, prompt: str, n: int, temperature: float = 0.0, seed: int = 0) -> list[int]:
@@ -236,13 +238,14 @@ def test_disconnects_free_their_slots_and_are_counted(server):
     srv, engine, _ = server
     before = _outcomes(srv.url)
     with httpx.Client(base_url=srv.url, timeout=60) as c:
-        with c.stream("POST", "/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 100, "stream": True,
-                                                       "temperature": 0.9}) as r:
+        # long requests (4 choices x 110 tokens: hundreds of steps), so that they cannot end before the client leaves
+        with c.stream("POST", "/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 110, "stream": True,
+                                                       "temperature": 0.9, "n": 4}) as r:
             next(r.iter_lines())  # one chunk, then leave
     # a non-streaming client that leaves while its request runs
     s = _connect(srv.url)
-    s.sendall(_post(b'{"prompt": "The king", "max_tokens": 100, "temperature": 0.9}'))
-    time.sleep(0.3)
+    s.sendall(_post(b'{"prompt": "The king", "max_tokens": 110, "temperature": 0.9, "n": 4}'))
+    time.sleep(0.05)
     s.close()
     # a body cut off by a disconnect
     s = _connect(srv.url)
@@ -252,9 +255,9 @@ def test_disconnects_free_their_slots_and_are_counted(server):
     while time.monotonic() < deadline and _outcomes(srv.url).get("cancelled", 0) - before.get("cancelled", 0) < 3:
         time.sleep(0.1)
     assert _outcomes(srv.url).get("cancelled", 0) - before.get("cancelled", 0) == 3
-    while time.monotonic() < deadline and engine.running and all(len(r.out_ids) > 50 for r in engine.running):
+    while time.monotonic() < deadline and any(r.max_tokens == 110 for r in engine.running):
         time.sleep(0.1)
-    assert not any(r.max_tokens == 100 for r in engine.running)  # both long requests were dropped
+    assert not any(r.max_tokens == 110 for r in engine.running)  # both long requests were dropped
 
 
 def _outcomes(url: str) -> dict[str, float]:
@@ -270,8 +273,10 @@ def test_the_bystander_was_unaffected_and_every_outcome_is_counted(server, serve
     bystander.stop.set()
     bystander.thread.join(timeout=60)
     assert len(bystander.results) >= 5
-    want = {s: _reference(served, "ROMEO:", 6, 0.9, seed=s) for s in range(3)}
-    bad = [(s, code, got) for s, code, got in bystander.results if code != 200 or got != want[s]]
+    # every answer whole (token for token equality with the request alone is asserted at one thread, below and in
+    # test_serve_api: at several, other batch sizes may round differently in the last bits)
+    bad = [(s, code, got) for s, code, got in bystander.results
+           if code != 200 or not (len(got) == 6 or got[-1] == served.eos_id)]
     assert not bad, bad[:3]
     assert httpx.get(srv.url + "/health", timeout=30).json()["status"] == "ok"
     outcomes = _outcomes(srv.url)
@@ -280,7 +285,13 @@ def test_the_bystander_was_unaffected_and_every_outcome_is_counted(server, serve
     assert outcomes["timeout"] >= 5 and outcomes["rejected"] >= 200 - MAX_CONN and outcomes["cancelled"] >= 3
 
 
-def test_a_request_whose_sampling_fails_fails_alone(served):
+@pytest.fixture
+def one_thread_here():  # conftest's one_thread is module-wide
+    with one_thread_now():
+        yield
+
+
+def test_a_request_whose_sampling_fails_fails_alone(served, one_thread_here):
     """Eleven requests in flight; one's sampling raises (a logit_bias token outside the vocabulary, which the HTTP
     API refuses up front, sent to the engine directly): it gets its own error event, the ten others their solo
     answers."""
@@ -316,7 +327,7 @@ def test_a_request_whose_sampling_fails_fails_alone(served):
         assert [t for ev in events[i] for t in ev.token_ids] == _reference(served, prompts[i], 8, 0.8, seed=i)
 
 
-def test_tiny_temperature_among_ten_others_over_http(server, served):
+def test_tiny_temperature_among_ten_others_over_http(server, served, one_thread_here):
     """The issue's case: {"prompt": "hello", "max_tokens": 4, "temperature": 1e-300} in flight with ten seeded
     requests: all eleven are answered, the ten with their solo answers."""
     url = server[0].url
@@ -337,7 +348,8 @@ def test_tiny_temperature_among_ten_others_over_http(server, served):
 
 def test_a_huge_prompt_does_not_stall_the_server(server):
     """Tokenization runs off the event loop, and a prompt far over the context is refused from a prefix: /health
-    answers promptly while 1 MB prompts are refused (each took seconds of tokenizing on the event loop)."""
+    answers while 1 MB prompts are refused (each took seconds of tokenizing on the event loop, in turn; the bound
+    leaves room for a shared machine's hiccups)."""
     url = server[0].url
     text = "def x(self, y):\n    return self.z(w) " * 25_000  # ~1 MB
     with cf.ThreadPoolExecutor(4) as pool:
@@ -351,7 +363,7 @@ def test_a_huge_prompt_does_not_stall_the_server(server):
         answers = [f.result() for f in big]
     assert all(r.status_code == 400 and r.json()["error"]["param"] == "prompt" for r in answers)
     assert "context" in answers[0].json()["error"]["message"]
-    assert max(waits, default=0.0) < 1.0, waits
+    assert max(waits, default=0.0) < 3.0, waits  # on the event loop: 2 s or more per 1 MB prompt, one after another
 
 
 def test_an_unexpected_error_is_an_openai_500_and_counted(served, monkeypatch):

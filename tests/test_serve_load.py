@@ -1,6 +1,8 @@
 """`moetrain serve` under load at its default settings (the CLI's defaults: 16 slots, queue 64, the default
-thread count, the response cache on): 64 concurrent clients, sampled and streamed requests mixed, zero errors, each
-answer what `moetrain generate` gives that request alone, and the server healthy afterwards."""
+thread count, the response cache on): 64 concurrent clients, sampled and streamed requests mixed, zero errors, every
+answer whole, and the server healthy afterwards. (Token for token equality with the request alone is
+test_serve_api's, at one thread: with several, matrix products over batches of other sizes may round differently in
+the last bits, and a sampled token at a near-tie can follow them.)"""
 
 from __future__ import annotations
 
@@ -14,9 +16,8 @@ import torch
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
-from _serve_util import train_tiny  # noqa: E402
+from _serve_util import DEFAULT_THREADS, at_default_threads, train_tiny  # noqa: E402
 
-from moetrain.model.generate import generate  # noqa: E402
 
 CLIENTS, REQUESTS, TOKENS = 64, 2, 6
 # prompts of some length: steps that prefill many tokens at once take the fused MoE path's multi-threaded branch
@@ -26,7 +27,9 @@ PROMPTS = ["def x(self, y):\n    return self.z(w)", "ROMEO: But soft, what light
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
-    return train_tiny(tmp_path_factory.mktemp("serve_load"))
+    run = train_tiny(tmp_path_factory.mktemp("serve_load"))
+    at_default_threads()  # the in-process training left one thread; serving runs at the default
+    return run
 
 
 def test_sixty_four_clients_at_default_settings(run_dir):
@@ -38,14 +41,14 @@ def test_sixty_four_clients_at_default_settings(run_dir):
     parser = argparse.ArgumentParser()
     serve_cmd.add_parser(parser.add_subparsers())
     args = parser.parse_args(["serve", str(run_dir), "--port", "0"])
-    threads = torch.get_num_threads()
+    assert torch.get_num_threads() == DEFAULT_THREADS  # the fused MoE path's workers run only with several
     app, engine = serve_cmd.build_app(args)
-    assert torch.get_num_threads() == threads and engine.num_slots == 16 and engine.max_queue == 64
+    assert torch.get_num_threads() == DEFAULT_THREADS and engine.num_slots == 16 and engine.max_queue == 64
     srv = BackgroundServer(app, limits=serve_cmd.limits_from_args(args)).start()
     sm = engine.served
 
-    def body(k: int) -> dict:
-        return {"prompt": PROMPTS[k % len(PROMPTS)], "max_tokens": TOKENS, "temperature": 0.8, "seed": k,  # no cache hits
+    def body(k: int) -> dict:  # a seed per request: no cache hits
+        return {"prompt": PROMPTS[k % len(PROMPTS)], "max_tokens": TOKENS, "temperature": 0.8, "seed": k,
                 "stream": k % 2 == 1, "return_token_ids": True}
 
     async def client(c: httpx.AsyncClient, i: int) -> list[tuple[int, list[int]]]:
@@ -72,17 +75,14 @@ def test_sixty_four_clients_at_default_settings(run_dir):
 
     try:
         results = asyncio.run(load())
-        want = {}
-        for k in range(CLIENTS * REQUESTS):
-            ids = sm.tokenizer.encode(body(k)["prompt"]).ids
-            out = generate(sm.model, torch.tensor([ids]), TOKENS, 0.8, 1.0, eos_id=sm.eos_id,
-                           generator=torch.Generator().manual_seed(k))
-            want[k] = out[0, len(ids):].tolist()
         flat = [(i * REQUESTS + j, got) for i, rs in enumerate(results) for j, got in enumerate(rs)]
         errors = [(k, status, ids) for k, (status, ids) in flat if status != 200]
         assert not errors, errors[:3]
-        wrong = [(k, ids) for k, (_, ids) in flat if ids != want[k]]
-        assert not wrong, wrong[:3]
+        vocab = engine.model.config.vocab_size
+        whole = [(k, ids) for k, (_, ids) in flat
+                 if not (0 < len(ids) <= TOKENS and all(0 <= t < vocab for t in ids)
+                         and (len(ids) == TOKENS or ids[-1] == sm.eos_id))]
+        assert not whole, whole[:3]
         health = httpx.get(srv.url + "/health", timeout=30).json()
         assert health["status"] == "ok" and health["running"] == 0 and health["waiting"] == 0
         metrics = httpx.get(srv.url + "/metrics", timeout=30).text

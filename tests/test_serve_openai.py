@@ -16,7 +16,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
-from _serve_util import start_server, train_tiny  # noqa: E402
+from _serve_util import at_default_threads, one_thread_now, start_server, train_tiny  # noqa: E402
 
 from moetrain.model.generate import generate  # noqa: E402
 from moetrain.serve.chat import load_chat_template, plain_prompt  # noqa: E402
@@ -25,7 +25,9 @@ from moetrain.serve.loader import load_served_model  # noqa: E402
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    return load_served_model(str(train_tiny(tmp_path_factory.mktemp("serve_openai"))))
+    run = train_tiny(tmp_path_factory.mktemp("serve_openai"))
+    at_default_threads()  # the in-process training left one thread; serving runs at the default
+    return load_served_model(str(run))
 
 
 @pytest.fixture(scope="module")
@@ -129,8 +131,9 @@ def test_models_and_a_wrong_model_name(served, client):
 def test_n_choices_are_the_seeded_single_requests(served, client):
     """n=3 with seed s: choice j is what a single request with seed s + j gets."""
     sm = served
-    got = client.completions.create(model=sm.name, prompt="O night", max_tokens=10, temperature=1.0, seed=40, n=3,
-                                    extra_body={"return_token_ids": True})
+    with one_thread_now():  # three rows in one batch, compared with each alone
+        got = client.completions.create(model=sm.name, prompt="O night", max_tokens=10, temperature=1.0, seed=40,
+                                        n=3, extra_body={"return_token_ids": True})
     assert [c.index for c in got.choices] == [0, 1, 2]
     for j, c in enumerate(got.choices):
         assert c.model_extra["token_ids"] == _generate(sm, _ids(sm, "O night"), 10, 1.0, 1.0, seed=40 + j)
@@ -170,7 +173,13 @@ def test_logprobs_are_the_models(served, client):
     assert all(x.logprob <= 0 and x.top_logprobs[0].logprob >= x.top_logprobs[1].logprob for x in content)
 
 
-def test_echo_stop_token_id_and_list_prompts(served, client):
+@pytest.fixture
+def one_thread_here():  # conftest's one_thread is module-wide
+    with one_thread_now():  # batches of several rows compared with one alone: equal where rounding cannot differ
+        yield
+
+
+def test_echo_stop_token_id_and_list_prompts(served, client, one_thread_here):
     sm = served
     plain = client.completions.create(model=sm.name, prompt="ROMEO:", max_tokens=8, temperature=0).choices[0].text
     echoed = client.completions.create(model=sm.name, prompt="ROMEO:", max_tokens=8, temperature=0, echo=True)

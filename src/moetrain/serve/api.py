@@ -309,7 +309,8 @@ class Api:
         self.served = engine.served
         self.created = int(time.time())
         self.chat_template = load_chat_template(getattr(self.served, "root", ""))
-        self.vocab = self.served.tokenizer.get_vocab_size()
+        # token ids a request may name (prompt, logit_bias): ones both the tokenizer and the embedding have
+        self.vocab = min(self.served.tokenizer.get_vocab_size(), engine.model.config.vocab_size)
 
     # --- worker thread: parse, validate, tokenise -----------------------------------------------------------
     def prepare(self, raw: bytes, chat: bool) -> Prepared:
