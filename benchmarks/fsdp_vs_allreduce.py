@@ -1,15 +1,16 @@
-"""FSDP2 (``parallel.dp_shard=2``, ZeRO-3 and ZeRO-2) against the hand-written bucketed all-reduce data parallel
-(``parallel.fsdp=off``, dp 2) on 2 gloo ranks, and how much of FSDP2's reduce-scatter time overlaps backward.
+"""FSDP2 sharding (``parallel.dp_shard=2``, ZeRO-3 and ZeRO-2) against plain data parallelism (2 replicas) on 2 gloo
+ranks, all on the one engine every ``torchrun`` job runs on, and how much of FSDP2's reduce-scatter time overlaps
+backward.
 
 ``python benchmarks/fsdp_vs_allreduce.py [--rounds 7] [--steps 8] [--layers 4] [--trace fsdp_step.json]``
 
 Both ranks are forked processes (one intra-op thread each) in one gloo process group; every variant is built once
-through the trainer's own hooks (``moetrain.parallel.launch.start``: ``ShardedHooks`` for FSDP2, ``ParallelHooks``
-for the all-reduce path), from the same per-index initialisation (``parallel.meta_init``), on the ``tiny`` preset's
-shapes with ``--layers`` blocks. The variants then alternate: each round times ``--steps`` optimizer steps of each
-variant (between barriers, order rotated every round), so slow phases of a shared machine hit every variant alike.
-Printed: the median tokens/s of each variant over the rounds, their ratios to the all-reduce path, the CPU model
-and the load average before and after.
+through the trainer's own hooks (``moetrain.parallel.launch.start``), from the same per-index initialisation, on
+the ``tiny`` preset's shapes with ``--layers`` blocks. The variants then alternate: each round times ``--steps``
+optimizer steps of each variant (between barriers, order rotated every round), so slow phases of a shared machine
+hit every variant alike. Printed: the median tokens/s of each variant over the rounds, their ratios to plain data
+parallelism (the variant still named ``allreduce``: before the one engine it was a hand-written bucketed
+all-reduce), the CPU model and the load average before and after.
 
 Then one ZeRO-3 step is profiled (``torch.profiler``, CPU activities, both ranks) and rank 0's Chrome trace is
 written to ``--trace`` (open it in ``chrome://tracing`` or Perfetto); from rank 0's events, the share of the
@@ -34,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-VARIANTS = {"allreduce": {"fsdp": "off"}, "fsdp_zero3": {"dp_shard": 2},
+VARIANTS = {"allreduce": {}, "fsdp_zero3": {"dp_shard": 2},
             "fsdp_zero2": {"dp_shard": 2, "reshard_after_forward": False}}
 WORLD = 2
 
@@ -52,7 +53,7 @@ def _config(variant: str, layers: int):
 
     return build_config("tiny", overrides={
         "model": {"n_layers": layers}, "train": {"device": "cpu"},
-        "parallel": {"timeout_s": 300, "meta_init": True, **VARIANTS[variant]}})
+        "parallel": {"timeout_s": 300, **VARIANTS[variant]}})
 
 
 def _build(variant: str, layers: int) -> dict:
@@ -63,7 +64,7 @@ def _build(variant: str, layers: int) -> dict:
 
     cfg = _config(variant, layers)
     hooks = start(cfg, "cpu")
-    model = hooks.prepare_model(hooks.build_model(cfg.model, torch.device("cpu"), cfg.train.seed, True))
+    model = hooks.prepare_model(hooks.build_model(cfg.model, torch.device("cpu"), cfg.train.seed))
     opt = build_optimizer(model, cfg)
     gen = torch.Generator().manual_seed(0)
     b, s = cfg.train.batch_size, cfg.data.seq_len
@@ -205,7 +206,7 @@ def main() -> None:
     for name, values in rates.items():
         med = statistics.median(values)
         print(f"  {name:11s} median {med:8.0f} tokens/s ({min(values):.0f}-{max(values):.0f}); "
-              f"{med / base:.2f}x the all-reduce path")
+              f"{med / base:.2f}x plain data parallel")
     o = overlap(Path(args.trace))
     share = o["overlapped_us"] / o["reduce_us"] if o["reduce_us"] else 0.0
     print(f"trace {args.trace} (rank 0, one ZeRO-3 step): {o['reduce_scatters']} reduce-scatters, their transfers "

@@ -22,13 +22,14 @@ import torch
 
 
 def decode(served, n: int, tokens: int, store=None) -> tuple[float, list[list[int]], int]:
+    from moetrain.model.sampling import SamplingParams
     from moetrain.serve.engine import Engine, GenRequest
 
     engine = Engine(served, num_slots=n, expert_store=store)
     engine.start()
     done = threading.Semaphore(0)
     reqs = [GenRequest(served.tokenizer.encode(f"def function_{i}(").ids, tokens,
-                       lambda ev: ev.finish_reason and done.release(), 0.8, 1.0, i) for i in range(n)]
+                       lambda ev: ev.finish_reason and done.release(), SamplingParams(0.8, 1.0), i) for i in range(n)]
     t0 = time.perf_counter()
     for r in reqs:
         engine.submit(r)

@@ -1,39 +1,48 @@
-"""Bounded load test of ``moetrain serve`` (at most ``--deadline`` = 60 s of requests): sequential vs concurrent
-clients.
+"""Load test of ``moetrain serve``: many concurrent clients against several server configurations, alternating
+rounds, with p50 / p99 request latency and generated tokens/s for each.
 
-    python benchmarks/serve_load.py RUN_OR_HF_DIR [--clients 16] [--requests 3] [--max-tokens 32] [--threads 1]
-    python benchmarks/serve_load.py --train-tiny      # trains a tiny run in a temporary directory first
+    python benchmarks/serve_load.py RUN_DIR [--clients 64] [--requests 4] [--max-tokens 32] [--rounds 5]
+    python benchmarks/serve_load.py --train-tiny            # trains a tiny run in a temporary directory first
+    python benchmarks/serve_load.py RUN_DIR --peer          # also: 16 clients against transformers serve
+    python benchmarks/serve_load.py RUN_DIR --peer-only     # only that
 
-Starts the server as a subprocess on 127.0.0.1 port 0 (response cache off, so every request is generated), then,
-within one deadline counted from the warm-up request (server start-up and training are not counted), ``--rounds``
-times (each round gets an equal share of the time left; alternating, so a load that drifts on a shared machine
-weighs on both phases alike):
+Comparisons (each a group of servers started as subprocesses on 127.0.0.1, port 0 or a free port, response cache
+off so that every request is generated; the group's servers run side by side and take turns, round by round, so a
+load that drifts on a shared machine weighs on all alike; with the per-round figures to show the spread):
 
-1. sequential serving: one client sends ``clients`` requests one after another (until 40% of the round's share);
-2. concurrent serving: ``clients`` clients send ``requests`` requests each at once (until the round's end).
+1. ``--clients`` (64) concurrent clients: ``moetrain serve`` at its default settings (default thread count) vs
+   ``--threads 1``;
+2. with ``--peer``: ``--peer-clients`` (16) concurrent clients: ``moetrain serve`` at its defaults vs
+   ``transformers serve --continuous-batching`` (CPU) on the same weights (``moetrain export RUN --format hf DIR``),
+   the same client, prompts and request bodies (``POST /v1/completions`` with prompt, max_tokens and temperature
+   0: transformers serve samples only where the model's generation config sets ``do_sample``, which an exported
+   run's does not, so greedy is the work both do).
 
-The clients are asyncio tasks in one thread, each with one kept-alive connection (``--client raw``: HTTP/1.1
-written and parsed by hand, ~0.2 ms of CPU per request; ``--client httpx``: ``httpx.AsyncClient``, ~4 ms). The load
-generator runs on the same cores as the server, so its own cost is kept low: 16 threads of ``httpx.Client``, as
-this script used before 2026-12-01, cost ~9.5 ms of CPU per request, more than the server spends on it.
+Each round gives each server ``--round-s`` seconds in turn (A B A B ..., each starting on an idle server: the next
+waits until the last one has dropped what was cut off): its clients send ``--requests`` requests each, one after
+another; no request is sent after the deadline and none is waited for past it (cut off: counted, not in the
+figures). Tokens are the responses' ``usage.completion_tokens``. On a shared machine the rounds' speeds spread
+widely: the figure to read is the median over rounds of the ratio of two servers' tokens/s in the same round.
+Figures per server: completed / sent / failed requests (any status but 200 is a failure: the run reports it and
+goes on), tokens/s over the rounds' wall time, p50 / p99 latency. The clients are asyncio tasks in one thread, each
+with one kept-alive connection (``--client raw``: HTTP/1.1 written and parsed by hand, ~0.2 ms of CPU per request;
+``--client httpx``: ``httpx.AsyncClient``). The load generator runs on the same cores as the servers.
 
-No request is sent after its phase's deadline and none is waited for past it (each is cancelled when its time is
-up): the figures count completed requests only, and the report says how many of those sent completed. Prints the
-generated tokens/s of both phases over all rounds and their ratio (and each round's), p50/p99 request latency under
-concurrency, the engine's mean batch and busy share during the concurrent phases, the CPU seconds of the server
-and of this client, and the server's resident memory (VmRSS) after a warm-up request and after the load. Extra
-server flags follow ``--`` (e.g. ``-- --routing threshold --threshold 0.7``). Nothing is asserted; the figures go
-to docs/serving.md.
+The figures are printed and appended as one JSON record (date, CPU model, commit, command, figures) to
+``results/<date>-serve-load.json`` (a list of records; ``--results DIR`` to write elsewhere, ``--no-record`` not at
+all).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
+import datetime
 import json
 import os
 import re
-import resource
+import socket
 import statistics
 import subprocess
 import sys
@@ -42,44 +51,98 @@ import threading
 import time
 from pathlib import Path
 
-DEADLINE_S = 60.0
-PROMPTS = ["ROMEO:", "The king is", "Speak, friend, and", "O night, sweet night", "First Citizen:", "What say you"]
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = ["def x(self, y):\n    return self.z(w)", "ROMEO:", "The king is", "Speak, friend, and",
+           "O night, sweet night", "First Citizen:", "What say you"]
 
 
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown"
 
 
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def commit() -> str:
+    try:
+        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True).stdout.strip()
+        return head + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
 
 
-def own_cpu_s() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
-def start(model_dir: str, threads: int, slots: int, extra: list[str]) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "moetrain", "serve", model_dir, "--port", "0", "--cache", "off",
-                             "--threads", str(threads), "--slots", str(slots), "--log-level", "warning",
-                             *extra],
-                            stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        line = proc.stderr.readline()
-        m = re.search(r"running on (http://\S+:\d+)", line)
-        if m:  # keep draining stderr, so a full pipe never blocks the server
-            threading.Thread(target=proc.stderr.read, daemon=True).start()
-            return proc, m.group(1)
-        if not line and proc.poll() is not None:
-            break
-    proc.kill()
-    raise SystemExit("server did not start")
+class Server:
+    """A server subprocess: ``name``, ``url``, and the ``model`` field its requests carry (``None``: omitted)."""
+
+    def __init__(self, name: str, cmd: list[str], url: str | None = None, model: str | None = None,
+                 env: dict | None = None):
+        self.name, self.cmd, self.model = name, cmd, model
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+        self.url = url or self._printed_url()
+        self.log: collections.deque[str] = collections.deque(maxlen=20)  # stderr's last lines, for errors
+        threading.Thread(target=self._drain, daemon=True).start()  # a full pipe never blocks it
+
+    def _drain(self) -> None:
+        for line in self.proc.stderr:
+            self.log.append(line.rstrip())
+
+    def _printed_url(self) -> str:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            line = self.proc.stderr.readline()
+            m = re.search(r"running on (http://\S+:\d+)", line)
+            if m:
+                return m.group(1)
+            if not line and self.proc.poll() is not None:
+                break
+        self.stop()
+        raise SystemExit(f"{self.name} did not start: {' '.join(self.cmd)}")
+
+    async def wait_ready(self, path: str, timeout: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"{self.name} exited ({self.proc.returncode}): {' '.join(self.cmd)}\n"
+                                 + "\n".join(self.log))
+            conn = RawConnection(self.url)
+            try:
+                status, _, _ = await conn.request("GET", path)
+                if status == 200:
+                    return
+            except OSError:
+                pass
+            finally:
+                await conn.close()
+            await asyncio.sleep(1.0)
+        raise SystemExit(f"{self.name} not ready after {timeout:g} s")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def moetrain_server(name: str, model_dir: str, flags: list[str]) -> Server:
+    return Server(name, [sys.executable, "-m", "moetrain", "serve", model_dir, "--port", "0", "--cache", "off",
+                         "--log-level", "warning", *flags])
+
+
+def transformers_server(hf_dir: str) -> Server:
+    port = free_port()
+    cmd = ["transformers", "serve", hf_dir, "--continuous-batching", "--device", "cpu", "--host", "127.0.0.1",
+           "--port", str(port), "--log-level", "warning"]
+    return Server("transformers serve --continuous-batching", cmd, f"http://127.0.0.1:{port}", model=hf_dir)
 
 
 class RawConnection:
@@ -156,171 +219,187 @@ class HttpxConnection:
 
 
 class Load:
-    """Requests bounded by deadlines (``time.monotonic()`` seconds); counts what was sent, completed, cut off."""
+    """The clients of one server: requests bounded by deadlines (``time.monotonic()`` seconds)."""
 
-    def __init__(self, url: str, max_tokens: int, stream: bool, kind: str):
-        self.url, self.max_tokens, self.stream, self.kind = url, max_tokens, stream, kind
-        self.sent = self.completed = self.late = 0
+    def __init__(self, server: Server, args, temperature: float):
+        self.server, self.args, self.temperature = server, args, temperature
+        self.sent = self.failed = self.late = 0
+        self.done: list[tuple[int, float]] = []  # (completion tokens, latency s) of completed requests
+        self.wall = 0.0
+        self.failures: list[str] = []
+        self.per_round: list[float] = []  # tokens/s of each round
 
     def connection(self):
-        return RawConnection(self.url) if self.kind == "raw" else HttpxConnection(self.url)
+        return RawConnection(self.server.url) if self.args.client == "raw" else HttpxConnection(self.server.url)
 
-    async def send(self, conn, i: int, deadline: float) -> tuple[int, float] | None:
-        """One completion: (generated tokens, latency s), or ``None`` when the deadline passed first."""
+    async def send(self, conn, i: int, deadline: float) -> bool:
+        """One completion; False when the deadline passed (before sending or while waiting)."""
         left = deadline - time.monotonic()
         if left <= 0:
-            return None
+            return False
         self.sent += 1
-        body = {"prompt": f"{PROMPTS[i % len(PROMPTS)]} {i}", "max_tokens": self.max_tokens, "temperature": 0.8,
-                "seed": i, "stream": self.stream}
+        body = {"prompt": f"{PROMPTS[i % len(PROMPTS)]} {i}", "max_tokens": self.args.max_tokens,
+                "temperature": self.temperature}
+        if self.server.model is not None:
+            body["model"] = self.server.model
         t0 = time.perf_counter()
         try:
-            status, payload, events = await asyncio.wait_for(conn.request("POST", "/v1/completions", body), left)
+            status, payload, _ = await asyncio.wait_for(conn.request("POST", "/v1/completions", body), left)
         except asyncio.TimeoutError:
             self.late += 1
             await conn.close()  # its answer is still coming: the connection cannot be reused
-            return None
+            return False
+        except (OSError, asyncio.IncompleteReadError) as e:
+            self.failed += 1
+            self.failures.append(repr(e)[:200])
+            await conn.close()
+            return True
         if status != 200:
-            raise SystemExit(f"HTTP {status}: {payload[:300]!r}")
-        self.completed += 1
-        tokens = events if self.stream else json.loads(payload)["usage"]["completion_tokens"]
-        return tokens, time.perf_counter() - t0
+            self.failed += 1
+            self.failures.append(f"HTTP {status}: {payload[:200]!r}")
+            return True
+        self.done.append((json.loads(payload)["usage"]["completion_tokens"], time.perf_counter() - t0))
+        return True
 
-    async def phase(self, n_clients: int, per_client: int, first: int, deadline: float
-                    ) -> tuple[list[tuple[int, float]], float]:
-        """``n_clients`` clients, each sending ``per_client`` requests one after another until ``deadline``: the
-        completed (tokens, latency) and the phase's wall seconds."""
-
-        async def client(k: int) -> list[tuple[int, float]]:
-            conn, out = self.connection(), []
+    async def round(self, n_clients: int, first: int, deadline: float) -> None:
+        async def client(k: int) -> None:
+            conn = self.connection()
             try:
-                for j in range(per_client):
-                    got = await self.send(conn, first + k * per_client + j, deadline)
-                    if got is None:
+                for j in range(self.args.requests):
+                    if not await self.send(conn, first + k * self.args.requests + j, deadline):
                         break
-                    out.append(got)
             finally:
                 await conn.close()
-            return out
 
         t0 = time.perf_counter()
-        done = await asyncio.gather(*(client(k) for k in range(n_clients)))
-        return [x for xs in done for x in xs], time.perf_counter() - t0
+        await asyncio.gather(*(client(k) for k in range(n_clients)))
+        self.wall += time.perf_counter() - t0
 
-    async def step_metrics(self) -> tuple[float, float, float]:
-        """The server's (sequences stepped, engine steps, seconds in steps) so far, from /metrics."""
-        conn = RawConnection(self.url)
+    def figures(self) -> dict:
+        lat = sorted(t for _, t in self.done)
+        tokens = sum(k for k, _ in self.done)
+        return {"completed": len(self.done), "sent": self.sent, "failed": self.failed, "cut_off": self.late,
+                "tokens_per_s": round(tokens / self.wall, 1) if self.wall else None,
+                "p50_latency_s": round(statistics.median(lat), 3) if lat else None,
+                "p99_latency_s": round(lat[min(len(lat) - 1, int(0.99 * len(lat)))], 3) if lat else None,
+                "mean_tokens_per_request": round(tokens / len(self.done), 1) if self.done else None,
+                "tokens_per_s_per_round": self.per_round,
+                "first_failures": self.failures[:3]}
+
+
+async def compare(servers: list[Server], n_clients: int, args, temperature: float) -> dict:
+    """Alternating rounds of ``n_clients`` clients against each server; figures per server name."""
+    for s in servers:
+        await s.wait_ready("/v1/models")
+        warm = Load(s, args, temperature)
+        await warm.round(2, 99_000, time.monotonic() + 120)  # first requests: allocations, thread pools
+        if warm.failed:
+            raise SystemExit(f"{s.name}: warm-up failed: {warm.failures[:2]}")
+    loads = [Load(s, args, temperature) for s in servers]
+    for r in range(args.rounds):
+        for load in loads:  # A B A B ...: never one server's rounds back to back
+            tokens, wall = sum(k for k, _ in load.done), load.wall
+            await load.round(n_clients, 1000 * r, time.monotonic() + args.round_s)
+            load.per_round.append(round((sum(k for k, _ in load.done) - tokens) / (load.wall - wall), 1))
+            await drained(load.server)
+    out = {load.server.name: load.figures() for load in loads}
+    a, b = loads[0].per_round, loads[1].per_round
+    ratios = [round(x / y, 2) for x, y in zip(a, b) if y > 0]
+    key = f"tokens_per_s_ratio ({loads[0].server.name} / {loads[1].server.name})"
+    out[key] = {"per_round": ratios, "median": round(statistics.median(ratios), 2) if ratios else None}
+    return out
+
+
+async def drained(server: Server, timeout: float = 60.0) -> None:
+    """Wait until a moetrain server has no request left (those cut off at the deadline are cancelled when it sees
+    their connections closed), so that the next round starts on an idle server; other servers: a second."""
+    if server.model is not None:
+        await asyncio.sleep(1.0)
+        return
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        conn = RawConnection(server.url)
         try:
-            _, text, _ = await conn.request("GET", "/metrics")
+            _, body, _ = await conn.request("GET", "/health")
         finally:
             await conn.close()
-        got = [re.search(rf"^moetrain_{k} (\S+)$", text.decode(), re.M)
-               for k in ("batch_size_sum", "batch_size_count", "step_seconds_sum")]
-        return tuple(float(m.group(1)) if m else float("nan") for m in got)  # type: ignore[return-value]
+        h = json.loads(body)
+        if h.get("running", 0) == 0 and h.get("waiting", 0) == 0:
+            return
+        await asyncio.sleep(0.2)
 
 
-async def measure(load: Load, args, pid: int) -> dict:
-    end = time.monotonic() + args.deadline
-    conn = load.connection()
-    warm = await load.send(conn, 999, end)
-    await conn.close()
-    if warm is None:
-        raise SystemExit("the warm-up request did not complete within the deadline")
-    out: dict = {"rss_before": rss_mib(pid), "seq": [], "conc": [], "seq_s": 0.0, "conc_s": 0.0, "rounds": [],
-                 "seqs": 0.0, "steps": 0.0, "step_s": 0.0, "seq_sent": 0, "conc_sent": 0,
-                 "server_cpu": 0.0, "client_cpu": 0.0}
-    for k in range(args.rounds):  # alternating phases: the machine's load drifts alike over both
-        now = time.monotonic()
-        budget = (end - now) / (args.rounds - k)
-        sent = load.sent
-        s_done, s_s = await load.phase(1, args.clients, 100 * k, now + 0.4 * budget)
-        out["seq_sent"] += load.sent - sent
-        m0, sent, cpu0, own0 = await load.step_metrics(), load.sent, cpu_s(pid), own_cpu_s()
-        c_done, c_s = await load.phase(args.clients, args.requests, 10_000 + 1000 * k, now + budget)
-        out["server_cpu"] += cpu_s(pid) - cpu0
-        out["client_cpu"] += own_cpu_s() - own0
-        m1 = await load.step_metrics()
-        out["conc_sent"] += load.sent - sent
-        for key, a, b in zip(("seqs", "steps", "step_s"), m0, m1):
-            out[key] += b - a
-        out["seq"] += s_done
-        out["conc"] += c_done
-        out["seq_s"] += s_s
-        out["conc_s"] += c_s
-        if s_done and c_done:
-            out["rounds"].append(round((sum(t for t, _ in c_done) / c_s) / (sum(t for t, _ in s_done) / s_s), 2))
-    out["rss_after"] = rss_mib(pid)
-    return out
+def record(results_dir: Path, entry: dict) -> Path:
+    """Append ``entry`` to ``results_dir/<date>-serve-load.json`` (a JSON list; written whole, then renamed)."""
+    results_dir.mkdir(parents=True, exist_ok=True)
+    path = results_dir / f"{entry['date'][:10]}-serve-load.json"
+    records = json.loads(path.read_text()) if path.exists() else []
+    records.append(entry)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(records, indent=2) + "\n")
+    os.replace(tmp, path)
+    return path
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model_dir", nargs="?")
-    ap.add_argument("--train-tiny", action="store_true")
-    ap.add_argument("--clients", type=int, default=16)
-    ap.add_argument("--requests", type=int, default=3, help="requests per client in each concurrent phase")
+    ap.add_argument("--train-tiny", action="store_true", help="train a tiny run (tinyshakespeare) first")
+    ap.add_argument("--clients", type=int, default=64)
+    ap.add_argument("--requests", type=int, default=4, help="requests per client per round")
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--stream", action="store_true", help="streaming requests (one SSE event per token)")
-    ap.add_argument("--client", choices=["raw", "httpx"], default="raw",
-                    help="raw: hand-written HTTP/1.1 over asyncio streams; httpx: httpx.AsyncClient")
-    ap.add_argument("--rounds", type=int, default=4,
-                    help="sequential + concurrent phase pairs, alternating, each given an equal share of the deadline")
-    ap.add_argument("--deadline", type=float, default=DEADLINE_S,
-                    help="seconds for all rounds together, from the warm-up request (60 by default)")
-    ap.add_argument("--json", default=None, help="also write the figures here")
-    args, extra = ap.parse_known_args()
-    extra = [e for e in extra if e != "--"]
-    start_t = time.monotonic()
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--round-s", type=float, default=10.0, help="seconds per server per round")
+    ap.add_argument("--client", choices=["raw", "httpx"], default="raw")
+    ap.add_argument("--peer", action="store_true", help="also compare with transformers serve --continuous-batching")
+    ap.add_argument("--peer-clients", type=int, default=16)
+    ap.add_argument("--peer-only", action="store_true", help="only the comparison with transformers serve")
+    ap.add_argument("--temperature", type=float, default=0.8, help="of the first comparison's requests")
+    ap.add_argument("--results", default=str(ROOT / "results"), help="directory of the JSON records")
+    ap.add_argument("--no-record", action="store_true")
+    args = ap.parse_args()
+    started = time.monotonic()
+    tmp = Path(tempfile.mkdtemp(prefix="serve_load_"))
     model_dir = args.model_dir
     if args.train_tiny:
-        tmp = Path(tempfile.mkdtemp(prefix="serve_load_"))
-        corpus = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+        corpus = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
         subprocess.run([sys.executable, "-m", "moetrain", "train", "--preset", "tiny", "--data", str(corpus),
                         "--out", str(tmp / "run"), "--no-progress", "train.threads=1"], check=True,
                        stdout=subprocess.DEVNULL)
         model_dir = str(tmp / "run")
     if model_dir is None:
         ap.error("give a model directory or --train-tiny")
-    proc, url = start(model_dir, args.threads, args.clients, extra)
-    load = Load(url, args.max_tokens, args.stream, args.client)
-    load_t0 = time.monotonic()
-    try:
-        r = asyncio.run(measure(load, args, proc.pid))
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-    seq, conc = r["seq"], r["conc"]
-    if not seq or not conc:
-        raise SystemExit(f"no request completed in a phase (sequential {len(seq)}, concurrent {len(conc)}); "
-                         "raise --deadline or lower --max-tokens")
-    lat = sorted(t for _, t in conc)
-    seq_tps = sum(k for k, _ in seq) / r["seq_s"]
-    conc_tps = sum(k for k, _ in conc) / r["conc_s"]
-    n_conc = len(conc)
-    out = {
-        "sequential_tokens_per_s": round(seq_tps, 1), "concurrent_tokens_per_s": round(conc_tps, 1),
-        "speedup": round(conc_tps / seq_tps, 2), "speedup_per_round": r["rounds"],
-        "clients": args.clients, "stream": args.stream, "client": args.client,
-        "sequential_completed": f"{len(seq)} of {r['seq_sent']} sent ({args.rounds * args.clients} planned)",
-        "concurrent_completed": f"{n_conc} of {r['conc_sent']} sent "
-                                f"({args.rounds * args.clients * args.requests} planned)",
-        "cut_off_at_deadline": load.late,
-        "p50_latency_s": round(statistics.median(lat), 3),
-        "p99_latency_s": round(lat[min(len(lat) - 1, int(0.99 * len(lat)))], 3),
-        "concurrent_engine_steps": int(r["steps"]),
-        "concurrent_mean_batch_size": round(r["seqs"] / max(r["steps"], 1), 2),
-        "concurrent_engine_busy": f"{100 * r['step_s'] / r['conc_s']:.0f}%",
-        "concurrent_cpu_ms_per_request": {"server": round(1000 * r["server_cpu"] / n_conc, 2),
-                                          "client": round(1000 * r["client_cpu"] / n_conc, 2)},
-        "rss_before_mib": round(r["rss_before"], 1), "rss_after_mib": round(r["rss_after"], 1),
-        "rss_change": f"{100 * (r['rss_after'] - r['rss_before']) / r['rss_before']:+.1f}%",
-        "load_s": round(time.monotonic() - load_t0, 1), "wall_s": round(time.monotonic() - start_t, 1),
-        "server_flags": extra,
-    }
-    print(json.dumps(out, indent=2))
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2))
+    figures: dict = {}
+    if not args.peer_only:
+        servers = [moetrain_server("moetrain serve (defaults)", model_dir, []),
+                   moetrain_server("moetrain serve --threads 1", model_dir, ["--threads", "1"])]
+        try:
+            figures[f"{args.clients} clients, temperature {args.temperature:g}"] = asyncio.run(
+                compare(servers, args.clients, args, args.temperature))
+        finally:
+            for s in servers:
+                s.stop()
+    if args.peer or args.peer_only:
+        hf_dir = str(tmp / "hf")
+        subprocess.run([sys.executable, "-m", "moetrain", "export", model_dir, "--format", "hf", hf_dir], check=True,
+                       stdout=subprocess.DEVNULL)
+        servers = [moetrain_server("moetrain serve (defaults)", hf_dir, []), transformers_server(hf_dir)]
+        try:
+            figures[f"{args.peer_clients} clients, same weights, greedy"] = asyncio.run(
+                compare(servers, args.peer_clients, args, 0.0))
+        finally:
+            for s in servers:
+                s.stop()
+    entry = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+             "cpu": cpu_model(), "cores": os.cpu_count(), "load_average": [round(x, 2) for x in os.getloadavg()],
+             "commit": commit(), "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+             "settings": {"max_tokens": args.max_tokens, "requests_per_client_per_round": args.requests,
+                          "rounds": args.rounds, "round_s": args.round_s, "client": args.client,
+                          "cache": "off"},
+             "figures": figures, "wall_s": round(time.monotonic() - started, 1)}
+    print(json.dumps(entry, indent=2))
+    if not args.no_record:
+        print(f"recorded in {record(Path(args.results), entry)}", file=sys.stderr)
     return 0
 
 

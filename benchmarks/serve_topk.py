@@ -25,9 +25,9 @@ import torch.nn.functional as F
 
 
 def main() -> int:
+    from moetrain.model.attention import KVCache
     from moetrain.serve.engine import Engine, GenRequest
     from moetrain.serve.forward import StepBatch, StepRunner
-    from moetrain.serve.kv_cache import SlotKVCache
     from moetrain.serve.loader import load_served_model
     from moetrain.serve.moe import StepPolicies
     from moetrain.serve.routing import RoutingPolicy
@@ -61,7 +61,7 @@ def main() -> int:
     decode_tps(sm, policies[1], Engine, GenRequest)  # warm-up (thread pools, allocator): not measured
     rows = []
     for policy in policies:
-        runner = StepRunner(sm.model, SlotKVCache(1, cfg.n_layers, cfg.n_kv_heads, cfg.max_seq_len, cfg.head_size))
+        runner = StepRunner(sm.model, KVCache(cfg.n_layers, 1, cfg.max_seq_len))
         nll, n, active = 0.0, 0, 0
         for chunk in chunks:
             batch = StepBatch.build([(0, 0, chunk)])
@@ -118,11 +118,13 @@ def plot(rows, burst, path: str) -> None:
 
 
 def decode_tps(sm, policy, Engine, GenRequest, n: int = 16, tokens: int = 32) -> float:
+    from moetrain.model.sampling import SamplingParams
+
     engine = Engine(sm, num_slots=n, policy=policy)
     engine.start()
     done = threading.Semaphore(0)
     reqs = [GenRequest(sm.tokenizer.encode(f"ROMEO {i}:").ids, tokens, lambda ev: ev.finish_reason and done.release(),
-                       0.8, 1.0, i) for i in range(n)]
+                       SamplingParams(0.8, 1.0), i) for i in range(n)]
     t0 = time.perf_counter()
     for r in reqs:
         engine.submit(r)

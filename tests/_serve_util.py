@@ -20,11 +20,12 @@ def train_tiny(root: Path, steps: int = 40) -> Path:
     return run
 
 
-def start_server(served, cache=None, **engine_kwargs):
-    """A started :class:`~moetrain.serve.server.BackgroundServer` (``.url``, ``.stop()``) and its engine."""
+def start_server(served, cache=None, limits=None, app_kwargs=None, **engine_kwargs):
+    """A started :class:`~moetrain.serve.server.BackgroundServer` (``.url``, ``.stop()``) and its engine
+    (``limits``: connection :class:`~moetrain.serve.server.Limits`; ``app_kwargs``: for ``create_app``)."""
     from moetrain.serve.api import create_app
     from moetrain.serve.engine import Engine
     from moetrain.serve.server import BackgroundServer
 
     engine = Engine(served, **engine_kwargs)
-    return BackgroundServer(create_app(engine, cache)).start(), engine
+    return BackgroundServer(create_app(engine, cache, **(app_kwargs or {})), limits=limits).start(), engine

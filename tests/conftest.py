@@ -1,4 +1,5 @@
-"""Shared test fixtures: a small local corpus (never the network) and CPU thread settings."""
+"""Shared test fixtures: a small corpus inside the repository (never the network, never a file beside it) and CPU
+thread settings."""
 
 from __future__ import annotations
 
@@ -8,9 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
-# The one skip reason of the tests that need the file (one path in every message).
-SHAKESPEARE_MISSING = f"{SHAKESPEARE} is missing (the shared data file beside the repository)"
+# 399 KB of tinyshakespeare (public domain; tests/data/README.md).
+SHAKESPEARE = Path(__file__).resolve().parent / "data" / "tinyshakespeare.txt"
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 # bf16 tests test bf16 whatever the CPU: without native bf16 the library would run them in fp32
@@ -19,22 +19,10 @@ os.environ.setdefault("MOETRAIN_BF16", "bf16")
 
 
 def sample_text(n_bytes: int) -> bytes:
-    """The first ``n_bytes`` of ``../shared/data/tinyshakespeare.txt`` when it is present (it lies beside the repo on
-    the developers' and CI machines), else deterministic generated English-like text of that size, so that no test
-    depends on the file."""
-    if SHAKESPEARE.is_file():
-        return SHAKESPEARE.read_bytes()[:n_bytes]
-    import random
-
-    rng = random.Random(0)
-    words = ["the", "king", "lord", "thou", "art", "my", "good", "sweet", "love", "night", "day", "speak", "hath",
-             "noble", "heart", "shall", "come", "away", "friend", "death", "life", "crown", "war", "peace"]
-    out, size = [], 0
-    while size < n_bytes:
-        line = " ".join(rng.choice(words) for _ in range(rng.randint(4, 12))).capitalize() + ".\n"
-        out.append(line)
-        size += len(line)
-    return "".join(out).encode()[:n_bytes]
+    """The first ``n_bytes`` of :data:`SHAKESPEARE`, the text repeated where ``n_bytes`` is longer than the file
+    (399,862 bytes)."""
+    text = SHAKESPEARE.read_bytes()
+    return (text * (n_bytes // len(text) + 1))[:n_bytes]
 
 
 @pytest.fixture

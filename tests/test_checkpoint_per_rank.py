@@ -139,8 +139,8 @@ def needed_files(ckpt_dir: Path, model, optimizer, layout) -> list[str]:
     return sorted(files)
 
 
-def _engine(world: int, parallel: dict, seed: int):
-    cfg = small_config(parallel, grad_accum=ACCUM)
+def _engine(world: int, parallel: dict, seed: int, tied: bool = False):
+    cfg = small_config(parallel, grad_accum=ACCUM, tied=tied)
     layout = Layout.from_config(cfg.parallel, world)
     hooks = ShardedHooks(build_layout_mesh(layout, 60, torch.device("cpu")), cfg.parallel, seed=seed,
                          grad_accum=ACCUM, micro_shape=(cfg.train.batch_size // layout.data_parallel, cfg.data.seq_len))
@@ -165,10 +165,11 @@ def _save_dp_shard2(rank: int, world: int, out_dir, url: str) -> dict:
             "received": spy.received}
 
 
-def _resume(rank: int, world: int, out_dir, url: str, parallel: dict, save_url: str | None = None) -> dict:
+def _resume(rank: int, world: int, out_dir, url: str, parallel: dict, save_url: str | None = None,
+            tied: bool = False) -> dict:
     """Load the newest checkpoint into this layout (observed; a CorruptCheckpoint is returned, not raised), then
     steps 2 and 3, saving after step 2 into ``save_url``."""
-    cfg, hooks, model, opt, sched = _engine(world, parallel, seed=SEED + 1)  # the load must overwrite it all
+    cfg, hooks, model, opt, sched = _engine(world, parallel, seed=SEED + 1, tied=tied)  # the load must overwrite it
     state = TrainState(model, opt, sched)
     checkpointer = Checkpointer(url, layout=hooks.layout)
     with Spy(Path(url)) as spy:
@@ -274,7 +275,9 @@ def test_corrupt_shard_is_found_by_the_ranks_that_read_it(pp2_ep2, tmp_path):
 
 
 def test_one_process_checkpoint_resumes_in_a_pipeline(tmp_path):
-    cfg = small_config({}, grad_accum=ACCUM)
+    """With tied embeddings: the single-file checkpoint holds the shared weight once; the last stage's copy of it
+    (its LM head) loads from the embedding, weights and AdamW moments."""
+    cfg = small_config({}, grad_accum=ACCUM, tied=True)
     model = MoETransformer(cfg.model)
     init_parameters(model, cfg.model, seed=cfg.train.seed)
     opt = build_optimizer(model, cfg)
@@ -285,7 +288,8 @@ def test_one_process_checkpoint_resumes_in_a_pipeline(tmp_path):
     Checkpointer(url).save(TrainState(model, opt, sched, step=1))
     assert sorted(CheckpointStore(url).read_verified(CKPT).files) == ["model.safetensors", "train_state.pt"]
     want = [float(train_step(model, data, opt, sched, cfg.train, torch.device("cpu")).lm_loss) for _ in range(2)]
-    for rank, r in enumerate(spawn(_resume, 4, tmp_path / "w", str(url), {"pp": 2, "ep": 2}, timeout_s=300)):
+    for rank, r in enumerate(spawn(_resume, 4, tmp_path / "w", str(url), {"pp": 2, "ep": 2}, None, True,
+                                   timeout_s=300)):
         print(f"one process -> pp2 x ep2 rank {rank}: {r['losses']} (one process {want})")
         assert max(abs(a - b) for a, b in zip(r["losses"], want)) <= 1e-5, (rank, r["losses"], want)
 
@@ -308,7 +312,7 @@ def test_resume_skips_a_checkpoint_whose_shard_is_corrupt(tmp_path):
     run = tmp_path / "run"
     args = ["train", "--preset", "tiny", "--data", str(tmp_path / "corpus"), "--out", str(run), "--no-progress",
             f"data.cache_dir={tmp_path / 'cache'}", "train.steps=4", "train.log_every=1", "train.eval_every=0",
-            "train.eval_batches=1", "train.ckpt_every=2", "model.tie_embeddings=false", "parallel.meta_init=true",
+            "train.eval_batches=1", "train.ckpt_every=2", "model.tie_embeddings=false",
             "parallel.dp_shard=2"]
     _torchrun(2, args, tmp_path / "first.log")
     first = {d["step"]: d["train_loss"] for d in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())

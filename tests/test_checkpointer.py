@@ -26,8 +26,9 @@ from moetrain.cli import main
 from moetrain.config import build_config
 from moetrain.errors import CheckpointError
 from moetrain.model.transformer import MoETransformer
-from moetrain.parallel.launch import ParallelHooks
-from moetrain.parallel.mesh import build_mesh
+from moetrain.parallel.engine import ShardedHooks
+from moetrain.parallel.fsdp import full_tensor
+from moetrain.parallel.layout import Layout, build_layout_mesh
 from moetrain.parallel.sharding import gather_full
 from moetrain.train.checkpoint import MANIFEST, MODEL_FILE, STATE_FILE, CheckpointStore, model_tensors
 from moetrain.train.checkpointer import Checkpointer, checkpoint_format, load_latest_model
@@ -70,7 +71,7 @@ class _Sampler:
         self.position = state["position"]
 
 
-def _state(seed: int, hooks: ParallelHooks | None = None) -> TrainState:
+def _state(seed: int, hooks: ShardedHooks | None = None) -> TrainState:
     cfg = _config(hooks.mesh.ep if hooks is not None else 1)
     torch.manual_seed(seed)
     model = MoETransformer(cfg.model).double()
@@ -80,13 +81,11 @@ def _state(seed: int, hooks: ParallelHooks | None = None) -> TrainState:
     return TrainState(model, opt, build_scheduler(opt, cfg.train), _Sampler(), config=cfg.to_dict())
 
 
-def _train(state: TrainState, steps: int, hooks: ParallelHooks | None = None) -> list[float]:
+def _train(state: TrainState, steps: int, hooks: ShardedHooks | None = None) -> list[float]:
     cfg = _config(hooks.mesh.ep if hooks is not None else 1)
     kwargs, next_batch = {}, state.sampler.next_batch
-    if hooks is not None and hooks.distributed:
-        kwargs = {"count_reducer": hooks.count_reducer, "sync_grads": hooks.sync_grads,
-                  "reduce_mean": hooks.reduce_mean}
-        next_batch = hooks.local_batch(next_batch)
+    if hooks is not None:
+        kwargs, next_batch = hooks.step_kwargs(), hooks.local_batch(next_batch)
     losses = []
     for _ in range(steps):
         losses.append(float(train_step(state.model, next_batch, state.optimizer, state.scheduler, cfg.train,
@@ -95,12 +94,13 @@ def _train(state: TrainState, steps: int, hooks: ParallelHooks | None = None) ->
     return losses
 
 
-def _full(model, hooks: ParallelHooks | None = None) -> dict[str, torch.Tensor]:
+def _full(model, hooks: ShardedHooks | None = None) -> dict[str, torch.Tensor]:
     """Parameters and buffers (expert biases included) as full tensors."""
     out = {}
     for name, t in model.state_dict().items():
         plan = hooks.plan if hooks is not None else {}
-        out[name] = gather_full(t, plan[name], hooks.mesh) if name in plan else t.detach().clone()
+        t = full_tensor(t).clone()
+        out[name] = gather_full(t, plan[name], hooks.mesh) if name in plan else t
     return out
 
 
@@ -153,7 +153,9 @@ def test_load_into_another_model_shape_names_the_file(tmp_path):
 
 # -- two gloo ranks (EP=2): DCP through the same store and manifest -------------------------------------------------
 def _dcp_worker(rank: int, world: int, out_dir: Path, ckpt_dir: Path) -> dict:
-    hooks = ParallelHooks(build_mesh(world, timeout_s=60))
+    cfg = _config(world)
+    hooks = ShardedHooks(build_layout_mesh(Layout.from_config(cfg.parallel, world), 60, torch.device("cpu")),
+                         cfg.parallel)
     state = _state(seed=0, hooks=hooks)
     _train(state, 2, hooks)
     saved_full = _full(state.model, hooks)

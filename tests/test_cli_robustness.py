@@ -610,6 +610,9 @@ def test_the_choice_none_can_be_typed_as_an_override(capsys):
     (["--routing", "threshold", "--load-high", "9"], ["--load-high", "the load"]),
     (["--hot-share", "0.2"], ["--hot-share", "--expert-memory-budget"]),
     (["--calibration-text", "notes.txt"], ["--calibration-text", "--expert-memory-budget"]),
+    (["--max-connections", "0"], ["--max-connections", "0"]),
+    (["--header-timeout", "0"], ["--header-timeout", "0"]),
+    (["--read-timeout", "nan"], ["--read-timeout", "nan"]),
 ])
 def test_serve_argument_errors_name_the_flag(env, capsys, argv, words):
     one_line_error(capsys, ["serve", env["run"], "--port", "0", *argv], *words)

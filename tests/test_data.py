@@ -28,10 +28,10 @@ from moetrain.data import (
     split_documents,
     train_tokenizer,
 )
-from moetrain.data import dataset as dataset_module
+from moetrain.data import prepare as prepare_module
 from moetrain.errors import ConfigError, DataError
 
-from conftest import SHAKESPEARE, SHAKESPEARE_MISSING  # noqa: E402 -- one path for every test that needs it
+from conftest import SHAKESPEARE  # noqa: E402 -- one path for every test that needs it
 
 CODE = '''def greet(name: str) -> str:
     """Say hello — with unicode: héllo, 世界, emoji 🚀."""
@@ -107,7 +107,7 @@ def test_read_jsonl_counts_bad_lines(tmp_path):
     path.write_text("\n".join(lines) + "\n")
     docs, stats = read_documents(discover_files(str(path)))
     assert [d.text for d in docs] == ["first doc", "second doc"]
-    assert [d.name for d in docs] == ["docs.jsonl:1", "docs.jsonl:5"]
+    assert [d.name for d in docs] == ["docs:1", "docs:5"]  # record names drop the format suffix
     assert (stats.bad_lines, stats.empty, stats.skipped) == (2, 1, 3)
 
 
@@ -118,7 +118,7 @@ def test_read_jsonl_splits_lines_only_at_newlines(tmp_path):
     path.write_text("\r\n".join(json.dumps({"text": t}, ensure_ascii=False) for t in texts) + "\r\n")
     docs, stats = read_documents([path])
     assert [d.text for d in docs] == texts and stats.skipped == 0
-    assert [d.name for d in docs] == ["docs.jsonl:1", "docs.jsonl:2", "docs.jsonl:3"]
+    assert [d.name for d in docs] == ["docs:1", "docs:2", "docs:3"]
 
 
 def test_read_jsonl_without_text_field_is_an_error(tmp_path):
@@ -216,7 +216,7 @@ def test_prepare_data_caches_tokenizer_and_tokens(tmp_path, monkeypatch):
     def no_training(*args, **kwargs):
         raise AssertionError("tokenizer retrained despite a cache hit")
 
-    monkeypatch.setattr(dataset_module, "train_tokenizer", no_training)
+    monkeypatch.setattr(prepare_module, "train_tokenizer", no_training)
     logs: list[str] = []
     second = prepare_data(cfg, vocab_size=300, log=logs.append)
     assert any("reused" in line for line in logs)
@@ -298,7 +298,6 @@ def test_corpus_shorter_than_one_sequence_is_an_error(tmp_path):
         prepare_data(cfg, vocab_size=300, log=quiet)
 
 
-@pytest.mark.skipif(not SHAKESPEARE.is_file(), reason=SHAKESPEARE_MISSING)
 def test_tinyshakespeare_single_file(tmp_path):
     cfg = DataConfig(path=str(SHAKESPEARE), seq_len=64, val_fraction=0.1, tokenizer_max_bytes=200_000,
                      cache_dir=str(tmp_path / "cache"))

@@ -82,7 +82,10 @@ def _run(make, activation: str, dtype: torch.dtype, case: str, reference: bool):
     """(y, dx, d router weight, d w_in, d w_out) and, for the dispatchers, the layout facts of the capacity case."""
     x, w_router, w_in, w_out, up = _inputs(activation, dtype)
     x, w_router = x.requires_grad_(), w_router.requires_grad_()
-    experts = RoutedExperts(E, D, F_HIDDEN, activation, backend="loop").to(dtype)
+    dispatcher = None if reference else make()
+    # a dispatcher that fuses the experts hands the tokens to the fused backend's one Function
+    backend = "fused" if dispatcher is not None and dispatcher.fuses_experts else "loop"
+    experts = RoutedExperts(E, D, F_HIDDEN, activation, backend=backend).to(dtype)
     with torch.no_grad():
         experts.w_in.copy_(w_in)
         experts.down_proj.copy_(w_out)
@@ -92,7 +95,7 @@ def _run(make, activation: str, dtype: torch.dtype, case: str, reference: bool):
     if reference:
         y = _loop_reference(x, ids, weights, keep, experts.w_in, experts.down_proj, activation)
     else:
-        dispatcher = make()
+        assert dispatcher is not None
         if case == "dropless" and dispatcher.fuses_experts:
             y = dispatcher.forward(x, ids, weights, experts)
         else:
@@ -212,3 +215,14 @@ def test_the_default_dispatcher_is_chosen_from_the_backend(backend, expected):
     layer = MoELayer(D, MoEConfig(num_experts=E, top_k=K, experts=ExpertsConfig(ffn_hidden=F_HIDDEN)),
                      ExecutionConfig(moe_backend=backend))
     assert type(layer.dispatcher) is expected
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_local_dispatch_of_no_tokens(keep):
+    """An expert-parallel serving rank whose share of a step is empty (fewer tokens than ranks) dispatches and
+    combines zero tokens, also with a keep mask (a dynamic top-k policy): [0, D] back, no error."""
+    d = LocalDispatcher(E)
+    ids, w = torch.zeros(0, K, dtype=torch.int64), torch.zeros(0, K)
+    rows, tpe, meta = d.dispatch(torch.zeros(0, D), ids, w, keep=torch.zeros(0, K, dtype=torch.bool) if keep else None)
+    assert rows.shape == (0, D) and tpe.tolist() == [0] * E
+    assert d.combine(rows, meta).shape == (0, D)

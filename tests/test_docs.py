@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import importlib.util
 import re
 from pathlib import Path
@@ -147,3 +148,64 @@ def test_griffe_extension_links_sphinx_roles_through_the_module_scope():
     assert ('<autoref identifier="moetrain.moe.capacity.expert_capacity" optional><code>expert_capacity</code>'
             "</autoref>") in text
     assert text.endswith("and <code>no_such_name</code>")
+
+
+def test_results_page_is_rendered_from_every_record():
+    """docs/results.md is what `python -m moetrain.results` renders from results/*.json (rerun it after adding a
+    record), and every record's title, date, CPU, commit and figures appear on it."""
+    from moetrain import results
+
+    records = results.load(ROOT / "results")
+    assert records, "results/ holds no records"
+    page = (ROOT / "docs" / "results.md").read_text()
+    assert page == results.render(records), "docs/results.md is out of date: run python -m moetrain.results"
+    for path in sorted((ROOT / "results").glob("*.json")):
+        raw = json.loads(path.read_text())
+        assert f"`results/{path.name}`" in page
+        for key in ("title", "date", "cpu", "commit"):
+            assert raw[key] in page, f"{path.name}: {key} missing from the page"
+        for value in raw.get("figures", {}).values():
+            assert f"| {results._cell(value)} |" in page
+
+
+def test_results_renderer_accepts_any_section_and_extra_keys_and_names_bad_fields(tmp_path):
+    from moetrain import results
+
+    good = {"title": "t", "date": "2026-12-07", "cpu": "c", "commit": "abc1234", "command": "moetrain x",
+            "section": "A new section", "gpu": "NVIDIA H100", "batch": 8,
+            "table": [{"k": 1, "tokens/s": 2.5}, {"k": 2, "tokens/s": "a|b"}]}
+    (tmp_path / "a.json").write_text(json.dumps(good))
+    page = results.render(results.load(tmp_path))
+    assert "## A new section" in page and "GPU: NVIDIA H100" in page and "batch: 8" in page
+    assert "| k | tokens/s |" in page and "| 2 | a\\|b |" in page
+    for bad, message in [({**good, "date": "7 Dec"}, "date='7 Dec'"),
+                         ({k: v for k, v in good.items() if k != "cpu"}, "cpu=None"),
+                         ({k: v for k, v in good.items() if k != "table"}, "neither 'figures' nor 'table'"),
+                         ({**good, "table": {"columns": ["a", "b"], "rows": [[1]]}}, "table.rows[0]")]:
+        (tmp_path / "a.json").write_text(json.dumps(bad))
+        with pytest.raises(results.RecordError, match=re.escape(f"a.json: {message}")):
+            results.load(tmp_path)
+
+
+def test_write_record_fills_in_the_machine_and_never_overwrites(tmp_path):
+    from moetrain import results
+
+    record = {"title": "A bench, 2 threads", "command": "moetrain bench moe", "figures": {"ms": 1.5}}
+    path = results.write_record(record, tmp_path, slug="bench")
+    written = json.loads(path.read_text())
+    assert path.name == f"{written['date']}-bench.json" and written["cpu"] and written["commit"]
+    with pytest.raises(FileExistsError):
+        results.write_record(record, tmp_path, slug="bench")
+
+
+HISTORY_TAG = re.compile(r"\b(wave|issue) [0-9]|\b[0-9a-f]{7} ?\)", re.I)
+
+
+@pytest.mark.parametrize("page", ["README.md"] + sorted(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md")
+                                                      if p.name != "results.md"))
+def test_docs_describe_the_product_without_history_tags(page):
+    """History (development rounds, issue numbers, commits) lives in CHANGELOG.md, git log and the results records
+    (results.md shows each record's commit by design); the README and the documentation describe the product."""
+    lines = (ROOT / page).read_text().splitlines()
+    tagged = [f"{page}:{i}: {line.strip()[:100]}" for i, line in enumerate(lines, 1) if HISTORY_TAG.search(line)]
+    assert not tagged, "history tags in the docs:\n" + "\n".join(tagged)

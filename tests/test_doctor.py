@@ -26,8 +26,8 @@ def test_doctor_prints_the_breakdown(run, capsys):
     capsys.readouterr()
     assert main(["doctor", str(run), "--steps", "2"]) == 0
     out = capsys.readouterr().out
-    for words in ("machine: ", "usable cores", "load average", "bf16: native flags", "peak (calibrated 1024^3 GEMM): "
-                  "fp32", "step ", "forward", "backward", "optimizer", "monitoring",
+    for words in ("machine: ", "usable cores", "load average", "bf16: native flags", "peak (calibrated 1024^3 GEMM, best of 4 "
+                  "rounds", "fp32", "step ", "forward", "backward", "optimizer", "monitoring",
                   "communication 0% (the run was one process)", "achieved", "MFU", "the run's own log: median",
                   "data loading", "the run's MFU", "x the window's (its wall time also holds", "of this window's MFU"):
         assert words in out, words
@@ -162,3 +162,45 @@ def test_the_window_has_the_runs_micro_batch_shape():
                                          "train": {"tokens_per_batch": 200, "grad_accum": 2}})
     assert batch_shape(fixed) == (8, 64) and batch_shape(budget) == (3, 64)
     assert step_flops(budget) / step_flops(fixed) == pytest.approx(3 / 8)
+
+
+def test_mfu_never_exceeds_100_percent_and_load_is_said(run, monkeypatch, capsys):
+    """A peak held down by load (here: GEMM rates faked far below any real step, and varying 3x between rounds)
+    gives no MFU above 100%: doctor says the MFU could not be measured and that the figures are unreliable, and
+    its bf16 advice gives the measured range, not one number."""
+    import itertools
+    import re
+
+    import moetrain.runtime.cpu as cpu
+
+    rates = itertools.cycle([2e6, 1e7, 6e6, 9e6])  # fp32, bf16, fp32, bf16, ... FLOP/s: far below a tiny step
+    monkeypatch.setattr(cpu, "gemm_peak", lambda *a, **k: next(rates))
+    capsys.readouterr()
+    assert main(["doctor", str(run), "--steps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "MFU not measured: the steps ran faster than every fp32 peak round" in out, out
+    assert "note: the figures below are unreliable: " in out and "the fp32 peak varied by 67% between rounds" in out
+    assert "bf16: bf16 GEMMs ran 1.5x-5.0x the fp32 rate here, a range too wide to trust" in out
+    for mfu in re.findall(r"MFU (\d+\.\d)% of", out):
+        assert float(mfu) <= 100.0
+
+
+def test_peak_measurement_is_the_best_round_and_flags_disagreement(monkeypatch):
+    import itertools
+
+    import moetrain.runtime.cpu as cpu
+    from moetrain.analysis.hardware import measure_peaks
+
+    monkeypatch.setattr(cpu, "gemm_peak", lambda *a, **k: next(steady))
+    steady = itertools.cycle([100e9, 200e9, 95e9, 190e9, 98e9, 210e9])
+    m = measure_peaks(rounds=3)
+    assert m.rates == {"fp32": [100e9, 95e9, 98e9], "bf16": [200e9, 190e9, 210e9]}
+    assert m.best("fp32") == 100e9 and m.best("bf16") == 210e9
+    assert m.ratios("bf16", "fp32") == pytest.approx([2.0, 2.0, 210 / 98])
+    if m.busy is None or m.busy < 0.5:  # an idle moment of this shared machine: rounds within 10% are trusted
+        assert m.unreliable() is None
+    steady = itertools.cycle([100e9, 200e9, 30e9, 60e9])
+    m = measure_peaks(rounds=2)
+    assert "the fp32 peak varied by 70% between rounds" in m.unreliable()
+    with pytest.raises(ValueError, match="rounds must be >= 1"):
+        measure_peaks(rounds=0)

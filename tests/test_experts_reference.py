@@ -7,7 +7,7 @@ import torch
 
 from moetrain.model.ffn import SwiGLU
 from moetrain.moe.config import ExpertsConfig, MoEConfig
-from moetrain.moe.experts import grouped_swiglu, loop_swiglu
+from moetrain.moe.experts import grouped_experts, loop_experts
 from moetrain.moe.layer import MoELayer
 from moetrain.moe.losses import switch_load_balancing_loss
 
@@ -25,7 +25,7 @@ def test_grouped_mm_equals_loop_including_empty_experts():
     x = torch.randn(int(counts.sum()), d, requires_grad=True)
     up = torch.randn(int(counts.sum()), d)  # a non-trivial upstream gradient
     results = []
-    for fn in (grouped_swiglu, loop_swiglu):
+    for fn in (grouped_experts, loop_experts):
         w1, w2 = _weights(e, d, f)
         x.grad = None
         y = fn(x, w1, w2, counts)
@@ -42,7 +42,7 @@ def test_grouped_mm_plain_sum_backward():
     """``y.sum().backward()`` hands grouped_mm a stride-0 gradient; the layer must accept it."""
     w1, w2 = _weights(3, 8, 8)
     x = torch.randn(7, 8, requires_grad=True)
-    grouped_swiglu(x, w1, w2, torch.tensor([2, 0, 5])).sum().backward()
+    grouped_experts(x, w1, w2, torch.tensor([2, 0, 5])).sum().backward()
     assert torch.isfinite(x.grad).all()
 
 

@@ -28,14 +28,15 @@ from moetrain.train.trainer import build_optimizer
 STEPS, BATCH, SEQ = 3, 8, 8
 
 
-def small_config(parallel: dict, experts: int = 4, **train):
-    """A tiny-shaped model (4 blocks: enough for 2 pipeline stages) with every loss term on."""
+def small_config(parallel: dict, experts: int = 4, tied: bool = False, **train):
+    """A tiny-shaped model (4 blocks: enough for 2 pipeline stages) with every loss term on; ``tied``: the LM head
+    shares the embedding."""
     moe = {"num_experts": experts, "top_k": 2, "experts": {"ffn_hidden": 16},
            "losses": {"aux_loss_coeff": 0.0, "global_aux_loss_coeff": 0.05, "seq_aux_loss_coeff": 0.01,
                       "z_loss_coeff": 0.01}}
     return build_config("tiny", overrides={
         "model": {"hidden": 16, "n_layers": 4, "n_heads": 2, "n_kv_heads": 1, "ffn_hidden": 32, "vocab_size": 64,
-                  "tie_embeddings": False, "moe": moe, "execution": {"moe_backend": "loop"}},
+                  "tie_embeddings": tied, "moe": moe, "execution": {"moe_backend": "loop"}},
         "data": {"seq_len": SEQ},
         "train": {"batch_size": BATCH, "lr": 1e-2, "warmup_steps": 1, "grad_clip": 0.5, "device": "cpu", **train},
         "parallel": parallel,

@@ -4,7 +4,9 @@ bf16 / fp16 expert groups (``pad_groups``) and the largest-first worker queue (m
 - Kept scratch is never returned or saved: activation checkpointing (both kinds), ``retain_graph`` backward twice,
   anomaly mode and ``no_grad`` give bit-identical results to a plain call, two fused layers in one graph too.
 - 1 vs 2 intra-op threads (several blocks on the queue), repeated runs and two Python threads calling at once give
-  bit-identical outputs and gradients; the combine split across the workers gives the plain loop's sum.
+  bit-identical outputs and gradients; the combine split across the workers gives the plain loop's sum. The
+  default layer runs under ``torch.inference_mode``, ``no_grad`` and with gradients on 1-3 threads (the workers
+  take on the caller's inference mode, which is thread-local).
 - The workers are PyTorch's OpenMP threads where it runs on OpenMP (Linux wheels), else a thread pool: the tests of
   the queue run with both (``worker_kind``), and check that two workers really run at once, on distinct threads.
 - A worker's exception (simulated out-of-memory) is re-raised and leaves nothing behind; an interrupt that arrives
@@ -268,6 +270,39 @@ def test_one_or_two_threads_repeated_and_concurrent_calls_are_bitwise_equal(dtyp
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_default_layer_runs_under_inference_mode_no_grad_and_grad_on_any_thread_count(worker_kind, dtype):
+    # The server steps its model under torch.inference_mode() at the default thread count. The buffers the fused
+    # Function allocates there are inference tensors, and inference mode is thread-local: a worker that wrote them
+    # outside it failed every request ("Inplace update to inference tensor outside InferenceMode"). At 1, 2 (at
+    # least the default) and 3 threads every grad mode gives the same bits; a training step after inference calls
+    # reuses the kept scratch.
+    layer = MoELayer(32, MoEConfig(num_experts=8, top_k=2, experts=ExpertsConfig(ffn_hidden=16))).to(dtype)
+    x = torch.randn(4, 256, 32, generator=torch.Generator().manual_seed(0)).to(dtype)  # N = 2048 rows: 8 blocks
+    threads = torch.get_num_threads()
+    counts = sorted({1, 3, max(2, threads)})
+    outs = {}
+    try:
+        for n in counts:
+            torch.set_num_threads(n)
+            with torch.inference_mode():
+                outs["inference", n] = layer(x)[0]
+            with torch.no_grad():
+                outs["no_grad", n] = layer(x)[0]
+            xs = x.clone().requires_grad_()
+            y = layer(xs)[0]
+            y.float().square().sum().backward()
+            outs["grad", n] = y.detach()
+            outs["dx", n] = xs.grad
+            assert torch.get_num_threads() == n
+    finally:
+        torch.set_num_threads(threads)
+    for n in counts:
+        assert torch.equal(outs["inference", n], outs["grad", n]) and torch.equal(outs["no_grad", n], outs["grad", n])
+        for mode in ("grad", "dx"):  # the router's and the shared ops' own GEMMs may split differently per count
+            torch.testing.assert_close(outs[mode, n], outs[mode, 1], rtol=1e-5, atol=1e-6)
 
 
 def test_worker_failure_is_raised_and_leaves_nothing_behind(monkeypatch, worker_kind):

@@ -40,6 +40,8 @@ def _moe(**kw) -> MoEConfig:
 # Each family with the features it maps, and a layer plan with dense blocks where the family has them.
 OURS = {
     "mixtral": lambda: ModelConfig(**BASE, moe=_moe(router=RouterConfig(norm_topk_prob=True))),
+    # Mixtral has no routed_scaling_factor: the export folds it into down_proj, the import divides it back out.
+    "mixtral-scaled": lambda: ModelConfig(**BASE, moe=_moe(router=RouterConfig(routed_scaling_factor=2.5))),
     "qwen3_moe": lambda: ModelConfig(**{**BASE, "n_layers": 3}, qk_norm="head", head_dim=16, tie_embeddings=False,
                                      first_k_dense=1, moe=_moe(router=RouterConfig(norm_topk_prob=False))),
     "olmoe": lambda: ModelConfig(**BASE, qk_norm="full", tie_embeddings=False,
@@ -54,7 +56,7 @@ OURS = {
                                                               expert_bias=True),
                                           shared_expert=SharedExpertConfig(ffn_hidden=48))),
 }
-ARCH = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
+ARCH = {"mixtral": "MixtralForCausalLM", "mixtral-scaled": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
         "qwen2_moe": "Qwen2MoeForCausalLM", "dots1": "Dots1ForCausalLM"}
 COMMON_HF = {"vocab_size": V, "hidden_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4,
              "num_key_value_heads": 2, "num_experts_per_tok": 2, "max_position_embeddings": 64,
@@ -70,7 +72,7 @@ HF = {
               "n_group": 4, "topk_group": 2, "first_k_dense_replace": 1, "routed_scaling_factor": 2.5,
               "norm_topk_prob": True},
 }
-FAMILIES = list(OURS)
+FAMILIES = list(HF)
 
 
 @torch.no_grad()
@@ -105,13 +107,14 @@ def _greedy_hf(hf, ids: torch.Tensor) -> torch.Tensor:
     return hf.generate(ids, do_sample=False, max_new_tokens=20, min_new_tokens=20, attention_mask=torch.ones_like(ids))
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", list(OURS))
 def test_export_round_trip_and_transformers_parity(family, tmp_path):
-    """ours -> HF directory -> ours is exact; transformers loads the directory with the same logits and tokens."""
+    """ours -> HF directory -> ours is exact (to one rounding where a scaling factor is folded into the experts);
+    transformers loads the directory with the same logits and tokens."""
     ours = _our_model(family)
     to_hf(ours, tmp_path, max_shard_size="40KB")
     config = json.loads((tmp_path / "config.json").read_text())
-    assert config["model_type"] == family and config["architectures"] == [ARCH[family]]
+    assert config["model_type"] == family.split("-")[0] and config["architectures"] == [ARCH[family]]
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 1 and all((tmp_path / s).is_file() for s in shards)
@@ -122,7 +125,10 @@ def test_export_round_trip_and_transformers_parity(family, tmp_path):
     a, b = ours.state_dict(), back.state_dict()
     assert a.keys() == b.keys()
     for name in a:
-        assert torch.equal(a[name], b[name]), name
+        if family == "mixtral-scaled" and name.endswith("experts.down_proj"):  # x 2.5 then / 2.5: one rounding
+            torch.testing.assert_close(a[name], b[name], rtol=1e-6, atol=0)
+        else:
+            assert torch.equal(a[name], b[name]), name
     if ours.config.tie_embeddings:
         assert back.lm_head.weight is back.embed_tokens.weight
 

@@ -7,7 +7,7 @@ import torch
 
 from moetrain.config import build_config
 from moetrain.configlib import parse_overrides
-from moetrain.model.attention import KVCache
+from moetrain.model.attention import KVCache, RaggedBatch
 from moetrain.model.generate import generate
 from moetrain.model.transformer import MoETransformer, count_parameters
 
@@ -71,10 +71,63 @@ def test_kv_cache_matches_full_forward(qk_norm):
     x = torch.randint(0, 500, (2, 12))
     with torch.no_grad():
         full = model(x).logits
-        cache = KVCache(model.config.n_layers)
+        cache = KVCache(model.config.n_layers, 2, 12)
         parts = [model(x[:, :7], kv_cache=cache).logits, model(x[:, 7:8], kv_cache=cache).logits,
                  model(x[:, 8:], kv_cache=cache).logits]
     assert (torch.cat(parts, 1) - full).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("qk_norm", ["none", "head"])
+def test_ragged_batch_matches_each_sequence_alone(qk_norm):
+    """The serving layout: one flat batch mixing a prompt from position 0, a second chunk of a prompt (positions
+    4 .. 6 after 0 .. 3 were cached), two decoding sequences at different lengths and a prompt of the first one's
+    length (grouped with it), in scattered slots; every token's hidden state equals its sequence run alone."""
+    torch.manual_seed(0)
+    model = MoETransformer(build_config("tiny", overrides={"model": {"qk_norm": qk_norm}}).model).eval()
+    seqs = [torch.randint(0, 500, (n,)) for n in (5, 7, 9, 4, 5)]
+    cache = KVCache(model.config.n_layers, 6, 16)
+
+    def run(chunks):  # (slot, start, token ids) -> hidden states [N, D]
+        batch = RaggedBatch.build([(slot, start, len(ids)) for slot, start, ids in chunks])
+        x = model.embed_tokens(torch.cat([ids for _, _, ids in chunks]))
+        for block in model.blocks:
+            x, _ = block(x, kv_cache=cache, batch=batch)
+        return x
+
+    with torch.no_grad():
+        run([(1, 0, seqs[1][:4]), (2, 0, seqs[2][:8]), (5, 0, seqs[3][:3])])  # earlier steps fill the cache
+        got = run([(3, 0, seqs[0]), (1, 4, seqs[1][4:]), (2, 8, seqs[2][8:]), (5, 3, seqs[3][3:]),
+                   (0, 0, seqs[4])])
+        alone = [model._trunk(s[None], None)[0][0] for s in seqs]
+    want = torch.cat([alone[0], alone[1][4:], alone[2][8:], alone[3][3:], alone[4]])
+    assert (got - want).abs().max() <= 1e-5
+
+
+def test_kv_cache_and_ragged_batch_refuse_what_does_not_fit():
+    cache = KVCache(2, num_slots=2, max_len=8)
+    assert cache.append(2, 5).positions.tolist() == [0, 1, 2, 3, 4] * 2 and cache.length == 5
+    with pytest.raises(ValueError, match=r"KVCache: 2 sequences x 5 \+ 4 positions exceed the cache's 2 slots x 8"):
+        cache.append(2, 4)
+    with pytest.raises(ValueError, match="KVCache: 3 sequences"):
+        cache.append(3, 1)
+    with pytest.raises(ValueError, match="RaggedBatch: need at least one sequence with at least one new token"):
+        RaggedBatch.build([(0, 0, 2), (1, 3, 0)])
+    attn = MoETransformer(build_config("tiny").model).blocks[0].attn
+    with pytest.raises(ValueError, match="batch: a KV cache needs the tokens' RaggedBatch"):
+        attn(torch.ones(1, 3, attn.q_proj.in_features), kv_cache=cache)
+
+
+def test_ragged_batch_groups_sequences_by_new_token_count():
+    """Decoding sequences share one SDPA call (a slice of consecutive rows, a gather of scattered slots); a prompt
+    from position 0 attends causally without a mask; a later chunk gets the mask of its offset."""
+    b = RaggedBatch.build([(4, 0, 3), (0, 7, 1), (2, 5, 1), (1, 2, 2)])
+    assert b.cu_seqlens.tolist() == [0, 3, 4, 5, 7] and b.last_tokens().tolist() == [2, 3, 4, 6]
+    assert b.positions.tolist() == [0, 1, 2, 7, 5, 2, 3] and b.slots.tolist() == [4, 4, 4, 0, 2, 1, 1]
+    prompt, decode, chunk = b.groups
+    assert (prompt.rows, prompt.slots, prompt.keys, prompt.mask) == (slice(0, 3), slice(4, 5), 3, None)
+    assert decode.rows == slice(3, 5) and decode.slots.tolist() == [0, 2] and decode.keys == 8
+    assert decode.mask[:, 0, 0].tolist() == [[True] * 8, [True] * 6 + [False] * 2]
+    assert chunk.mask[0, 0].tolist() == [[True] * 3 + [False], [True] * 4]
 
 
 def test_greedy_generation_equals_argmax_loop():

@@ -62,7 +62,7 @@ def test_cached_generation_with_a_past_plus_new_padding_mask_names_padding_mask(
     model = MoETransformer(build_config("tiny").model).eval()
     ids = torch.randint(0, 500, (2, 8))
     with torch.no_grad():
-        cache = KVCache(model.config.n_layers)
+        cache = KVCache(model.config.n_layers, 2, 8)
         model(ids[:, :7], kv_cache=cache, padding_mask=torch.ones(2, 7, dtype=torch.bool))
         with pytest.raises(ValueError, match=r"padding_mask: shape \(2, 8\) .*tokens' shape \(2, 1\)"):
             model(ids[:, 7:], kv_cache=cache, padding_mask=torch.ones(2, 8, dtype=torch.bool))

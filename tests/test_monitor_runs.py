@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import base64
 import json
-import random
 import re
 from html.parser import HTMLParser
 from pathlib import Path
@@ -15,13 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import sample_text
 from moetrain.cli import main
 from moetrain.config import build_config
-from moetrain.model.transformer import MoETransformer
+from moetrain.parallel import meta_init
 from moetrain.train.alerts import read_alerts
 from moetrain.train.trainer import Trainer
 
-SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
 # Same thresholds for the healthy and the collapsed run: the defaults, except dead_steps, shortened so that a 30-step
 # run can show a dead expert. (tiny's healthy routing sends all tokens of a few steps in a row to the same experts,
 # idling others for up to ~8 steps; the default collapse window of 20 steps averages such bursts out.)
@@ -31,17 +30,9 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
-    """The first 300 kB of tinyshakespeare when present (enough for 30 tiny steps, and quick to tokenize), else
-    generated text of that size."""
+    """The first 300 kB of tinyshakespeare (enough for 30 tiny steps, and quick to tokenize)."""
     path = tmp_path_factory.mktemp("corpus") / "text.txt"
-    if SHAKESPEARE.is_file():
-        path.write_text(SHAKESPEARE.read_text()[:300_000])
-        return path
-    rng = random.Random(0)
-    words = ["the", "king", "lord", "thou", "art", "my", "good", "sweet", "love", "night", "day", "speak", "hath",
-             "noble", "heart", "shall", "come", "away", "friend", "death", "life", "crown", "war", "peace"]
-    lines = [" ".join(rng.choice(words) for _ in range(rng.randint(4, 12))).capitalize() + "." for _ in range(7000)]
-    path.write_text("\n".join(lines))
+    path.write_bytes(sample_text(300_000))
     return path
 
 
@@ -78,15 +69,15 @@ COLLAPSE_MOE = {"router": {"expert_bias": True, "expert_bias_update_rate": 0.0}}
 def forced_collapse(monkeypatch):
     """Initialise every model with a +100 selection bias on experts 0 and 1 of each MoE layer, so that every token
     chooses experts 0 and 1 (top-2 of 4) whatever its router logits."""
-    original = MoETransformer.reset_parameters
+    original = meta_init.init_parameters  # every layout's initialisation, one process included
 
     @torch.no_grad()
-    def collapsed(self):
-        original(self)
-        for layer in self.moe_layers():
+    def collapsed(model, *args, **kwargs):
+        original(model, *args, **kwargs)
+        for layer in model.moe_layers():
             layer.router.e_score_correction_bias[:2] = 100.0
 
-    monkeypatch.setattr(MoETransformer, "reset_parameters", collapsed)
+    monkeypatch.setattr(meta_init, "init_parameters", collapsed)
 
 
 def test_healthy_tiny_run_raises_no_alarm(healthy_run):
@@ -170,7 +161,8 @@ def report_dir(healthy_run, tmp_path_factory) -> Path:
 def test_report_on_a_finished_run(report_dir):
     out = report_dir
     pngs = sorted(out.glob("*.png"))
-    assert [p.name for p in pngs] == ["drop_fraction.png", "expert_load.png", "loss_lr.png", "routing_health.png"]
+    # tiny is dropless (no capacity): no drop-fraction figure, which could only show zeros
+    assert [p.name for p in pngs] == ["expert_load.png", "loss_lr.png", "routing_health.png"]
     for p in pngs:
         assert p.read_bytes().startswith(PNG) and p.stat().st_size > 5000
     page = (out / "report.html").read_text()

@@ -105,4 +105,4 @@ def test_document_ids_with_kv_cache_refused():
 
     attn = _model().blocks[0].attn
     with pytest.raises(ValueError, match="document_ids"):
-        attn(torch.ones(1, 3, 64), kv_cache=KVCache(2), document_ids=torch.zeros(1, 3, dtype=torch.long))
+        attn(torch.ones(1, 3, 64), kv_cache=KVCache(2, 1, 3), document_ids=torch.zeros(1, 3, dtype=torch.long))

@@ -9,7 +9,7 @@ and the 2 ranks also load the single-process (safetensors + train_state.pt) form
 sharded model (expert tensors and AdamW moments sliced), as a run started without torchrun and resumed with it.
 Every load must restore the saved parameters exactly (bit for bit), and every next step must give the loss and the
 parameters of the uninterrupted single-process run (so the AdamW moments and the LR schedule were resharded and
-restored too). fp64 weights.
+restored too). fp32 weights, as the trainer's: the steps agree to 1e-6 (reduction order), the loads bit for bit.
 """
 
 from __future__ import annotations
@@ -24,8 +24,11 @@ from moetrain.config import build_config
 from moetrain.errors import CheckpointError
 from moetrain.model.transformer import MoETransformer
 from moetrain.parallel import dcp
+from moetrain.parallel.engine import ShardedHooks
+from moetrain.parallel.fsdp import full_tensor
 from moetrain.parallel.launch import ParallelHooks
-from moetrain.parallel.mesh import build_mesh, single_process
+from moetrain.parallel.layout import Layout, build_layout_mesh
+from moetrain.parallel.mesh import single_process
 from moetrain.parallel.sharding import gather_full
 from moetrain.train.checkpoint import MODEL_FILE, STATE_FILE, LoadedCheckpoint, encode_model, encode_state
 from moetrain.train.schedule import build_scheduler
@@ -53,29 +56,37 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return b[:, :-1], b[:, 1:]
 
 
-def _setup(mesh, seed: int):
-    """A fresh model (initialised with ``seed``: a load must overwrite it all), sharded for ``mesh``."""
-    cfg = _config(mesh.ep)
+_MESHES: dict = {}  # this process's engine mesh, built once per world size
+
+
+def _setup(world: int, seed: int):
+    """A fresh model (initialised with ``seed``: a load must overwrite it all), sharded over ``world`` ranks (EP =
+    world, on the engine) or whole in one process."""
+    cfg = _config(world)
     torch.manual_seed(seed)
-    model = MoETransformer(cfg.model).double()
-    hooks = ParallelHooks(mesh)
+    model = MoETransformer(cfg.model)
+    if world == 1:
+        hooks = ParallelHooks(single_process())
+    else:
+        if world not in _MESHES:
+            _MESHES[world] = build_layout_mesh(Layout.from_config(cfg.parallel, world), 60, torch.device("cpu"))
+        hooks = ShardedHooks(_MESHES[world], cfg.parallel)
     hooks.prepare_model(model)
     opt = build_optimizer(model, cfg)
     return cfg, model, hooks, opt, build_scheduler(opt, cfg.train)
 
 
 def _step(cfg, model, hooks, opt, sched, step: int) -> float:
-    kwargs = ({"count_reducer": hooks.count_reducer, "sync_grads": hooks.sync_grads, "reduce_mean": hooks.reduce_mean}
-              if hooks.distributed else {})
     result = train_step(model, hooks.local_batch(lambda: _batch(step)), opt, sched, cfg.train, torch.device("cpu"),
-                        **kwargs)
+                        **hooks.step_kwargs())
     return float(result.lm_loss)
 
 
 def _full_params(model, hooks) -> dict[str, torch.Tensor]:
     out = {}
     for name, p in model.named_parameters():
-        out[name] = gather_full(p.detach(), hooks.plan[name], hooks.mesh) if name in hooks.plan else p.detach().clone()
+        full = full_tensor(p).clone()
+        out[name] = gather_full(full, hooks.plan[name], hooks.mesh) if name in hooks.plan else full
     for name, b in model.named_buffers():
         if "bias" in name:
             out[name] = b.clone()
@@ -87,18 +98,18 @@ def _max_diff(a: dict, b: dict) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-def _load_and_step(mesh, path, step: int):
-    cfg, model, hooks, opt, sched = _setup(mesh, seed=99)
-    extra = dcp.load(path, model, opt, hooks.plan, mesh)
+def _load_and_step(world: int, path, step: int):
+    cfg, model, hooks, opt, sched = _setup(world, seed=99)
+    extra = dcp.load(path, model, opt, hooks.plan, hooks.mesh, layout=hooks.layout)
     sched.load_state_dict(extra["scheduler"])
     loaded = _full_params(model, hooks)
     loss = _step(cfg, model, hooks, opt, sched, step)
     return loaded, loss, _full_params(model, hooks), (cfg, model, hooks, opt, sched)
 
 
-def _legacy_load_and_step(mesh, files: dict[str, bytes], step: int):
+def _legacy_load_and_step(world: int, files: dict[str, bytes], step: int):
     """Load the single-file format through the trainer's hook, then take the next step."""
-    cfg, model, hooks, opt, sched = _setup(mesh, seed=99)
+    cfg, model, hooks, opt, sched = _setup(world, seed=99)
     ckpt = LoadedCheckpoint(name="step_00000001", step=1, location="legacy", files=files)
     assert hooks.load_checkpoint(ckpt, model, opt)
     sched.load_state_dict(ckpt.train_state()["scheduler"])
@@ -108,25 +119,24 @@ def _legacy_load_and_step(mesh, files: dict[str, bytes], step: int):
 
 
 def _ep_worker(rank: int, world: int, out_dir, src, dst, legacy=None) -> dict:
-    mesh = build_mesh(world, timeout_s=60)
-    loaded, loss, after, (cfg, model, hooks, opt, sched) = _load_and_step(mesh, src, step=1)
-    legacy_result = _legacy_load_and_step(mesh, legacy, step=1) if legacy is not None else None
+    loaded, loss, after, (cfg, model, hooks, opt, sched) = _load_and_step(world, src, step=1)
+    legacy_result = _legacy_load_and_step(world, legacy, step=1) if legacy is not None else None
     if dst is not None:  # re-save the state just loaded (before the step above) at this EP size
-        cfg, model, hooks, opt, sched = _setup(mesh, seed=7)
-        extra = dcp.load(src, model, opt, hooks.plan, mesh)
+        cfg, model, hooks, opt, sched = _setup(world, seed=7)
+        extra = dcp.load(src, model, opt, hooks.plan, hooks.mesh, layout=hooks.layout)
         sched.load_state_dict(extra["scheduler"])
-        dcp.save(dst, model, opt, hooks.plan, mesh, extra={"scheduler": sched.state_dict()})
+        dcp.save(dst, model, opt, hooks.plan, hooks.mesh, extra={"scheduler": sched.state_dict()},
+                 layout=hooks.layout)
     return {"loaded": loaded, "loss": loss, "after": after, "legacy": legacy_result}
 
 
 @pytest.fixture(scope="module")
 def chain(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("ckpt")
-    mesh = single_process()
-    cfg, model, hooks, opt, sched = _setup(mesh, seed=0)
+    cfg, model, hooks, opt, sched = _setup(1, seed=0)
     _step(cfg, model, hooks, opt, sched, step=0)
     saved = _full_params(model, hooks)
-    dcp.save(root / "ep1", model, opt, hooks.plan, mesh, extra={"scheduler": sched.state_dict()})
+    dcp.save(root / "ep1", model, opt, hooks.plan, hooks.mesh, extra={"scheduler": sched.state_dict()})
     legacy = {MODEL_FILE: encode_model(model),
               STATE_FILE: encode_state({"optimizer": opt.state_dict(), "scheduler": sched.state_dict()})}
     reference = copy.deepcopy((model, opt, sched))
@@ -135,7 +145,7 @@ def chain(tmp_path_factory) -> dict:
 
     ep4 = spawn(_ep_worker, 4, root / "w4", root / "ep1", root / "ep4")
     ep2 = spawn(_ep_worker, 2, root / "w2", root / "ep4", None, legacy)
-    single = _load_and_step(single_process(), root / "ep4", step=1)[:3]
+    single = _load_and_step(1, root / "ep4", step=1)[:3]
     return {"saved": saved, "ref_loss": ref_loss, "ref_after": ref_after, "root": root,
             "ep4": ep4, "ep2": ep2, "single": [dict(zip(("loaded", "loss", "after"), single))],
             "legacy_to_ep2": [r["legacy"] for r in ep2]}
@@ -146,7 +156,7 @@ def test_resume_reshards_exactly(chain, run):
     for rank, r in enumerate(chain[run]):
         assert _max_diff(r["loaded"], chain["saved"]) == 0.0, (run, rank)
         assert abs(r["loss"] - chain["ref_loss"]) <= 1e-6 * abs(chain["ref_loss"]), (run, rank, r["loss"])
-        assert _max_diff(r["after"], chain["ref_after"]) <= 1e-9, (run, rank)
+        assert _max_diff(r["after"], chain["ref_after"]) <= 1e-6, (run, rank)
 
 
 def test_step_changed_the_weights(chain):

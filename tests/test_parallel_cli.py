@@ -85,7 +85,7 @@ def test_bytes_sent_match_routing_and_are_logged(runs):
 def test_only_rank_zero_writes(runs):
     log = (runs / "ep2.log").read_text()
     assert log.count("run directory:") == 1 and log.count("step 0: val_loss") == 1
-    assert "parallel: 2 ranks = dp 1 x ep 2" in log
+    assert "parallel: mesh pp 1 x dp_replicate 1 x dp_shard 1 x ep 2 = 2 ranks" in log
     assert len(_records(runs / "ep2")) == len(_records(runs / "one"))  # one writer: no duplicated lines
 
 

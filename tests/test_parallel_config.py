@@ -10,7 +10,9 @@ from moetrain.config import build_config
 from moetrain.errors import ConfigError
 from moetrain.parallel.config import ParallelConfig
 from moetrain.parallel import ac
-from moetrain.parallel.launch import ParallelHooks, start
+from moetrain.parallel.engine import ShardedHooks
+from moetrain.parallel.launch import start
+from moetrain.parallel.layout import Layout, build_layout_mesh
 from moetrain.parallel.mesh import build_mesh, init_distributed
 
 
@@ -45,7 +47,8 @@ def _checks_worker(rank: int, world: int, out_dir) -> dict:
         build_mesh(4, timeout_s=30)
     except ConfigError as e:
         out["mesh"] = str(e)
-    hooks = ParallelHooks(build_mesh(2, timeout_s=30))
+    cfg = ParallelConfig(ep=2)
+    hooks = ShardedHooks(build_layout_mesh(Layout.from_config(cfg, world), 30, torch.device("cpu")), cfg)
     try:
         hooks.local_batch(lambda: (torch.zeros(3, 4), torch.zeros(3, 4)))()
     except ConfigError as e:
@@ -56,7 +59,7 @@ def _checks_worker(rank: int, world: int, out_dir) -> dict:
 def test_world_size_and_batch_checks(tmp_path):
     for r in spawn(_checks_worker, 2, tmp_path):
         assert r["mesh"].startswith("parallel.ep: world size 2") and "not divisible by ep=4" in r["mesh"], r
-        assert r["batch"].startswith("train.batch_size: 3 sequences") and "over 2 ranks" in r["batch"], r
+        assert r["batch"].startswith("train.batch_size: 3 sequences") and "over the 2 data-parallel ranks" in r["batch"], r
 
 
 def test_plain_path_refuses_cpu_offload_and_a_replica_count_for_one_process(monkeypatch):

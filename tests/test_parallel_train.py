@@ -1,12 +1,14 @@
-"""Expert + data parallelism, model level: optimizer steps of a small MoE transformer on N gloo ranks (2 and 4
-processes) equal one process on the same global batch: losses, gradient norm (with clipping engaged) and every
+"""Expert + data parallelism on the engine (FSDP2 on the DeviceMesh, ``dp_shard=1``: plain data parallelism is its
+replicas, expert parallelism its ep ranks), model level: optimizer steps of a small MoE transformer on N gloo ranks
+(2 and 4 processes) equal one process on the same global batch: losses, gradient norm (with clipping engaged) and every
 parameter after the steps, with the global-batch aux loss, the sequence aux loss, the z-loss, the aux-loss-free
 expert bias and gradient accumulation all on.
 
 The reference is the unsharded model trained by ``train_step`` in the same process on the whole global batch.
-fp64 weights; the model computes the LM loss in fp32 and the step accumulates the reported losses in fp32, so
-losses are compared to 1e-6 relative, the gradient norm to 1e-6 and parameters after the AdamW steps to 1e-5
-(all-to-all: ~4e-10; all-gather, whose partial sums round differently: ~2e-6).
+fp32 weights, as the trainer's (FSDP2 on gloo in torch 2.13 halves the gradients of expert units on a one-rank
+mesh when the weights are fp64: not a configuration moetrain trains); losses are compared to 1e-6 relative, the
+gradient norm to 1e-6 and parameters after the 2 AdamW steps (lr 1e-2) to 3e-5, measured 1.1e-5 (AdamW divides
+by sqrt(v) + eps, so fp32 rounding of a gradient entry near eps moves its parameter by up to lr * dg / eps).
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ import torch
 from _parallel_util import spawn
 from moetrain.config import build_config
 from moetrain.model.transformer import MoETransformer
-from moetrain.parallel.launch import ParallelHooks
-from moetrain.parallel.mesh import build_mesh
+from moetrain.parallel.engine import ShardedHooks
+from moetrain.parallel.fsdp import full_tensor
+from moetrain.parallel.layout import Layout, build_layout_mesh
 from moetrain.parallel.sharding import gather_full
 from moetrain.train.schedule import build_scheduler
 from moetrain.train.step import train_step
@@ -51,10 +54,10 @@ def _train_worker(rank: int, world: int, out_dir, cases: list[dict]) -> dict:
         cfg = _config(case)
         ep = case["ep"]
         if ep not in meshes:
-            meshes[ep] = build_mesh(ep, timeout_s=60)
+            meshes[ep] = build_layout_mesh(Layout.from_config(cfg.parallel, world), 60, torch.device("cpu"))
         mesh = meshes[ep]
         torch.manual_seed(0)
-        model = MoETransformer(cfg.model).double()
+        model = MoETransformer(cfg.model)
         ref = copy.deepcopy(model)
         gen = torch.Generator().manual_seed(1)
         batches = [torch.randint(0, cfg.model.vocab_size, (BATCH, SEQ + 1), generator=gen)
@@ -64,11 +67,10 @@ def _train_worker(rank: int, world: int, out_dir, cases: list[dict]) -> dict:
             it = iter(batches)
             return lambda: (lambda b: (b[:, :-1], b[:, 1:]))(next(it))
 
-        hooks = ParallelHooks(mesh, case["dispatcher"])
+        hooks = ShardedHooks(mesh, cfg.parallel)
         hooks.prepare_model(model)
         runs = []
-        for m, kwargs in ((model, {"count_reducer": hooks.count_reducer, "sync_grads": hooks.sync_grads,
-                                   "reduce_mean": hooks.reduce_mean}), (ref, {})):
+        for m, kwargs in ((model, hooks.step_kwargs()), (ref, {})):
             opt = build_optimizer(m, cfg)
             sched = build_scheduler(opt, cfg.train)
             next_batch = hooks.local_batch(sampler()) if m is model else sampler()
@@ -85,7 +87,9 @@ def _train_worker(rank: int, world: int, out_dir, cases: list[dict]) -> dict:
         ref_params = dict(ref.named_parameters())
         worst = 0.0
         for name, p in model.named_parameters():
-            full = gather_full(p.detach(), hooks.plan[name], mesh) if name in hooks.plan else p.detach()
+            full = full_tensor(p)
+            if name in hooks.plan:
+                full = gather_full(full, hooks.plan[name], mesh.ep_mesh)
             worst = max(worst, (full - ref_params[name].detach()).abs().max().item())
         diffs["params"] = worst
         ref_bias = [layer.router.e_score_correction_bias for layer in ref.moe_layers()]
@@ -125,8 +129,8 @@ def test_steps_match_single_process(results, name):
         for key in ("grad_norm", "expert_bias"):
             assert r[key] <= 1e-6, (name, rank, key, r[key])
         # AdamW divides by sqrt(v) + eps: a gradient entry near eps moves its parameter by up to lr * dg / eps, so
-        # fp32-rounding differences of the combine (all-gather sums partial outputs over ranks) show up as ~1e-6.
-        assert r["params"] <= 1e-5, (name, rank, r["params"])
+        # fp32-rounding differences of the reductions show up as ~1e-5.
+        assert r["params"] <= 3e-5, (name, rank, r["params"])
         # The trainer accumulates the reported losses in fp32 (values ~6): compare them relatively.
         for key in ("lm_loss", "global_aux_loss", "seq_aux_loss", "z_loss"):
             assert r[key] <= 1e-6 * max(1.0, r["ref_" + key]), (name, rank, key, r[key])

@@ -1,8 +1,8 @@
-"""Issue 9: CI-safe smoke runs of ``moetrain bench moe`` and ``moetrain bench train`` (tiny shapes, one round).
+"""CI-safe smoke runs of ``moetrain bench moe`` and ``moetrain bench train`` (tiny shapes, one round).
 
 They check the harness, never the timings: every candidate runs, gets the same weights and input (so in fp32 every
 MoE implementation's output equals the ``loop`` reference, and both models' initial loss is the same), and the JSON
-report holds what the README table is built from.
+report holds what docs/performance.md's table is built from.
 """
 
 from __future__ import annotations
@@ -59,6 +59,28 @@ def test_bench_moe_smoke(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "wrote" in text
     assert_cpu_recorded(report["machine"], text.splitlines()[0])
+
+
+def test_bench_writes_under_the_temp_dir_by_default(tmp_path, monkeypatch, capsys):
+    """Without --json the report goes to a new file under <temp>/moetrain-bench, nothing into the current directory;
+    a second run writes another file, and the old grid name still selects the standard grid."""
+    import tempfile
+
+    from moetrain.bench.moe import GRIDS, _grid_name
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    argv = ["bench", "moe", "--grid", "smoke", "--reps", "1", "--warmup", "0", "--no-memory", "--candidates", "loop"]
+    assert main(argv) == 0
+    first = capsys.readouterr().out.rsplit("wrote ", 1)[1].strip()
+    assert first.startswith(str(tmp_path / "tmp" / "moetrain-bench" / "moe-")) and first.endswith(".json")
+    assert json.loads(open(first).read())["benchmark"] == "moe"
+    assert list((tmp_path / "cwd").iterdir()) == []
+    assert main(argv) == 0
+    second = capsys.readouterr().out.rsplit("wrote ", 1)[1].strip()
+    assert second != first and json.loads(open(first).read())["benchmark"] == "moe"
+    assert _grid_name("readme") == "standard" and "standard" in GRIDS
 
 
 def test_bench_moe_rejects_bad_shape(capsys):

@@ -57,8 +57,12 @@ def test_tied_embeddings_are_never_pipelined():
     shape = ModelShape.from_config(build_config("tiny").model)
     assert shape.tie_embeddings
     assert all(l.pp == 1 for l in candidate_layouts(shape, 8, 64))
-    cfg = build_config("tiny", overrides={"parallel": {"pp": 2}})
-    with pytest.raises(ConfigError, match="model.tie_embeddings"):
+    # the trainer sums the two copies' gradients
+    check(build_config("tiny", overrides={"parallel": {"pp": 2}, "train": {"grad_accum": 2}}), 2)
+    cfg = build_config("tiny", overrides={"parallel": {"pp": 2, "pp_schedule": "zbv", "pp_stages_per_rank": 2,
+                                                       "reshard_after_forward": False}, "model": {"n_layers": 4},
+                                          "train": {"grad_accum": 4}})
+    with pytest.raises(ConfigError, match="model.tie_embeddings: parallel.pp_schedule='zbv'"):
         check(cfg, 2)
 
 
@@ -100,23 +104,23 @@ def test_dry_run_refuses_what_the_trainer_refuses(overrides, world, field):
     assert str(e.value).startswith(field), str(e.value)
 
 
-def test_dry_run_of_the_plain_expert_parallel_path_counts_replicated_weights():
-    # parallel.ep=2 alone (fsdp=auto, dp_shard=1, pp=1) trains on the plain path: every rank holds all non-expert
-    # weights and half the experts; only fsdp=on shards the non-expert weights over the ep ranks.
+def test_dry_run_of_expert_parallelism_alone_counts_the_engines_shards():
+    # parallel.ep=2 alone (dp_shard=1, pp=1) runs on the one FSDP2 engine: every rank holds half the experts and
+    # half of each non-expert weight (sharded over the ep ranks), as with the old fsdp=on, which changes nothing.
     cfg = build_config("tiny", overrides={"parallel": {"ep": 2}})
     model = MoETransformer(cfg.model)
-    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
-    held = sum(p.numel() for p in model.parameters()) - experts // 2
-    plain = dry_run(cfg, 2)
-    assert plain.rank_bytes == held * 16
-    assert "non-expert parameters replicated" in plain.lines[0] and "= 2 ranks" in plain.lines[0], plain.lines[0]
-    sharded = dry_run(build_config("tiny", overrides={"parallel": {"ep": 2, "fsdp": "on"}}), 2)
-    assert sharded.rank_bytes < plain.rank_bytes and "sharded over 2 ranks" in sharded.lines[0]
+    run = dry_run(cfg, 2)
+    assert run.rank_bytes < sum(p.numel() for p in model.parameters()) * 16
+    assert "sharded over 2 ranks" in run.lines[0] and "= 2 ranks" in run.lines[0], run.lines[0]
+    assert dry_run(build_config("tiny", overrides={"parallel": {"ep": 2, "fsdp": "on"}}), 2).rank_bytes == run.rank_bytes
 
 
 def test_plan_prints_small_counts_and_rates_readably():
-    """tiny's parameters and a CPU's peak printed as 0.00B and 0 TFLOP/s."""
-    from moetrain.commands.plan import _params, _tflops
+    """tiny's parameters and a CPU's rates in units that read (0.16M, 31 GFLOP/s, 12.4 GB/s), not 0.00B, 0.03 TFLOP/s
+    and 0.00 TB/s."""
+    from moetrain.commands.plan import _params, _si
 
     assert _params(160_000) == "0.16M" and _params(46_700_000_000) == "46.70B"
-    assert _tflops(0.31e12) == "0.31" and _tflops(989e12) == "989" and _tflops(12.4e12) == "12"
+    assert _si(0.031e12, "FLOP/s") == "31 GFLOP/s" and _si(989.4e12, "FLOP/s") == "989 TFLOP/s"
+    assert _si(12.4e9, "B/s") == "12.4 GB/s" and _si(3.35e12, "B/s") == "3.35 TB/s" and _si(450e9, "B/s") == "450 GB/s"
+    assert _si(5.0, "B/s") == "5 B/s"

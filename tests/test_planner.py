@@ -120,8 +120,10 @@ def test_hardware_presets_have_sources():
 
 
 def test_cpu_calibration_measures_something():
-    hw = calibrate_cpu(size=128, repeats=1)
-    assert hw.peak_flops > 1e8 and hw.mem_bw > 1e8 and hw.mem_bytes > 1e9
+    hw = calibrate_cpu(size=128, repeats=3)
+    # Bounds any CPU of this century passes even while descheduled (a load of 11 on 2 cores read 0.07 GFLOP/s at
+    # one 128^3 product): the test is that something was measured, not how fast.
+    assert hw.peak_flops > 1e7 and hw.mem_bw > 1e7 and hw.mem_bytes > 1e9
     assert "measured" in hw.sources["peak_flops"]
 
 

@@ -142,7 +142,7 @@ BAD = [
     ({"prompt": "x", "stream": "yes"}, "stream"),
     ({"prompt": "x", "stop": [1, 2]}, "stop"),
     ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
-    ({"prompt": "x", "n": 2}, "n"),
+    ({"prompt": "x", "n": 0}, "n"),
     ({"prompt": "x", "routing": {"policy": "magic"}}, "routing.policy"),
     ({"prompt": "x", "routing": {"policy": "fixed", "k": 99}}, "routing.k"),
     ({"prompt": "x", "routing": {"policy": "threshold", "p": 1.5}}, "routing.p"),
@@ -266,8 +266,8 @@ def test_exported_hf_directory_serves_what_the_run_serves(served, server, tmp_pa
     through the engine's step runner) and over HTTP the same completions, greedy and seeded sampled ones (a
     40-step tiny run's greedy text is mostly one repeated token; the sampled ones draw from the whole
     distribution, so they differ wherever the logits differ by more than rounding)."""
+    from moetrain.model.attention import KVCache
     from moetrain.serve.forward import StepBatch, StepRunner
-    from moetrain.serve.kv_cache import SlotKVCache
     from moetrain.serve.moe import StepPolicies
     from moetrain.serve.routing import RoutingPolicy
 
@@ -279,8 +279,7 @@ def test_exported_hf_directory_serves_what_the_run_serves(served, server, tmp_pa
 
     def step_logits(model_served):
         cfg = model_served.model.config
-        runner = StepRunner(model_served.model, SlotKVCache(len(PROMPTS), cfg.n_layers, cfg.n_kv_heads,
-                                                            cfg.max_seq_len, cfg.head_size))
+        runner = StepRunner(model_served.model, KVCache(cfg.n_layers, len(PROMPTS), cfg.max_seq_len))
         seqs = [(i, 0, model_served.tokenizer.encode(p).ids) for i, p in enumerate(PROMPTS)]
         out = []
         for _ in range(5):
@@ -387,7 +386,7 @@ def test_a_request_load_policy_uses_the_servers_queue_depths(served):
 def test_batched_sampling_draws_what_each_row_draws_alone():
     """sample_rows (one softmax / sort / cumsum per (temperature, top_p) group) gives each row the token that
     generate()'s own lines give it as a batch of one with the same generator state."""
-    from moetrain.serve.sampling import sample_rows
+    from moetrain.model.sampling import SamplingParams, sample_rows
 
     torch.manual_seed(0)
     logits = torch.randn(24, 512) * 3
@@ -405,7 +404,7 @@ def test_batched_sampling_draws_what_each_row_draws_alone():
     for draw in range(3):  # the generators advance alike in both
         gens_a = [torch.Generator().manual_seed(100 * draw + i) for i in range(24)]
         gens_b = [torch.Generator().manual_seed(100 * draw + i) for i in range(24)]
-        got = sample_rows(logits, temps, tops, gens_a)
+        got = sample_rows(logits, [SamplingParams(t, p) for t, p in zip(temps, tops)], gens_a)
         want = [alone(logits[i], temps[i], tops[i], gens_b[i]) for i in range(24)]
         assert got == want
         assert len(set(got)) > 12  # real draws, not one token

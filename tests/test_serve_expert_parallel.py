@@ -29,7 +29,7 @@ from moetrain.cli import main  # noqa: E402
 from moetrain.errors import MoetrainError  # noqa: E402
 from moetrain.serve.expert_parallel import physical_ids  # noqa: E402
 from moetrain.serve.forward import StepBatch, StepRunner  # noqa: E402
-from moetrain.serve.kv_cache import SlotKVCache  # noqa: E402
+from moetrain.model.attention import KVCache  # noqa: E402
 from moetrain.serve.loader import load_served_model  # noqa: E402
 from moetrain.serve.moe import StepPolicies  # noqa: E402
 from moetrain.serve.placement import load_placement  # noqa: E402
@@ -45,7 +45,14 @@ BODIES = [{"prompt": p, "max_tokens": 20, "temperature": 0} for p in PROMPTS] + 
 ]
 
 
+# alone, every decode step has one token: rank 1's share of it is empty (its dispatch holds no tokens)
+# (p = 0.5 with k_max = E = 4: some candidate is always unkept, so a keep mask always reaches the dispatcher)
+ALONE = {"prompt": PROMPTS[2], "max_tokens": 8, "temperature": 0,
+         "routing": {"policy": "threshold", "p": 0.5, "k_max": 4}}
+
+
 def _answers(url: str) -> list[list[int]]:
+    """The token ids answered to every body of BODIES (concurrently), then to ALONE (by itself)."""
     def one(body):
         with httpx.Client(base_url=url, timeout=120) as c:
             r = c.post("/v1/completions", json={**body, "return_token_ids": True})
@@ -53,17 +60,18 @@ def _answers(url: str) -> list[list[int]]:
             return r.json()["choices"][0]["token_ids"]
 
     with cf.ThreadPoolExecutor(len(BODIES)) as pool:  # concurrent: steps batch several sequences
-        return list(pool.map(one, BODIES))
+        answers = list(pool.map(one, BODIES))
+    return answers + [one(ALONE)]
 
 
-def _start_ep2(run, tmp_path, *flags: str) -> tuple[subprocess.Popen, str]:
+def _start_ep2(run, tmp_path, *flags: str, cache: str = "off") -> tuple[subprocess.Popen, str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     log_file = tmp_path / "ep2.log"
     log = open(log_file, "w+")
     proc = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
          "--master_port", str(free_port()), "-m", "moetrain", "serve", str(run), "--port", "0", "--threads", "1",
-         "--cache", "off", "--log-level", "warning", *flags, "parallel.ep=2", "parallel.timeout_s=4"],
+         "--cache", cache, "--log-level", "warning", *flags, "parallel.ep=2", "parallel.timeout_s=4"],
         stdout=log, stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -110,12 +118,10 @@ def test_two_process_ep_server_equals_one_process(tmp_path):
     assert "Timed out" not in (tmp_path / "ep2.log").read_text()
 
 
-def _step_logits(served, experts_fn, policy: RoutingPolicy) -> list[torch.Tensor]:
+def _step_logits(served, policy: RoutingPolicy) -> list[torch.Tensor]:
     """Logits [B, V] of a prefill of three prompts, then 3 decode steps feeding back the greedy tokens."""
     cfg = served.model.config
-    kw = {} if experts_fn is None else {"experts_fn": experts_fn}
-    runner = StepRunner(served.model, SlotKVCache(3, cfg.n_layers, cfg.n_kv_heads, cfg.max_seq_len, cfg.head_size),
-                        **kw)
+    runner = StepRunner(served.model, KVCache(cfg.n_layers, 3, cfg.max_seq_len))
     seqs = [(i, 0, served.tokenizer.encode(p).ids) for i, p in enumerate(PROMPTS[:3])]
     out = []
     for _ in range(4):
@@ -131,14 +137,14 @@ POLICIES = [RoutingPolicy(), RoutingPolicy(policy="threshold", p=0.6, k_min=1, k
 
 def _placed_rank(rank, world, out_dir, run: str, placement_file: str | None):
     from moetrain.parallel.mesh import build_mesh
-    from moetrain.serve.expert_parallel import ep_experts_fn, shard_for_serving
+    from moetrain.serve.expert_parallel import shard_for_serving
     from moetrain.serve.placement import load_placement
 
     torch.set_grad_enabled(False)
     mesh = build_mesh(world, timeout_s=60)
     served = load_served_model(run)
     placement = None if placement_file is None else load_placement(placement_file, [0, 1], 4, world)
-    tables = shard_for_serving(served.model, mesh, placement)
+    shard_for_serving(served.model, mesh, placement)
     held = [int(b.ffn.experts.num_experts) for b in served.model.blocks]
     rows = [torch.zeros(n, dtype=torch.int64) for n in held]  # rows each local physical expert computed
 
@@ -149,8 +155,7 @@ def _placed_rank(rank, world, out_dir, run: str, placement_file: str | None):
 
     for b, r in zip(served.model.blocks, rows):
         b.ffn.experts.register_forward_pre_hook(count(r))
-    fn = ep_experts_fn(mesh, tables)
-    return held, [_step_logits(served, fn, pol) for pol in POLICIES], [r.tolist() for r in rows]
+    return held, [_step_logits(served, pol) for pol in POLICIES], [r.tolist() for r in rows]
 
 
 def test_physical_ids_spread_a_replicated_expert_over_its_replicas():
@@ -166,7 +171,7 @@ def test_placement_with_replicas_gives_the_single_process_logits(tmp_path):
     hand-made permutation (experts 3, 0 on rank 0; 1, 2 on rank 1) compute the single process's logits (fp32; only
     the order of the experts' sums differs), under the trained k and under a threshold policy."""
     run = train_tiny(tmp_path)
-    reference = [_step_logits(load_served_model(str(run)), None, pol) for pol in POLICIES]
+    reference = [_step_logits(load_served_model(str(run)), pol) for pol in POLICIES]
     assert main(["placement", str(run), "--ep", "2", "--redundant", "2", "--out", str(tmp_path / "pl")]) == 0
     replicated = tmp_path / "pl" / "placement-ep2-r2.json"
     d = json.loads(replicated.read_text())
@@ -186,16 +191,19 @@ def test_placement_with_replicas_gives_the_single_process_logits(tmp_path):
 
 
 def test_two_process_ep_server_with_a_placement_equals_one_process(tmp_path):
-    """``torchrun ... serve RUN --placement placement-ep2-r2.json parallel.ep=2`` (hot experts replicated) answers
-    what one process answers; a placement for another ep or without parallel.ep is refused naming the file."""
+    """``torchrun ... serve RUN --placement placement-ep2-r2.json parallel.ep=2`` (hot experts replicated), with the
+    default response cache on, answers what one process answers, twice (the second time from the cache); a
+    placement for another ep or without parallel.ep is refused naming the file."""
     run = train_tiny(tmp_path)
     reference = _one_process_answers(run)
     assert main(["placement", str(run), "--ep", "2", "--redundant", "2"]) == 0
     placement = run / "placement-ep2-r2.json"
-    proc, url = _start_ep2(run, tmp_path, "--placement", str(placement))
+    proc, url = _start_ep2(run, tmp_path, "--placement", str(placement), cache="memory")
     try:
         assert f"placed by {placement}" in (tmp_path / "ep2.log").read_text()
         assert _answers(url) == reference
+        assert _answers(url) == reference
+        assert proc.poll() is None
     finally:
         _stop(proc)
 

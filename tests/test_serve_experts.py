@@ -15,11 +15,11 @@ import torch
 from _serve_util import train_tiny
 
 from moetrain.errors import MoetrainError
+from moetrain.model.attention import KVCache
 from moetrain.serve.engine import Engine, GenRequest
 from moetrain.serve.expert_store import ExpertStore, parse_bytes, routed_expert_bytes, unit_bytes
 from moetrain.serve.expert_usage import calibrate_usage, served_usage, uniform_usage, usage_from_metrics
 from moetrain.serve.forward import StepBatch, StepRunner
-from moetrain.serve.kv_cache import SlotKVCache
 from moetrain.serve.loader import load_served_model
 from moetrain.serve.moe import StepPolicies
 from moetrain.serve.routing import RoutingPolicy
@@ -73,8 +73,7 @@ def _steps_logits(served, experts_fn=None) -> list[torch.Tensor]:
     """Logits of a prefill of three prompts then 4 decode steps feeding back greedy tokens."""
     cfg = served.model.config
     kw = {} if experts_fn is None else {"experts_fn": experts_fn}
-    runner = StepRunner(served.model, SlotKVCache(3, cfg.n_layers, cfg.n_kv_heads, cfg.max_seq_len, cfg.head_size),
-                        **kw)
+    runner = StepRunner(served.model, KVCache(cfg.n_layers, 3, cfg.max_seq_len), **kw)
     prompts = [served.tokenizer.encode(p).ids for p in PROMPTS[:3]]
     seqs = [(i, 0, ids) for i, ids in enumerate(prompts)]
     pol = RoutingPolicy()

@@ -8,7 +8,7 @@ import torch
 
 from moetrain.config import Config
 from moetrain.model.transformer import MoETransformer
-from moetrain.serve.moe import StepPolicies, serve_moe
+from moetrain.serve.moe import StepPolicies, StepRouting
 from moetrain.serve.routing import Int8Router, RoutingPolicy, tokens_k
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -62,6 +62,15 @@ def _reference(layer, x, k_min, k_max, p):
 
 def _policies(policy, t, depth=0):
     return StepPolicies(((policy, t),), depth)
+
+
+def serve_moe(layer, x, policies):
+    """The layer under the step's routing hook: (y, its MoEStepStats)."""
+    routing = StepRouting(policies)
+    with torch.inference_mode():
+        y, aux = layer(x, routing=routing)
+    assert aux is None and len(routing.stats) == 1
+    return y, routing.stats[0]
 
 
 @pytest.mark.parametrize("score_func,norm", [("softmax", True), ("softmax", False), ("sigmoid", True)])

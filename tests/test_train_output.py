@@ -126,7 +126,7 @@ def test_on_a_terminal_evaluations_are_printed_above_the_bar(tmp_path):
     screen = _screen(raw)
     bars = [i for i, s in enumerate(screen) if re.search(r"\| *\d+/12 \[", s)]
     assert len(bars) == 1 and "12/12" in screen[bars[0]], screen  # one bar left on screen: nothing of it elsewhere
-    evals = {int(s.split()[1][:-1]): i for i, s in enumerate(screen) if "val_loss" in s}
+    evals = {int(s.split()[1][:-1]): i for i, s in enumerate(screen) if s.startswith("step ") and "val_loss" in s}
     assert sorted(evals) == [0, 4, 8, 12], screen
     for i in evals.values():  # each evaluation a clean line: no bar text around it
         assert re.fullmatch(r"step \d+: val_loss \d+\.\d{4}( \(before training: \d+\.\d{4}\))?", screen[i]), screen[i]

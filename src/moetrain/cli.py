@@ -50,8 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The command line ``argv`` (without the program name) as the command's arguments, nothing run.
+
+    Raises:
+        SystemExit: a syntax error (status 2, after one line on stderr), ``--help`` or ``--version`` (status 0).
+    """
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if args.command is None:  # `moetrain` alone runs the default job
@@ -63,6 +67,11 @@ def main(argv: list[str] | None = None) -> int:
         if not hasattr(args, "overrides") or any(e.startswith("-") or ("=" not in e and not loose) for e in extra):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides = [*args.overrides, *extra]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
     from moetrain.runtime.oserrors import quiet_thread_os_errors
 
     quiet_thread_os_errors()  # TensorBoard's writer thread on a full disk: one line, not a traceback

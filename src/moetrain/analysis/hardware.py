@@ -65,33 +65,28 @@ class Hardware:
 
 _EFFICIENCY_NOTE = "assumption: typical sustained fraction of peak for large training GEMMs, not a vendor figure"
 
+
+def _hopper_sxm(gpu: str, mem_gb: int, hbm: str, mem_bw: float, mem_bw_text: str) -> Hardware:
+    """An NVIDIA Hopper SXM GPU (H100, H200): the same Tensor Cores, NVLink and DGX networking, its own memory."""
+    sheet = f"NVIDIA {gpu} datasheet"
+    return Hardware(
+        name=gpu.lower(), peak_flops=989.4 * TFLOPS, mem_bytes=mem_gb * GB, mem_bw=mem_bw, intra_bw=450 * GB,
+        inter_bw=50 * GB, devices_per_node=8, efficiency=0.5,
+        sources={
+            "peak_flops": f"NVIDIA {gpu} Tensor Core GPU datasheet, {gpu} SXM: BF16 Tensor Core 1,979 TFLOPS with "
+                          "sparsity = 989.4 dense",
+            "mem_bytes": f"{sheet}, {gpu} SXM: {mem_gb} GB {hbm}",
+            "mem_bw": f"{sheet}, {gpu} SXM: {mem_bw_text}",
+            "intra_bw": f"{sheet}: NVLink 900 GB/s (bidirectional) = 450 GB/s per direction",
+            "inter_bw": f"NVIDIA DGX {gpu} datasheet: 8x 400 Gb/s ConnectX-7 (one per GPU) = 50 GB/s per GPU",
+            "efficiency": _EFFICIENCY_NOTE,
+        },
+    )
+
+
 PRESETS: dict[str, Hardware] = {
-    "h100": Hardware(
-        name="h100", peak_flops=989.4 * TFLOPS, mem_bytes=80 * GB, mem_bw=3.35e12, intra_bw=450 * GB,
-        inter_bw=50 * GB, devices_per_node=8, efficiency=0.5,
-        sources={
-            "peak_flops": "NVIDIA H100 Tensor Core GPU datasheet, H100 SXM: BF16 Tensor Core 1,979 TFLOPS with "
-                          "sparsity = 989.4 dense",
-            "mem_bytes": "NVIDIA H100 datasheet, H100 SXM: 80 GB HBM3",
-            "mem_bw": "NVIDIA H100 datasheet, H100 SXM: 3.35 TB/s",
-            "intra_bw": "NVIDIA H100 datasheet: NVLink 900 GB/s (bidirectional) = 450 GB/s per direction",
-            "inter_bw": "NVIDIA DGX H100 datasheet: 8x 400 Gb/s ConnectX-7 (one per GPU) = 50 GB/s per GPU",
-            "efficiency": _EFFICIENCY_NOTE,
-        },
-    ),
-    "h200": Hardware(
-        name="h200", peak_flops=989.4 * TFLOPS, mem_bytes=141 * GB, mem_bw=4.8e12, intra_bw=450 * GB,
-        inter_bw=50 * GB, devices_per_node=8, efficiency=0.5,
-        sources={
-            "peak_flops": "NVIDIA H200 Tensor Core GPU datasheet, H200 SXM: BF16 Tensor Core 1,979 TFLOPS with "
-                          "sparsity = 989.4 dense",
-            "mem_bytes": "NVIDIA H200 datasheet, H200 SXM: 141 GB HBM3e",
-            "mem_bw": "NVIDIA H200 datasheet, H200 SXM: 4.8 TB/s",
-            "intra_bw": "NVIDIA H200 datasheet: NVLink 900 GB/s (bidirectional) = 450 GB/s per direction",
-            "inter_bw": "NVIDIA DGX H200 datasheet: 8x 400 Gb/s ConnectX-7 (one per GPU) = 50 GB/s per GPU",
-            "efficiency": _EFFICIENCY_NOTE,
-        },
-    ),
+    "h100": _hopper_sxm("H100", 80, "HBM3", 3.35e12, "3.35 TB/s"),
+    "h200": _hopper_sxm("H200", 141, "HBM3e", 4.8e12, "4.8 TB/s"),
     "trn1": Hardware(
         name="trn1", peak_flops=190 * TFLOPS, mem_bytes=32 * GIB, mem_bw=820 * GIB, intra_bw=384 * GIB,
         inter_bw=800e9 / 8 / 16, devices_per_node=16, efficiency=0.5,
@@ -107,19 +102,102 @@ PRESETS: dict[str, Hardware] = {
 }
 
 
+# A peak whose rounds differ by more than this fraction of the best, or measured while other processes kept at
+# least half a core busy, is reported as unreliable: on a shared 2-core machine the fp32 peak read 7.3 GFLOP/s under
+# load and ~90 idle, and the bf16 / fp32 ratio moved from 2.8x to 9.7x within a minute.
+UNRELIABLE_SPREAD = 0.25
+UNRELIABLE_BUSY_CORES = 0.5
+
+
+@dataclass(frozen=True)
+class PeakMeasurement:
+    """GEMM peaks measured in several interleaved rounds (:func:`measure_peaks`), and whether they can be trusted.
+
+    Attributes:
+        rates: dtype name (``fp32``, ``bf16``) -> FLOP/s of each round (one round = best of a few products).
+        busy: the most cores other processes kept busy in the samples taken around the rounds
+            (:func:`moetrain.runtime.threads.others_busy_cores`); ``None`` where that cannot be measured.
+    """
+
+    rates: dict[str, list[float]]
+    busy: float | None
+
+    def best(self, dtype: str) -> float:
+        """The highest rate of ``dtype`` (FLOP/s): load only ever slows a GEMM down, so the best round is closest
+        to the machine's own peak."""
+        return max(self.rates[dtype])
+
+    def spread(self, dtype: str) -> float:
+        """``1 - slowest / best`` round of ``dtype``, in [0, 1)."""
+        return 1.0 - min(self.rates[dtype]) / max(self.rates[dtype])
+
+    def ratios(self, num: str, den: str) -> list[float]:
+        """``num`` / ``den`` per round (each round measures both back to back, so under the same load)."""
+        return [a / b for a, b in zip(self.rates[num], self.rates[den], strict=True)]
+
+    def merged(self, other: PeakMeasurement) -> PeakMeasurement:
+        """The rounds of both measurements (the same dtypes), the higher ``busy``."""
+        busy = [b for b in (self.busy, other.busy) if b is not None]
+        return PeakMeasurement({k: [*v, *other.rates[k]] for k, v in self.rates.items()},
+                               max(busy) if busy else None)
+
+    def unreliable(self) -> str | None:
+        """Why these peaks cannot be trusted (the machine was under load, or the rounds disagree), or ``None``."""
+        why = []
+        if self.busy is not None and self.busy >= UNRELIABLE_BUSY_CORES:
+            why.append(f"other processes kept {self.busy:.1f} cores busy")
+        spreads = {k: self.spread(k) for k in self.rates if len(self.rates[k]) > 1}
+        worst = max(spreads, key=lambda k: spreads[k], default=None)
+        if worst is not None and spreads[worst] > UNRELIABLE_SPREAD:
+            why.append(f"the {worst} peak varied by {100 * spreads[worst]:.0f}% between rounds")
+        return "; ".join(why) or None
+
+
+def measure_peaks(dtypes: tuple[str, ...] = ("fp32", "bf16"), rounds: int = 3, size: int = 1024,
+                  repeats: int = 3, device: str = "cpu") -> PeakMeasurement:
+    """GEMM FLOP/s of each of ``dtypes`` in ``rounds`` interleaved rounds, each the best of ``repeats``
+    [size, size] @ [size, size] products (:func:`moetrain.runtime.cpu.gemm_peak`, uncached), with the cores other
+    processes kept busy sampled before and after. On the CPU of this project's machine (AMD EPYC, 2 threads) a
+    round of fp32 + bf16 takes ~0.2 s idle.
+
+    Raises:
+        ValueError: ``rounds`` < 1 or an unknown dtype name.
+    """
+    import torch
+
+    from moetrain.runtime.cpu import gemm_peak
+    from moetrain.runtime.threads import others_busy_cores
+
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    torch_dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    unknown = [d for d in dtypes if d not in torch_dtypes]
+    if unknown:
+        raise ValueError(f"unknown dtype {unknown[0]!r}; choose from {sorted(torch_dtypes)}")
+    samples = [others_busy_cores(0.05)] if device == "cpu" else []
+    rates: dict[str, list[float]] = {d: [] for d in dtypes}
+    for _ in range(rounds):
+        for d in dtypes:
+            rates[d].append(gemm_peak(torch_dtypes[d], device, size, repeats, fresh=True))
+    if device == "cpu":
+        samples.append(others_busy_cores(0.05))
+    busy = [b for b in samples if b is not None]
+    return PeakMeasurement(rates, max(busy) if busy else None)
+
+
 def calibrate_cpu(size: int = 1024, repeats: int = 3) -> Hardware:
-    """Measure this machine: fp32 matmul FLOP/s (best of ``repeats`` [size, size] @ [size, size]) and copy
-    bandwidth (best of ``repeats`` copies of a 64 MiB tensor, read + write counted). Takes about a second.
+    """Measure this machine: fp32 matmul FLOP/s (best of ``repeats`` [size, size] @ [size, size],
+    :func:`moetrain.runtime.cpu.gemm_peak`) and copy bandwidth (best of ``repeats`` copies of a 64 MiB tensor,
+    read + write counted). Takes about a second.
 
     Memory is the physical RAM; intra/inter bandwidth (processes on one host) are set to the copy bandwidth, and
     ``efficiency`` to 1 because the peaks are themselves measured.
     """
     import torch
 
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    a @ b  # warm-up: thread pool, allocator
-    best = min(_timed(lambda: a @ b) for _ in range(repeats))
-    flops = 2 * size**3 / best
+    from moetrain.runtime.cpu import gemm_peak
+
+    flops = gemm_peak(torch.float32, "cpu", size, repeats, fresh=True)
     src = torch.empty(16 * 2**20)  # 64 MiB fp32
     dst = torch.empty_like(src)
     dst.copy_(src)

@@ -148,11 +148,6 @@ class StateBytes:
     grad: int = 4
     optimizer: int = 8  # AdamW exp_avg + exp_avg_sq in fp32 (plus a fp32 master copy in Megatron's layout)
 
-    @classmethod
-    def megatron_bf16(cls) -> "StateBytes":
-        """bf16 weights, fp32 main gradients, fp32 master weights + two moments (Megatron distributed optimizer)."""
-        return cls(weight=2, grad=4, optimizer=12)
-
 
 @dataclass(frozen=True)
 class StateMemory:

@@ -1,9 +1,33 @@
 """Benchmarks run by ``moetrain bench NAME``: one module per benchmark (see moetrain/commands/bench.py)."""
 
+import os
+import tempfile
+import time
+from pathlib import Path
+
 from moetrain.errors import ConfigError
 
+JSON_HELP = "output file (default: a new file under {dir}, printed at the end)"
 
-def add_measurement_args(p, json_default: str) -> None:
+
+def default_output(bench: str) -> Path:
+    """Where ``moetrain bench NAME`` writes its JSON without ``--json``: a new file
+    ``<temp dir>/moetrain-bench/NAME-YYYYmmdd-HHMMSS-PID.json``, never the current directory and never an earlier
+    result."""
+    stem = Path(tempfile.gettempdir()) / "moetrain-bench" / f"{bench}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    path, n = stem.with_suffix(".json"), 1
+    while path.exists():  # a second benchmark of this process within the second
+        n += 1
+        path = stem.with_name(f"{stem.name}-{n}.json")
+    return path
+
+
+def add_json_arg(p) -> None:
+    """``--json PATH`` (default ``None``: :func:`default_output`, chosen when the benchmark runs)."""
+    p.add_argument("--json", default=None, help=JSON_HELP.format(dir=Path(tempfile.gettempdir()) / "moetrain-bench"))
+
+
+def add_measurement_args(p) -> None:
     """argparse options ``bench moe`` and ``bench train`` share: device, memory pass, threads, clock, seed, output
     file."""
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
@@ -14,7 +38,7 @@ def add_measurement_args(p, json_default: str) -> None:
                    help="wall: elapsed time (default); cpu: process CPU time (steadier on a busy machine with "
                         "--threads 1)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=json_default, help=f"output file (default {json_default})")
+    add_json_arg(p)
 
 
 def check_device(device: str) -> None:

@@ -25,6 +25,7 @@ import statistics
 import time
 from pathlib import Path
 
+from moetrain.bench import add_json_arg
 from moetrain.errors import ConfigError
 
 MODES = ("a", "b", "c")
@@ -60,7 +61,7 @@ def add_parser(sub) -> None:
                    help="torch.set_num_threads (default 1: one core measures the same on an idle or a shared "
                         "machine; 0 keeps PyTorch's default)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default="bench_bta.json", help="output file (default bench_bta.json)")
+    add_json_arg(p)
     p.set_defaults(func=run)
 
 

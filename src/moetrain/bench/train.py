@@ -42,7 +42,7 @@ def add_parser(sub) -> None:
     p.add_argument("--experts", type=int, default=None, help="override model.moe.num_experts (E)")
     p.add_argument("--top-k", type=int, default=None, help="override model.moe.top_k (K)")
     p.add_argument("--expert-ffn", type=int, default=None,
-                   help="override model.moe.experts.ffn_hidden (F); e.g. --experts 64 --top-k 8 --expert-ffn 64 "
+                   help="override model.moe.experts.ffn_hidden (F); e.g. --experts 64 --top-k 8 --expert-ffn 32 "
                         "is cpu-small's fine-grained twin (same K * F active expert width)")
     p.add_argument("--backends", default="fused,grouped_mm",
                    help=f"moetrain expert backends to run, comma-separated from {','.join(OURS_BACKENDS)}")
@@ -53,7 +53,7 @@ def add_parser(sub) -> None:
     p.add_argument("--steps", type=int, default=5, help="timed rounds (default 5)")
     p.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default 2)")
     p.add_argument("--lr", type=float, default=1e-4)
-    add_measurement_args(p, "bench_train.json")
+    add_measurement_args(p)
     p.set_defaults(func=run)
 
 

@@ -3,7 +3,9 @@
 Each benchmark lives in ``moetrain.bench.<name>`` and defines ``add_parser(sub)`` (which calls
 ``set_defaults(func=run)``); add one by adding its name to :data:`BENCHES`. The arguments every benchmark shares
 (``--threads``, ``--json``, ``--overwrite``, and ``bench train``'s ``--batch`` / ``--seq`` / ``--lr``) are checked
-here before the benchmark starts, so a bad value is a one-line error rather than a traceback minutes later.
+here before the benchmark starts, so a bad value is a one-line error rather than a traceback minutes later. The JSON
+goes where ``--json`` says, else to a new file under the temp directory (:func:`moetrain.bench.default_output`),
+never into the current directory; an existing ``--json`` file is replaced only with ``--overwrite``.
 """
 
 from __future__ import annotations
@@ -27,22 +29,19 @@ def add_parser(sub) -> None:
     for command in inner.choices.values():  # `moetrain bench NAME ... --debug`, as for the other commands
         command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
         command.add_argument("--overwrite", action="store_true", help="replace an existing --json file")
-        # None marks "--json not given": the default file is replaced (with a note), a named one only with
-        # --overwrite.
-        default_json = command.get_default("json")
-        command.set_defaults(json=None, func=functools.partial(_checked, command.get_default("func"), default_json))
+        command.set_defaults(func=functools.partial(_checked, command.get_default("func")))
 
 
-def _checked(func, default_json: str | None, args) -> int:
+def _checked(func, args) -> int:
     threads = getattr(args, "threads", None)
     if threads is not None and threads < 0:
         raise ConfigError(f"--threads: must be >= 1 (or 0 for PyTorch's default), got {threads}")
     if args.bench == "train":
         _check_train(args)
-    if args.json is None:
-        args.json = default_json
-        if args.json is not None and Path(args.json).is_file():
-            print(f"note: replacing the earlier {args.json} (the default output; give --json PATH to keep it)")
+    if args.json is None:  # a new file under the temp directory, never the current directory
+        from moetrain.bench import default_output
+
+        args.json = str(default_output(args.bench))
     elif Path(args.json).exists() and not Path(args.json).is_dir() and not args.overwrite:
         raise MoetrainError(f"--json {args.json}: exists; pass --overwrite to replace it or choose another file")
     if args.json is not None:

@@ -57,7 +57,7 @@ def add_parser(sub: Any) -> None:
                        "loss-vs-tokens / loss-vs-seconds plots")
     p.add_argument("variants", nargs="*", metavar="VARIANT",
                    help="a config file (.toml / .json) or NAME:FIELD=VALUE,FIELD=VALUE (NAME: alone = the preset); "
-                   "e.g. dense:model.moe_every=0,model.ffn_hidden=1024 moe:")
+                   "e.g. dense:model.moe_every=0 moe: (the preset's dense twin: its FFN is as wide as the active experts)")
     p.add_argument("--out", required=True, help="output directory (must be new or empty unless --overwrite)")
     p.add_argument("--preset", help="the preset under every variant (default: a config file's own, else cpu-small)")
     p.add_argument("--data", help="text file, directory, glob or .jsonl for every run (data.path)")
@@ -512,7 +512,9 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 def write_figures(out: Path, summaries: list[dict[str, Any]]) -> list[Path]:
     """``loss_vs_tokens.png`` and ``loss_vs_seconds.png``: validation loss per run, colour per variant, line style
-    per seed. The evaluation before training (step 0, far above the rest) is left out when a run has later ones.
+    per seed, every evaluation from the one before training (step 0) on. Step 0's loss (about ln V) is far above
+    the rest, so the loss axis is logarithmic when the losses span more than a factor of 1.5: the later
+    differences stay visible.
 
     Raises:
         MoetrainError: matplotlib is missing.
@@ -520,6 +522,8 @@ def write_figures(out: Path, summaries: list[dict[str, Any]]) -> list[Path]:
     from moetrain.report.figures import _empty, _pyplot
 
     plt = _pyplot()
+    from matplotlib import ticker
+
     colours = {v: f"C{i % 10}" for i, v in enumerate(dict.fromkeys(s["variant"] for s in summaries))}
     styles = {seed: _LINE_STYLES[i % len(_LINE_STYLES)]
               for i, seed in enumerate(dict.fromkeys(s["seed"] for s in summaries))}
@@ -529,13 +533,16 @@ def write_figures(out: Path, summaries: list[dict[str, Any]]) -> list[Path]:
         fig, ax = plt.subplots(figsize=(8, 4.5))
         for s in summaries:
             points = [(e[key], e["val_loss"]) for e in s["evals"] if e[key] is not None and e["val_loss"] is not None]
-            if len(points) > 1:
-                points = points[1:] if s["evals"][0]["step"] == 0 else points
             if points:
                 ax.plot(*zip(*points), linestyle=styles[s["seed"]], marker="o", markersize=3,
                         color=colours[s["variant"]], label=f"{s['variant']} (seed {s['seed']})")
         if ax.lines:
             ax.legend(fontsize=8)
+            losses = [y for line in ax.lines for y in line.get_ydata()]
+            if min(losses) > 0 and max(losses) > 1.5 * min(losses):
+                ax.set_yscale("log")
+                ax.yaxis.set_minor_formatter(ticker.FormatStrFormatter("%.1f"))
+                ax.yaxis.set_major_formatter(ticker.FormatStrFormatter("%.1f"))
         else:
             _empty(ax, "no validation losses logged")
         ax.set_xlabel(label)
@@ -631,7 +638,6 @@ def run(args: argparse.Namespace) -> int:
     from moetrain.config import upgrade
 
     shared = upgrade(parse_overrides(shared_items))
-    parallel = args.parallel or default_parallel(args.threads_per_run)
 
     runs: list[Run] = []
     notes: list[str] = []
@@ -642,6 +648,12 @@ def run(args: argparse.Namespace) -> int:
             if seed == seeds[0]:
                 notes += _notes(v, shared, forced)
             runs.append(Run(v.name, seed, config, f"{v.name}-s{seed}"))
+    from moetrain.commands.train import check_data_path
+
+    for path in dict.fromkeys(r.config.data.path for r in runs):
+        check_data_path(path)
+    # torch (runtime.threads) only after the configs and data paths passed: a mistyped field answers at once
+    parallel = args.parallel or default_parallel(args.threads_per_run)
     out = Path(args.out)
     _check_out(out, args.overwrite)
     from moetrain.report.figures import _pyplot

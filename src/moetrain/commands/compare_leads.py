@@ -8,9 +8,9 @@ dense:model.moe_every=0 moe: ...``). For each seed and each other variant:
 - **at the same seconds**: the same difference at ``t* = min(T_baseline, T_variant)``, each run's training-loop
   seconds (``elapsed_s``, its evaluations and checkpoints included) at its last evaluation, each loss read off its
   run's evaluations by linear interpolation in seconds (the run that finished first is read at its last
-  evaluation; the other between the two evaluations around ``t*``). This is how docs/moe-vs-dense.md has compared
-  per second since issue 19's first wave ("the MoE's loss interpolated at the time its twin finished"), made
-  symmetric so that a faster variant is read at its own end;
+  evaluation; the other between the two evaluations around ``t*``). This is how docs/moe-vs-dense.md compares per
+  second ("the MoE's loss interpolated at the time its twin finished"), made symmetric so that a faster variant is
+  read at its own end;
 - **speed**: the variant's median tokens/s over the baseline's.
 
 The seconds and the speed mean something only between runs that shared the machine alike: a row says so

@@ -2,12 +2,15 @@
 
 It reports
 - the machine: CPU model, usable cores, load average, the intra-op threads a run would choose, native bf16 flags;
-- the hardware peak: calibrated GEMM rate (1024^3 products) in fp32 and bf16 with those threads;
+- the hardware peak: calibrated GEMM rate (1024^3 products) in fp32 and bf16 with those threads, the best of
+  interleaved rounds before and after the profiled window, and a note when the figures are unreliable (other
+  processes busy, rounds that disagree);
 - a short profiled window of training steps of the run's model (RUN_DIR's ``config.json``; default: the default
   job's ``cpu-small`` preset) on random tokens of the run's micro-batch shape, run by the trainer's own step function
   with the run's routing monitor attached (:func:`profile_steps`): the median step time split into forward,
   backward, optimizer and monitoring, and the achieved model FLOP/s and MFU (``moetrain.analysis`` FLOPs of one
-  step / the median step time / the calibrated peak in the run's compute dtype);
+  step / the median step time / the calibrated peak in the run's compute dtype, never above 100%: where the steps
+  outran the measured peak, it says the MFU could not be measured);
 - from the run's own ``metrics.jsonl`` (when given a run): its logged tokens/s and MFU, the share of its wall time
   it waited for data (``data_wait_s``) and spent monitoring (``monitor_s``), the peak its MFU was computed against,
   and how its tokens/s compares with the profiled window's (:func:`compare_with_run`);
@@ -224,26 +227,39 @@ def compare_with_run(d: dict) -> str | None:
 
 
 def diagnose(config, run_dir: str | None, steps: int) -> dict:
-    """Everything :func:`run` prints, as a dict (for tests and scripts)."""
-    import torch
+    """Everything :func:`run` prints, as a dict (for tests and scripts).
 
-    from moetrain.runtime.cpu import bf16_flags, bf16_support, cpu_model, gemm_peak
+    The GEMM peaks are measured in interleaved rounds before and after the profiled window
+    (:func:`moetrain.analysis.hardware.measure_peaks`) and the best round of each dtype is the peak; ``unreliable``
+    says why the figures cannot be trusted (other processes busy, rounds that disagree) or is ``None``. The MFU is
+    the achieved rate over ``max(peak, achieved)``, so it never exceeds 1; ``mfu_measured`` is False where the steps
+    ran faster than every peak round (the peak was held down by load, so there is no MFU to report).
+    """
+    from moetrain.analysis.hardware import UNRELIABLE_BUSY_CORES, measure_peaks
+    from moetrain.runtime.cpu import bf16_flags, bf16_support, cpu_model
     from moetrain.runtime.threads import choose_threads
 
     threads = choose_threads(config.train.threads)
-    peak = {"fp32": gemm_peak(torch.float32, "cpu"), "bf16": gemm_peak(torch.bfloat16, "cpu")}
     bf16 = bf16_support("cpu")
     compute = "bf16" if config.train.dtype == "bf16" and bf16.fast else "fp32"
+    peaks = measure_peaks(rounds=2)
     times = profile_steps(config, steps)
+    peaks = peaks.merged(measure_peaks(rounds=2))  # the load may change while the window runs
+    peak = {d: peaks.best(d) for d in ("fp32", "bf16")}
+    unreliable = peaks.unreliable()
+    if unreliable is None and threads.busy is not None and threads.busy >= UNRELIABLE_BUSY_CORES:
+        unreliable = f"other processes kept {threads.busy:.1f} cores busy"
     flops = step_flops(config)
     rows, seq = batch_shape(config)
     tokens = rows * seq * config.train.grad_accum
     achieved = flops / times["step"]
     return {"cpu": cpu_model(), "bf16_flags": bf16_flags(), "bf16_fast": bf16.fast, "bf16_reason": bf16.reason,
             "threads": threads.threads, "usable_cores": threads.usable_cores, "load": threads.load,
-            "busy": threads.busy, "threads_requested": threads.requested, "peak_flops": peak, "compute_dtype": compute,
-            "dtype": config.train.dtype, "step_flops": flops, "tokens_per_step": tokens, "times": times,
-            "achieved_flops": achieved, "mfu": achieved / peak[compute], "processes": run_processes(run_dir),
+            "busy": threads.busy, "threads_requested": threads.requested, "peak_flops": peak,
+            "peak_rounds": peaks.rates, "bf16_ratios": peaks.ratios("bf16", "fp32"), "unreliable": unreliable,
+            "compute_dtype": compute, "dtype": config.train.dtype, "step_flops": flops, "tokens_per_step": tokens,
+            "times": times, "achieved_flops": achieved, "mfu": achieved / max(peak[compute], achieved),
+            "mfu_measured": achieved <= peak[compute], "processes": run_processes(run_dir),
             "run": _run_metrics(run_dir, flops / tokens)}
 
 
@@ -263,7 +279,13 @@ def findings(d: dict) -> list[str]:
                    "train.dtype=fp32 (same speed, full precision)")
     elif d["dtype"] == "fp32" and d["bf16_fast"] and d["peak_flops"]["bf16"] > 1.5 * d["peak_flops"]["fp32"]:
         ratio = d["peak_flops"]["bf16"] / d["peak_flops"]["fp32"]
-        out.append(f"bf16: bf16 GEMMs run {ratio:.1f}x the fp32 rate here; train.dtype=bf16 may be faster")
+        ratios = d.get("bf16_ratios") or [ratio]
+        if d.get("unreliable"):
+            out.append(f"bf16: bf16 GEMMs ran {min(ratios):.1f}x-{max(ratios):.1f}x the fp32 rate here, a range too "
+                       f"wide to trust ({d['unreliable']}); train.dtype=bf16 may be faster: measure again when the "
+                       "machine is idle")
+        else:
+            out.append(f"bf16: bf16 GEMMs run {ratio:.1f}x the fp32 rate here; train.dtype=bf16 may be faster")
     t = d["times"]
     if t["optimizer"] > 0.25 * t["step"]:
         out.append(f"optimizer: {100 * t['optimizer'] / t['step']:.0f}% of the step; a larger train.batch_size (or "
@@ -276,7 +298,7 @@ def findings(d: dict) -> list[str]:
     if monitoring > 0.1:
         out.append(f"monitoring: the routing monitor takes {100 * monitoring:.0f}% of the time; log less often "
                    "(a larger train.log_every) or turn off monitor.tb_histograms / monitor.tb_heatmap")
-    if d["mfu"] < 0.2 and not out:
+    if d.get("mfu_measured", True) and d["mfu"] < 0.2 and not out:
         out.append(f"MFU {100 * d['mfu']:.0f}%: small GEMMs (model.hidden, expert FFN, tokens per expert) run far "
                    "below the peak; a larger train.batch_size raises the tokens per expert")
     return out or ["nothing to fix: the steps run near what this machine's GEMMs allow"]
@@ -306,16 +328,26 @@ def run(args) -> int:
           f"intra-op threads")
     flags = ", ".join(d["bf16_flags"]) or "none"
     print(f"bf16: native flags {flags}; {'fast' if d['bf16_fast'] else 'slow'} ({d['bf16_reason']})")
-    print(f"peak (calibrated 1024^3 GEMM): fp32 {d['peak_flops']['fp32'] / 1e9:.1f} GFLOP/s, bf16 "
-          f"{d['peak_flops']['bf16'] / 1e9:.1f} GFLOP/s")
+    rounds = len(d["peak_rounds"]["fp32"])
+    print(f"peak (calibrated 1024^3 GEMM, best of {rounds} rounds around the profiled steps): fp32 "
+          f"{d['peak_flops']['fp32'] / 1e9:.1f} GFLOP/s, bf16 {d['peak_flops']['bf16'] / 1e9:.1f} GFLOP/s")
+    if d["unreliable"]:
+        print(f"note: the figures below are unreliable: {d['unreliable']} (the machine is under load); run "
+              "moetrain doctor again when it is idle")
     t = d["times"]
     what = args.run_dir or f"preset {config.preset}"
     print(f"profiled {args.steps} steps of {what} (train.dtype={d['dtype']}, computing in {d['compute_dtype']}): "
           f"step {t['step'] * 1e3:.1f} ms = forward {_pct(t['forward'], t['step'])}, backward "
           f"{_pct(t['backward'], t['step'])}, optimizer {_pct(t['optimizer'], t['step'])}, monitoring "
           f"{_pct(t['monitoring'], t['step'])}; {_communication(d['processes'])}")
+    if d["mfu_measured"]:
+        mfu = f"MFU {100 * d['mfu']:.1f}% of the {d['compute_dtype']} peak"
+    else:
+        mfu = (f"MFU not measured: the steps ran faster than every {d['compute_dtype']} peak round "
+               f"({d['peak_flops'][d['compute_dtype']] / 1e9:.2f} GFLOP/s at best), so load held the peak down; run "
+               "moetrain doctor again when the machine is idle")
     print(f"model FLOPs per step {d['step_flops'] / 1e9:.2f} GFLOP (moetrain.analysis); achieved "
-          f"{d['achieved_flops'] / 1e9:.2f} GFLOP/s; MFU {100 * d['mfu']:.1f}% of the {d['compute_dtype']} peak")
+          f"{d['achieved_flops'] / 1e9:.2f} GFLOP/s; {mfu}")
     run_m = d["run"]
     if run_m:
         line = f"the run's own log: median {run_m['tokens_per_s']:.0f} tokens/s"

@@ -54,8 +54,8 @@ def run(args) -> int:
 
     print(f"model   {config.preset}: {_params(counts.total)} parameters ({_params(counts.active)} active), "
           f"{shape.num_experts} experts top-{shape.top_k}, {shape.moe_layers} MoE of {shape.n_layers} blocks")
-    print(f"devices {args.devices} x {hw.name}: {_tflops(hw.peak_flops)} TFLOP/s peak, {hw.mem_bytes / 1e9:.0f} GB, "
-          f"{hw.mem_bw / 1e12:.2f} TB/s, links {hw.intra_bw / 1e9:.0f} / {hw.inter_bw / 1e9:.0f} GB/s "
+    print(f"devices {args.devices} x {hw.name}: {_si(hw.peak_flops, 'FLOP/s')} peak, {hw.mem_bytes / 1e9:.0f} GB, "
+          f"{_si(hw.mem_bw, 'B/s')}, links {_si(hw.intra_bw, 'B/s')} / {_si(hw.inter_bw, 'B/s')} "
           f"(intra / inter node, per direction), {hw.efficiency:.0%} of peak assumed sustained")
     print(f"step    {args.global_batch} x {args.seq} tokens ({args.global_batch * args.seq / 1e6:.2f}M), "
           f"{args.dtype} autocast, fp32 weights + grads + AdamW (16 B/param), optimizer sharded over data-parallel "
@@ -190,10 +190,13 @@ def _ckpt_words(work) -> str:
     return "off, experts recomputed (model.execution.recompute_experts=true)" if work.recompute_experts else "off"
 
 
-def _tflops(flops: float) -> str:
-    """FLOP/s as TFLOP/s for a line: whole numbers from 10 up, two significant digits below (a CPU's 0.31)."""
-    t = flops / 1e12
-    return f"{t:.0f}" if t >= 10 else f"{t:.2g}"
+def _si(value: float, unit: str) -> str:
+    """A rate with the SI prefix that puts it in [1, 1000), three significant digits: ``989 TFLOP/s`` for an H100,
+    ``24.9 GFLOP/s`` and ``12.3 GB/s`` for a laptop CPU (``B/s`` reads ``GB/s``)."""
+    for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if value >= scale:
+            return f"{value / scale:.3g} {prefix}{unit}"
+    return f"{value:.3g} {unit}"
 
 
 def _params(n: int) -> str:

@@ -33,5 +33,8 @@ def run(args) -> int:
     report = build_report(args.run_dir, args.out)
     for path in report.figures:
         print(f"figure: {path}")
+    if load_run_log(args.run_dir).dropless():
+        print("figure: no drop_fraction.png: the run is dropless (model.moe.capacity.factor=null), so no token is "
+              "ever dropped")
     print(f"report: {report.html}")
     return 0

@@ -9,7 +9,8 @@ from moetrain.errors import MoetrainError
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("serve", help="serve a run or HF directory over HTTP (OpenAI /v1/completions)")
+    p = sub.add_parser("serve", help="serve a run or HF directory over HTTP (OpenAI-compatible: completions, chat "
+                       "completions, models)")
     p.add_argument("model_dir", help="a moetrain run directory, or a Hugging Face directory (moetrain export/upcycle)")
     p.add_argument("overrides", nargs="*", metavar="parallel.FIELD=VALUE",
                    help="expert-parallel serving under torchrun: parallel.ep=N (and parallel.timeout_s, "
@@ -48,6 +49,12 @@ def add_parser(sub) -> None:
     p.add_argument("--cache", default="memory", help="response cache: memory (LRU), memory:N, off, or "
                    "redis://HOST:PORT[/DB] (shared by several servers)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (413 beyond)")
+    p.add_argument("--max-connections", type=int, default=512,
+                   help="most open connections; one more is answered 503 with Retry-After and closed")
+    p.add_argument("--header-timeout", type=float, default=10.0, metavar="S",
+                   help="seconds a request's headers may take to arrive (408 and closed beyond)")
+    p.add_argument("--read-timeout", type=float, default=30.0, metavar="S",
+                   help="seconds a request's body may take to arrive (408 beyond)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (info logs every request; the bound address is printed at any level)")
@@ -99,9 +106,13 @@ def build_app(args, mesh=None):
     from moetrain.serve.engine import Engine
     from moetrain.serve.loader import load_served_model
 
-    for name in ("slots", "max_queue", "max_body_bytes", "threads"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
+    for name in ("slots", "max_queue", "max_body_bytes", "threads", "max_connections"):
+        if getattr(args, name, None) is not None and getattr(args, name) < 1:
             raise MoetrainError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
+    for name in ("header_timeout", "read_timeout"):
+        value = getattr(args, name, None)
+        if value is not None and not 0 < value < float("inf"):
+            raise MoetrainError(f"--{name.replace('_', '-')}: must be a positive number of seconds, got {value}")
     if not 0 <= args.port <= 65535:
         raise MoetrainError(f"--port: must be in [0, 65535] (0: any free port), got {args.port}")
     if getattr(args, "expert_memory_budget", None) is None:
@@ -119,18 +130,17 @@ def build_app(args, mesh=None):
         except ValueError as e:
             raise _flag_error(e) from None
     if mesh is not None:
-        from moetrain.serve.expert_parallel import (HEARTBEAT_S, BroadcastRunner, ep_experts_fn, parallel_config,
-                                                    shard_for_serving)
+        from moetrain.serve.expert_parallel import HEARTBEAT_S, BroadcastRunner, parallel_config, shard_for_serving
 
-        tables = shard_for_serving(served.model, mesh, read_placement(args, served, mesh.ep))
+        shard_for_serving(served.model, mesh, read_placement(args, served, mesh.ep))  # the EP dispatchers
         engine = Engine(served, num_slots=args.slots, max_queue=args.max_queue, policy=policy,
-                        int8_router=args.int8_router, experts_fn=ep_experts_fn(mesh, tables))
+                        int8_router=args.int8_router)
         if mesh.rank != 0:
             return None, engine
         engine.runner = engine.peers = BroadcastRunner(engine.runner, mesh)
         # a heartbeat well within the collectives' time-out, so idle followers never time out
         engine.idle_s = min(HEARTBEAT_S, parallel_config(list(args.overrides)).timeout_s / 4)
-        return create_app(engine, open_cache(args.cache), args.max_body_bytes), engine
+        return create_app(engine, open_cache(args.cache), args.max_body_bytes, _read_timeout(args)), engine
     if getattr(args, "placement", None) is not None:
         raise MoetrainError(f"--placement: {args.placement} places experts over EP ranks; serve it with torchrun "
                             "--nproc_per_node N -m moetrain serve ... parallel.ep=N")
@@ -147,7 +157,20 @@ def build_app(args, mesh=None):
         engine.int8_experts.release_fp32()
         print(f"moetrain serve: int8 experts, {engine.int8_experts.nbytes():,} bytes (fp32: "
               f"{engine.int8_experts.fp32_bytes:,})", file=sys.stderr)
-    return create_app(engine, cache, args.max_body_bytes), engine
+    return create_app(engine, cache, args.max_body_bytes, _read_timeout(args)), engine
+
+
+def _read_timeout(args) -> float:
+    return getattr(args, "read_timeout", None) or 30.0
+
+
+def limits_from_args(args):
+    """The server's connection :class:`~moetrain.serve.server.Limits` from the flags (defaults where absent)."""
+    from moetrain.serve.server import Limits
+
+    d = Limits()
+    return Limits(getattr(args, "max_connections", None) or d.max_connections,
+                  getattr(args, "header_timeout", None) or d.header_timeout_s)
 
 
 def expert_parallel_mesh(args):
@@ -244,7 +267,8 @@ def run(args) -> int:
         ep += f" placed by {args.placement}"
     print(f"moetrain serve: {engine.served.name} ({engine.served.source}), {args.slots} slots, routing "
           f"{engine.policy.policy}, cache {args.cache}{ep}", file=sys.stderr)
-    server = BackgroundServer(app, args.host, args.port, log_level=args.log_level)
+    server = BackgroundServer(app, args.host, args.port, log_level=args.log_level,
+                              limits=limits_from_args(args))
     try:
         server.start()
     except RuntimeError as e:

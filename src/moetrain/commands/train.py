@@ -23,7 +23,8 @@ EPILOG = """\
 config fields: set any field with FIELD=VALUE anywhere after `train` (values as in a config file: numbers,
 true / false, null, strings plain, lists [a, b]), or in a --config FILE.toml / .json; e.g.
   moetrain train --preset tiny train.steps=100 model.moe_every=0
-every field with its value in the preset, its type and meaning: moetrain train --list-fields [--preset NAME]
+every field with its value in the preset, its type and meaning:
+  moetrain train --list-fields --preset tiny
 (each in full: docs/configuration.md)
 """
 
@@ -105,10 +106,27 @@ def _resumed_config(run_dir: Path, args, file_data: dict | None, overrides: dict
     return config, resume_changes(saved, config)
 
 
+def check_data_path(path: str | None) -> None:
+    """Refuse a ``data.path`` naming nothing before torch is imported (a missing file answers at once); the full
+    discovery (and its error for a glob matching no files) is :func:`moetrain.data.corpus.discover_files`'s.
+
+    Raises:
+        DataError: the path does not exist (or is a broken link, or a glob matches no files).
+    """
+    if path is None:
+        return
+    target = Path(path).expanduser()
+    if not (target.is_file() or target.is_dir()):
+        from moetrain.data.corpus import discover_files
+
+        discover_files(path)
+
+
 def run(args) -> int:
+    # Everything up to the config and data checks stays clear of torch (an import of seconds), so a mistyped field or
+    # a missing --data file answers at once; tests/test_cli_fast_errors.py holds it.
     from moetrain.config import build_config, check_router_trainable, upgrade
     from moetrain.presets import SHAPE_ONLY
-    from moetrain.train.trainer import CONFIG_FILE
 
     if args.stop_at_step is not None and args.stop_at_step < 1:
         raise MoetrainError(f"--stop-at-step: must be >= 1, got {args.stop_at_step}")
@@ -131,6 +149,8 @@ def run(args) -> int:
 
         for flag, given in (("--resume", args.resume), ("--init-from", args.init_from), ("--dry-run", args.dry_run)):
             if given:
+                from moetrain.train.trainer import CONFIG_FILE
+
                 raise MoetrainError(f"--list-fields lists a preset's fields and does not combine with {flag} (a run's "
                                     f"own fields are in its {CONFIG_FILE}; --dry-run checks a config)")
         config = build_config(args.preset, file_data, overrides)
@@ -153,6 +173,8 @@ def run(args) -> int:
                      "checkpoint that verifies, as --resume does")
     init_notes: list[str] = []  # said after the run directory's own notes
     if resume:
+        from moetrain.train.trainer import CONFIG_FILE
+
         if not args.out:
             raise MoetrainError("--resume needs --out RUN_DIR (the run to continue)")
         run_dir = Path(args.out)
@@ -175,6 +197,9 @@ def run(args) -> int:
         else:
             config, init_notes = init.config(args.preset, file_data, overrides)
         check_router_trainable(config)
+        check_data_path(config.data.path)
+    from moetrain.train.trainer import CONFIG_FILE  # torch from here on
+
     world = args.world_size if args.world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
     if not resume and world >= 1:  # a resumed run keeps its config.json's micro-batches
         from moetrain.parallel import microbatches

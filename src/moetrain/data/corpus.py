@@ -8,27 +8,28 @@ from __future__ import annotations
 
 import glob
 import hashlib
-import json
 import os
 import sysconfig
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
+from moetrain.data.formats import Counts, is_datasets_folder, iter_text_documents
 from moetrain.errors import DataError
 
-# A file with a NUL byte in its first 8 KiB is binary (the heuristic git and grep use).
-_BINARY_PROBE_BYTES = 8192
 _PACKAGE_DIRS = frozenset({"site-packages", "dist-packages"})
 
 
 @dataclass(frozen=True)
 class Document:
-    """One unit of text: a whole file, or one line of a ``.jsonl`` file.
+    """One unit of text: a whole file, or one record (a JSON line, a parquet row) of a record file.
 
     Fields:
-        name: path relative to the corpus root in posix form (``pkg/mod.py``); ``file.jsonl:12`` for line 12 of a
-            ``.jsonl`` file. Unique within a corpus and the same on every machine.
+        name: path relative to the corpus root in posix form (``pkg/mod.py``); ``dir/file:12`` for record 12 of
+            ``dir/file.jsonl`` (or ``.jsonl.zst``, ``.parquet``, ...: format and compression suffixes dropped, so
+            the same rows in any format are the same documents). The same on every machine.
         text: the document's text (never empty).
     """
 
@@ -46,7 +47,7 @@ class ReadStats:
         binary: files skipped as binary (a NUL byte in the first 8 KiB) or not valid UTF-8.
         unreadable: files skipped because they could not be read (permissions, vanished, a directory).
         empty: files (or ``.jsonl`` lines) skipped because their text is empty.
-        bad_lines: ``.jsonl`` lines skipped: invalid JSON, or no string ``text`` field.
+        bad_lines: records skipped: a JSON line that is invalid JSON or has no string text field, a null text.
     """
 
     files: int = 0
@@ -64,7 +65,7 @@ class ReadStats:
     def describe(self) -> str:
         """``'3 skipped (2 binary, 1 unreadable)'``; ``'0 skipped'`` when nothing was."""
         parts = [f"{n} {what}" for n, what in ((self.binary, "binary"), (self.unreadable, "unreadable"),
-                                                (self.empty, "empty"), (self.bad_lines, "bad .jsonl lines")) if n]
+                                                (self.empty, "empty"), (self.bad_lines, "bad records")) if n]
         return f"{self.skipped} skipped" + (f" ({', '.join(parts)})" if parts else "")
 
 
@@ -82,7 +83,8 @@ def discover_files(path: str | None) -> list[Path]:
     """The files that make up the corpus at ``path``.
 
     Args:
-        path: ``None`` for :func:`default_corpus_files`; a file; a directory (every regular file below it,
+        path: ``None`` for :func:`default_corpus_files`; a file; a Hugging Face ``datasets`` folder (returned
+            itself); a directory (every regular file below it,
             recursively, skipping hidden files and directories such as ``.git``); or a glob pattern
             (``**`` recursive; a matched directory contributes its files). ``~`` is expanded.
     Returns:
@@ -96,7 +98,7 @@ def discover_files(path: str | None) -> list[Path]:
             raise DataError(f"default corpus: no .py files under '{sysconfig.get_paths()['stdlib']}'")
         return files
     target = Path(path).expanduser()
-    if target.is_file():
+    if target.is_file() or is_datasets_folder(target):  # a `datasets` folder is read as a whole (data/formats.py)
         return [target]
     if target.is_dir():
         files = [target / rel for rel in _walk(target, lambda name: True)]
@@ -131,46 +133,63 @@ def _walk(root: Path, keep: Callable[[str], bool], prune: frozenset[str] = froze
     return sorted(found)
 
 
-def read_documents(files: Sequence[Path], source: str | None = None) -> tuple[list[Document], ReadStats]:
-    """Read ``files`` into documents, in order, skipping what is not usable text.
+def corpus_root(files: Sequence[Path]) -> Path:
+    """The common directory of ``files`` (absolute): document names are relative to it."""
+    absolute = [Path(os.path.abspath(f)) for f in files]
+    return Path(os.path.commonpath([f.parent for f in absolute])) if absolute else Path(".")
 
-    A ``.jsonl`` file gives one document per line (its ``text`` field); any other file is one UTF-8 document.
+
+def iter_documents(files: Sequence[Path], text_field: str = "text",
+                   counts: Counts | None = None) -> Iterator[Document]:
+    """Stream the documents of ``files`` in order (data/formats.py reads each format), skipping what is not
+    usable text; at most one record batch (a parquet row group, a line) is in memory beyond the document yielded.
+
+    Args:
+        files: from :func:`discover_files`.
+        text_field: the record field that holds the text (``data.text_field``).
+        counts: incremented for every file or record skipped, by reason.
+    Raises:
+        DataError: see :func:`~moetrain.data.formats.iter_text_documents` (a missing column, a truncated file).
+    """
+    counts = counts if counts is not None else Counts()
+    root = corpus_root(files)
+    for f in files:
+        f = Path(os.path.abspath(f))
+        for name, text in iter_text_documents(f, _name(f.relative_to(root)), text_field, counts):
+            yield Document(name, text)
+
+
+def read_documents(files: Sequence[Path], source: str | None = None,
+                   text_field: str = "text") -> tuple[list[Document], ReadStats]:
+    """Read ``files`` into a list of documents, in order (:func:`iter_documents`, all in memory).
 
     Args:
         files: from :func:`discover_files`.
         source: how error messages name the corpus (default: the common directory of ``files``).
+        text_field: the record field that holds the text.
     Returns:
         ``(documents, stats)``; document names are relative to the common directory of ``files``.
     Raises:
-        DataError: nothing usable remains (the message counts the skipped files by reason); or a ``.jsonl`` file
-            has lines but none with a string ``text`` field (likely a different schema).
+        DataError: nothing usable remains (the message counts the skipped files by reason); or a record file
+            without the text field.
     """
-    files = [Path(os.path.abspath(f)) for f in files]
-    root = Path(os.path.commonpath([f.parent for f in files])) if files else Path(".")
-    source = source if source is not None else str(root)
-    docs: list[Document] = []
-    counts = {"binary": 0, "unreadable": 0, "empty": 0, "bad_lines": 0}
-    for f in files:
-        name = _name(f.relative_to(root))
-        try:
-            raw = f.read_bytes()
-        except OSError:
-            counts["unreadable"] += 1
-            continue
-        if f.suffix == ".jsonl":
-            docs += _read_jsonl(f, name, raw, counts)
-            continue
-        text = _decode(raw)
-        if text is None:
-            counts["binary"] += 1
-        elif not text:
-            counts["empty"] += 1
-        else:
-            docs.append(Document(name, text))
-    stats = ReadStats(files=len(files), documents=len(docs), **counts)
-    if not docs:
-        raise DataError(f"no usable text in '{source}': {len(files)} files, {stats.describe()}")
-    return docs, stats
+    counts = Counts()
+    docs = list(iter_documents(files, text_field, counts))
+    return docs, read_stats(files, len(docs), counts, source)
+
+
+def read_stats(files: Sequence[Path], documents: int, counts: Counts, source: str | None = None) -> ReadStats:
+    """The :class:`ReadStats` of a finished read.
+
+    Raises:
+        DataError: no document was read (the message counts the skipped files by reason).
+    """
+    stats = ReadStats(files=len(files), documents=documents, binary=counts.binary, unreadable=counts.unreadable,
+                      empty=counts.empty, bad_lines=counts.bad_lines)
+    if not documents:
+        where = source if source is not None else str(corpus_root(files))
+        raise DataError(f"no usable text in '{where}': {len(files)} files, {stats.describe()}")
+    return stats
 
 
 def _name(rel: Path) -> str:
@@ -179,46 +198,32 @@ def _name(rel: Path) -> str:
     return os.fsencode(rel.as_posix()).decode("utf-8", errors="backslashreplace")
 
 
-def _decode(raw: bytes) -> str | None:
-    """UTF-8 text of ``raw``; ``None`` for binary or non-UTF-8 bytes."""
-    if b"\0" in raw[:_BINARY_PROBE_BYTES]:
-        return None
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError:
-        return None
+def name_digest(name: str) -> bytes:
+    """The 16 leading bytes of the SHA-256 of ``name``: the key that orders documents for the validation split."""
+    return hashlib.sha256(name.encode()).digest()[:16]
 
 
-def _read_jsonl(f: Path, name: str, raw: bytes, counts: dict[str, int]) -> list[Document]:
-    """One document per line of ``f`` with a non-empty string ``text`` field; counts the rest in ``counts``."""
-    text = _decode(raw)
-    if text is None:
-        counts["binary"] += 1
-        return []
-    docs, lines, bad = [], 0, 0
-    for lineno, line in enumerate(text.split("\n"), start=1):  # not splitlines(): JSON keeps U+2028 raw
-        if not line.strip():
-            continue
-        lines += 1
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            bad += 1
-            continue
-        doc_text = record.get("text") if isinstance(record, dict) else None
-        if not isinstance(doc_text, str):
-            bad += 1
-        elif not doc_text:
-            counts["empty"] += 1
-        else:
-            docs.append(Document(f"{name}:{lineno}", doc_text))
-    counts["bad_lines"] += bad
-    if not docs and bad:
-        raise DataError(f"no usable text in '{f}': {bad} of {lines} lines are not JSON objects with a string "
-                        f"'text' field")
-    if not lines:
-        counts["empty"] += 1
-    return docs
+def held_out(digests: np.ndarray, val_fraction: float) -> np.ndarray:
+    """Which of n > 1 documents are validation: the ``round(n * val_fraction)`` (at least 1, at most n - 1) whose
+    name digests are lowest.
+
+    Args:
+        digests: [n, 2] uint64: each row a :func:`name_digest` read as two big-endian numbers (so numeric order
+            is byte order), in corpus order; :func:`digest_rows` makes it.
+        val_fraction: in (0, 1).
+    Returns:
+        [n] bool, True for validation. Ties (a name repeated) keep corpus order.
+    """
+    n = len(digests)
+    n_val = min(max(1, round(n * val_fraction)), n - 1)
+    mask = np.zeros(n, dtype=bool)
+    mask[np.lexsort((digests[:, 1], digests[:, 0]))[:n_val]] = True  # lexsort is stable
+    return mask
+
+
+def digest_rows(digests: bytes) -> np.ndarray:
+    """[n, 2] uint64 rows of the concatenated 16-byte :func:`name_digest` values ``digests``."""
+    return np.frombuffer(digests, dtype=">u8").astype(np.uint64).reshape(-1, 2)
 
 
 def split_documents(docs: Sequence[Document], val_fraction: float) -> tuple[list[Document], list[Document]]:
@@ -237,22 +242,25 @@ def split_documents(docs: Sequence[Document], val_fraction: float) -> tuple[list
     """
     if len(docs) == 1:
         return _split_text(docs[0], val_fraction)
-    n_val = min(max(1, round(len(docs) * val_fraction)), len(docs) - 1)
-    by_hash = sorted(range(len(docs)), key=lambda i: hashlib.sha256(docs[i].name.encode()).digest())
-    val_ids = set(by_hash[:n_val])
-    train = [d for i, d in enumerate(docs) if i not in val_ids]
-    val = [d for i, d in enumerate(docs) if i in val_ids]
-    return train, val
+    val = held_out(digest_rows(b"".join(name_digest(d.name) for d in docs)), val_fraction)
+    return [d for d, v in zip(docs, val) if not v], [d for d, v in zip(docs, val) if v]
 
 
 def _split_text(doc: Document, val_fraction: float) -> tuple[list[Document], list[Document]]:
-    text = doc.text
-    if len(text) < 2:
+    cut = text_cut(doc.text, val_fraction)
+    if cut is None:
         return [doc], []
+    return [Document(doc.name, doc.text[:cut])], [Document(f"{doc.name}#val", doc.text[cut:])]
+
+
+def text_cut(text: str, val_fraction: float) -> int | None:
+    """Where a one-document corpus's validation text starts (``None``: under 2 characters, no split)."""
+    if len(text) < 2:
+        return None
     cut = len(text) - max(1, round(len(text) * val_fraction))
     # Start validation on a line boundary if one lies within a 1/10 of the validation part of the exact cut.
     slack = max(1, (len(text) - cut) // 10)
     newline = text.rfind("\n", max(0, cut - slack), cut + slack)
     if 0 < newline + 1 < len(text):
         cut = newline + 1
-    return [Document(doc.name, text[:cut])], [Document(f"{doc.name}#val", text[cut:])]
+    return cut

@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -22,20 +21,12 @@ import torch
 from tokenizers import Tokenizer
 
 from moetrain.data.config import DataConfig
-from moetrain.data.corpus import (
-    Document,
-    discover_files,
-    read_documents,
-    split_documents,
-)
-from moetrain.data.tokenizer import EOS_TOKEN, load_tokenizer, train_tokenizer
+from moetrain.data.corpus import discover_files, held_out
+from moetrain.data.formats import find_pretokenized
+from moetrain.data.prepare import CACHE_VERSION, Corpus, atomic_write, scan, split_only, train_on_corpus, write_splits
+from moetrain.data.tokenizer import EOS_TOKEN, load_tokenizer, tokenizer_file
 from moetrain.errors import ConfigError, DataError
 
-# Bump when the cache layout or the tokenization changes, so old entries are never trusted.
-_CACHE_VERSION = 1
-# Text per encode_batch call (~1M tokens): bounds the memory of the Encoding objects, which cost ~100 bytes per
-# token, whatever the corpus size; larger chunks are no faster.
-_ENCODE_CHUNK_CHARS = 4_000_000
 
 
 @dataclass(frozen=True)
@@ -43,14 +34,16 @@ class PreparedData:
     """A corpus tokenized into a training and a validation stream.
 
     Fields:
-        tokenizer: the byte-level BPE tokenizer; ``tokenizer.get_vocab_size() <= vocab_size``.
+        tokenizer: the tokenizer (trained byte-level BPE or given); ``tokenizer.get_vocab_size() <= vocab_size``.
         train_tokens: [N_train] uint16 (vocab_size <= 65535) or uint32, read-only memmap of the training split.
         val_tokens: [N_val] same dtype, the validation split.
         eos_id: id of ``EOS_TOKEN`` (0), which follows every document in both streams.
         num_train_docs: documents in the training split.
         num_val_docs: documents in the validation split.
         skipped: files (and ``.jsonl`` lines) skipped while reading (binary, unreadable, empty, malformed).
-        cache_path: the cache entry directory (``tokenizer.json``, ``train.bin``, ``val.bin``, ``meta.json``).
+        cache_path: the cache entry directory: ``tokenizer.json``; ``train.bin`` / ``val.bin`` (the streams);
+            ``train.idx`` / ``val.idx`` ([documents] little-endian int64, the exclusive end offset of each
+            document, its EOS included, in the stream); ``meta.json`` (counts).
     """
 
     tokenizer: Tokenizer
@@ -65,15 +58,23 @@ class PreparedData:
 
 def prepare_data(cfg: DataConfig, vocab_size: int, tokenizer_path: Path | None = None,
                  log: Callable[[str], None] = print) -> PreparedData:
-    """Discover, read, split, tokenize and cache the corpus described by ``cfg``.
+    """Discover, read, split, tokenize and cache the corpus described by ``cfg``, in bounded memory.
 
-    The tokenizer is trained on at most ``cfg.tokenizer_max_bytes`` of the training split (documents in a
-    fixed pseudo-random order), unless ``tokenizer_path`` names one to reuse (resuming or evaluating a run).
-    Results are cached under ``cfg.cache_dir`` / ``$MOETRAIN_CACHE`` / ``~/.cache/moetrain``, keyed by the file
-    list with sizes, mtimes and ctimes (not contents), ``val_fraction``, ``vocab_size``, ``tokenizer_max_bytes``
-    and the given tokenizer; a cache hit reads no corpus file and trains nothing. Every cache file is written to a
-    temporary name and renamed, and ``meta.json`` is written last, so an interrupted run leaves no entry that is
-    later trusted.
+    Documents are streamed (data/formats.py reads each format) in three passes: a scan (document names and sizes,
+    for the validation split), a pass collecting the tokenizer's sample (only when one is trained) and the
+    tokenization, on all cores (HF tokenizers' batch encoding) while a thread reads ahead, with a progress bar
+    (MB/s, ETA) on a terminal. Memory holds a 16-byte digest and a size per document, the tokenizer sample and a
+    few batches of ~4M characters, whatever the corpus size. Pre-tokenized input (a Megatron indexed dataset, a
+    flat binary of ids) is split and copied the same way without tokenizing.
+
+    The tokenizer is, in order of precedence: ``tokenizer_path`` (resuming or evaluating a run), ``cfg.tokenizer``
+    (a pretrained one), else a byte-level BPE tokenizer trained on at most ``cfg.tokenizer_max_bytes`` of the
+    training split (documents in a fixed pseudo-random order). Results are cached under ``cfg.cache_dir`` /
+    ``$MOETRAIN_CACHE`` / ``~/.cache/moetrain``, keyed by the file list with sizes, mtimes and ctimes (not contents),
+    ``val_fraction``, ``vocab_size``, ``tokenizer_max_bytes``, a non-default ``text_field`` / ``token_dtype`` and
+    the tokenizer; a cache hit reads no corpus file and trains nothing. Every cache file is written to a temporary
+    name and renamed, and ``meta.json`` is written last, so an interrupted run leaves no entry that is later
+    trusted.
 
     Args:
         cfg: the data config.
@@ -83,17 +84,23 @@ def prepare_data(cfg: DataConfig, vocab_size: int, tokenizer_path: Path | None =
     Returns:
         The :class:`PreparedData`.
     Raises:
-        DataError: a missing path, no usable text, a tokenizer that cannot be loaded, or a split with fewer than
-            ``cfg.seq_len + 1`` tokens.
+        DataError: a missing path, no usable text, a missing text column, a truncated or corrupt file, a tokenizer
+            that cannot be loaded, pre-tokenized input without a tokenizer or with ids outside its vocabulary, a
+            wrong ``token_dtype``, or a split with fewer than ``cfg.seq_len + 1`` tokens.
         ConfigError: ``vocab_size < 257``, or a given tokenizer larger than ``vocab_size``.
     """
     source = cfg.path if cfg.path is not None else "the default corpus (Python standard library)"
-    files = discover_files(cfg.path)
-    given = load_tokenizer(tokenizer_path) if tokenizer_path is not None else None
+    pretokenized = find_pretokenized(cfg.path)
+    files = list(pretokenized.files) if pretokenized is not None else discover_files(cfg.path)
+    given_path = tokenizer_path if tokenizer_path is not None else \
+        (tokenizer_file(cfg.tokenizer) if cfg.tokenizer is not None else None)
+    given = load_tokenizer(given_path) if given_path is not None else None
     given_json = given.to_str() if given is not None else None
     if given is not None and given.get_vocab_size() > vocab_size:
-        raise ConfigError(f"model.vocab_size: tokenizer '{tokenizer_path}' has {given.get_vocab_size()} tokens, "
+        raise ConfigError(f"model.vocab_size: tokenizer '{given_path}' has {given.get_vocab_size()} tokens, "
                           f"more than vocab_size {vocab_size}")
+    if pretokenized is not None:
+        _check_pretokenized_tokenizer(cfg, given, tokenizer_path, source)
     entry = _cache_root(cfg) / f"tokens-{_cache_key(files, cfg, vocab_size, given_json)}"
     dtype = np.dtype(np.uint16 if vocab_size <= 65535 else np.uint32)
 
@@ -101,7 +108,8 @@ def prepare_data(cfg: DataConfig, vocab_size: int, tokenizer_path: Path | None =
     if meta is not None:
         log(f"data: reused cached tokenizer and tokens from {entry}")
     else:
-        meta = _build_entry(entry, files, source, cfg, vocab_size, given, dtype, log)
+        corpus = Corpus(files, cfg, pretokenized, given)
+        meta = _build_entry(entry, corpus, source, cfg, vocab_size, given, dtype, log)
         if given is None:
             # A resumed run passes the tokenizer it saved; alias the entry under that key too, so resuming
             # reuses these tokens instead of tokenizing the corpus again.
@@ -118,6 +126,18 @@ def prepare_data(cfg: DataConfig, vocab_size: int, tokenizer_path: Path | None =
         f"vocab {data.tokenizer.get_vocab_size()}")
     _check_long_enough(data, cfg, source)
     return data
+
+
+def _check_pretokenized_tokenizer(cfg: DataConfig, given: Tokenizer | None, tokenizer_path: Path | None,
+                                  source: str) -> None:
+    """Pre-tokenized ids mean nothing without the tokenizer that made them."""
+    if given is None:
+        raise DataError(f"data path '{source}' is pre-tokenized: set data.tokenizer to the tokenizer its ids were "
+                        f"made with (a tokenizer.json or a tokenizer folder)")
+    if tokenizer_path is not None and cfg.tokenizer is not None and \
+            load_tokenizer(tokenizer_file(cfg.tokenizer)).to_str() != given.to_str():
+        raise DataError(f"data.tokenizer '{cfg.tokenizer}' differs from the tokenizer '{tokenizer_path}' this run "
+                        f"uses: the pre-tokenized ids of '{source}' were made with one of them only")
 
 
 def _check_long_enough(data: PreparedData, cfg: DataConfig, source: str) -> None:
@@ -141,8 +161,15 @@ def _cache_key(files: Sequence[Path], cfg: DataConfig, vocab_size: int, tokenize
     The ctime catches what the mtime misses: an edit whose mtime was put back (``cp -p``, ``touch -r``, an archive)
     and a file made readable by ``chmod`` (it was skipped as unreadable); it costs a rebuild after a mere chmod."""
     h = hashlib.sha256()
-    h.update(json.dumps({"version": _CACHE_VERSION, "val_fraction": cfg.val_fraction, "vocab_size": vocab_size,
-                         "tokenizer_max_bytes": cfg.tokenizer_max_bytes}).encode())
+    fields: dict[str, object] = {"version": CACHE_VERSION, "val_fraction": cfg.val_fraction, "vocab_size": vocab_size,
+              "tokenizer_max_bytes": cfg.tokenizer_max_bytes}
+    if cfg.text_field != "text":
+        fields["text_field"] = cfg.text_field
+    if cfg.token_dtype is not None:
+        fields["token_dtype"] = cfg.token_dtype
+    h.update(json.dumps(fields).encode())
+    # a `datasets` folder stands for the files in it
+    files = [g for f in files for g in (sorted(p for p in f.rglob("*") if p.is_file()) if f.is_dir() else [f])]
     for f in files:
         try:
             st = f.stat()
@@ -162,81 +189,44 @@ def _load_entry(entry: Path, dtype: np.dtype) -> dict | None:
     try:
         meta = json.loads((entry / "meta.json").read_text())
         sizes_ok = all((entry / f"{split}.bin").stat().st_size == meta[f"num_{split}_tokens"] * dtype.itemsize
+                       and (entry / f"{split}.idx").stat().st_size == meta[f"num_{split}_docs"] * 8
                        for split in ("train", "val"))
-        return meta if sizes_ok and meta.get("version") == _CACHE_VERSION and \
+        return meta if sizes_ok and meta.get("version") == CACHE_VERSION and \
             (entry / "tokenizer.json").is_file() else None
     except (OSError, ValueError, KeyError):
         return None
 
 
-def _build_entry(entry: Path, files: Sequence[Path], source: str, cfg: DataConfig, vocab_size: int,
+def _build_entry(entry: Path, corpus: Corpus, source: str, cfg: DataConfig, vocab_size: int,
                  given: Tokenizer | None, dtype: np.dtype, log: Callable[[str], None]) -> dict:
+    """Scan, split, (train a tokenizer,) tokenize and write ``entry`` (data/prepare.py); returns its meta."""
     t0 = time.perf_counter()
-    docs, stats = read_documents(files, source=source)
-    train_docs, val_docs = split_documents(docs, cfg.val_fraction)
-    log(f"data: read {stats.files} files -> {stats.documents} documents, {stats.describe()}, in "
-        f"{time.perf_counter() - t0:.1f} s; split {len(train_docs)} train / {len(val_docs)} val")
-    if given is None:
-        t0 = time.perf_counter()
-        sample = _tokenizer_sample(train_docs, cfg.tokenizer_max_bytes)
-        tok = train_tokenizer(sample, vocab_size)
-        log(f"data: trained a {tok.get_vocab_size()}-token byte-level BPE tokenizer on "
-            f"{sum(len(t.encode()) for t in sample) / 1e6:.1f} MB in {time.perf_counter() - t0:.1f} s")
+    found = scan(corpus, source)
+    val = held_out(found.digests, cfg.val_fraction) if found.only is None else None
+    if found.only is not None:
+        n_train, n_val = 1, int(split_only(found.only, cfg.val_fraction)[1] is not None)
     else:
-        tok = given
+        assert val is not None
+        n_train, n_val = int((~val).sum()), int(val.sum())
+    log(f"data: read {found.stats.files} files -> {found.stats.documents} documents, {found.stats.describe()}, in "
+        f"{time.perf_counter() - t0:.1f} s; split {n_train} train / {n_val} val")
+    tok = given if given is not None else train_on_corpus(corpus, found, val, cfg, vocab_size, log)
     eos_id = tok.token_to_id(EOS_TOKEN)
     assert eos_id is not None  # train_tokenizer puts EOS_TOKEN at id 0; load_tokenizer rejects a tokenizer without it
 
     entry.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    counts = {split: _write_tokens(entry / f"{split}.bin", tok, split_docs, eos_id, dtype)
-              for split, split_docs in (("train", train_docs), ("val", val_docs))}
-    log(f"data: tokenized {counts['train'] + counts['val']:,} tokens in {time.perf_counter() - t0:.1f} s "
-        f"-> {entry}")
-    _atomic_write(entry / "tokenizer.json", tok.to_str().encode())
-    meta = {"version": _CACHE_VERSION, "eos_id": eos_id, "num_train_docs": len(train_docs),
-            "num_val_docs": len(val_docs), "skipped": stats.skipped, "num_train_tokens": counts["train"],
-            "num_val_tokens": counts["val"]}
-    _atomic_write(entry / "meta.json", json.dumps(meta, indent=1).encode())  # last: marks the entry complete
+    written = write_splits(entry, corpus, found, val, tok, eos_id, dtype, cfg.val_fraction)
+    seconds = time.perf_counter() - t0
+    rate = "" if corpus.pretokenized is not None else \
+        f" ({int(found.sizes.sum()) / 1e6 / max(seconds, 1e-9):.1f} MB/s)"
+    log(f"data: tokenized {written['train'][1] + written['val'][1]:,} tokens in {seconds:.1f} s{rate} -> {entry}")
+    atomic_write(entry / "tokenizer.json", tok.to_str().encode())
+    meta = {"version": CACHE_VERSION, "eos_id": eos_id, "num_train_docs": written["train"][0],
+            "num_val_docs": written["val"][0], "skipped": found.stats.skipped, "num_train_tokens": written["train"][1],
+            "num_val_tokens": written["val"][1]}
+    atomic_write(entry / "meta.json", json.dumps(meta, indent=1).encode())  # last: marks the entry complete
     return meta
-
-
-def _tokenizer_sample(docs: Sequence[Document], max_bytes: int) -> list[str]:
-    """Up to ``max_bytes`` of UTF-8 text from ``docs``, visited in a fixed pseudo-random order so that a budget
-    smaller than the corpus still sees all of it (not only the alphabetically first files)."""
-    sample, used = [], 0
-    for i in np.random.default_rng(0).permutation(len(docs)):
-        if used >= max_bytes:
-            break
-        raw = docs[i].text.encode()
-        if len(raw) > max_bytes - used:  # cut the last document to fit; drop a split multibyte character
-            raw = raw[:max_bytes - used]
-            sample.append(raw.decode("utf-8", errors="ignore"))
-        else:
-            sample.append(docs[i].text)
-        used += len(raw)
-    return sample
-
-
-def _write_tokens(path: Path, tok: Tokenizer, docs: Sequence[Document], eos_id: int, dtype: np.dtype) -> int:
-    """Write the ids of ``docs`` (each followed by ``eos_id``) to ``path`` atomically; returns the count."""
-    n = 0
-    with _AtomicFile(path) as f:
-        start = 0
-        while start < len(docs):
-            end, chars = start, 0
-            while end < len(docs) and (end == start or chars + len(docs[end].text) <= _ENCODE_CHUNK_CHARS):
-                chars += len(docs[end].text)
-                end += 1
-            # encode_batch_fast (tokenizers >= 0.20) gives the same ids as encode_batch without computing
-            # offsets: ~1.5x faster on 2 cores.
-            encode_batch = getattr(tok, "encode_batch_fast", tok.encode_batch)
-            for enc in encode_batch([d.text for d in docs[start:end]], add_special_tokens=False):
-                ids = np.array(enc.ids + [eos_id], dtype=dtype)
-                f.write(ids.tobytes())
-                n += len(ids)
-            start = end
-    return n
 
 
 def _open_tokens(path: Path, dtype: np.dtype) -> np.ndarray:
@@ -244,37 +234,6 @@ def _open_tokens(path: Path, dtype: np.dtype) -> np.ndarray:
     if path.stat().st_size == 0:
         return np.zeros(0, dtype=dtype)
     return np.memmap(path, dtype=dtype, mode="r")
-
-
-class _AtomicFile:
-    """A binary file written under a temporary name in the same directory and renamed into place on success
-    (fsync first, so a crash leaves either the old file or the complete new one, never a partial one)."""
-
-    def __init__(self, path: Path):
-        self.path = path
-
-    def __enter__(self):
-        fd, self.tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
-        os.chmod(self.tmp, 0o644)  # mkstemp makes it 0600; a shared cache should be readable like any file
-        self.file = os.fdopen(fd, "wb")
-        return self.file
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        try:
-            with self.file:
-                if exc_type is None:
-                    self.file.flush()
-                    os.fsync(self.file.fileno())
-            if exc_type is None:
-                os.replace(self.tmp, self.path)
-        finally:
-            if os.path.exists(self.tmp):
-                os.unlink(self.tmp)
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    with _AtomicFile(path) as f:
-        f.write(data)
 
 
 def _atomic_symlink(target: str, link: Path) -> None:

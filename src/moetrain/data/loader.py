@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader
 from moetrain.data.batch import Batch, PackedBatch
 from moetrain.data.dataset import BatchSampler, PreparedData, TokenWindows, eval_batches
 from moetrain.data.packing import DocumentBatches, DocumentChunks
-from moetrain.data.val_coverage import val_coverage_note
+from moetrain.data.val_coverage import small_split_warning, val_coverage_note
 from moetrain.errors import ConfigError
 
 
@@ -218,8 +218,9 @@ class DataPipeline:
         train: the :class:`BatchLoader`.
         val: validation micro-batches (the same packing as training, fixed shape, in stream order).
         describe: one line for the log (``"1234 training windows of 256 tokens"``).
-        val_note: a line for the log when one held-out document dominates the evaluated tokens
-            (:func:`~moetrain.data.val_coverage.val_coverage_note`), else ``None``.
+        val_note: lines for the log when one held-out document dominates the evaluated tokens
+            (:func:`~moetrain.data.val_coverage.val_coverage_note`) or the split is smaller than the evaluation
+            asks for (:func:`~moetrain.data.val_coverage.small_split_warning`), else ``None``.
     """
 
     train: BatchLoader
@@ -248,16 +249,21 @@ def validation_batches(data: PreparedData, seq_len: int, packing: str, batch_siz
         count: ``train.eval_batches``: the first ``count`` batches of the split, in stream order.
     Returns:
         (batches, note): ``windows``: (inputs [B, S], targets [B, S]) int64 pairs; ``documents``: packed
-        batches (:class:`~moetrain.data.batch.PackedBatch`), unshuffled.
+        batches (:class:`~moetrain.data.batch.PackedBatch`), unshuffled. The note: the coverage note and the
+        small-split warning (:mod:`~moetrain.data.val_coverage`), one per line, or ``None``.
     """
     if packing == "windows":
         windows = eval_batches(TokenWindows(data.val_tokens, seq_len), batch_size, count)
-        note = val_coverage_note(data.val_tokens, data.eos_id, sum(inputs.shape[0] for inputs, _ in windows), seq_len,
-                                 data.num_val_docs, batch_size)
-        return list(windows), note
-    val_docs = DocumentBatches(DocumentChunks(data.val_tokens, data.eos_id, seq_len), batch_size, 0, seed,
-                               shuffle=False)
-    return [val_docs[(0, i)] for i in range(min(count, val_docs.num_batches(0)))], None
+        rows = sum(inputs.shape[0] for inputs, _ in windows)
+        notes = [val_coverage_note(data.val_tokens, data.eos_id, rows, seq_len, data.num_val_docs, batch_size)]
+        batches: list[Batch] = list(windows)
+    else:
+        val_docs = DocumentBatches(DocumentChunks(data.val_tokens, data.eos_id, seq_len), batch_size, 0, seed,
+                                   shuffle=False)
+        packed = [val_docs[(0, i)] for i in range(min(count, val_docs.num_batches(0)))]
+        rows, notes, batches = sum(b.inputs.shape[0] for b in packed), [], list(packed)
+    notes.append(small_split_warning(len(data.val_tokens), data.num_val_docs, rows, batch_size, count, seq_len))
+    return batches, "\n".join(n for n in notes if n) or None
 
 
 def build_pipeline(data: PreparedData, seq_len: int, packing: str, batch_size: int, tokens_per_batch: int,

@@ -61,3 +61,23 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     if tok.token_to_id(EOS_TOKEN) is None:
         raise DataError(f"tokenizer '{path}' has no {EOS_TOKEN} token")
     return tok
+
+
+def tokenizer_file(path: str | Path) -> Path:
+    """The ``tokenizer.json`` that ``data.tokenizer`` names: the file itself, or the one in a Hugging Face tokenizer
+    folder (``save_pretrained`` of a fast tokenizer, or a model repository's snapshot).
+
+    Raises:
+        DataError: the path does not exist, or is a folder without a ``tokenizer.json`` (a slow, SentencePiece-only
+            tokenizer: save it with ``AutoTokenizer.from_pretrained(folder).save_pretrained(folder)`` first).
+    """
+    p = Path(path).expanduser()
+    if p.is_dir():
+        if not (p / "tokenizer.json").is_file():
+            raise DataError(f"data.tokenizer: folder '{path}' has no tokenizer.json (a slow or SentencePiece-only "
+                            f"tokenizer); convert it with transformers: "
+                            f"AutoTokenizer.from_pretrained(folder).save_pretrained(folder)")
+        return p / "tokenizer.json"
+    if not p.is_file():
+        raise DataError(f"data.tokenizer: '{path}' does not exist (give a tokenizer.json or a folder holding one)")
+    return p

@@ -2,7 +2,7 @@
 
 Training evaluates the first ``train.eval_batches`` batches of the validation split, in stream order, not a sample
 of it. Where one held-out document is most of those tokens, the validation loss is mostly that document's loss. This
-is how Pygments' split misled issue 19's comparison (docs/moe-vs-dense.md, waves 8-9): one generated file,
+is how Pygments' split once misled an MoE-vs-dense comparison (docs/moe-vs-dense.md): one generated file,
 ``lexers/_mapping.py``, was 25,346 of the 32,768 evaluated tokens (77%), and an MoE that led its twin on every
 other held-out file trailed it on the run's validation loss. :func:`val_coverage_note` says so at the start of a run
 with ``data.packing=windows`` (the default); with ``documents`` packing the rows are chunks of documents padded to
@@ -83,3 +83,30 @@ def val_coverage_note(val_tokens: np.ndarray, eos_id: int, evaluated_windows: in
     return (f"data: note: one held-out document is {found.share:.0%} of the {found.evaluated:,} validation tokens "
             f"evaluated ({found.documents} of {val_documents} documents; the split has {len(val_tokens):,} tokens, "
             f"end-of-text tokens included), so val_loss mostly measures that document; {advice}")
+
+
+def small_split_warning(val_tokens: int, val_documents: int, rows: int, batch_size: int, count: int,
+                        seq_len: int) -> str | None:
+    """One log line when the validation split is too small for the evaluation ``train.eval_batches`` asks for,
+    else ``None``.
+
+    A split gives fewer full batches than asked when it has fewer than ``count * batch_size`` windows of
+    ``seq_len`` tokens (e.g. a one-file corpus at the default ``data.val_fraction=0.01``: its last 1% of text); then
+    ``val_loss`` averages fewer tokens than the run meant, and a few hundred tokens make it noisy.
+
+    Args:
+        val_tokens: tokens in the validation split (end-of-text tokens included).
+        val_documents: documents in it.
+        rows: rows (windows or packed rows) the evaluation got.
+        batch_size / count / seq_len: ``train.batch_size``, ``train.eval_batches``, ``data.seq_len``.
+    Returns:
+        ``"data: warning: ..."`` naming the split's size and what to change; ``None`` when the evaluation is full.
+    """
+    wanted = count * batch_size
+    if rows >= wanted:
+        return None
+    docs = f"{val_documents} document" + ("" if val_documents == 1 else "s")
+    return (f"data: warning: the validation split is small: {val_tokens:,} tokens in {docs}, "
+            f"{rows} rows of {seq_len} tokens where train.eval_batches={count} x train.batch_size={batch_size} = "
+            f"{wanted} were asked for, so val_loss is measured on {rows * seq_len:,} tokens only and is noisy; raise "
+            f"data.val_fraction or add documents (or lower train.eval_batches to silence this)")

@@ -13,6 +13,11 @@ moe.losses.aux_loss_coeff -> router_aux_loss_coef * top_k (transformers' load-ba
 see moe/losses.py). Training-only fields with no HF field travel in the ``moetrain`` key of ``config.json``
 (transformers keeps unknown keys and ignores them).
 
+``moe.router.routed_scaling_factor`` multiplies every routed expert's output (the gating weight ``w`` of
+``w * down(silu(gate x) * up x)``), so in the families without the field (all but dots.llm1) it is folded into each
+routed expert's ``down_proj`` on export (:func:`fold_routed_scale`) and carried in ``config.json["moetrain"]``, and
+an import divides it back out: transformers computes the same function, and a round trip gives back the same config.
+
 Layer plans: ours is "block i is MoE iff i >= first_k_dense and (i + 1) % moe_every == 0"; Qwen2/3-MoE's
 ``decoder_sparse_step`` is ``moe_every`` and ``mlp_only_layers`` must be a prefix (-> ``first_k_dense``); dots.llm1's
 ``first_k_dense_replace`` is ``first_k_dense``; Mixtral and OLMoE are MoE in every layer.
@@ -172,9 +177,9 @@ def _check_family(cfg: ModelConfig, family: Family) -> None:
                      "tie_embeddings", "rope_theta", "max_seq_len", "norm_eps", "moe_every", "first_k_dense",
                      "attention_bias"}
     handled_moe = {"num_experts", "top_k", "experts.ffn_hidden", "router.norm_topk_prob", "shared_expert.ffn_hidden",
-                   "shared_expert.gate"}
+                   "shared_expert.gate", "router.routed_scaling_factor"}
     if family is DOTS1:
-        handled_moe |= {"router.score_func", "router.routed_scaling_factor", "router.num_groups",
+        handled_moe |= {"router.score_func", "router.num_groups",
                         "router.topk_groups", "router.expert_bias"}
     _check_defaults(cfg, handled_model | {f"moe.{p}" for p in handled_moe}, name)
     if cfg.qk_norm != family.qk_norm:
@@ -241,6 +246,8 @@ def hf_config_dict(cfg: ModelConfig, family: Family) -> dict[str, Any]:
         del out["head_dim"]  # OLMoE derives it from hidden_size // num_attention_heads (checked equal)
     elif family is MIXTRAL:
         out.update(sliding_window=None, router_jitter_noise=0.0)
+    if family is not DOTS1 and router.routed_scaling_factor != 1.0:  # folded into down_proj (fold_routed_scale)
+        out["moetrain"]["routed_scaling_factor"] = router.routed_scaling_factor
     elif family is DOTS1:
         out.update(first_k_dense_replace=min(cfg.first_k_dense, cfg.n_layers), norm_topk_prob=router.norm_topk_prob,
                    n_shared_experts=moe.shared_expert.ffn_hidden // moe.experts.ffn_hidden,
@@ -326,6 +333,8 @@ def _moe_from_hf(hf: Any, family: Family, carried: dict[str, Any]) -> MoEConfig:
         if key in carried:
             section, name = path.split(".")
             data.setdefault(section, {})[name] = carried[key]
+    if t != "dots1" and "routed_scaling_factor" in carried:  # folded into down_proj by the export
+        router["routed_scaling_factor"] = float(carried["routed_scaling_factor"])
     if t == "qwen2_moe":
         data["shared_expert"] = {"ffn_hidden": int(_get(hf, "shared_expert_intermediate_size", 0)), "gate": True}
     elif t == "dots1":
@@ -375,6 +384,27 @@ def model_config_from_hf(hf: Any, family: Family) -> ModelConfig:
         max_seq_len=int(hf.max_position_embeddings), norm_eps=float(hf.rms_norm_eps),
         moe_every=moe_every, first_k_dense=first_k, init_std=float(_get(hf, "initializer_range", 0.02)), moe=moe,
     )
+
+
+def folded_scale(cfg: ModelConfig, family: Family) -> float:
+    """The factor :func:`fold_routed_scale` multiplies the routed experts' ``down_proj`` by for ``family``: the
+    router's ``routed_scaling_factor`` where the family has no such field, else 1."""
+    return 1.0 if family is DOTS1 else cfg.moe.router.routed_scaling_factor
+
+
+def fold_routed_scale(tensors: dict[str, Any], cfg: ModelConfig, family: Family, *, inverse: bool = False
+                      ) -> dict[str, Any]:
+    """``tensors`` (our names) with every routed expert's ``down_proj`` [E, D, F] multiplied by
+    :func:`folded_scale` (divided with ``inverse``, for an import); other tensors are passed through unchanged.
+
+    Exact up to one rounding per weight (none for a power of two such as the ``cpu-small`` preset's 2.0): the
+    gating weight multiplies the expert's output ``down @ h``, which is linear in ``down``.
+    """
+    scale = folded_scale(cfg, family)
+    if scale == 1.0:
+        return tensors
+    return {name: ((t / scale) if inverse else (t * scale)) if name.endswith(".ffn.experts.down_proj") else t
+            for name, t in tensors.items()}
 
 
 # ---- tensor names ---------------------------------------------------------------------------------------------

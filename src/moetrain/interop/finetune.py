@@ -23,7 +23,7 @@ from moetrain.model.config import ModelConfig
 
 
 # Train fields a preset may set for training from scratch that would harm a pretrained model. cpu-small's experts
-# decay at 1.0 (docs/moe-vs-dense.md, wave 11): over its 600-step schedule that shrinks them towards e^-0.9 of their
+# decay at 1.0 (docs/moe-vs-dense.md): over its 600-step schedule that shrinks them towards e^-0.9 of their
 # norm, which regularises a model trained from random weights and erodes a pretrained one.
 FROM_SCRATCH = {"expert_weight_decay": "a regulariser for training from scratch; the experts decay like the rest"}
 

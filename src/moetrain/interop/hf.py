@@ -28,6 +28,7 @@ from moetrain.interop.families import (
     REFUSED_TYPES,
     Family,
     family_for,
+    fold_routed_scale,
     hf_config_dict,
     hf_name,
     layer_index,
@@ -59,8 +60,11 @@ def _transformers():
 # ---- ours -> HF -----------------------------------------------------------------------------------------------
 
 def hf_state_dict(model: MoETransformer, family: Family) -> dict[str, torch.Tensor]:
-    """Our weights under the family's in-memory transformers names (fused experts), tied duplicates dropped."""
-    return {hf_name(name, family): t for name, t in model_tensors(model).items()}
+    """Our weights under the family's in-memory transformers names (fused experts), tied duplicates dropped; the
+    routed experts' ``down_proj`` carry the router's ``routed_scaling_factor`` where the family has no such field
+    (:func:`~moetrain.interop.families.fold_routed_scale`; a scaled copy, the rest share storage)."""
+    tensors = fold_routed_scale(model_tensors(model), model.config, family)
+    return {hf_name(name, family): t for name, t in tensors.items()}
 
 
 def to_hf_model(model: MoETransformer, tokenizer: Any = None):
@@ -345,4 +349,5 @@ def from_hf(path_or_model: Any, dtype: torch.dtype | None = torch.float32) -> Mo
         src = TensorSource.from_directory(Path(path_or_model))
         layouts = family.disk_layouts
     cfg = model_config_from_hf(hf_cfg, family)
-    return build_model(cfg, load_tensors(src, family, cfg, layouts), dtype)
+    tensors = fold_routed_scale(load_tensors(src, family, cfg, layouts), cfg, family, inverse=True)
+    return build_model(cfg, tensors, dtype)

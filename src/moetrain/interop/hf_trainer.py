@@ -30,7 +30,7 @@ from torch import nn
 
 from moetrain.errors import ConfigError
 from moetrain.moe.dispatch import LocalDispatcher
-from moetrain.moe.experts import grouped_swiglu, loop_swiglu
+from moetrain.moe.experts import BACKENDS
 from moetrain.moe.losses import expert_counts, router_z_loss, switch_load_balancing_loss
 
 # Block class name -> (router score function, shared expert attribute or None, whether the shared expert is gated).
@@ -42,7 +42,7 @@ SUPPORTED_BLOCKS = {
     "Dots1MoE": ("sigmoid", "shared_experts", False),
     "DeepseekV3MoE": ("sigmoid", "shared_experts", False),  # the MoE block only: the attention (MLA) stays HF's
 }
-_EXPERT_FNS = {"grouped_mm": grouped_swiglu, "loop": loop_swiglu}
+_EXPERT_BACKENDS = ("grouped_mm", "loop")  # of moetrain.moe.experts.BACKENDS: the ones with no layout of their own
 
 
 @dataclass
@@ -155,7 +155,7 @@ class AcceleratedMoeBlock(nn.Module):
         self.jitter_noise = float(getattr(block, "jitter_noise", 0.0) or 0.0)
         self.num_experts = self._expert_weights()[0].shape[0]
         self._dispatcher = LocalDispatcher(self.num_experts)
-        self._expert_fn = _EXPERT_FNS[backend]
+        self._expert_fn = BACKENDS[backend].experts
         self._stats = stats
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -169,7 +169,7 @@ class AcceleratedMoeBlock(nn.Module):
         router_logits, topk_weights, topk_ids = self.gate(x)  # [T, E], [T, K], [T, K]
         rows, tokens_per_expert, meta = self._dispatcher.dispatch(x, topk_ids, topk_weights)
         gate_up, down = self._expert_weights()
-        y = self._expert_fn(rows, gate_up, down, tokens_per_expert)
+        y = self._expert_fn(rows, gate_up, down, tokens_per_expert, "swiglu")
         out = self._dispatcher.combine(y, meta).to(x.dtype)  # [T, D]
         if self.shared_name is not None:
             shared = getattr(self, self.shared_name)(x)
@@ -200,8 +200,8 @@ def accelerate(model: nn.Module, backend: str = "grouped_mm") -> HFRoutingSums:
     Raises:
         ConfigError: an unknown backend, a model with no supported MoE block, or experts that are not SwiGLU.
     """
-    if backend not in _EXPERT_FNS:
-        raise ConfigError(f"backend: unknown backend {backend!r}; choose one of {sorted(_EXPERT_FNS)}")
+    if backend not in _EXPERT_BACKENDS:
+        raise ConfigError(f"backend: unknown backend {backend!r}; choose one of {sorted(_EXPERT_BACKENDS)}")
     act = getattr(getattr(model, "config", None), "hidden_act", "silu")
     if act != "silu":
         raise ConfigError(f"hidden_act={act!r}: moetrain's experts are SwiGLU (silu)")

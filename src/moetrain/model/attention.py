@@ -17,6 +17,9 @@ flex_attention 195 ms forward eager, 34 ms compiled (after a 16 s compile), no b
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -54,27 +57,159 @@ def document_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
 
 
 class KVCache:
-    """Keys and values of past positions, per layer, grown by concatenation (generation is not the hot path).
+    """The KV cache of generation and serving: per layer, one pre-allocated block of ``max_len`` positions for each
+    of ``num_slots`` sequences (a sequence owns a slot; ``moetrain generate`` uses slots 0 .. B - 1, the serving
+    engine one slot per running request).
 
-    ``layers[i]`` is ``None`` or ``(k, v)`` with shapes [B, Hkv, P, Hd].
+    The interface :class:`Attention` uses: :meth:`write` stores keys and values where a :class:`RaggedBatch` puts
+    its tokens, :meth:`read` returns [b, Hkv, p, Hd] blocks that ``F.scaled_dot_product_attention`` reads directly
+    (a view for consecutive slots, a gather otherwise). Blocks, not pages (vLLM, transformers'
+    ``PagedAttentionCache``): a slot holds at most the model's context (cpu-small fp32: 2 MiB per slot), so the
+    waste is small and known at start-up, SDPA has no block-table read, and admission never fails half-way for lack
+    of pages. A layer's block is allocated at its first write, in the keys' dtype and device, as zeros (positions
+    past a sequence's length are masked; a masked zero cannot turn into NaN).
+
+    Args:
+        n_layers: L.
+        num_slots: sequences held at once.
+        max_len: positions per slot (at most ``model.max_seq_len``).
+    Attributes:
+        k, v: per layer ``None`` (nothing written yet) or [num_slots, Hkv, max_len, Hd].
+        length: positions appended by :meth:`append` (generation: every slot has this many).
     """
 
-    def __init__(self, n_layers: int):
-        self.layers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * n_layers
+    def __init__(self, n_layers: int, num_slots: int, max_len: int):
+        if num_slots < 1 or max_len < 1:
+            raise ValueError(f"KVCache: num_slots and max_len must be >= 1, got {num_slots}, {max_len}")
+        self.k: list[torch.Tensor | None] = [None] * n_layers
+        self.v: list[torch.Tensor | None] = [None] * n_layers
+        self.num_slots, self.max_len, self.length = num_slots, max_len, 0
 
-    def length(self, index: int = 0) -> int:
-        """P, the number of positions cached for layer ``index``."""
-        past = self.layers[index]
-        return 0 if past is None else past[0].shape[2]
+    def append(self, batch: int, new: int) -> RaggedBatch:
+        """The layout of ``new`` more positions for each of slots 0 .. ``batch - 1`` (generation: every sequence
+        at the same length), and count them in :attr:`length`.
 
-    def update(self, index: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append k, v [B, Hkv, S, Hd] for layer ``index``; return all keys and values [B, Hkv, P + S, Hd]."""
-        past = self.layers[index]
-        if past is not None:
-            k = torch.cat([past[0], k], dim=2)
-            v = torch.cat([past[1], v], dim=2)
-        self.layers[index] = (k, v)
-        return k, v
+        Raises:
+            ValueError: more slots than the cache has, or past ``max_len``.
+        """
+        if batch > self.num_slots or self.length + new > self.max_len:
+            raise ValueError(f"KVCache: {batch} sequences x {self.length} + {new} positions exceed the cache's "
+                             f"{self.num_slots} slots x {self.max_len} positions")
+        layout = RaggedBatch.build([(i, self.length, new) for i in range(batch)])
+        self.length += new
+        return layout
+
+    def write(self, layer: int, batch: RaggedBatch, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v [N, Hkv, Hd] of the batch's N tokens at their (slot, position) in ``layer``."""
+        if self.k[layer] is None:
+            shape = (self.num_slots, k.shape[1], self.max_len, k.shape[2])
+            self.k[layer] = torch.zeros(shape, dtype=k.dtype, device=k.device)
+            self.v[layer] = torch.zeros(shape, dtype=v.dtype, device=v.device)
+        kc, vc = self.k[layer], self.v[layer]
+        assert kc is not None and vc is not None
+        kc[batch.slots, :, batch.positions] = k.to(kc.dtype)
+        vc[batch.slots, :, batch.positions] = v.to(vc.dtype)
+
+    def read(self, layer: int, slots: slice | torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [b, Hkv, length, Hd] of positions 0 .. length - 1 of ``slots`` (b of them)."""
+        kc, vc = self.k[layer], self.v[layer]
+        assert kc is not None and vc is not None, "KVCache.read before the layer's first write"
+        return kc[slots, :, :length], vc[slots, :, :length]
+
+
+@dataclass(frozen=True)
+class AttentionGroup:
+    """Sequences of a :class:`RaggedBatch` attended in one SDPA call: ``b`` sequences of ``s`` new tokens each.
+
+    Attributes:
+        rows: the group's b * s tokens among the batch's N (sequence-major): a slice when contiguous.
+        slots: the b sequences' KV-cache slots: a slice when consecutive.
+        b, s: sequences, new tokens per sequence.
+        keys: key positions read per sequence, ``max(start) + s``.
+        mask: [b or 1, 1, s, keys] bool, query i of sequence j sees key positions ``<= start_j + i``; ``None`` when
+            every sequence starts at 0 (plain causal attention, keys == s).
+    """
+
+    rows: slice | torch.Tensor
+    slots: slice | torch.Tensor
+    b: int
+    s: int
+    keys: int
+    mask: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class RaggedBatch:
+    """A flat batch of N new tokens from B sequences and where they go in a :class:`KVCache` (the layout of
+    transformers' continuous batching: cumulative sequence lengths, positions and cache slots per token, the model's
+    own modules run over all N tokens at once and attention reads each sequence's keys from its slot).
+
+    Built once per forward by :meth:`build`; every layer reuses it. Sequences of equal new-token counts attend in
+    one SDPA call (:class:`AttentionGroup`): all decoding sequences together, prompts of one length together.
+
+    Attributes:
+        positions: [N] int64 absolute position of each token (RoPE and the cache index).
+        slots: [N] int64 cache slot of each token.
+        cu_seqlens: [B + 1] int64 cumulative new-token counts (sequence j's tokens are ``cu[j] .. cu[j + 1] - 1``).
+        groups: the SDPA calls of an attention layer.
+    """
+
+    positions: torch.Tensor
+    slots: torch.Tensor
+    cu_seqlens: torch.Tensor
+    groups: tuple[AttentionGroup, ...]
+    _rope: dict[tuple[int, float, str], tuple[torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict, compare=False, repr=False)
+
+    @staticmethod
+    def build(chunks: Sequence[tuple[int, int, int]]) -> RaggedBatch:
+        """From (slot, start position, new tokens) per sequence, in token order (no two in one slot).
+
+        Raises:
+            ValueError: no sequence, or a sequence with no new token.
+        """
+        if not chunks or min(n for _, _, n in chunks) < 1:
+            raise ValueError(f"RaggedBatch: need at least one sequence with at least one new token, got {chunks}")
+        offsets = [0]
+        for _, _, n in chunks:
+            offsets.append(offsets[-1] + n)
+        pos = [p for _, start, n in chunks for p in range(start, start + n)]
+        slot_of = [slot for slot, _, n in chunks for _ in range(n)]
+        by_len: dict[int, list[int]] = {}
+        for j, (_, _, n) in enumerate(chunks):
+            by_len.setdefault(n, []).append(j)
+        groups = []
+        for s, members in by_len.items():
+            starts = torch.tensor([chunks[j][1] for j in members])  # [b]
+            rows: slice | torch.Tensor = slice(offsets[members[0]], offsets[members[-1] + 1])
+            if members != list(range(members[0], members[-1] + 1)):
+                rows = torch.cat([torch.arange(offsets[j], offsets[j + 1]) for j in members])
+            slot_list = [chunks[j][0] for j in members]
+            slots: slice | torch.Tensor = torch.tensor(slot_list)
+            if slot_list == list(range(slot_list[0], slot_list[0] + len(slot_list))):
+                slots = slice(slot_list[0], slot_list[0] + len(slot_list))
+            keys = int(starts.max()) + s
+            mask = None
+            if bool((starts != 0).any()):
+                if bool((starts == starts[0]).all()):
+                    starts = starts[:1]
+                last = starts[:, None] + torch.arange(s)[None, :]  # [b, s] position of each query
+                mask = (torch.arange(keys)[None, None, :] <= last[:, :, None])[:, None]  # [b, 1, s, keys]
+            groups.append(AttentionGroup(rows, slots, len(members), s, keys, mask))
+        return RaggedBatch(torch.tensor(pos, dtype=torch.int64), torch.tensor(slot_of, dtype=torch.int64),
+                           torch.tensor(offsets, dtype=torch.int64), tuple(groups))
+
+    def last_tokens(self) -> torch.Tensor:
+        """[B] int64 index of each sequence's last new token among the N."""
+        return self.cu_seqlens[1:] - 1
+
+    def rope(self, head_size: int, theta: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [N, 1, Hd] fp32 of the tokens' positions (broadcast over heads), computed once per batch."""
+        key = (head_size, theta, str(device))
+        if key not in self._rope:
+            cos, sin = rope_cos_sin(self.positions.to(device), head_size, theta)
+            self._rope[key] = (cos[:, None], sin[:, None])
+        return self._rope[key]
 
 
 class Attention(nn.Module):
@@ -104,46 +239,70 @@ class Attention(nn.Module):
             self.k_norm = nn.RMSNorm(self.n_kv_heads * hd, eps=config.norm_eps)
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None,
-                document_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """x: [B, S, D] -> [B, S, D]. With ``kv_cache``, the S new positions follow the P cached ones. With
-        ``document_ids`` [B, S] int64 (packed documents, see the module docstring) attention stays within each
-        document and positions restart per document.
+                document_ids: torch.Tensor | None = None, batch: RaggedBatch | None = None) -> torch.Tensor:
+        """x: [B, S, D] -> [B, S, D]. With ``document_ids`` [B, S] int64 (packed documents, see the module
+        docstring) attention stays within each document and positions restart per document.
+
+        With ``kv_cache`` the tokens are ``batch``'s N (x: [..., D] with N tokens in all, e.g. [B, S, D] from
+        :meth:`KVCache.append` or the serving engine's flat [N, D]): their keys and values are written to the cache
+        first, then each :class:`AttentionGroup` attends its sequences' cached keys in one SDPA call.
 
         Raises:
-            ValueError: ``document_ids`` together with ``kv_cache`` (generation is one document at a time).
+            ValueError: ``document_ids`` together with ``kv_cache`` (generation is one document at a time), or
+                ``kv_cache`` without ``batch``.
         """
         if document_ids is not None and kv_cache is not None:
             raise ValueError("document_ids: packed documents cannot be combined with a KV cache")
+        if kv_cache is not None:
+            if batch is None:
+                raise ValueError("batch: a KV cache needs the tokens' RaggedBatch (KVCache.append builds one)")
+            return self._forward_cached(x, kv_cache, batch)
         b, s, _ = x.shape
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        if self.qk_norm == "full":
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = q.view(b, s, self.n_heads, self.head_size)
-        k = k.view(b, s, self.n_kv_heads, self.head_size)
-        v = v.view(b, s, self.n_kv_heads, self.head_size).transpose(1, 2)  # [B, Hkv, S, Hd]
-        if self.qk_norm == "head":
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, S, Hd], [B, Hkv, S, Hd]
-
-        past = 0 if kv_cache is None else kv_cache.length(self.layer_index)
+        q, k, v = self._qkv(x)  # [B, S, H, Hd], [B, S, Hkv, Hd] x 2
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, S, Hd], [B, Hkv, S, Hd]
         if document_ids is None:
-            cos, sin = rope_tables(past, s, self.head_size, self.rope_theta, str(x.device))  # [S, Hd]
+            cos, sin = rope_tables(0, s, self.head_size, self.rope_theta, str(x.device))  # [S, Hd]
         else:
             positions = document_positions(document_ids).reshape(-1)  # [B * S]
             cos, sin = (t.view(b, 1, s, self.head_size)  # [B, 1, S, Hd]: broadcast over heads
                         for t in rope_cos_sin(positions, self.head_size, self.rope_theta))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if kv_cache is not None:
-            k, v = kv_cache.update(self.layer_index, k, v)  # [B, Hkv, P + S, Hd]
-
         if document_ids is not None:
             mask = document_causal_mask(document_ids)  # [B, 1, S, S]
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-        elif past == 0:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         else:
-            # New query i (absolute position past + i) sees keys 0 .. past + i.
-            mask = torch.ones(s, past + s, dtype=torch.bool, device=x.device).tril(diagonal=past)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         y: torch.Tensor = self.o_proj(out.transpose(1, 2).reshape(b, s, self.n_heads * self.head_size))
         return y
+
+    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [..., D] -> q [..., H, Hd], k and v [..., Hkv, Hd]: the projections and the q/k norms, before RoPE."""
+        lead = x.shape[:-1]
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(*lead, self.n_heads, self.head_size)
+        k = k.view(*lead, self.n_kv_heads, self.head_size)
+        v = v.view(*lead, self.n_kv_heads, self.head_size)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
+
+    def _forward_cached(self, x: torch.Tensor, cache: KVCache, batch: RaggedBatch) -> torch.Tensor:
+        """The ragged-batch path: x [..., D] holding the batch's N tokens -> the same shape."""
+        shape = x.shape
+        q, k, v = self._qkv(x.reshape(-1, shape[-1]))  # [N, H, Hd], [N, Hkv, Hd] x 2
+        n, hq, hd = q.shape
+        cos, sin = batch.rope(hd, self.rope_theta, x.device)  # [N, 1, Hd]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        cache.write(self.layer_index, batch, k, v)
+        out = q.new_empty(n, hq, hd)
+        for g in batch.groups:
+            keys, values = cache.read(self.layer_index, g.slots, g.keys)  # [b, Hkv, P, Hd]
+            qg = q[g.rows].view(g.b, g.s, hq, hd).transpose(1, 2)  # [b, H, s, Hd]
+            mask = None if g.mask is None else g.mask.to(q.device)  # built on the host, once per batch
+            o = F.scaled_dot_product_attention(qg, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask,
+                                               is_causal=mask is None, enable_gqa=True)  # [b, H, s, Hd]
+            out[g.rows] = o.transpose(1, 2).reshape(g.b * g.s, hq, hd)
+        y: torch.Tensor = self.o_proj(out.view(n, hq * hd))
+        return y.view(shape)

@@ -10,12 +10,12 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from moetrain.model.attention import Attention, KVCache
+from moetrain.model.attention import Attention, KVCache, RaggedBatch
 from moetrain.model.bta import tiled_attention
 from moetrain.model.config import ModelConfig
 from moetrain.model.ffn import SwiGLU
 from moetrain.model.norm import make_norm
-from moetrain.moe.layer import MoEAux, MoELayer
+from moetrain.moe.layer import MoEAux, MoELayer, RoutingHook
 
 
 class Block(nn.Module):
@@ -35,10 +35,14 @@ class Block(nn.Module):
 
     def forward(
         self, x: torch.Tensor, padding_mask: torch.Tensor | None = None, kv_cache: KVCache | None = None,
-        document_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None, *, batch: RaggedBatch | None = None,
+        routing: RoutingHook | None = None,
     ) -> tuple[torch.Tensor, MoEAux | None]:
-        """x: [B, S, D] -> ([B, S, D], the MoE record or ``None`` for a dense block). ``document_ids`` [B, S] int64:
-        packed documents, attention stays within each (model/attention.py).
+        """x: [B, S, D] -> ([B, S, D], the MoE record or ``None`` for a dense block or under ``routing``).
+        ``document_ids`` [B, S] int64: packed documents, attention stays within each (model/attention.py).
+        ``kv_cache`` with ``batch``: x holds the batch's N tokens (any leading shape, e.g. the serving engine's flat
+        [N, D]) and attention reads the cache (:meth:`Attention.forward`). ``routing``: the MoE layer's inference
+        routing (:meth:`MoELayer.forward`).
 
         Raises:
             ConfigError: ``bta_tiles`` does not divide B (training only; generation with a KV cache never tiles).
@@ -48,9 +52,9 @@ class Block(nn.Module):
         elif kv_cache is None:
             h = x + self._dropout(tiled_attention(self.attend, x, self.bta_tiles))  # untiled when bta_tiles == 1
         else:
-            h = x + self._dropout(self.attend(x, kv_cache))
+            h = x + self._dropout(self.attend(x, kv_cache, batch))
         if self.is_moe:
-            y, aux = self.ffn(self.post_attn_norm(h), padding_mask)
+            y, aux = self.ffn(self.post_attn_norm(h), padding_mask, routing=routing)
             return h + self._dropout(y), aux
         return h + self._dropout(self.ffn(self.post_attn_norm(h))), None
 
@@ -58,9 +62,10 @@ class Block(nn.Module):
         """Residual dropout (``model.dropout``) of a branch's output; the identity in eval mode or at 0."""
         return F.dropout(y, self.dropout, self.training) if self.dropout > 0 else y
 
-    def attend(self, x: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
+    def attend(self, x: torch.Tensor, kv_cache: KVCache | None = None, batch: RaggedBatch | None = None
+               ) -> torch.Tensor:
         """The attention branch ``attn(input_norm(x))``: [b, S, D] -> [b, S, D] (what BTA tiles and recomputes)."""
-        y: torch.Tensor = self.attn(self.input_norm(x), kv_cache)
+        y: torch.Tensor = self.attn(self.input_norm(x), kv_cache, batch=batch)
         return y
 
     def attend_documents(self, x: torch.Tensor, document_ids: torch.Tensor) -> torch.Tensor:

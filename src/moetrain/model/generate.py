@@ -1,4 +1,5 @@
-"""Autoregressive sampling with a KV cache: temperature and nucleus (top-p) sampling, or greedy."""
+"""Autoregressive generation with a KV cache; the next token is chosen by :mod:`moetrain.model.sampling` (the
+sampler ``moetrain serve`` uses too)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import math
 import torch
 
 from moetrain.model.attention import KVCache
+from moetrain.model.sampling import SamplingError, SamplingParams, sample_rows
 from moetrain.model.transformer import MoETransformer
 
 
@@ -22,13 +24,14 @@ def generate(
 ) -> torch.Tensor:
     """Extend ``input_ids`` [B, S] by up to ``max_new_tokens`` tokens; returns [B, S + n] int64.
 
-    ``temperature == 0`` is greedy (argmax). Otherwise logits are divided by ``temperature`` and sampling keeps the
-    smallest set of tokens whose probability mass reaches ``top_p`` (Holtzman et al., 2020). Stops early when every
-    sequence has produced ``eos_id``.
+    A ``temperature`` below :data:`~moetrain.model.sampling.GREEDY_BELOW` (0 included) is greedy (argmax).
+    Otherwise logits are divided by ``temperature`` and sampling keeps the smallest set of tokens whose probability
+    mass reaches ``top_p`` (Holtzman et al., 2020; :func:`~moetrain.model.sampling.sample_rows`). Stops early when
+    every sequence has produced ``eos_id``.
 
     Raises:
         ValueError: the prompt plus new tokens exceed ``model.config.max_seq_len``, or temperature is negative or not
-            finite, or top_p not in (0, 1].
+            finite, or top_p not in (0, 1], or the logits could not be sampled (not finite).
     """
     if not (temperature >= 0 and math.isfinite(temperature)):  # NaN fails both; inf would sample uniformly
         raise ValueError(f"--temperature must be finite and >= 0, got {temperature}")
@@ -41,22 +44,19 @@ def generate(
             f"prompt ({input_ids.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
             f"model.max_seq_len={model.config.max_seq_len}"
         )
+    params = SamplingParams(temperature, top_p)
     model.eval()
-    cache = KVCache(model.config.n_layers)
+    cache = KVCache(model.config.n_layers, input_ids.shape[0], input_ids.shape[1] + max_new_tokens)
     out = input_ids
+    b = input_ids.shape[0]
     logits = model(input_ids, kv_cache=cache).logits[:, -1].float()  # [B, V]
-    done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+    done = torch.zeros(b, dtype=torch.bool, device=input_ids.device)
     for _ in range(max_new_tokens):
-        if temperature == 0:
-            next_ids = logits.argmax(dim=-1)
-        else:
-            probs = torch.softmax(logits / temperature, dim=-1)
-            sorted_probs, sorted_ids = torch.sort(probs, dim=-1, descending=True)
-            # Keep a token while the mass before it is < top_p (the top token is always kept).
-            keep = (sorted_probs.cumsum(dim=-1) - sorted_probs) < top_p
-            sorted_probs = sorted_probs * keep
-            choice = torch.multinomial(sorted_probs, 1, generator=generator)  # [B, 1]
-            next_ids = sorted_ids.gather(-1, choice).squeeze(-1)
+        picked = sample_rows(logits, [params] * b, [generator] * b)  # rows draw in order from the one generator
+        for x in picked:
+            if isinstance(x, SamplingError):
+                raise ValueError(f"sampling failed: {x}")
+        next_ids = torch.tensor(picked, dtype=torch.int64, device=input_ids.device)
         out = torch.cat([out, next_ids[:, None]], dim=1)
         if eos_id is not None:
             done |= next_ids == eos_id

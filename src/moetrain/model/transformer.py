@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moetrain.model.attention import KVCache
+from moetrain.model.attention import KVCache, RaggedBatch
 from moetrain.model.block import Block
 from moetrain.model.config import ModelConfig
 from moetrain.model.fused_ce import linear_cross_entropy
@@ -171,7 +171,8 @@ class MoETransformer(nn.Module):
             input_ids: [B, S] int64.
             targets: [B, S] int64 next-token ids, -100 where no loss is taken; ``None`` skips the loss.
             padding_mask: [B, S] bool, True for real tokens (excluded tokens do not count in the MoE losses).
-            kv_cache: past keys/values for generation (positions continue after the cached ones).
+            kv_cache: past keys/values for generation: the B rows go to the cache's slots 0 .. B - 1 at positions
+                ``kv_cache.length ..`` (:meth:`~moetrain.model.attention.KVCache.append`).
             global_counts: [L, E] the optimizer step's expert counts for the global-batch aux loss (see
                 :func:`assemble_moe_losses` and :meth:`moe_counts`); ``None``: this batch's own.
             count_reducer: sums counts over data-parallel ranks (see :func:`assemble_moe_losses`).
@@ -189,7 +190,8 @@ class MoETransformer(nn.Module):
             with torch.autocast("cpu", enabled=False):
                 return self.forward(input_ids, targets, padding_mask, kv_cache, global_counts, count_reducer,
                                     return_logits, document_ids)
-        x, records = self._trunk(input_ids, padding_mask, kv_cache, document_ids)
+        batch = None if kv_cache is None else kv_cache.append(*input_ids.shape)
+        x, records = self._trunk(input_ids, padding_mask, kv_cache, document_ids, batch)
         h = self.norm(x)  # [B, S, D]
         fused_loss = targets is not None and not return_logits
         logits = None if fused_loss else self.lm_head(h)  # [B, S, V]
@@ -209,15 +211,16 @@ class MoETransformer(nn.Module):
 
     def _trunk(
         self, input_ids: torch.Tensor, padding_mask: torch.Tensor | None, kv_cache: KVCache | None = None,
-        document_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None, batch: RaggedBatch | None = None,
     ) -> tuple[torch.Tensor, list[MoEAux]]:
-        """Embedding and blocks: ([B, S, D] hidden states before the final norm, the MoE records)."""
+        """Embedding and blocks: ([B, S, D] hidden states before the final norm, the MoE records); with a KV
+        cache, ``batch`` is where the tokens go in it."""
         x = self.embed_tokens(input_ids)  # [B, S, D]
         if self.config.dropout > 0:
             x = F.dropout(x, self.config.dropout, self.training)
         records: list[MoEAux] = []
         for block in self.blocks:
-            x, aux = block(x, padding_mask, kv_cache, document_ids)
+            x, aux = block(x, padding_mask, kv_cache, document_ids, batch=batch)
             if aux is not None:
                 records.append(aux)
         return x, records

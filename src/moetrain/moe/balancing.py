@@ -39,7 +39,3 @@ def expert_bias_delta(counts: torch.Tensor, rate: float) -> torch.Tensor:
     counts = counts.float()
     return rate * torch.sign(counts.mean(dim=-1, keepdim=True) - counts)
 
-
-def stack_counts(counts: list[torch.Tensor]) -> torch.Tensor:
-    """One [E] count tensor per MoE layer -> [L, E] fp32 (the shape a :data:`CountReducer` receives)."""
-    return torch.stack([c.float() for c in counts]) if counts else torch.zeros(0, 0)

@@ -145,7 +145,7 @@ class LocalDispatcher(Dispatcher):
         if meta.dropless:
             return combine_rows(expert_out, meta.rows, meta.topk_weights, meta.token_ids)
         t, k = meta.kept.shape
-        picked = expert_out[meta.rows.reshape(-1)].reshape(t, k, -1)  # [T, K, D]
+        picked = expert_out[meta.rows.reshape(-1)].reshape(t, k, expert_out.shape[-1])  # [T, K, D]; T may be 0
         acc = torch.promote_types(expert_out.dtype, torch.float32)
         picked = torch.where(meta.kept[..., None], picked.to(acc), 0.0)
         return (picked * meta.topk_weights[..., None].to(acc)).sum(dim=1).to(expert_out.dtype)

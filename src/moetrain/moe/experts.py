@@ -1,4 +1,5 @@
-"""Routed experts: E FFNs stored as 3-D tensors, computed by grouped GEMM, padded batched GEMM or a reference loop.
+"""Routed experts: E FFNs stored as 3-D tensors, computed by one of four named backends (fused, grouped GEMM, padded
+batched GEMM, the reference loop).
 
 Legend: R = dispatched rows (grouped by expert), D = hidden, E = experts, F = expert FFN hidden, C = capacity.
 
@@ -7,26 +8,34 @@ first) and ``down_proj`` [E, D, F], expert e computing ``down_e(silu(gate_e x) *
 classic two-matrix FFN) hold ``up_proj`` [E, F, D] and ``down_proj`` [E, D, F], computing ``down_e(gelu(up_e x))``
 with the exact (erf) GELU and no biases.
 
-Every backend has the signature ``fn(x [R, D], w_in, w_out, tokens_per_expert [E], activation) -> [R, D]``: rows
-of expert e follow those of expert e - 1, and rows after the last expert's are ignored (their output is
-unspecified; the dispatcher never reads them).
+Four named backends (:data:`BACKENDS`, chosen by ``model.execution.moe_backend``), each an :class:`ExpertBackend`
+tested against the loop by one conformance suite (tests/test_moe_backends.py: outputs, gradients, idle experts,
+capacity, bf16). Every backend computes ``fn(x [R, D], w_in, w_out, tokens_per_expert [E], activation) -> [R, D]``
+on rows a dispatcher laid out: rows of expert e follow those of expert e - 1, and rows after the last expert's are
+ignored (their output is unspecified; the dispatcher never reads them). Figures: ``moetrain bench moe --grid readme``
+in docs/performance.md, 2026-11-30, 2-core CPU, forward + backward time relative to a dense SwiGLU with the same
+active FLOPs, fp32 / bf16, E = 8-128:
 
-Four backends, each kept for what it alone does (figures: ``moetrain bench moe --grid readme`` in
-docs/performance.md, 2026-11-30, 2-core CPU, forward + backward time relative to a dense SwiGLU with the same active
-FLOPs, fp32 / bf16, E = 8-128):
-
-- ``fused`` (moe/fast_moe.py): the default and the fastest on CPU, 0.90-1.41x dense.
+- ``fused`` (moe/fast_moe.py): the default and the fastest on CPU, 0.90-1.41x dense. The only backend with a
+  ``fused`` form: dropless on one device, dispatch + experts + combine as one autograd Function.
 - ``grouped_mm`` (:func:`grouped_experts`): stock autograd around one grouped GEMM per projection, no host sync;
   1.28-4.39x dense on CPU (still ahead of transformers' own experts, 1.25-7.17x). Kept as the no-sync path and the
   experts ``moetrain.hf.accelerate`` puts into transformers models.
 - ``padded`` (:func:`padded_experts`): capacity buffers [E, C, D] and batched matmuls (GShard / Switch), the only
   path with static shapes (``pad_to_capacity``); not measured faster, kept for static shapes.
 - ``loop`` (:func:`loop_experts`): one pair of dense matmuls per expert, the reference every other path is tested
-  against (tests/test_perf_experts.py, tests/test_moe_backends.py, tests/test_dispatcher_conformance.py).
+  against (tests/test_moe_backends.py, tests/test_perf_experts.py, tests/test_dispatcher_conformance.py).
+
+Weights are arguments, not module state, in every backend: :meth:`RoutedExperts.forward` passes its own parameters
+unless it is handed ``weights=(w_in, w_out)`` by a weight provider (int8 copies dequantised, experts paged in from
+disk). Experts with no rows may be left out of both the weights and ``tokens_per_expert`` (the rows' layout is the
+same), so a provider need only materialise the experts a step uses.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -35,7 +44,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from moetrain.moe.expert_ops import ACTIVATIONS, activate, compute_dtype, grouped_mm_aligned
-from moetrain.moe.fast_moe import fused_experts
+from moetrain.moe.fast_moe import fused_experts, fused_moe
 from moetrain.moe.weight_init import DEFAULT_STD, initialise_now
 
 
@@ -151,19 +160,35 @@ def loop_experts(
     return torch.cat(outs, dim=0)
 
 
-def grouped_swiglu(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
-                   tokens_per_expert: torch.Tensor) -> torch.Tensor:
-    """:func:`grouped_experts` with SwiGLU (``gate_up_proj`` [E, 2F, D], ``down_proj`` [E, D, F])."""
-    return grouped_experts(x, gate_up_proj, down_proj, tokens_per_expert, "swiglu")
+@dataclass(frozen=True)
+class ExpertBackend:
+    """One named way to compute the routed experts (see the module docstring).
+
+    Attributes:
+        name: the ``model.execution.moe_backend`` value.
+        experts: ``fn(x [R, D], w_in [E, I, D], w_out [E, D, F], tokens_per_expert [E], activation) -> [R, D]`` on
+            rows a dispatcher laid out (``recompute=`` as a keyword too when :attr:`recomputes`).
+        fused: ``fn(tokens [T, D], topk_ids [T, K], topk_weights [T, K], w_in, w_out, activation, *, recompute)
+            -> [T, D]``, dropless dispatch + experts + combine on one device as one step; ``None`` when the backend
+            has no such form (the layer then dispatches, runs :attr:`experts` and combines).
+        capacity_layout: needs the capacity layout (C rows per expert), dropless too.
+        recomputes: :attr:`experts` and :attr:`fused` recompute themselves when asked; the others run under
+            ``torch.utils.checkpoint``.
+    """
+
+    name: str
+    experts: Callable[..., torch.Tensor]
+    fused: Callable[..., torch.Tensor] | None = None
+    capacity_layout: bool = False
+    recomputes: bool = False
 
 
-def loop_swiglu(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
-                tokens_per_expert: torch.Tensor) -> torch.Tensor:
-    """:func:`loop_experts` with SwiGLU (``gate_up_proj`` [E, 2F, D], ``down_proj`` [E, D, F])."""
-    return loop_experts(x, gate_up_proj, down_proj, tokens_per_expert, "swiglu")
-
-
-BACKENDS = {"grouped_mm": grouped_experts, "padded": padded_experts, "loop": loop_experts, "fused": fused_experts}
+BACKENDS = {b.name: b for b in (
+    ExpertBackend("fused", fused_experts, fused=fused_moe, recomputes=True),
+    ExpertBackend("grouped_mm", grouped_experts),
+    ExpertBackend("padded", padded_experts, capacity_layout=True),
+    ExpertBackend("loop", loop_experts),
+)}
 
 
 class RoutedExperts(nn.Module):
@@ -172,8 +197,8 @@ class RoutedExperts(nn.Module):
     Args:
         num_experts: E.  hidden: D.  ffn_hidden: F.
         activation: ``swiglu`` (``gate_up_proj``, ``down_proj``) or ``gelu`` (``up_proj``, ``down_proj``).
-        backend: ``grouped_mm``, ``padded``, ``loop`` or ``fused`` (moe/fast_moe.py; see :data:`BACKENDS` and the
-            module docstring).
+        backend: a name in :data:`BACKENDS` (``fused``, ``grouped_mm``, ``padded`` or ``loop``), kept as
+            :attr:`kernel`.
         recompute: keep none of the experts' intermediate activations for backward (``fused``: its Function saves
             not even the pre-activation; the others run under ``torch.utils.checkpoint``). Same outputs and
             gradients.
@@ -191,6 +216,7 @@ class RoutedExperts(nn.Module):
             raise ValueError(f"model.moe.experts.activation: unknown activation {activation!r}; choose one of "
                              f"{list(ACTIVATIONS)}")
         self.backend = backend
+        self.kernel = BACKENDS[backend]
         self.activation = activation
         self.recompute = recompute
         if activation == "swiglu":
@@ -219,12 +245,40 @@ class RoutedExperts(nn.Module):
         """Experts held by this module (E, or E / ep on an expert-parallel rank)."""
         return self.down_proj.shape[0]
 
-    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        """x: [R, D] grouped by expert, tokens_per_expert: [E] int64 -> [R, D] (compute dtype)."""
-        args = (x, self.w_in, self.down_proj, tokens_per_expert, self.activation)
-        if self.backend == "fused":  # recomputes inside its own Function when asked
-            return fused_experts(*args, recompute=self.recompute)
+    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor | None = None, *,
+                topk_ids: torch.Tensor | None = None, topk_weights: torch.Tensor | None = None,
+                weights: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """The routed experts, in one of two forms; activation checkpointing of this module covers both.
+
+        Args:
+            x: rows [R, D] grouped by expert (with ``tokens_per_expert``), or tokens [T, D] (with ``topk_ids`` and
+                ``topk_weights``: the backend's :attr:`ExpertBackend.fused` form, dropless on one device).
+            tokens_per_expert: [E] int64 rows per expert.
+            topk_ids: [T, K] int64 experts of each token.
+            topk_weights: [T, K] fp32 gating weights (differentiable).
+            weights: (w_in [E, I, D], w_out [E, D, F]) to use instead of this module's parameters (a weight
+                provider's; with rows, experts that have no rows may be left out of the weights and the counts).
+        Returns:
+            [R, D] expert outputs, or [T, D] combined outputs, in the compute dtype (the autocast dtype under
+            autocast, else the weights').
+        Raises:
+            ValueError: neither or both forms given, or the tokens form on a backend without one.
+        """
+        w_in, w_out = weights if weights is not None else (self.w_in, self.down_proj)
+        rows = tokens_per_expert is not None
+        if rows == (topk_ids is not None and topk_weights is not None):
+            raise ValueError("RoutedExperts: give either tokens_per_expert (rows) or topk_ids and topk_weights "
+                             "(tokens)")
+        kernel = self.kernel
+        if not rows:
+            if kernel.fused is None:
+                raise ValueError(f"RoutedExperts: the {kernel.name!r} backend has no fused (tokens) form; "
+                                 f"dispatch the rows and pass tokens_per_expert")
+            return kernel.fused(x, topk_ids, topk_weights, w_in, w_out, self.activation, recompute=self.recompute)
+        args = (x, w_in, w_out, tokens_per_expert, self.activation)
+        if kernel.recomputes:
+            return kernel.experts(*args, recompute=self.recompute)
         if self.recompute and torch.is_grad_enabled():
             # torch.utils.checkpoint returns Any
-            return cast(torch.Tensor, checkpoint(BACKENDS[self.backend], *args, use_reentrant=False))
-        return BACKENDS[self.backend](*args)
+            return cast(torch.Tensor, checkpoint(kernel.experts, *args, use_reentrant=False))
+        return kernel.experts(*args)

@@ -578,24 +578,24 @@ def fused_experts(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, toke
 
 
 class FusedLocalDispatcher(LocalDispatcher):
-    """The layer's single-device dispatcher for the ``fused`` backend: dropless, :meth:`forward` runs dispatch,
-    experts and combine as one autograd Function (:func:`fused_moe`, the CPU fast path; see the module docstring for
-    the measured figures). ``dispatch`` / ``combine`` are :class:`~moetrain.moe.dispatch.LocalDispatcher`'s, for the
-    capacity layouts (the experts then run :func:`fused_experts`).
+    """The layer's single-device dispatcher for a backend with a fused form (``fused``): dropless, :meth:`forward`
+    hands the tokens and their routing to the experts module, whose backend runs dispatch, experts and combine as
+    one autograd Function (:func:`fused_moe`, the CPU fast path; see the module docstring for the measured
+    figures). ``dispatch`` / ``combine`` are :class:`~moetrain.moe.dispatch.LocalDispatcher`'s, for the capacity
+    layouts (the experts then run :func:`fused_experts`).
     """
 
     fuses_experts = True
 
     def forward(self, tokens: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                 experts: RoutedExperts) -> torch.Tensor:
-        """Dropless dispatch -> experts -> combine in one Function.
+        """Dropless dispatch -> experts -> combine in one step, through ``experts``' own forward (so checkpointing
+        the experts module recomputes it).
 
         Args:
             tokens: [T, D].  topk_ids: [T, K] int64.  topk_weights: [T, K] fp32 (differentiable).
-            experts: the layer's routed experts (``w_in`` [E, I, D], ``down_proj`` [E, D, F], ``activation``,
-                ``recompute``).
+            experts: the layer's routed experts.
         Returns:
             [T, D] in the compute dtype (the caller casts it back to the tokens' dtype).
         """
-        return fused_moe(tokens, topk_ids, topk_weights, experts.w_in, experts.down_proj, experts.activation,
-                         recompute=experts.recompute)
+        return cast(torch.Tensor, experts(tokens, topk_ids=topk_ids, topk_weights=topk_weights))

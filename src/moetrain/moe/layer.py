@@ -3,8 +3,9 @@ explicit record of losses and counts.
 
 The layer is single-device code: every movement of tokens goes through its dispatcher
 (:class:`~moetrain.moe.dispatcher.Dispatcher`). The default is chosen from the backend when the layer is built
-(:func:`local_dispatcher`: the ``fused`` backend's dispatcher runs dispatch + experts + combine as one Function);
-expert parallelism attaches its own (``moetrain.parallel``) through :meth:`MoELayer.set_dispatcher`.
+(:func:`local_dispatcher`: the ``fused`` backend's hands tokens and routing to the experts module, which runs
+dispatch + experts + combine as one Function); expert parallelism attaches its own (``moetrain.parallel``) through
+:meth:`MoELayer.set_dispatcher`.
 
 Legend: B = batch, S = sequence, T = B * S tokens, D = hidden, E = experts, K = top-k, C = capacity.
 """
@@ -25,7 +26,7 @@ from moetrain.moe.capacity import capacity_keep, expert_capacity
 from moetrain.moe.config import MoEConfig
 from moetrain.moe.dispatch import LocalDispatcher
 from moetrain.moe.dispatcher import Dispatcher
-from moetrain.moe.experts import RoutedExperts
+from moetrain.moe.experts import BACKENDS, RoutedExperts
 from moetrain.moe.fast_moe import FusedLocalDispatcher
 from moetrain.moe.gate_smoothing import routing_entropy_deficit
 from moetrain.moe.losses import (
@@ -76,9 +77,19 @@ class MoEAux:
     entropy_loss: torch.Tensor | None = None
 
 
+RoutingHook = Callable[["MoELayer", torch.Tensor], tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]]
+"""An inference routing policy (serving's dynamic top-k, the int8 router: ``moetrain.serve.routing``): ``(layer,
+tokens [T, D]) -> (topk_ids [T, Kmax] int64, gating weights [T, Kmax] fp32, keep [T, Kmax] bool or None)``, in
+place of the layer's router and capacity; assignments with ``keep == False`` are dropped (never computed)."""
+
+ExpertProvider = Callable[["MoELayer", torch.Tensor, torch.Tensor], torch.Tensor]
+"""Routed experts computed from weights held outside the layer (serving's int8 experts, the hot/cold expert store):
+``(layer, rows [R, D] grouped by expert, tokens_per_expert [E] int64) -> [R, D]``, in place of ``layer.experts``."""
+
+
 class MoELayer(nn.Module):
     """Top-k MoE FFN: router (softmax or sigmoid, groups, expert bias), optional capacity, routed experts
-    (SwiGLU or GELU; grouped_mm, padded or loop backend), optional (gated) shared expert.
+    (SwiGLU or GELU; a named backend of moe/experts.py), optional (gated) shared expert.
 
     Parameter names follow transformers where they exist: ``router.weight`` [E, D] (HF ``gate.weight``),
     ``router.e_score_correction_bias`` [E], ``experts.gate_up_proj`` / ``experts.up_proj`` and
@@ -106,6 +117,7 @@ class MoELayer(nn.Module):
             if config.shared_expert.gate:
                 self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
         self.dispatcher: Dispatcher = local_dispatcher(config.num_experts, self.execution.moe_backend)
+        self.expert_provider: ExpertProvider | None = None
 
     def set_dispatcher(self, dispatcher: Dispatcher) -> None:
         """Attach a token dispatcher from outside (expert parallelism: ``moetrain.parallel``), keeping model code
@@ -119,32 +131,53 @@ class MoELayer(nn.Module):
             raise TypeError(f"set_dispatcher: {type(dispatcher).__name__} is not a moetrain.moe.dispatcher.Dispatcher")
         self.dispatcher = dispatcher
 
-    def forward(self, x: torch.Tensor, padding_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, MoEAux]:
+    def set_expert_provider(self, provider: ExpertProvider | None) -> None:
+        """Compute the routed experts with ``provider`` (see :data:`ExpertProvider`; ``None``: ``self.experts``).
+        Dispatch and combine stay the layer's dispatcher's."""
+        self.expert_provider = provider
+
+    def forward(self, x: torch.Tensor, padding_mask: torch.Tensor | None = None,
+                routing: RoutingHook | None = None) -> tuple[torch.Tensor, MoEAux | None]:
         """Args:
             x: [B, S, D] (or [T, D], one sequence).
             padding_mask: [B, S] (or [T]) True for real tokens. Dropless, padding is still routed and computed
                 (its output is discarded by the loss); with a capacity it is dropped and takes no slot. Padding
                 never counts in the losses or counts.
+            routing: an inference routing policy (:data:`RoutingHook`) in place of the router and the capacity;
+                then no record is made (the hook keeps what it needs).
         Returns:
-            (y with the shape and dtype of x, :class:`MoEAux`).
+            (y with the shape and dtype of x, :class:`MoEAux`, or ``None`` under ``routing``).
         Raises:
             ConfigError: capacity or the padded backend with a dispatcher that only supports dropless dispatch.
             ValueError: ``padding_mask`` does not hold one entry per token of ``x``.
         """
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])  # [T, D]
+        if routing is not None:
+            ids, weights, keep = routing(self, tokens)
+            return self._compute(tokens, ids, weights, keep, None).reshape(shape), None
         _check_padding_mask(padding_mask, shape)
-        routing = self.router(tokens)
-        keep, capacity, layout = self._capacity(routing, padding_mask)
-        if keep is None and layout is None and self.dispatcher.fuses_experts:
-            # dispatch -> experts -> combine as one autograd Function (moe/fast_moe.py)
-            y = self.dispatcher.forward(tokens, routing.topk_ids, routing.topk_weights, self.experts)
+        r = self.router(tokens)
+        keep, capacity, layout = self._capacity(r, padding_mask)
+        y = self._compute(tokens, r.topk_ids, r.topk_weights, keep, layout)
+        return y.reshape(shape), self._record(r, shape, padding_mask, keep, capacity)
+
+    def _compute(self, tokens: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, keep: torch.Tensor | None,
+                 layout: int | None) -> torch.Tensor:
+        """Routed experts (dispatch -> experts -> combine), expert dropout and the shared expert: [T, D] -> [T, D]
+        in the tokens' dtype."""
+        if keep is None and layout is None and self.dispatcher.fuses_experts and self.expert_provider is None:
+            # dispatch -> experts -> combine as one step of the experts module (moe/fast_moe.py)
+            y = self.dispatcher.forward(tokens, ids, weights, self.experts)
         else:
             rows, tokens_per_expert, meta = self.dispatcher.dispatch(
-                tokens, routing.topk_ids, routing.topk_weights, keep=keep, capacity=layout)  # [R, D]
-            expert_out = self.experts(rows, tokens_per_expert)  # [R, D]
+                tokens, ids, weights, keep=keep, capacity=layout)  # [R, D]
+            if self.expert_provider is None:
+                expert_out = self.experts(rows, tokens_per_expert)  # [R, D]
+            else:
+                expert_out = self.expert_provider(self, rows, tokens_per_expert)
             y = self.dispatcher.combine(expert_out, meta)  # [T, D]
-        y = y.to(x.dtype)
+        y = y.to(tokens.dtype)
         if self.config.experts.dropout > 0:
             y = F.dropout(y, self.config.experts.dropout, self.training)
         if self.shared_expert is not None:
@@ -152,7 +185,7 @@ class MoELayer(nn.Module):
             if self.shared_expert_gate is not None:
                 shared = torch.sigmoid(self.shared_expert_gate(tokens)) * shared
             y = y + shared.to(y.dtype)
-        return y.reshape(shape), self._record(routing, shape, padding_mask, keep, capacity)
+        return y
 
     def _capacity(self, routing: Routing, padding_mask: torch.Tensor | None
                   ) -> tuple[torch.Tensor | None, int | None, int | None]:
@@ -170,9 +203,9 @@ class MoELayer(nn.Module):
             valid = None if padding_mask is None else padding_mask.reshape(-1).to(device=ids.device, dtype=torch.bool)
             capacity = expert_capacity(ids.shape[0], c.top_k, c.num_experts, factor, c.capacity.min_capacity)
             keep = capacity_keep(ids, routing.topk_weights, c.num_experts, capacity, c.capacity.drop_policy, valid)
-            if c.capacity.pad_to_capacity or backend == "padded":
+            if c.capacity.pad_to_capacity or self.experts.kernel.capacity_layout:
                 layout = capacity
-        elif backend == "padded":
+        elif self.experts.kernel.capacity_layout:
             # Dropless capacity buffers must fit the busiest expert: one host sync (the price of this backend).
             layout = max(int(expert_counts(ids, c.num_experts).max()), 1)
         if (keep is not None or layout is not None) and not self.dispatcher.supports_capacity:
@@ -222,9 +255,10 @@ class MoELayer(nn.Module):
 
 def local_dispatcher(num_experts: int, backend: str) -> Dispatcher:
     """The single-device dispatcher a layer starts with: :class:`~moetrain.moe.fast_moe.FusedLocalDispatcher` for
-    the ``fused`` backend (dropless: dispatch + experts + combine as one Function), else
-    :class:`~moetrain.moe.dispatch.LocalDispatcher` (the reference)."""
-    return FusedLocalDispatcher(num_experts) if backend == "fused" else LocalDispatcher(num_experts)
+    a backend with a fused form (``fused``: dropless dispatch + experts + combine as one Function, run through the
+    experts module), else :class:`~moetrain.moe.dispatch.LocalDispatcher` (the reference)."""
+    fused = BACKENDS[backend].fused is not None
+    return FusedLocalDispatcher(num_experts) if fused else LocalDispatcher(num_experts)
 
 
 def _check_padding_mask(padding_mask: torch.Tensor | None, shape: torch.Size) -> None:

@@ -8,8 +8,8 @@ Modes (``parallel.activation_checkpoint``):
   alive at a time. With expert parallelism the recompute repeats the block's all-to-alls (as in torchtitan).
 - ``selective``: the attention module and the routed-experts module of each block are recomputed; norms, router
   and dispatch metadata are kept. With BTA (``bta_tiles > 1``) attention tiles are already recomputed
-  (model/bta.py), so only the experts are added. The fused CPU MoE path computes experts inside one Function and
-  never calls the experts module; its own recompute switch is ``model.execution.recompute_experts``.
+  (model/bta.py), so only the experts are added. Every expert backend runs inside the experts module, the fused
+  one's dispatch + experts + combine included (moe/experts.py), so this covers them all.
 
 Random numbers (router jitter) are replayed (``preserve_rng_state``), so the recompute routes identically and the
 gradients equal those without checkpointing up to summation order.

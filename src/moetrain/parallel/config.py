@@ -1,7 +1,8 @@
 """Configuration of expert/data parallelism (the ``parallel`` section of the run config).
 
 No process groups or devices live here (they come from the ``torchrun`` environment at launch): the data-parallel
-size is derived, ``dp = WORLD_SIZE // ep``, and checked in :func:`moetrain.parallel.mesh.init_distributed`.
+size is derived, ``dp_replicate = WORLD_SIZE / (pp * dp_shard * ep)``, and checked by
+:meth:`moetrain.parallel.layout.Layout.from_config`.
 """
 
 from __future__ import annotations
@@ -32,11 +33,10 @@ class ParallelConfig:
             ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` unless the environment sets it, see
             :func:`moetrain.parallel.mesh.nccl_error_handling`).
         backend: ``auto`` (NCCL on CUDA, gloo on CPU), ``gloo`` or ``nccl``.
-        pp: pipeline-parallel size (stages of the block stack, ``torch.distributed.pipelining``); ``pp > 1`` or
-            ``dp_shard > 1`` selects the FSDP2 engine (``moetrain.parallel.fsdp``).
+        pp: pipeline-parallel size (stages of the block stack, ``torch.distributed.pipelining``).
         dp_shard: FSDP2 sharding degree: non-expert parameters, gradients and AdamW state are sharded over the
             ``dp_shard x ep`` ranks of a stage, expert shards over the ``dp_shard`` ranks that replicate them.
-            1 with ``pp == 1``: the plain data-parallel path (replicated weights, all-reduced gradients).
+            1 with ``ep == 1``: plain data parallelism (replicated weights, gradients all-reduced in backward).
         dp_replicate: replicas of the sharded group (HSDP); 0 = the rest, ``WORLD_SIZE / (pp * dp_shard * ep)``.
             World layout: ``WORLD_SIZE = pp * dp_replicate * dp_shard * ep`` (EP borrowed from data parallelism:
             every rank of a stage reads its own rows of the batch).
@@ -54,11 +54,13 @@ class ParallelConfig:
             DualPipe; without a registered overlap callback its forward / backward pairs run one after the other);
             both need ``reshard_after_forward = false``.
         pp_stages_per_rank: pipeline stages (virtual stages) per rank.
-        meta_init: build the model on the meta device and materialise only this rank's shards, initialised from
-            global indices (always on in the FSDP2 engine; also selectable for a single process, for comparison).
-        fsdp: the engine: ``auto`` (FSDP2 when ``dp_shard > 1`` or ``pp > 1``), ``on`` (FSDP2 even when
-            ``dp_shard == 1``: non-expert parameters are then still sharded over the ``ep`` ranks of a replica, as
-            the planner's layouts assume), ``off`` (the plain data-parallel path; needs ``dp_shard == pp == 1``).
+        meta_init: deprecated and ignored (accepted so that older run directories' configs still load): every
+            layout, one process included, builds on the meta device and initialises from global indices
+            (:mod:`moetrain.parallel.meta_init`).
+        fsdp: accepted for older configs and ignored (``off`` still needs ``dp_shard == pp == 1``): every
+            ``torchrun`` job runs on FSDP2 (:mod:`moetrain.parallel.engine`); with ``dp_shard == 1`` the
+            non-expert parameters are sharded over the ``ep`` ranks of a replica (none with ``ep == 1``: plain
+            data parallelism, gradients all-reduced over the replicas).
     """
 
     ep: int = 1
@@ -97,8 +99,3 @@ class ParallelConfig:
                 "torchtitan's default with pipelining)")
         require(self.fsdp != "off" or (self.dp_shard == 1 and self.pp == 1), "fsdp",
                 f"'off' (plain data parallel) cannot shard or pipeline; got dp_shard={self.dp_shard}, pp={self.pp}")
-
-    @property
-    def sharded(self) -> bool:
-        """Whether this layout runs on the FSDP2 engine (sharding or pipelining) rather than plain data parallel."""
-        return self.fsdp == "on" or (self.fsdp == "auto" and (self.dp_shard > 1 or self.pp > 1))

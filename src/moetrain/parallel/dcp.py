@@ -52,8 +52,10 @@ from torch.futures import Future
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from moetrain.errors import CheckpointError
+from moetrain.model.config import ModelConfig
 from moetrain.parallel.comm import named_collective
 from moetrain.parallel.mesh import ParallelMesh, single_process
+from moetrain.parallel.meta_init import saved_name
 from moetrain.parallel.sharding import ExpertShard
 from moetrain.train.checkpoint import CorruptCheckpoint, LoadedCheckpoint
 
@@ -137,7 +139,11 @@ class ShardLayout:
 
 
 def _param_names(model: nn.Module) -> dict[torch.Tensor, str]:
-    # Keyed by Tensor (the parameters): it is indexed with the keys of ``optimizer.state`` (typed Tensor).
+    # Keyed by Tensor (the parameters): it is indexed with the keys of ``optimizer.state`` (typed Tensor). A
+    # pipeline's last-stage copy of a tied embedding goes by the embedding's name (meta_init.saved_name).
+    config = getattr(model, "config", None)
+    if isinstance(config, ModelConfig):
+        return {p: saved_name(config, name) for name, p in model.named_parameters()}
     return {p: name for name, p in model.named_parameters()}
 
 
@@ -533,6 +539,9 @@ def load_full(tensors: dict[str, torch.Tensor], optimizer_state: dict[str, Any] 
         materialise_optimizer_state(optimizer)
     state = _state_dict(model, optimizer, layout)
     flat: dict[str, Any] = {f"model.{k}": v for k, v in tensors.items()}
+    config = getattr(model, "config", None)
+    if isinstance(config, ModelConfig) and config.tie_embeddings and "embed_tokens.weight" in tensors:
+        flat.setdefault("model.lm_head.weight", tensors["embed_tokens.weight"])  # a pipeline's last-stage copy
     held = model.state_dict(keep_vars=True)
     first = {id(v): k for k, v in reversed(held.items())}  # a tied tensor: the name it is saved under
     for name in [k for k in state["model"] if k not in tensors and first[id(held[k])] != k]:

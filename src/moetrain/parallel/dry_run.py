@@ -2,10 +2,10 @@
 group, data or memory (the model is built on the meta device).
 
 What it checks, each failure one line naming the field: the mesh sizes multiply to N (:class:`.layout.Layout`), ``ep``
-divides the experts, the pipeline has at least one block per stage, tied embeddings and the pooled aux loss are not
-split over pipeline stages, document packing is not asked of several ranks, the micro-batch splits over the
-data-parallel ranks and into the BTA tiles. What it prints: the mesh (the plain data-parallel path, ``dp_shard = pp =
-1`` without ``fsdp=on``, replicates the non-expert weights), the stages with their blocks (balanced by the cost model:
+divides the experts, the pipeline has at least one block per stage, tied embeddings are not asked of a V-shaped
+schedule (both ends on one rank) and the pooled aux loss is not split over pipeline stages, document packing is not asked of several ranks, the micro-batch splits over the
+data-parallel ranks and into the BTA tiles. What it prints: the mesh (FSDP2 in every layout: non-expert weights
+sharded over the ``dp_shard x ep`` ranks of a replica), the stages with their blocks (balanced by the cost model:
 :func:`.pipeline.stage_blocks`), this layout's per-rank bytes of parameters + gradients + AdamW state counted from the
 meta model's shapes (with FSDP2's row padding), next to the planner's figure for the same stages, and the whole
 model's AdamW groups as the trainer builds them (:func:`moetrain.train.param_groups.param_groups`): tensors,
@@ -22,7 +22,7 @@ import torch
 from moetrain.data.loader import check_packing
 from moetrain.errors import ConfigError
 from moetrain.parallel.layout import Layout
-from moetrain.parallel.pipeline import check_losses, rank_stages, stage_blocks
+from moetrain.parallel.pipeline import V_SCHEDULES, check_losses, rank_stages, stage_blocks
 
 if TYPE_CHECKING:
     from moetrain.config import Config
@@ -51,9 +51,10 @@ def check(config: Config, world: int) -> tuple[Layout, list[range]]:
     p, m, t = config.parallel, config.model, config.train
     layout = Layout.from_config(p, world)
     stages = stage_blocks(m, layout.pp * p.pp_stages_per_rank, config.data.seq_len, p.activation_checkpoint)
-    if layout.pp > 1 and m.tie_embeddings:
-        raise ConfigError("model.tie_embeddings: the embedding (first stage) and the LM head (last stage) cannot "
-                          f"share a weight across parallel.pp={layout.pp} pipeline stages; set it to false")
+    if layout.pp > 1 and m.tie_embeddings and p.pp_schedule in V_SCHEDULES:
+        raise ConfigError(f"model.tie_embeddings: parallel.pp_schedule='{p.pp_schedule}' places the embedding and "
+                          "the LM head on the same rank in two stages, which cannot share a weight; set it to false "
+                          "or use pp_schedule 1f1b, interleaved_1f1b or gpipe")
     if layout.pp > 1:
         check_losses(m)
     check_packing(config.data.packing, world)
@@ -84,7 +85,6 @@ def dry_run(config: Config, world: int) -> DryRun:
     layout, stages = check(config, world)
     from moetrain.parallel.memory import memory_lines, stage_elements
 
-    plain = not config.parallel.sharded  # the plain data-parallel path: non-expert weights replicated on every rank
     model = build_meta(config.model)  # shapes only: no memory
     per_stage = [sharded for sharded, _ in stage_elements(model, config, layout, stages)]
     held = [rank_stages(r, layout.pp, config.parallel.pp_stages_per_rank, config.parallel.pp_schedule)
@@ -93,16 +93,12 @@ def dry_run(config: Config, world: int) -> DryRun:
     shape = ModelShape.from_config(config.model)
     planner = sharded_params(count_params(shape), shape.n_layers, layout.ep, layout.pp, layout.dp_shard,
                              placements(stages, held))
-    mesh_line = layout.describe() if not plain else (
-        f"mesh dp {layout.dp_replicate} x ep {layout.ep} = {world} ranks, plain data parallel (parallel.fsdp="
-        f"{config.parallel.fsdp!r}, dp_shard 1, pp 1): non-expert parameters replicated on every rank, experts "
-        f"split over ep; {layout.data_parallel} data-parallel ranks")
-    lines = [mesh_line,
+    lines = [layout.describe(),
              "stages: " + ", ".join(f"{i}: blocks {b.start}-{b.stop - 1}" + (" + embedding" if i == 0 else "")
                                     + (" + norm + LM head" if i == len(stages) - 1 else "")
                                     for i, b in enumerate(stages)),
              f"per rank: {per_rank * STATE_BYTES / 1e9:.2f} GB of fp32 parameters + gradients + AdamW state "
-             f"({per_rank / 1e6:.1f}M parameters; planner{' (FSDP2, fsdp=on)' if plain else ''}: "
+             f"({per_rank / 1e6:.1f}M parameters; planner: "
              f"{planner * STATE_BYTES / 1e9:.2f} GB)",
              *memory_lines(config, world, model),
              *optimizer_lines(model, config)]

@@ -1,10 +1,9 @@
-"""The trainer's hooks for the FSDP2 engine (``parallel.dp_shard > 1`` or ``parallel.pp > 1``): the
-``pp x dp_replicate x dp_shard x ep`` mesh (:mod:`.layout`), expert slicing and dispatchers, activation
-checkpointing (:mod:`.ac`), FSDP2 (:mod:`.fsdp`); the same interface as :class:`~.launch.ParallelHooks`.
+"""The trainer's hooks for every ``torchrun`` job: the ``pp x dp_replicate x dp_shard x ep`` mesh (:mod:`.layout`),
+expert slicing and dispatchers, activation checkpointing (:mod:`.ac`), FSDP2 (:mod:`.fsdp`), pipeline stages
+(:mod:`.pipeline_runner`); the interface of :class:`~.launch.ParallelHooks`, the one-process hooks.
 
-What differs from the plain data-parallel hooks:
-
-- gradients are reduce-scattered by FSDP2 during backward (no all-reduce after it); ``sync_grads`` only clips
+- gradients are reduced by FSDP2 during backward (reduce-scattered over the shards, all-reduced over the
+  replicas: plain data parallelism is ``dp_replicate`` with one shard); ``sync_grads`` only clips
   (:func:`.fsdp.clip_grad_norm`);
 - counts and losses are reduced over the data-parallel ranks of a pipeline stage (``stage_group``), not the world:
   the stages hold different layers;
@@ -141,8 +140,7 @@ class ShardedHooks(ParallelHooks):
         self.grad_accum, self.micro_shape = grad_accum, micro_shape
         self.runner: PipelineRunner | None = None
 
-    def build_model(self, config: ModelConfig, device: torch.device, seed: int = 0, meta_init: bool = False
-                    ) -> nn.Module:
+    def build_model(self, config: ModelConfig, device: torch.device, seed: int = 0) -> nn.Module:
         """The whole model on the meta device (no memory): :meth:`prepare_model` materialises this rank's
         shards only."""
         return build_meta(config)
@@ -170,8 +168,10 @@ class ShardedHooks(ParallelHooks):
         self.model = model
         if log is not None:
             held = local_bytes(model)["params"]
-            log(f"parallel: {lm.layout.describe()}; FSDP2 "
-                f"{'ZeRO-3' if self.parallel.reshard_after_forward else 'ZeRO-2'}, activation checkpointing "
+            zero = "ZeRO-3" if self.parallel.reshard_after_forward else "ZeRO-2"
+            if lm.layout.dp_shard * lm.layout.ep == 1:
+                zero = "replicas only (plain data parallel: one unit, gradients all-reduced in backward)"
+            log(f"parallel: {lm.layout.describe()}; FSDP2 {zero}, activation checkpointing "
                 f"{self.parallel.activation_checkpoint}; rank 0 holds {held / 1e6:.2f} MB of parameters")
         return model
 
@@ -290,7 +290,7 @@ class ShardedHooks(ParallelHooks):
 
 def start_sharded(config: Config, device_type: str) -> ShardedHooks:
     """Join the ``torchrun`` job (or stay one process) and build the FSDP2 engine's mesh; the mesh line is
-    printed by rank 0.
+    rank 0's, once (:meth:`ShardedHooks.prepare_model`'s log).
 
     Raises:
         ConfigError: the world size does not fit ``pp * dp_replicate * dp_shard * ep``, NCCL on a CPU run.
@@ -320,9 +320,7 @@ def start_sharded(config: Config, device_type: str) -> ShardedHooks:
             dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None,
                                     **rendezvous.init_kwargs(timeout))
         owns = True
-    mesh = build_layout_mesh(layout, p.timeout_s, device)
-    if mesh.rank == 0:
-        print(f"parallel: {layout.describe()}", flush=True)
+    mesh = build_layout_mesh(layout, p.timeout_s, device)  # the mesh line is prepare_model's log (rank 0's)
     micro = (config.train.batch_size // layout.data_parallel, config.data.seq_len)
     return ShardedHooks(mesh, p, config.train.dtype, config.train.seed, owns_group=owns,
                         grad_accum=config.train.grad_accum, micro_shape=micro)

@@ -16,6 +16,10 @@ Units, innermost first (each ``fully_shard`` call is one all-gather / reduce-sca
   of a replica);
 - the embedding, the final norm + LM head (one unit; one unit with the embedding when they are tied), the root.
 
+With one shard per replica (``dp_shard * ep == 1``: plain data parallelism, or a pipeline stage without data
+parallelism) nothing is gathered: the embedding, every block, the norm and the head form one unit (the routers
+apart under bf16), so the gradients are all-reduced over the replicas once per step.
+
 ``reshard_after_forward=True`` is ZeRO-3 (parameters all-gathered again in backward); ``False`` is ZeRO-2
 (parameters stay gathered between forward and backward; gradients and AdamW state sharded). With bf16, parameters
 are all-gathered and computed in bf16 and gradients reduced in fp32 into fp32 sharded master weights.
@@ -82,8 +86,17 @@ def apply_fsdp(model: nn.Module, mesh: LayoutMesh, dtype: str = "fp32", reshard_
                     shard_placement_fn=placement)
 
     dense, ep, expert_units = mesh.dense_mesh, mesh.layout.ep, set()
+    # Plain data parallelism (one shard per replica): nothing is gathered, so per-block units would only split the
+    # gradient all-reduce into many small ones (measured 0.58x the tokens/s of one all-reduce on the tiny model,
+    # 2 gloo ranks): one unit of every module (its hooks on each, so the routing pre-pass, which skips the root's
+    # forward, still finds the weights), the routers apart for their fp32 policy under bf16.
+    replicate_only = mesh.layout.dp_shard * ep == 1
     for block in stage_blocks(model):
         placement = None
+        if replicate_only:
+            if block.is_moe and dtype == "bf16":
+                shard(cast(nn.Module, cast(MoELayer, block.ffn).router), dense, reshard=False, mp=router_policy)
+            continue
         if block.is_moe:
             layer = cast(MoELayer, block.ffn)
             experts = cast(nn.Module, layer.experts)
@@ -97,7 +110,9 @@ def apply_fsdp(model: nn.Module, mesh: LayoutMesh, dtype: str = "fp32", reshard_
             shard(cast(nn.Module, layer.router), dense, mp=router_policy)
         shard(block, dense, placement=placement)
     embed, norm, head = (cast(nn.Module | None, getattr(model, n, None)) for n in ("embed_tokens", "norm", "lm_head"))
-    if embed is not None and head is not None and head.weight is embed.weight:  # tied: one unit
+    if replicate_only:
+        shard([m for m in (embed, *stage_blocks(model), norm, head) if m is not None], dense, reshard=False)
+    elif embed is not None and head is not None and head.weight is embed.weight:  # tied: one unit
         shard([m for m in (embed, norm, head) if m is not None], dense)
     else:
         if embed is not None:
@@ -144,29 +159,26 @@ def expert_placement(experts: nn.Module, local_experts: int, shards: int) -> Pla
     return place
 
 
-def set_gradient_sync(model: nn.Module, sync: bool) -> None:
-    """Reduce-scatter gradients at the end of this backward (``True``) or keep accumulating unreduced gradients
-    (``False``: the first micro-batches of a gradient-accumulation step; costs one unsharded gradient copy)."""
-    if isinstance(model, FSDPModule):
-        model.set_requires_gradient_sync(sync)
-
-
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
 @torch.no_grad()
-def clip_grad_norm(model: nn.Module, mesh: LayoutMesh, max_norm: float) -> torch.Tensor:
+def clip_grad_norm(model: nn.Module, mesh: LayoutMesh, max_norm: float,
+                   counted_elsewhere: nn.Parameter | None = None) -> torch.Tensor:
     """Clip the sharded gradients to ``max_norm`` by their global L2 norm and return it (fp32 scalar), as
     ``torch.nn.utils.clip_grad_norm_`` on one process: coefficient ``max_norm / (norm + 1e-6)`` capped at 1.
 
     Every rank sums the squares of its local shards; a shard is held by the R replicas, so the sum is divided by R
     before one all-reduce over the whole world (stages hold different parameters, so pipeline stages add up).
+    ``counted_elsewhere`` (the last stage's copy of a tied embedding, whose gradient equals the first stage's) is
+    clipped but left out of the sum, so the shared weight counts once, as in one process.
     """
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     sq = torch.zeros((), dtype=torch.float32, device=mesh.device)
-    for g in grads:
-        sq += _local(g).detach().float().pow(2).sum()
+    for p in model.parameters():
+        if p.grad is not None and p is not counted_elsewhere:
+            sq += _local(p.grad).detach().float().pow(2).sum()
     sq /= mesh.layout.dp_replicate
     if mesh.distributed:
         with named_collective("all_reduce (squared gradient norm, all ranks)"):

@@ -1,19 +1,22 @@
-"""Distributed training: join the ``torchrun`` job, build the DP x EP mesh, shard the experts, attach the
-dispatchers, and hand the trainer the hooks that make N ranks train exactly like one process on the same global
-batch.
+"""Distributed training: the trainer's hooks, and :func:`start`, which picks them from ``torchrun``'s world.
 
-    torchrun --nproc_per_node 4 -m moetrain train --preset tiny parallel.ep=2      # dp = 4 / 2 = 2
+    torchrun --nproc_per_node 4 -m moetrain train --preset tiny parallel.ep=2      # 2 replicas x ep 2
+
+Every ``torchrun`` job (``WORLD_SIZE > 1``) runs on one engine, FSDP2 on a ``pp x dp_replicate x dp_shard x ep``
+``DeviceMesh`` (:class:`moetrain.parallel.engine.ShardedHooks`): plain data parallelism is its ``dp_replicate``
+dimension (FSDP2 with one shard: gradients all-reduced during backward), ZeRO its ``dp_shard``, expert parallelism
+its ``ep`` (expert slices and an all-to-all dispatcher), pipelining on top. One process runs the
+:class:`ParallelHooks` here, whose hooks are the identity; they are also the engine's base (data preparation on
+rank 0, the shared stop and alarm decisions, the token-exchange counters).
 
 What the hooks do (each is a collective where it says so; every rank calls it at the same point):
 
-- ``prepare_model``: shard the experts (each EP rank keeps E / ep) and attach the all-to-all (or all-gather)
-  dispatcher to every MoE layer;
-- ``local_batch``: every rank draws the same global micro-batch and keeps its own ``batch_size / world`` rows,
-  so the data order (and a resumed sampler) is that of one process;
-- ``count_reducer``: expert counts summed over all ranks (global-batch aux loss, aux-loss-free bias update);
-- ``sync_grads``: gradients averaged as one process would have computed them, then clipped by the global norm
-  (:mod:`moetrain.parallel.grads`);
-- ``reduce_mean``: the step's losses averaged over ranks (what is logged, and what the non-finite check sees);
+- ``build_model``: the model, initialised from global indices (the same weights in every layout);
+- ``prepare_model``: shard the experts and attach the dispatchers, activation checkpointing, FSDP2;
+- ``local_batch``: every rank draws the same global micro-batch and keeps its own rows, so the data order (and a
+  resumed sampler) is that of one process;
+- ``train_step`` / ``evaluate``: one optimizer step (:func:`moetrain.train.step.train_step`, or the pipeline
+  schedule), the validation loss;
 - ``step_metrics``: per-rank tokens received and bytes sent by the token exchange, per step (rank 0 logs them);
 - ``layout``: the mesh and expert shards that :class:`~moetrain.train.checkpointer.Checkpointer` saves and
   loads through (:mod:`moetrain.parallel.dcp`).
@@ -39,9 +42,8 @@ from moetrain.parallel.all_gather import AllGatherDispatcher
 from moetrain.parallel.all_to_all import AllToAllDispatcher
 from moetrain.parallel.comm import CommStats, named_collective
 from moetrain.parallel.dcp import ShardLayout
-from moetrain.parallel.grads import all_reduce_mean, clip_grad_norm, sync_gradients
 from moetrain.parallel.layout import Layout
-from moetrain.parallel.mesh import ParallelMesh, init_distributed, single_process
+from moetrain.parallel.mesh import ParallelMesh, single_process
 from moetrain.parallel.sharding import ExpertShard, moe_layers, shard_experts
 
 if TYPE_CHECKING:  # imported where used at run time (train/ imports this module)
@@ -132,56 +134,27 @@ class ParallelHooks:
         return self.mesh.distributed
 
     # -- model and data ---------------------------------------------------------------------------------------
-    def build_model(self, config: ModelConfig, device: torch.device, seed: int = 0, meta_init: bool = False
-                    ) -> nn.Module:
-        """The whole model on ``device``: initialised by ``MoETransformer.reset_parameters``, or with
-        ``meta_init`` (``parallel.meta_init``) by the per-index initialisation of the sharded engine
-        (:mod:`moetrain.parallel.meta_init`), so that one process starts from the weights an FSDP2 / pipeline
-        job starts from. :class:`~moetrain.parallel.engine.ShardedHooks` builds on the meta device instead."""
-        from moetrain.model.transformer import MoETransformer
+    def build_model(self, config: ModelConfig, device: torch.device, seed: int = 0) -> nn.Module:
+        """The whole model on ``device``, initialised from global indices and ``seed`` (``train.seed``;
+        :mod:`moetrain.parallel.meta_init`): the weights every layout starts from. Built on the meta device first,
+        so no value is drawn twice. :class:`~moetrain.parallel.engine.ShardedHooks` keeps it on the meta device
+        and materialises this rank's shards only."""
+        from moetrain.parallel.meta_init import build_meta, materialise
 
-        model = MoETransformer(config).to(device)
-        if meta_init:
-            from moetrain.parallel.meta_init import init_parameters
-
-            init_parameters(model, config, seed)
-        return model
+        return materialise(build_meta(config), config, device, seed)
 
     def prepare_model(self, model: nn.Module, log: Callable[[str], None] | None = None) -> nn.Module:
-        """Shard the experts, attach the dispatchers and activation checkpointing (call before building the
-        optimizer); ``log`` gets one line describing the mesh when distributed."""
+        """Shard the experts over ``mesh.ep`` ranks and attach their dispatchers (none in one process), then
+        activation checkpointing (call before building the optimizer)."""
         self.plan = parallelize(model, self.mesh, self.dispatcher, self.stats)
         activation_checkpointing.apply(model, self.activation_checkpoint)  # after parallelize: recomputes dispatch
         self.model = model
-        if log is not None and self.distributed:
-            held = sum(p.numel() for p in model.parameters())
-            log(f"parallel: {self.mesh.world_size} ranks = dp {self.mesh.dp} x ep {self.mesh.ep}, dispatcher "
-                f"{self.dispatcher if self.mesh.ep > 1 else 'local (experts replicated)'}; each rank holds "
-                f"{held / 1e6:.2f}M parameters, {len(self.plan)} expert tensors sharded")
         return model
 
     def local_batch(self, next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]]
                     ) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
-        """Wrap a sampler's ``next_batch`` (global micro-batch [B, S]) to return this rank's rows
-        ``[rank * B / W, (rank + 1) * B / W)``.
-
-        Raises:
-            ConfigError: B not divisible by the world size (on the first call).
-        """
-        w, r = self.mesh.world_size, self.mesh.rank
-
-        def mine() -> tuple[torch.Tensor, torch.Tensor]:
-            inputs, targets = next_batch()
-            b = inputs.shape[0]
-            if b % w:
-                raise ConfigError(
-                    f"train.batch_size: {b} sequences per micro-batch cannot be split evenly over {w} ranks "
-                    f"(WORLD_SIZE); choose a multiple of {w}"
-                )
-            rows = slice(r * b // w, (r + 1) * b // w)
-            return inputs[rows], targets[rows]
-
-        return mine if self.distributed else next_batch
+        """This rank's rows of each global micro-batch: all of them in one process."""
+        return next_batch
 
     def prepare_data(self, prepare: Callable[[], tuple[Any, bytes]], data_config: DataConfig, vocab_size: int
                      ) -> tuple[Any, bytes]:
@@ -247,34 +220,12 @@ class ParallelHooks:
 
     def step_kwargs(self) -> dict[str, Any]:
         """Extra arguments of :func:`moetrain.train.step.train_step` (none for a single process)."""
-        if not self.distributed:
-            return {}
-        return {"count_reducer": self.count_reducer, "sync_grads": self.sync_grads, "reduce_mean": self.reduce_mean}
+        return {}
 
     @property
     def count_reducer(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
-        """Sums [L, E] expert counts over all ranks (every rank reads different data); ``None`` for one process."""
-        if not self.distributed:
-            return None
-
-        def reduce(counts: torch.Tensor) -> torch.Tensor:
-            with named_collective("all_reduce (expert counts, all ranks)"):
-                dist.all_reduce(counts, op=dist.ReduceOp.SUM)
-            return counts
-
-        return reduce
-
-    def sync_grads(self, max_norm: float) -> torch.Tensor:
-        """All-reduce the gradients (:func:`~moetrain.parallel.grads.sync_gradients`), clip them to ``max_norm`` by
-        the global norm and return it. Called once per optimizer step by ``train_step``."""
-        self._steps += 1
-        assert self.model is not None, "ParallelHooks.sync_grads: call prepare_model first"
-        sync_gradients(self.model, self.mesh, set(self.plan))
-        return clip_grad_norm(self.model, self.mesh, set(self.plan), max_norm)
-
-    def reduce_mean(self, values: torch.Tensor) -> torch.Tensor:
-        """Mean over ranks of this rank's losses (1-D)."""
-        return all_reduce_mean(values, self.mesh, "step losses, all ranks")
+        """Sums [L, E] expert counts over the data-parallel ranks; ``None`` for one process."""
+        return None
 
     def step_metrics(self) -> dict[str, float]:
         """Per-rank communication per optimizer step since the last call (a collective: an all-gather of six
@@ -387,19 +338,15 @@ def start(config: Config, device_type: str) -> ParallelHooks:
     import os
 
     p, world = config.parallel, int(os.environ.get("WORLD_SIZE", "1"))
-    if p.sharded and (world > 1 or p.fsdp == "auto"):
-        from moetrain.parallel.engine import start_sharded  # FSDP2 / pipeline engine (parallel.dp_shard, pp)
+    if world > 1 or p.pp > 1 or p.dp_shard > 1:
+        from moetrain.parallel.engine import start_sharded  # FSDP2 + DeviceMesh: every torchrun layout
 
-        return start_sharded(config, device_type)
-    # The plain path refuses what it would otherwise ignore: the mesh sizes --dry-run checks (one process with
-    # ep > 1 gets init_distributed's torchrun hint instead), and an offload of shards it does not have.
-    if world > 1 or p.ep == 1:
-        Layout.from_config(p, world)
+        return start_sharded(config, device_type)  # one process with pp / dp_shard > 1: its torchrun hint
+    if p.ep != 1:
+        raise ConfigError(f"parallel.ep: ep={p.ep} needs {p.ep} processes; launch with "
+                          f"`torchrun --nproc_per_node {p.ep} -m moetrain train ...`")
+    Layout.from_config(p, world)  # the mesh sizes --dry-run checks (dp_replicate)
     if p.cpu_offload:
-        raise ConfigError(f"parallel.cpu_offload: offloads FSDP2 shards, but fsdp={p.fsdp!r} on {world} process(es) "
-                          "trains replicated weights on the plain data-parallel path (and FSDP2's CPUOffloadPolicy "
-                          "needs CUDA); set it to false")
-    owns = not dist.is_initialized()
-    mesh = init_distributed(p, device_type)
-    return ParallelHooks(mesh, p.dispatcher, owns_group=owns and mesh.distributed,
-                         activation_checkpoint=p.activation_checkpoint)
+        raise ConfigError("parallel.cpu_offload: offloads FSDP2 shards, but one process trains whole weights (and "
+                          "FSDP2's CPUOffloadPolicy needs CUDA); set it to false")
+    return ParallelHooks(single_process(device_type), p.dispatcher, activation_checkpoint=p.activation_checkpoint)

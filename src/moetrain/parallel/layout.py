@@ -19,7 +19,6 @@ backend default time-out.
 from __future__ import annotations
 
 import datetime
-import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -108,6 +107,8 @@ class LayoutMesh:
         pp_ranks: global ranks of this rank's pipeline, stage order.
         expert_global_mesh: ``("ep", "dp_shard")`` mesh of this replica and stage: an expert tensor's rows are
             split over ep, then each slice over dp_shard (how a checkpoint sees the global [E, ...] tensor).
+        embed_group: the first and the last rank of this rank's pipeline (Megatron-Core's embedding group: a tied
+            embedding's gradient is summed over it); ``None`` without pipelining or on a middle stage's rank.
     """
 
     layout: Layout
@@ -121,6 +122,7 @@ class LayoutMesh:
     pp_group: dist.ProcessGroup | None = None
     pp_ranks: list[int] = field(default_factory=list)
     expert_global_mesh: DeviceMesh | None = None
+    embed_group: dist.ProcessGroup | None = None
 
     @property
     def distributed(self) -> bool:
@@ -185,6 +187,14 @@ def build_layout_mesh(layout: Layout, timeout_s: float, device: torch.device) ->
         edp_group, _ = _groups(grid, (1, 2), rank, timeout)  # same p, x: the replicas of this rank's experts
         stage_group, _ = _groups(grid, (1, 2, 3), rank, timeout)
         pp_group, pp_ranks = _groups(grid, (0,), rank, timeout)
+        embed_group = None
+        if layout.pp > 2:  # one group per pipeline, created by every rank in the same order
+            for ends in grid[[0, -1]].permute(1, 2, 3, 0).reshape(-1, 2).tolist():
+                group = dist.new_group(ends, timeout=timeout)
+                if rank in ends:
+                    embed_group = group
+        elif layout.pp == 2:
+            embed_group = pp_group
     dtype = device.type
     stage = grid[p]  # [R, S, X]
     if layout.dp_replicate > 1:
@@ -200,10 +210,5 @@ def build_layout_mesh(layout: Layout, timeout_s: float, device: torch.device) ->
                            dp=layout.dp_replicate * layout.dp_shard, dp_rank=r * layout.dp_shard + s,
                            device=device, mesh=dense, ep_group=ep_group, dp_group=edp_group)
     return LayoutMesh(layout, rank, (p, r, s, x), device, ep_mesh, dense, expert, stage_group, pp_group, pp_ranks,
-                      expert_global)
+                      expert_global, embed_group)
 
-
-def all_coords(layout: Layout) -> list[tuple[int, int, int, int]]:
-    """Every (p, r, s, x) in rank order (for tests and printing)."""
-    return list(itertools.product(range(layout.pp), range(layout.dp_replicate), range(layout.dp_shard),
-                                  range(layout.ep)))

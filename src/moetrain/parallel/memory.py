@@ -9,13 +9,13 @@ is included):
 
 - **parameters, gradients** (fp32, 4 bytes each) and **AdamW state** (two fp32 moments, 8 bytes): this rank's
   shards: non-expert tensors over ``S * X``, each expert shard (``E / X`` experts) over ``S`` (on dim 1 when fewer
-  experts than shards), as :mod:`moetrain.parallel.fsdp` shards them; the plain data-parallel path (and one process)
+  experts than shards), as :mod:`moetrain.parallel.fsdp` shards them; plain data parallel (``S * X == 1``, and one process)
   holds every non-expert tensor whole.
 - **gathered**: the unsharded copies FSDP2 all-gathers for compute (in the compute dtype: ``train.dtype``) and the
   unsharded gradient of one unit before its reduce-scatter (fp32). ZeRO-3 (``reshard_after_forward``): the final
   norm + LM head (one unit that stays gathered from forward to backward), the block being computed and the one
   prefetched, and one block's gradient. ZeRO-2: every unit of the rank, gathered from forward until backward, and
-  one block's gradient. None on the plain path.
+  one block's gradient. None when nothing is sharded (``S * X == 1``).
 - **activations**: what one micro-batch saves for backward (:func:`moetrain.analysis.activations.model_activations`,
   b rows, the rank's blocks), times the micro-batches in flight: 1 without a pipeline; with one, 1F1B-type schedules
   hold ``min(M, P - p)`` on pipeline rank p (``P`` per virtual stage for interleaved / V schedules), GPipe all M.
@@ -86,8 +86,7 @@ def stage_elements(model: nn.Module, config: Config, layout: Layout, stages: lis
                    ) -> list[tuple[int, dict[str, int]]]:
     """Per pipeline stage: this rank's sharded parameter elements, and each FSDP2 unit's unsharded elements on
     this rank (experts: its ``E / X`` only)."""
-    plain = not config.parallel.sharded
-    dense_shards = 1 if plain else layout.dp_shard * layout.ep
+    dense_shards = layout.dp_shard * layout.ep
     out = []
     for i, blocks in enumerate(stages):
         names = {f"blocks.{b}." for b in blocks}
@@ -142,7 +141,7 @@ def rank_memory(config: Config, world: int, model: nn.Module | None = None) -> l
     model = build_meta(config.model) if model is None else model
     p, m, t = config.parallel, config.model, config.train
     per_stage = stage_elements(model, config, layout, stages)
-    sharded_path = p.sharded and layout.dp_shard * layout.ep > 1
+    sharded_path = layout.dp_shard * layout.ep > 1
     compute_bytes = 2 if t.dtype == "bf16" else 4
     shape = ModelShape.from_config(m)
     rows = t.batch_size // layout.data_parallel

@@ -4,15 +4,15 @@ whole model (STYLE.md #6; torchtitan builds on meta and calls ``to_empty`` + ``i
 
 Legend: N = rows of a parameter (dim 0: experts for [E, ...] expert tensors, output features for matrices).
 
-The values of a parameter are cut into blocks of rows along dim 0: one expert per block for 3-D expert tensors (a shard on dim 1 draws its
-whole experts and keeps its columns),
-:data:`BLOCK_ROWS` rows for matrices, the whole tensor for vectors. Block k of parameter ``name`` is drawn from its
+The values of a parameter are cut into blocks of rows along dim 0: one expert per block for 3-D expert tensors (a
+shard on dim 1 draws its whole experts and keeps its columns), :data:`BLOCK_ROWS` rows for matrices, the whole tensor for vectors. Block k of parameter ``name`` is drawn from its
 own generator seeded with a hash of (``train.seed``, ``name``, k), so a rank holding rows [a, b) (an expert slice,
 an FSDP shard, or both) draws only the blocks overlapping them: at most two partial blocks of waste per shard.
 Distribution per parameter as ``MoETransformer.reset_parameters``: Normal(0, init_std) for matrices and expert
 tensors, ``init_std / sqrt(2 * n_layers)`` for output projections, 1 for norm weights, 0 for biases; buffers
-(the router's expert bias) start at 0. The values differ from ``reset_parameters``' (one global RNG stream),
-so a run compares against a reference initialised by :func:`init_parameters` too.
+(the router's expert bias) start at 0. The trainer initialises every layout this way, one process included, so
+``train.seed`` alone fixes the initial weights; a bare ``MoETransformer(config)`` (``reset_parameters``, one global
+RNG stream) draws other values, so a test's reference model is initialised by :func:`init_parameters` too.
 """
 
 from __future__ import annotations
@@ -45,6 +45,14 @@ def _std(name: str, p: torch.Tensor, config: ModelConfig) -> float | None:
     if name.endswith(("o_proj.weight", "down_proj.weight", "down_proj")):
         return config.init_std / math.sqrt(2 * config.n_layers)
     return config.init_std
+
+
+def saved_name(config: ModelConfig, name: str) -> str:
+    """The name under which parameter ``name`` is initialised and its optimizer state saved: with tied embeddings
+    a pipeline's last stage holds its own copy of the embedding as ``lm_head.weight`` (the first stage holds
+    ``embed_tokens.weight``), drawn and saved as the embedding (a tied whole model never names ``lm_head.weight``:
+    ``named_parameters`` lists a shared parameter once)."""
+    return "embed_tokens.weight" if config.tie_embeddings and name == "lm_head.weight" else name
 
 
 def _seed(seed: int, name: str, block: int) -> int:
@@ -106,7 +114,7 @@ def init_parameters(model: nn.Module, config: ModelConfig, seed: int,
         if shard is not None:
             start += shard.offset
             shape = torch.Size((shard.global_rows, *shape[1:]))
-        rows = normal_rows(seed, name, shape, start, start + local.shape[0], std)
+        rows = normal_rows(seed, saved_name(config, name), shape, start, start + local.shape[0], std)
         if local.dim() > 1 and local.shape[1] != shape[1]:  # sharded on dim 1 too (experts: FSDP2 Shard(1))
             rows = rows[:, offset[1]: offset[1] + local.shape[1]]
         local.copy_(rows)
@@ -118,6 +126,16 @@ def materialise(model: nn.Module, config: ModelConfig, device: torch.device, see
                 plan: dict[str, ExpertShard] | None = None) -> nn.Module:
     """Allocate this rank's shards of a meta-device ``model`` on ``device`` (``to_empty``) and initialise them
     (:func:`init_parameters`). Returns ``model``."""
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}  # a tied weight (the LM head's): every (module, name)
+    for module in model.modules():
+        for pname, p in module.named_parameters(recurse=False):
+            owners.setdefault(id(p), []).append((module, pname))
     model.to_empty(device=device)
+    # to_empty gives each owner its own new tensor; FSDP2 re-ties its DTensor parameters itself (at lazy init)
+    for tied in (o for o in owners.values() if len(o) > 1):
+        first = getattr(tied[0][0], tied[0][1])
+        if not isinstance(first, DTensor):
+            for module, pname in tied[1:]:
+                setattr(module, pname, first)
     init_parameters(model, config, seed, plan)
     return model

@@ -123,8 +123,13 @@ class StageModule(nn.Module):
     ``dropped`` [L_s, E]): pipelining fixes a stage's
     forward signature to the tensors passed between stages.
 
+    With tied embeddings (``model.tie_embeddings``) the last stage holds its own copy of the embedding as its LM
+    head, initialised and saved under the embedding's name (:func:`~moetrain.parallel.meta_init.saved_name`); the
+    runner sums the two copies' gradients over the first and last ranks of the pipeline before the optimizer
+    steps both, so they stay equal (Megatron-Core's embedding group).
+
     Args:
-        model: the whole model (meta or real); its modules are shared, not copied.
+        model: the whole model (meta or real); its modules are shared, not copied (the tied LM head excepted).
         blocks: the global indices of this stage's blocks.
         first: the stage holds the embedding.
         last: the stage holds the final norm and the LM head.
@@ -143,6 +148,10 @@ class StageModule(nn.Module):
         self.blocks = nn.ModuleDict({str(i): all_blocks[i] for i in blocks})
         self.norm: nn.Module | None = model.norm if last else None
         self.lm_head: nn.Module | None = model.lm_head if last else None
+        if last and config.tie_embeddings:  # its own copy of the embedding, kept equal by summed gradients
+            head = nn.Linear(config.hidden, config.vocab_size, bias=False, device=model.lm_head.weight.device)
+            head.weight = nn.Parameter(model.lm_head.weight.detach().clone())
+            self.lm_head = head
         self.moe_total = sum(1 for b in all_blocks if b.is_moe)
         self.step_counts: torch.Tensor | None = None
         self.records: list[dict[str, torch.Tensor]] = []

@@ -16,12 +16,13 @@ them first, as ``MoETransformer.moe_counts`` does in one process (~1/3 more comp
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe,
                                          ScheduleInterleaved1F1B, ScheduleZBVZeroBubble)
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
@@ -41,7 +42,7 @@ from moetrain.parallel.pipeline import StageModule, rank_stages, stage_blocks, s
 from moetrain.parallel.sharding import ExpertShard
 from moetrain.model.transformer import MOE_LOSS_TERMS
 from moetrain.train.config import TrainConfig
-from moetrain.train.step import Accumulated, StepResult
+from moetrain.train.step import Accumulated, StepResult, finish_step
 
 if TYPE_CHECKING:
     from moetrain.model.transformer import MoETransformer
@@ -293,6 +294,41 @@ class PipelineRunner:
     def moe_layers(self) -> list[MoELayer]:
         return [layer for m in self.modules for layer in m.moe_layers()]
 
+    @property
+    def tied(self) -> nn.Parameter | None:
+        """This rank's share of a tied embedding: the first stage's embedding or the last stage's LM head copy
+        (``None`` untied or on a middle rank)."""
+        if not self.config.tie_embeddings:
+            return None
+        for m in self.modules:
+            if m.first and m.embed_tokens is not None:
+                return cast(nn.Parameter, m.embed_tokens.weight)
+            if m.last and m.lm_head is not None:
+                return cast(nn.Parameter, m.lm_head.weight)
+        return None
+
+    @property
+    def tied_copy(self) -> nn.Parameter | None:
+        """The last stage's copy of a tied embedding (left out of the gradient norm: the first stage counts it)."""
+        last = next((m for m in self.modules if m.last), None)
+        if not self.config.tie_embeddings or last is None or last.lm_head is None:
+            return None
+        return cast(nn.Parameter, last.lm_head.weight)
+
+    @torch.no_grad()
+    def sum_tied_grads(self) -> None:
+        """Sum a tied embedding's gradient over its two copies (an all-reduce between the first and the last rank
+        of the pipeline, Megatron-Core's ``_allreduce_embedding_grads``): what one process's shared weight gets.
+        Both copies are FSDP2-sharded alike (same shape and mesh sizes), so the local shards line up."""
+        p, group = self.tied, self.mesh.embed_group
+        if p is None or group is None:
+            return
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        with named_collective("all_reduce (tied embedding gradient, first and last pipeline stage)", group):
+            dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group)
+
     def train_step(self, next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]],
                    optimizer: torch.optim.Optimizer, scheduler: Any, config: TrainConfig,
                    reduce_mean: Callable[[torch.Tensor], torch.Tensor] | None = None,
@@ -305,33 +341,9 @@ class PipelineRunner:
             count_reducer: sum of [L_s, E] counts over the stage's data-parallel ranks (``None`` when there is one).
         """
         acc = self.forward_backward([next_batch() for _ in range(self.m)])
-        if reduce_mean is not None:
-            names = list(acc.moe_losses)
-            means = reduce_mean(torch.stack([acc.lm_loss, *acc.moe_losses.values()]))
-            acc.lm_loss, acc.moe_losses = means[0], dict(zip(names, means[1:]))
-        max_norm = config.grad_clip if config.grad_clip > 0 else float("inf")
-        grad_norm = clip_grad_norm(self.local, self.mesh, max_norm)
-        result = StepResult(lm_loss=acc.lm_loss, aux_loss=acc.moe_losses["aux_loss"], z_loss=acc.moe_losses["z_loss"],
-                            grad_norm=grad_norm, lr=scheduler.get_last_lr()[0],
-                            tokens_per_expert=list(acc.tokens_per_expert.unbind(0)), moe_losses=acc.moe_losses,
-                            dropped_per_expert=list(acc.dropped_per_expert.unbind(0)))
-        checked = torch.stack([acc.lm_loss, result.aux_loss, result.z_loss, acc.moe_losses["moe_loss"],
-                               grad_norm.to(acc.lm_loss.dtype)])
-        if not bool(torch.isfinite(checked).all()):
-            optimizer.zero_grad(set_to_none=True)
-            result.skipped = True
-            return result
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        if any(layer.router.e_score_correction_bias is not None for layer in self.moe_layers()):
-            counts = acc.global_counts
-            if counts is None:
-                counts = acc.tokens_per_expert
-                if count_reducer is not None:
-                    counts = count_reducer(counts.clone())
-            with torch.no_grad():
-                for i, layer in enumerate(self.moe_layers()):  # as train.step.update_expert_biases
-                    if layer.router.e_score_correction_bias is not None:
-                        layer.router.update_expert_bias(counts[i])
-        return result
+
+        def clip(max_norm: float) -> torch.Tensor:
+            self.sum_tied_grads()
+            return clip_grad_norm(self.local, self.mesh, max_norm, self.tied_copy)
+
+        return finish_step(acc, self.moe_layers(), optimizer, scheduler, config, clip, count_reducer, reduce_mean)

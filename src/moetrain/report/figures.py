@@ -1,11 +1,14 @@
 """PNG figures of a run with matplotlib's Agg backend (no display needed): loss and learning rate, expert load per
 layer over steps, dropped-token fraction, and routing-health curves; alarms are marked on each.
 
-Every figure is written even when its data is missing (a run in progress, a dropless run): the axes then say
-what is missing instead of being blank.
+Every figure is written even when its data is missing (a run in progress): the axes then say what is missing
+instead of being blank. The one exception is the dropped-token figure of a dropless run (no capacity), which can
+only ever be zero: it is not written (:func:`figures_for`).
 """
 
 from __future__ import annotations
+
+import math
 
 from pathlib import Path
 from typing import Any
@@ -122,27 +125,32 @@ def expert_load_figure(log: RunLog, path: Path) -> Path:
         bar = fig.colorbar(mesh, ax=axes[:, 0].tolist(), fraction=0.03, pad=0.01,
                            label="load / balanced share (0 = unused)")
         bar.ax.axhline(1.0, color="black", linewidth=1.5)
-        bar.ax.text(1.05, 1.0, "balanced", transform=bar.ax.get_yaxis_transform(), va="center", fontsize=7)
+        # The balanced reference is a tick of its own, labelled in place (a separate text overlapped the tick 1.0).
+        ticks = sorted({float(t) for t in bar.get_ticks() if 0.0 <= t <= top and abs(t - 1.0) > 0.15 * top} | {1.0})
+        bar.set_ticks(ticks, labels=["1 balanced" if t == 1.0 else f"{t:g}" for t in ticks])
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
 
 
 def drop_figure(log: RunLog, path: Path) -> Path:
-    """Dropped-token fraction per MoE layer over steps. A run that dropped nothing (dropless layers report none; a
-    capacity that was never exceeded reports zeros) gets a note instead of a flat line; the axis starts at 0."""
+    """Dropped-token fraction per MoE layer over steps (the axis starts at 0). A capacity that was never exceeded
+    shows its zeros, with a note; a dropless run gets no such figure (:func:`figures_for`)."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(9, 3.5))
-    plotted = False
+    dropped = False
     for layer in log.layers():
         steps, values = log.series(f"moe/layer{layer}/drop_fraction")
-        if any(isinstance(v, (int, float)) and v > 0 for v in values):
+        if values:
             ax.plot(steps, [100 * v for v in values], marker=".", label=f"layer {layer}")
-            plotted = True
-    if plotted:
-        ax.set_ylim(bottom=0)
+            dropped = dropped or any(isinstance(v, (int, float)) and v > 0 for v in values)
+    if not ax.lines:
+        _empty(ax, "no drop fractions logged yet")
+    elif not dropped:
+        ax.set_ylim(0, 1)
+        _empty(ax, "nothing dropped: no expert received more tokens than its capacity")
     else:
-        _empty(ax, "no capacity: nothing dropped (dropless layers, or no token over the capacity)")
+        ax.set_ylim(bottom=0)
     _mark_alarms(ax, [a for a in log.alerts if a.get("kind") == "token_drop"])
     ax.set_xlabel("step")
     ax.set_ylabel("dropped assignments (%)")
@@ -161,6 +169,7 @@ def routing_health_figure(log: RunLog, path: Path) -> Path:
     fig, axes = plt.subplots(2, 2, figsize=(10, 6), sharex=True)
     panels = [("cv", "load coefficient of variation"), ("max_share", "max share of tokens"),
               ("entropy", "router entropy (nats)"), ("router_z", "mean router z (logsumexp)")]
+    n_experts = log.num_experts()
     for ax, (stat, title) in zip(axes.flat, panels):
         for layer in log.layers():
             steps, values = log.series(f"moe/layer{layer}/{stat}")
@@ -168,6 +177,9 @@ def routing_health_figure(log: RunLog, path: Path) -> Path:
                 ax.plot(steps, values, label=f"layer {layer}")
         if not ax.lines:
             _empty(ax, "not logged")
+        elif stat == "entropy" and n_experts:  # the ceiling: a router that spreads every token evenly
+            ax.axhline(math.log(n_experts), color="gray", linestyle=":", linewidth=1.2,
+                       label=f"uniform: ln {n_experts} = {math.log(n_experts):.2f}")
         _mark_alarms(ax, log.alerts)
         ax.set_title(title, fontsize=10)
         if ax.get_legend_handles_labels()[0]:
@@ -188,11 +200,16 @@ FIGURES = {
 }
 
 
+def figures_for(log: RunLog) -> list[str]:
+    """The names of :data:`FIGURES` that ``log`` gets: all but ``drop_fraction.png`` for a dropless run."""
+    return [name for name in FIGURES if not (name == "drop_fraction.png" and log.dropless())]
+
+
 def write_figures(log: RunLog, out_dir: Path) -> list[Path]:
-    """Write every figure of :data:`FIGURES` into ``out_dir``; returns their paths.
+    """Write the figures of :func:`figures_for` into ``out_dir``; returns their paths.
 
     Raises:
         MoetrainError: matplotlib is not installed.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
-    return [make(log, out_dir / name) for name, make in FIGURES.items()]
+    return [FIGURES[name](log, out_dir / name) for name in figures_for(log)]

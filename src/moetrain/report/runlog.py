@@ -73,6 +73,30 @@ class RunLog:
                 return rec["step"], stats
         return None, {}
 
+    def _moe_config(self) -> dict[str, Any] | None:
+        try:
+            moe = self.config["model"]["moe"]  # type: ignore[index]
+        except (TypeError, KeyError):
+            return None
+        return moe if isinstance(moe, dict) else None
+
+    def num_experts(self) -> int | None:
+        """The run's routed experts E (``None`` when the config is unknown)."""
+        moe = self._moe_config()
+        try:
+            return int(moe["num_experts"]) if moe is not None else None
+        except (KeyError, TypeError, ValueError):
+            return None
+
+    def dropless(self) -> bool | None:
+        """Whether the run's MoE layers have no capacity (``model.moe.capacity.factor`` null), so they never drop a
+        token; ``None`` when the config is unknown."""
+        moe = self._moe_config()
+        if moe is None:
+            return None
+        capacity = moe.get("capacity")
+        return not isinstance(capacity, dict) or capacity.get("factor") is None
+
     def top_k(self) -> int:
         """The run's top-k (1 when the config is unknown)."""
         try:

@@ -3,7 +3,7 @@
 this machine has free.
 
 Without it a mistyped ``model.hidden=1099511627776`` ended in the allocator's error after asking for 2 PB, and
-``train.batch_size=1000000000`` in numpy's ``_ArrayMemoryError`` (issue 20).
+``train.batch_size=1000000000`` in numpy's ``_ArrayMemoryError``.
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ def check_fits(config, device_type: str = "cpu", free: float | None = None, worl
     from moetrain.analysis.shape import ModelShape
 
     est = estimate_memory(config)
-    if world > 1 and config.parallel.sharded:
+    if world > 1:
         from moetrain.parallel.memory import rank_memory
 
         busiest = max(rank_memory(config, world), key=lambda r: r.total)

@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 import torch
 
 from moetrain.serve.forward import StepBatch, StepRunner
-from moetrain.serve.kv_cache import SlotKVCache
+from moetrain.model.attention import KVCache
 from moetrain.serve.metrics import ServeMetrics
 from moetrain.serve.moe import StepPolicies
 from moetrain.serve.routing import RoutingPolicy
-from moetrain.serve.sampling import sample_rows
+from moetrain.model.sampling import SamplingError, SamplingParams, sample_rows, token_logprobs
 
 
 class QueueFull(Exception):
@@ -36,14 +36,29 @@ class EngineStopped(Exception):
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the model and the most likely alternatives ((id, logprob), most
+    likely first; see :func:`moetrain.model.sampling.token_logprobs`)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class Event:
-    """What a request receives after a step: ``text`` (new text), ``token_ids`` (new tokens) and, on the last
-    event, ``finish_reason`` (``stop`` or ``length``; ``error`` with ``error`` set when the step failed)."""
+    """What a request receives after a step: ``text`` (new text), ``token_ids`` (new tokens), their ``logprobs``
+    (when the request asked for them) and, on the last event, ``finish_reason`` (``stop`` or ``length``; ``error``
+    with ``error`` set when the step or this request's sampling failed)."""
 
     text: str
     token_ids: tuple[int, ...]
     finish_reason: str | None = None
     error: str | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+GREEDY = SamplingParams(temperature=0.0)
 
 
 @dataclass(eq=False)
@@ -53,11 +68,11 @@ class GenRequest:
     prompt_ids: list[int]
     max_tokens: int
     emit: Callable[[Event], None]
-    temperature: float = 0.0
-    top_p: float = 1.0
+    sampling: SamplingParams = GREEDY
     seed: int | None = None
     stop: tuple[str, ...] = ()
     policy: RoutingPolicy | None = None  # None: the server's
+    logprobs: int | None = None  # report each token's logprob and this many alternatives; None: no logprobs
     out_ids: list[int] = field(default_factory=list)
     slot: int | None = None
     cached: int = 0  # positions in the KV cache
@@ -68,6 +83,7 @@ class GenRequest:
     admitted_at: float = 0.0
     incremental: bool = True  # an event per token (streaming); False: one event with the whole completion
     loop: object = None  # an asyncio loop: then ``emit`` is called on it (batched per step), not on this thread
+    token_logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 class Engine:
@@ -93,7 +109,6 @@ class Engine:
     def __init__(self, served, num_slots: int = 16, max_queue: int = 64, policy: RoutingPolicy | None = None,
                  metrics: ServeMetrics | None = None, int8_router: bool = False, experts_fn=None,
                  max_prefill_tokens: int = 2048, expert_store=None, int8_experts: bool = False):
-        from moetrain.serve.moe import experts_forward
         from moetrain.serve.routing import Int8Router
 
         self.served, self.model = served, served.model
@@ -101,8 +116,9 @@ class Engine:
         self.max_seq_len = cfg.max_seq_len
         self.num_slots, self.max_queue, self.max_prefill_tokens = num_slots, max_queue, max_prefill_tokens
         self.policy = policy or RoutingPolicy()
+        self.int8_router = int8_router
         self.metrics = metrics or ServeMetrics()
-        self.cache = SlotKVCache(num_slots, cfg.n_layers, cfg.n_kv_heads, cfg.max_seq_len, cfg.head_size)
+        self.cache = KVCache(cfg.n_layers, num_slots, cfg.max_seq_len)
         self.moe_blocks = [i for i, b in enumerate(self.model.blocks) if b.is_moe]
         routers = {i: Int8Router(self.model.blocks[i].ffn.router.weight) for i in self.moe_blocks} if int8_router \
             else {}
@@ -117,7 +133,7 @@ class Engine:
 
             self.int8_experts = Int8Experts(self.model)
             experts_fn = self.int8_experts.experts_forward
-        self.runner = StepRunner(self.model, self.cache, routers, experts_fn or experts_forward)
+        self.runner = StepRunner(self.model, self.cache, routers, experts_fn)
         self._pageins = 0
         self.waiting: collections.deque[GenRequest] = collections.deque()
         self.running: list[GenRequest] = []
@@ -150,16 +166,18 @@ class Engine:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._stop
 
-    def submit(self, req: GenRequest) -> None:
-        """Queue ``req``. Raises :class:`QueueFull` or :class:`EngineStopped`."""
+    def submit(self, *reqs: GenRequest) -> None:
+        """Queue ``reqs`` (all or none: the ``n`` choices of one completion). Raises :class:`QueueFull` or
+        :class:`EngineStopped`."""
         with self.cond:
             if not self.alive():
                 raise EngineStopped("the engine is not running")
-            if len(self.waiting) >= self.max_queue:
+            if len(self.waiting) + len(reqs) > self.max_queue:
                 raise QueueFull(f"{len(self.waiting)} requests already waiting (--max-queue {self.max_queue})")
-            seed = req.seed if req.seed is not None else self._seeds.getrandbits(63)
-            req.generator = torch.Generator().manual_seed(seed) if req.temperature > 0 else None
-            self.waiting.append(req)
+            for req in reqs:
+                seed = req.seed if req.seed is not None else self._seeds.getrandbits(63)
+                req.generator = None if req.sampling.greedy else torch.Generator().manual_seed(seed)
+                self.waiting.append(req)
             self.metrics.queue_depth.set(len(self.waiting))
             self.cond.notify_all()
 
@@ -205,10 +223,8 @@ class Engine:
         for req in [r for r in self.running if r.cancelled]:
             self.running.remove(req)
             self._release(req)
-            self.metrics.requests.labels("cancelled").inc()
         for req in [r for r in self.waiting if r.cancelled]:
             self.waiting.remove(req)
-            self.metrics.requests.labels("cancelled").inc()
         while self.waiting and self.free_slots:
             req = self.waiting.popleft()
             req.slot, req.admitted_at = self.free_slots.pop(), time.perf_counter()
@@ -242,13 +258,17 @@ class Engine:
         depth = self.depth()
         segments = tuple((r.policy or self.policy, len(s[2])) for r, s in zip(plan, seqs))
         logits, stats = self.runner.step(batch, StepPolicies(segments, depth))
-        nxt = sample_rows(logits, [r.temperature for r in plan], [r.top_p for r in plan],
-                          [r.generator for r in plan])
+        nxt = sample_rows(logits, [r.sampling for r in plan], [r.generator for r in plan], [r.out_ids for r in plan])
+        self._logprobs(plan, logits, nxt)
         prompt_tokens = 0
         for req, (_, _, toks), tok in zip(plan, seqs, nxt):
             if req.cached == 0:
                 prompt_tokens += len(toks)
             req.cached += len(toks)
+            if isinstance(tok, SamplingError):  # this request's own error; the others go on
+                req.finish_reason = "error"
+                self._emit(req, Event("", (), "error", f"sampling failed: {tok}"))
+                continue
             req.out_ids.append(tok)
             self._advance(req)
         if prompt_tokens:
@@ -259,10 +279,19 @@ class Engine:
             for req in [r for r in self.running if r.finish_reason is not None]:
                 self.running.remove(req)
                 self._release(req)
-                self.metrics.requests.labels("ok").inc()
-                self.metrics.latency.observe(time.perf_counter() - req.admitted_at)
+                if req.finish_reason != "error":
+                    self.metrics.latency.observe(time.perf_counter() - req.admitted_at)
             self.metrics.running.set(len(self.running))
         self._record(plan, batch, stats, depth, time.perf_counter() - t0)
+
+    def _logprobs(self, plan: list[GenRequest], logits: torch.Tensor, nxt: list) -> None:
+        """Append each sampled token's :class:`TokenLogprob` to the requests that asked for logprobs."""
+        rows = [j for j, r in enumerate(plan) if r.logprobs is not None and not isinstance(nxt[j], SamplingError)]
+        if not rows:
+            return
+        top = max(plan[j].logprobs or 0 for j in rows)
+        for j, (lp, alts) in zip(rows, token_logprobs(logits[rows], [nxt[j] for j in rows], top)):
+            plan[j].token_logprobs.append(TokenLogprob(nxt[j], lp, tuple(alts[:plan[j].logprobs])))
 
     def _advance(self, req: GenRequest) -> None:
         """After ``req`` got a token: find its end (eos, length, stop string) and emit its new text."""
@@ -287,7 +316,8 @@ class Engine:
         delta = text[req.sent:end] if end > req.sent else ""
         req.sent = max(req.sent, end)
         ids = (req.out_ids[-1],) if req.incremental else tuple(req.out_ids)
-        self._emit(req, Event(delta, ids, req.finish_reason))
+        lps = tuple(req.token_logprobs[-len(ids):]) if req.logprobs is not None else ()
+        self._emit(req, Event(delta, ids, req.finish_reason, logprobs=lps))
 
     def _emit(self, req: GenRequest, event: Event) -> None:
         if req.loop is not None:  # delivered with the step's others, see _flush

@@ -10,7 +10,7 @@ routing policies) to the other ranks, which run the same step (:func:`follow`). 
 the KV caches are replicated (every rank computes them for all T tokens; cheap next to the experts at E / P), and
 in each MoE layer rank r sends only its contiguous share T_r of the tokens through the all-to-all, where each
 token's rows go to the ranks holding its experts; the T_r outputs come back, and an all-gather over the EP group
-gives every rank all T (:func:`ep_experts_fn`). Expert FLOPs are not repeated: each (token, expert) pair is
+gives every rank all T (:class:`StepShareDispatcher`, each MoE layer's dispatcher). Expert FLOPs are not repeated: each (token, expert) pair is
 computed once, on the expert's rank.
 
 With ``--placement FILE`` (written by ``moetrain placement RUN --ep N --redundant R``) each layer's experts are laid
@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from moetrain.errors import MoetrainError
-from moetrain.serve.moe import experts_forward
+from moetrain.moe.dispatcher import Dispatcher
 
 HEARTBEAT_S = 10.0  # idle seconds between heartbeats; far below parallel.timeout_s (600 s by default)
 _ALLOWED = ("ep", "timeout_s", "backend")
@@ -70,7 +70,7 @@ def shard_for_serving(model, mesh, placement: dict | None = None) -> dict[int, t
     the layer's P = E + R physical experts (``physical_to_logical`` [P], rank-major) are laid out and rank r keeps
     physical experts ``[r * P / ep, (r + 1) * P / ep)``, a replicated expert's weights copied onto each of its
     ranks; the dispatcher then works on physical ids (``AllToAllDispatcher(P)``), and
-    :func:`ep_experts_fn` maps each routed (token, logical expert) to one of the expert's replicas.
+    :class:`StepShareDispatcher` maps each routed (token, logical expert) to one of the expert's replicas.
 
     Returns:
         ``id(layer)`` -> (physical ids [E, Rmax] int64 of each logical expert's replicas, padded with its first;
@@ -87,7 +87,8 @@ def shard_for_serving(model, mesh, placement: dict | None = None) -> dict[int, t
     if placement is None:
         shard_experts(model, mesh)
         for name, layer in moe_layers(model):
-            layer.dispatcher = AllToAllDispatcher(layer.config.num_experts, mesh, name=name)
+            layer.set_dispatcher(StepShareDispatcher(AllToAllDispatcher(layer.config.num_experts, mesh, name=name),
+                                                     mesh))
         return {}
     tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for b, block in enumerate(model.blocks):
@@ -104,12 +105,13 @@ def shard_for_serving(model, mesh, placement: dict | None = None) -> dict[int, t
         with torch.no_grad():
             for pname, param in list(layer.experts.named_parameters(recurse=False)):
                 setattr(layer.experts, pname, nn.Parameter(param.detach()[mine].clone(), requires_grad=False))
-        layer.dispatcher = AllToAllDispatcher(len(phys), mesh, name=f"blocks.{b}.ffn")
         e = layer.config.num_experts
         where = [[i for i, x in enumerate(phys) if x == lg] for lg in range(e)]
         width = max(len(w) for w in where)
         table = torch.tensor([w + [w[0]] * (width - len(w)) for w in where], dtype=torch.int64)  # [E, Rmax]
         tables[id(layer)] = (table, torch.tensor([len(w) for w in where], dtype=torch.int64))
+        layer.set_dispatcher(StepShareDispatcher(AllToAllDispatcher(len(phys), mesh, name=f"blocks.{b}.ffn"), mesh,
+                                                 tables[id(layer)]))
     return tables
 
 
@@ -121,28 +123,48 @@ def physical_ids(ids: torch.Tensor, table: torch.Tensor, replicas: torch.Tensor)
     return table[ids, t % replicas[ids]]
 
 
-def ep_experts_fn(mesh, tables: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None):
-    """The ``experts_fn`` of an EP rank (see :func:`moetrain.serve.moe.serve_moe`): tokens [T, D], ids / weights
-    [T, K], keep [T, K] or ``None`` -> [T, D]; rank r dispatches tokens ``[r * ceil(T/P), ...)`` only. ``tables``
-    (from :func:`shard_for_serving` with a placement) maps logical ids to physical ones first."""
-    tables = tables or {}
+class StepShareDispatcher(Dispatcher):
+    """The dispatcher of an EP serving rank's MoE layers: every rank holds all T tokens of the step (attention and
+    routers are replicated), rank r dispatches only its share ``[r * ceil(T/P), (r + 1) * ceil(T/P))`` through
+    ``inner`` (the all-to-all to the experts' ranks; possibly empty when T < P, the rank still takes part), and
+    :meth:`combine` all-gathers the shares so that every rank has all T outputs.
 
-    def fn(layer, tokens: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, keep: torch.Tensor | None
-           ) -> torch.Tensor:
-        t, p = tokens.shape[0], mesh.ep
-        if id(layer) in tables:
-            ids = physical_ids(ids, *tables[id(layer)])
+    Args:
+        inner: an :class:`~moetrain.parallel.all_to_all.AllToAllDispatcher` over ``mesh``'s EP group.
+        mesh: the serving mesh (``ep``, ``ep_rank``, ``ep_group``).
+        table: (physical ids [E, Rmax], replicas [E]) of a placement (:func:`shard_for_serving`): logical expert
+            ids are mapped to physical ones first (:func:`physical_ids`); ``None``: ids are physical already.
+    """
+
+    supports_capacity = True
+
+    def __init__(self, inner: Dispatcher, mesh, table: tuple[torch.Tensor, torch.Tensor] | None = None):
+        self.inner, self.mesh, self.table = inner, mesh, table
+        self.num_experts = inner.num_experts
+
+    def dispatch(self, tokens: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                 keep: torch.Tensor | None = None, capacity: int | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """This rank's share of the T tokens through ``inner`` (see the class docstring)."""
+        t, p = tokens.shape[0], self.mesh.ep
+        if self.table is not None:
+            topk_ids = physical_ids(topk_ids, *self.table)
         per = -(-t // p)  # ceil
-        lo, hi = min(t, mesh.ep_rank * per), min(t, (mesh.ep_rank + 1) * per)
-        part = experts_forward(layer, tokens[lo:hi], ids[lo:hi], weights[lo:hi],
-                               None if keep is None else keep[lo:hi])  # [T_r, D]; every rank takes part
-        buf = tokens.new_zeros(per, tokens.shape[1])
-        buf[:hi - lo] = part
-        pieces = [torch.empty_like(buf) for _ in range(p)]
-        dist.all_gather(pieces, buf, group=mesh.ep_group)
-        return torch.cat(pieces)[:t]
+        lo, hi = min(t, self.mesh.ep_rank * per), min(t, (self.mesh.ep_rank + 1) * per)
+        rows, tokens_per_expert, meta = self.inner.dispatch(
+            tokens[lo:hi], topk_ids[lo:hi], topk_weights[lo:hi], keep=None if keep is None else keep[lo:hi],
+            capacity=capacity)
+        return rows, tokens_per_expert, (meta, t, per, hi - lo)
 
-    return fn
+    def combine(self, expert_out: torch.Tensor, meta: Any) -> torch.Tensor:
+        """[T, D] on every rank: this rank's share combined by ``inner``, all-gathered over the EP group."""
+        inner_meta, t, per, mine = meta
+        part = self.inner.combine(expert_out, inner_meta)  # [T_r, D]
+        buf = part.new_zeros(per, part.shape[1])
+        buf[:mine] = part
+        pieces = [torch.empty_like(buf) for _ in range(self.mesh.ep)]
+        dist.all_gather(pieces, buf, group=self.mesh.ep_group)
+        return torch.cat(pieces)[:t]
 
 
 class BroadcastRunner:
@@ -151,6 +173,12 @@ class BroadcastRunner:
 
     def __init__(self, runner, mesh):
         self.runner, self.mesh = runner, mesh
+
+    def __getattr__(self, name: str):
+        """Everything but the step (``int8_routers``, ``cache``, ...) is the wrapped runner's."""
+        if name == "runner":  # not set yet (unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.runner, name)
 
     def step(self, batch, policies, all_logits: bool = False):
         _send(("step", batch, policies, all_logits), self.mesh)

@@ -119,7 +119,7 @@ class ExpertStore:
             raise MoetrainError(f"--expert-memory-budget: {budget} bytes is less than one expert ({self.unit} bytes)")
         self.budget = budget
         self.blocks = [i for i, b in enumerate(model.blocks) if b.is_moe]
-        self._layer_blocks = {id(model.blocks[b].ffn): b for b in self.blocks}  # experts_fn gets the layer
+        self._layer_blocks = {id(model.blocks[b].ffn): b for b in self.blocks}  # the provider gets the layer
         self.activation = layers[0].experts.activation
         self.dtype = layers[0].experts.down_proj.dtype
         self.stats = StoreStats()
@@ -234,15 +234,10 @@ class ExpertStore:
         return unit in self.pinned or unit in self.pool
 
     # --- compute -------------------------------------------------------------------------------------------
-    def experts_forward(self, layer, tokens: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                        keep: torch.Tensor | None) -> torch.Tensor:
-        """The routed experts of ``layer`` for T tokens (the ``experts_fn`` of :func:`moetrain.serve.moe.serve_moe`):
-        tokens [T, D], ids / weights [T, K], keep [T, K] bool or ``None`` -> [T, D] in the tokens' dtype."""
+    def experts_forward(self, layer, rows: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """The routed experts of ``layer`` from the store (its :data:`~moetrain.moe.layer.ExpertProvider`): rows
+        [R, D] grouped by expert, tokens_per_expert [E] int64 -> [R, D] in the store's dtype."""
         block = self._layer_blocks[id(layer)]
-        if keep is None:
-            rows, tokens_per_expert, meta = layer.dispatcher.dispatch(tokens, ids, weights)
-        else:
-            rows, tokens_per_expert, meta = layer.dispatcher.dispatch(tokens, ids, weights, keep=keep)
         counts = tokens_per_expert.tolist()  # one host sync: which experts this step needs
         starts = [0]
         for c in counts:
@@ -254,7 +249,7 @@ class ExpertStore:
             w_in, w_out = self.get((block, e))
             a, b = starts[e], starts[e + 1]
             out[a:b] = activate(rows[a:b].to(self.dtype) @ w_in.T, self.activation) @ w_out.T
-        return layer.dispatcher.combine(out, meta).to(tokens.dtype)
+        return out
 
     def close(self) -> None:
         """Drop the resident units and delete the spill file (if one was written)."""

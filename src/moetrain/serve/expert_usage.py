@@ -106,7 +106,7 @@ def calibrate_usage(model, token_ids: list[int], chunk: int | None = None, name:
         MoetrainError: fewer than 2 tokens, or a model without MoE layers.
     """
     from moetrain.serve.forward import StepBatch, StepRunner
-    from moetrain.serve.kv_cache import SlotKVCache
+    from moetrain.model.attention import KVCache
     from moetrain.serve.moe import StepPolicies
     from moetrain.serve.routing import RoutingPolicy
 
@@ -117,7 +117,7 @@ def calibrate_usage(model, token_ids: list[int], chunk: int | None = None, name:
     if len(token_ids) < 2:
         raise MoetrainError(f"{name}: needs at least 2 tokens, got {len(token_ids)}")
     size = chunk or cfg.max_seq_len
-    runner = StepRunner(model, SlotKVCache(1, cfg.n_layers, cfg.n_kv_heads, cfg.max_seq_len, cfg.head_size))
+    runner = StepRunner(model, KVCache(cfg.n_layers, 1, cfg.max_seq_len))
     counts = torch.zeros(len(blocks), model.blocks[blocks[0]].ffn.config.num_experts, dtype=torch.float64)
     for start in range(0, len(token_ids), size):
         part = token_ids[start:start + size]

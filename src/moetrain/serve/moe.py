@@ -1,18 +1,19 @@
-"""The MoE layer at inference: routing policy -> (masked) top-k -> the layer's own expert kernels.
+"""The MoE layer at inference: the step's routing policies as the layer's routing hook.
 
 Legend: T = tokens, D = hidden, E = experts, K = trained top-k, Kmax = the step's largest k.
 
 A variable number of experts per token is expressed as a fixed [T, Kmax] top-k with a ``keep`` mask: the gating
 weights of unkept candidates are zero and their assignments are dropped by the dispatcher (they sort after every
-expert's rows and are never computed: the experts see ``sum(keep)`` rows). When every token keeps all Kmax
-candidates (``fixed``, and ``load`` within a step), the step runs exactly the kernel the training layer runs
-(the fused dispatcher's one Function on one device, else dispatch -> experts -> combine) with nothing added, so
-the fixed case is not slowed down; the default policy even calls the layer's own router module, so outputs equal
-the training forward.
+expert's rows and are never computed: the experts see ``sum(keep)`` rows). The layer itself
+(:meth:`moetrain.moe.layer.MoELayer.forward` with ``routing=``) then runs its own dispatch, experts (or expert
+provider) and shared expert. When every token keeps all Kmax candidates (``fixed``, and ``load`` within a step),
+``keep`` is ``None`` and the layer runs exactly its training kernel (the fused dispatcher's one Function on one
+device); the default policy even calls the layer's own router module, so outputs equal the training forward.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -106,36 +107,26 @@ def route_with_policy(layer, tokens: torch.Tensor, policies: StepPolicies, int8:
     return ids, w, None if bool(keep.all()) else keep
 
 
-def experts_forward(layer, tokens: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                    keep: torch.Tensor | None) -> torch.Tensor:
-    """Routed experts of ``layer`` for T tokens: [T, D] -> [T, D] (tokens' dtype), assignments with
-    ``keep == False`` dropped (never computed)."""
-    ex = layer.experts
-    if keep is None and layer.dispatcher.fuses_experts:  # the fused backend's one-Function path (moe/fast_moe.py)
-        return layer.dispatcher.forward(tokens, ids, weights, ex).to(tokens.dtype)
-    if keep is None:
-        rows, tokens_per_expert, meta = layer.dispatcher.dispatch(tokens, ids, weights)
-    else:
-        rows, tokens_per_expert, meta = layer.dispatcher.dispatch(tokens, ids, weights, keep=keep)
-    return layer.dispatcher.combine(ex(rows, tokens_per_expert), meta).to(tokens.dtype)
+class StepRouting:
+    """The routing of one engine step through every MoE layer: a :data:`~moetrain.moe.layer.RoutingHook` given to
+    the model's blocks (``MoELayer.forward(x, routing=...)``), which records each layer's :class:`MoEStepStats`.
 
-
-def serve_moe(layer, x: torch.Tensor, policies: StepPolicies, int8: Int8Router | None = None,
-              experts_fn=experts_forward) -> tuple[torch.Tensor, MoEStepStats]:
-    """One MoE layer at inference: x [T, D] -> (y [T, D], :class:`MoEStepStats`).
-
-    ``experts_fn(layer, tokens, ids, weights, keep)`` computes the routed experts (default: the layer's kernels;
-    the hot/cold expert store passes its own). The shared expert (if any) is added as in training.
+    Args:
+        policies: the step's :class:`StepPolicies`.
+        int8_routers: MoE layer -> :class:`~moetrain.serve.routing.Int8Router` routing it instead of its fp32 router
+            weight (empty: fp32 routers).
+    Attributes:
+        stats: one :class:`MoEStepStats` per MoE layer called, in call (block) order.
     """
-    ids, weights, keep = route_with_policy(layer, x, policies, int8)
-    y = experts_fn(layer, x, ids, weights, keep)
-    if layer.shared_expert is not None:
-        shared = layer.shared_expert(x)
-        if layer.shared_expert_gate is not None:
-            shared = torch.sigmoid(layer.shared_expert_gate(x)) * shared
-        y = y + shared.to(y.dtype)
-    e = layer.config.num_experts
-    kept_ids = ids if keep is None else ids[keep]
-    counts = torch.bincount(kept_ids.reshape(-1), minlength=e)
-    k_used = torch.full((ids.shape[0],), ids.shape[1]) if keep is None else keep.sum(dim=1)
-    return y, MoEStepStats(counts, int(kept_ids.numel()), k_used)
+
+    def __init__(self, policies: StepPolicies, int8_routers: Mapping[object, Int8Router] | None = None):
+        self.policies, self.int8_routers = policies, int8_routers or {}
+        self.stats: list[MoEStepStats] = []
+
+    def __call__(self, layer, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        ids, weights, keep = route_with_policy(layer, tokens, self.policies, self.int8_routers.get(layer))
+        kept_ids = ids if keep is None else ids[keep]
+        counts = torch.bincount(kept_ids.reshape(-1), minlength=layer.config.num_experts)
+        k_used = torch.full((ids.shape[0],), ids.shape[1]) if keep is None else keep.sum(dim=1)
+        self.stats.append(MoEStepStats(counts, int(kept_ids.numel()), k_used))
+        return ids, weights, keep

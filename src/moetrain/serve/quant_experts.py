@@ -55,8 +55,8 @@ class Int8Weight:
 
 
 class Int8Experts:
-    """int8 copies of every MoE layer's routed experts, computed by :meth:`experts_forward` (the ``experts_fn`` of
-    :func:`moetrain.serve.moe.serve_moe`).
+    """int8 copies of every MoE layer's routed experts, computed by :meth:`experts_forward` (the layers' expert
+    provider, :meth:`moetrain.moe.layer.MoELayer.set_expert_provider`).
 
     Args:
         model: a :class:`~moetrain.model.transformer.MoETransformer` with its expert weights loaded.
@@ -92,15 +92,11 @@ class Int8Experts:
                 setattr(ex, name, torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
                                                      requires_grad=False))
 
-    def experts_forward(self, layer, tokens: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                        keep: torch.Tensor | None) -> torch.Tensor:
-        """The routed experts of ``layer``: tokens [T, D], ids / weights [T, K], keep [T, K] bool or ``None`` ->
-        [T, D] in the tokens' dtype (computed in fp32)."""
+    def experts_forward(self, layer, rows: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """The routed experts of ``layer`` from their int8 weights (its
+        :data:`~moetrain.moe.layer.ExpertProvider`): rows [R, D] grouped by expert, tokens_per_expert [E] int64 ->
+        [R, D] fp32."""
         w_in, w_out = self.weights[self._layer_blocks[id(layer)]]
-        if keep is None:
-            rows, tokens_per_expert, meta = layer.dispatcher.dispatch(tokens, ids, weights)
-        else:
-            rows, tokens_per_expert, meta = layer.dispatcher.dispatch(tokens, ids, weights, keep=keep)
         out = torch.zeros(rows.shape[0], rows.shape[1], dtype=torch.float32)
         start = 0
         for e, n in enumerate(tokens_per_expert.tolist()):  # one host sync
@@ -109,4 +105,4 @@ class Int8Experts:
                 h = (x @ w_in.q[e].float().T) * w_in.scale[e]  # [n_e, 2F]
                 out[start:start + n] = (activate(h, self.activation) @ w_out.q[e].float().T) * w_out.scale[e]
             start += n
-        return layer.dispatcher.combine(out, meta).to(tokens.dtype)
+        return out

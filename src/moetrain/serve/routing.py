@@ -13,8 +13,8 @@ The chosen experts' gating weights are the router's unbiased scores renormalised
 layer renormalises, as it does in training), then scaled by ``routed_scaling_factor``: with k = K this is exactly
 the training router's weights.
 
-Model code is untouched: the policy is applied by :func:`moetrain.serve.moe.serve_moe` from the layer's router
-weights; the training path never sees it.
+The policy enters the model as the MoE layers' routing hook (:class:`moetrain.serve.moe.StepRouting`, computed from
+the layer's router weights); the training path never sees it.
 """
 
 from __future__ import annotations
@@ -121,18 +121,20 @@ def tokens_k(probs_sorted: torch.Tensor, p: torch.Tensor, k_min: torch.Tensor, k
 
 class Int8Router:
     """A router weight [E, D] stored as int8 with one fp32 scale per row (expert): ``W ~= q * scale[:, None]``,
-    ``scale = max |W_e| / 127`` (symmetric, round to nearest). Logits are ``(x @ q^T) * scale`` in fp32; the int8
-    matrix is what is kept (4x smaller), the product runs on the dequantised fp32 copy made per call (CPU has no
-    int8 GEMM in PyTorch that beats it at E x D this small).
+    the experts' quantisation (:meth:`~moetrain.serve.quant_experts.Int8Weight.quantize`: ``scale = max |W_e| /
+    127``, symmetric, round to nearest). Logits are ``(x @ q^T) * scale`` in fp32; the int8 matrix is what is kept
+    (4x smaller), the product runs on the dequantised fp32 copy made per call (CPU has no int8 GEMM in PyTorch that
+    beats it at E x D this small).
 
     Args:
         weight: [E, D] float router weight.
     """
 
     def __init__(self, weight: torch.Tensor):
-        w = weight.detach().float()
-        self.scale = (w.abs().amax(dim=1) / 127.0).clamp(min=torch.finfo(torch.float32).tiny)  # [E]
-        self.q = torch.round(w / self.scale[:, None]).clamp(-127, 127).to(torch.int8)  # [E, D]
+        from moetrain.serve.quant_experts import Int8Weight
+
+        w = Int8Weight.quantize(weight[None])  # one "expert" [1, E, D]
+        self.q, self.scale = w.q[0], w.scale[0]  # [E, D] int8, [E] fp32
 
     def dequantized(self) -> torch.Tensor:
         """[E, D] fp32 ``q * scale``."""

@@ -65,8 +65,9 @@ class TrainConfig:
             variables).
         max_nonfinite_skips: a step with a non-finite loss or gradient norm is skipped (no update); this many
             consecutive skips stop the run with an error after a checkpoint of the last good state.
-        threads: ``torch.set_num_threads`` at the start of training (0: PyTorch's default, one per core); fewer
-            intra-op threads avoid oversubscribing a machine shared with other jobs.
+        threads: ``torch.set_num_threads`` at the start of training; 0 chooses by load: the usable cores less
+            those other processes keep busy at the start, at most PyTorch's default (moetrain.runtime.threads); N
+            fixes the count (needed for bit-exact resumes).
         time_budget_s: a wall-clock budget in seconds (0: none): the run stops after the step during which this
             process's training loop passed it (the clock starts after the evaluation before training; the periodic
             evaluations and checkpoints on the way count), with a final evaluation and a checkpoint as at

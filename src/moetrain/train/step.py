@@ -26,6 +26,7 @@ import torch
 from moetrain.data.batch import Batch, model_inputs, to_device
 from moetrain.model.transformer import MOE_LOSS_TERMS, MoETransformer
 from moetrain.moe.balancing import CountReducer
+from moetrain.moe.layer import MoELayer
 from moetrain.train.config import TrainConfig
 from moetrain.train.microbatch_weights import batch_moe_counts, micro_batch_weights, scaled, step_loss, term_share
 
@@ -159,15 +160,71 @@ def accumulate_gradients(
 
 
 @torch.no_grad()
-def update_expert_biases(model: MoETransformer, counts: torch.Tensor) -> None:
+def update_expert_biases(layers: Sequence[MoELayer], counts: torch.Tensor) -> None:
     """Apply the aux-loss-free bias update to every MoE layer that has an expert bias.
 
     Args:
+        layers: the MoE layers, in model order (a pipeline rank: its stages' layers).
         counts: [L, E] the step's counts per MoE layer (all micro-batches, all data-parallel ranks).
     """
-    for i, layer in enumerate(model.moe_layers()):
+    for i, layer in enumerate(layers):
         if layer.router.e_score_correction_bias is not None:
             layer.router.update_expert_bias(counts[i])
+
+
+def finish_step(
+    acc: Accumulated,
+    layers: Sequence[MoELayer],
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    config: TrainConfig,
+    clip: Callable[[float], torch.Tensor],
+    count_reducer: CountReducer | None = None,
+    reduce_mean: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> StepResult:
+    """Everything after the micro-batches' backward, for every layout (one process, data / expert parallel, a
+    pipeline rank): the losses averaged over ranks, clipping, the non-finite check, AdamW and the LR schedule, then
+    the expert-bias update.
+
+    Args:
+        acc: the step's losses and counts (:func:`accumulate_gradients`, or a pipeline schedule's).
+        layers: the MoE layers whose counts ``acc`` holds, in order (their expert biases are updated).
+        clip: clips the gradients to the given max norm and returns the global norm (a scalar tensor) before
+            clipping; under data parallelism it also makes them the global batch's where backward did not.
+        count_reducer: sums [L, E] counts over the data-parallel ranks (for the expert-bias update when no pre-pass
+            counted the step); ``None`` on one rank.
+        reduce_mean: the mean over data-parallel ranks of a 1-D tensor of this rank's losses, so that every rank
+            reports, and decides to skip a non-finite step on, the same values; ``None`` on one rank.
+    """
+    if reduce_mean is not None:
+        names = list(acc.moe_losses)
+        means = reduce_mean(torch.stack([acc.lm_loss, *acc.moe_losses.values()]))
+        acc.lm_loss, acc.moe_losses = means[0], dict(zip(names, means[1:]))
+    lm, aux, z = acc.lm_loss, acc.moe_losses["aux_loss"], acc.moe_losses["z_loss"]
+    grad_norm = clip(config.grad_clip if config.grad_clip > 0 else float("inf"))
+    lr = float(scheduler.get_last_lr()[0])  # a float already (LambdaLR)
+    result = StepResult(lm_loss=lm, aux_loss=aux, z_loss=z, grad_norm=grad_norm, lr=lr,
+                        tokens_per_expert=list(acc.tokens_per_expert.unbind(0)), moe_losses=acc.moe_losses,
+                        dropped_per_expert=list(acc.dropped_per_expert.unbind(0)))
+    # A non-finite loss or gradient would poison the weights and AdamW's moments for good: skip the update and
+    # leave the schedule where it is (as Megatron-LM does). Costs one host sync per step (the trainer reads the
+    # loss every step anyway). A non-finite gradient makes the norm non-finite, so the norm covers all of them.
+    checked = torch.stack([lm, aux, z, acc.moe_losses["moe_loss"], grad_norm.to(lm.dtype)])
+    if not bool(torch.isfinite(checked).all()):
+        optimizer.zero_grad(set_to_none=True)
+        result.skipped = True
+        return result
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    if any(layer.router.e_score_correction_bias is not None for layer in layers):
+        step_counts = acc.global_counts
+        if step_counts is None:
+            step_counts = acc.tokens_per_expert
+            if count_reducer is not None:
+                step_counts = count_reducer(step_counts.clone())
+        update_expert_biases(layers, step_counts)
+    return result
 
 
 def train_step(
@@ -181,49 +238,22 @@ def train_step(
     sync_grads: Callable[[float], torch.Tensor] | None = None,
     reduce_mean: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> StepResult:
-    """Run ``config.grad_accum`` micro-batches from ``next_batch()`` (inputs, targets [B, S] int64), then clip and
-    step the optimizer and scheduler, then update the expert biases.
+    """Run ``config.grad_accum`` micro-batches from ``next_batch()`` (inputs, targets [B, S] int64), then
+    :func:`finish_step` (clip, step the optimizer and scheduler, update the expert biases).
 
     Args:
         count_reducer: data parallelism only: sums [L, E] expert counts over the DP ranks (for the global-batch aux
             loss and the expert-bias update); ``None`` on a single rank.
-        sync_grads: data / expert parallelism only: turns this rank's gradients into the global batch's (the
-            all-reduces), clips them to the given max norm and returns the global norm
+        sync_grads: data / expert parallelism only: turns this rank's gradients into the global batch's where
+            backward did not, clips them to the given max norm and returns the global norm
             (:meth:`moetrain.parallel.launch.ParallelHooks.sync_grads`); ``None``: ``clip_grad_norm_`` here.
-        reduce_mean: data parallelism only: the mean over ranks of a 1-D tensor of this rank's losses, so that
-            every rank reports, and decides to skip a non-finite step on, the same values.
+        reduce_mean: data parallelism only: the mean over ranks of a 1-D tensor of this rank's losses.
     """
     batches = [next_batch() for _ in range(config.grad_accum)]
     acc = accumulate_gradients(model, batches, config.dtype, device, count_reducer)
-    if reduce_mean is not None:
-        names = list(acc.moe_losses)
-        means = reduce_mean(torch.stack([acc.lm_loss, *acc.moe_losses.values()]))
-        acc.lm_loss, acc.moe_losses = means[0], dict(zip(names, means[1:]))
-    lm, aux, z = acc.lm_loss, acc.moe_losses["aux_loss"], acc.moe_losses["z_loss"]
-    counts = list(acc.tokens_per_expert.unbind(0))
-    dropped = list(acc.dropped_per_expert.unbind(0))
-    max_norm = config.grad_clip if config.grad_clip > 0 else float("inf")
-    grad_norm = (torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) if sync_grads is None
-                 else sync_grads(max_norm))
-    lr = float(scheduler.get_last_lr()[0])  # a float already (LambdaLR)
-    result = StepResult(lm_loss=lm, aux_loss=aux, z_loss=z, grad_norm=grad_norm, lr=lr, tokens_per_expert=counts,
-                        moe_losses=acc.moe_losses, dropped_per_expert=dropped)
-    # A non-finite loss or gradient would poison the weights and AdamW's moments for good: skip the update and
-    # leave the schedule where it is (as Megatron-LM does). Costs one host sync per step (the trainer reads the
-    # loss every step anyway). A non-finite gradient makes the norm non-finite, so the norm covers all of them.
-    checked = torch.stack([lm, aux, z, acc.moe_losses["moe_loss"], grad_norm.to(lm.dtype)])
-    if not bool(torch.isfinite(checked).all()):
-        optimizer.zero_grad(set_to_none=True)
-        result.skipped = True
-        return result
-    optimizer.step()
-    scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-    if any(layer.router.e_score_correction_bias is not None for layer in model.moe_layers()):
-        step_counts = acc.global_counts
-        if step_counts is None:
-            step_counts = acc.tokens_per_expert
-            if count_reducer is not None:
-                step_counts = count_reducer(step_counts.clone())
-        update_expert_biases(model, step_counts)
-    return result
+
+    def clip(max_norm: float) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+    return finish_step(acc, model.moe_layers(), optimizer, scheduler, config, sync_grads or clip, count_reducer,
+                       reduce_mean)

@@ -439,7 +439,7 @@ class Trainer:
         optimizer, schedule, data sampler."""
         cfg, t = self.config, self.config.train
         # FSDP2 / pipeline engine: on the meta device, this rank's shards materialised by prepare_model
-        model = self.hooks.build_model(cfg.model, self.device, t.seed, cfg.parallel.meta_init)
+        model = self.hooks.build_model(cfg.model, self.device, t.seed)
         if ckpt is None and self.init_weights is not None:
             load_model_weights(model, self.init_weights, "--init-from")
         total, active = count_parameters(cast(MoETransformer, model))  # build_model's MoETransformer

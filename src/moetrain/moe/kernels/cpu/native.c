@@ -34,12 +34,16 @@ typedef uint16_t vh __attribute__((vector_size(2 * L)));
 static inline vf splat(float x) { return x - (vf){0}; }
 static inline vf sel(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
 
+/* Cody-Waite reduction constants of vexp: 1 / ln 2, and ln 2 split so that n * LN2_HI is exact */
+static const float LOG2E = 1.44269504088896341f;
+static const float LN2_HI = 0.693359375f, LN2_LO = 2.12194440e-4f; /* ln 2 = LN2_HI - LN2_LO */
+
 static inline vf vexp(vf x) {
     vf xc = sel(x < splat(-87.33654f), splat(-87.33654f), x);
     xc = sel(xc > splat(88.72283f), splat(88.72283f), xc);
     const vf magic = splat(12582912.0f);           /* 1.5 * 2^23: adding and subtracting it rounds to an integer */
-    vf n = (xc * splat(1.44269504088896341f) + magic) - magic;
-    vf r = xc - n * splat(0.693359375f) + n * splat(2.12194440e-4f); /* ln 2 = 0.693359375 - 2.12194440e-4 */
+    vf n = (xc * splat(LOG2E) + magic) - magic;
+    vf r = xc - n * splat(LN2_HI) + n * splat(LN2_LO);
     vf p = splat(1.9875691500e-4f);
     p = p * r + splat(1.3981999507e-3f);
     p = p * r + splat(8.3334519073e-3f);

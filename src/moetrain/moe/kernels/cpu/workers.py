@@ -10,7 +10,10 @@ backward 1.95x -> 1.36x the dense-limit time in bf16 and 1.16x -> 1.05x in fp32;
 Results do not depend on the scheduling: every item (a block of experts) writes its own rows and its own experts'
 weight gradients, with single-threaded kernels. The calling thread is one of the workers; the others come from a
 process-wide thread pool (rebuilt after a fork). While they run, PyTorch's intra-op thread count is 1 (it is
-process-wide state), then restored.
+process-wide state), then restored. Gradient tracking is off in every worker, and each runs under the caller's
+``torch.inference_mode`` state: that state is thread-local, and a worker outside it may not write a buffer the
+caller allocated inside it (an inference tensor: PyTorch raises "Inplace update to inference tensor outside
+InferenceMode").
 
 **The workers are PyTorch's own OpenMP threads** where PyTorch runs its intra-op work on an OpenMP runtime that this
 module can find (Linux; GNU libgomp in the PyTorch wheels, whose ``GOMP_parallel`` Intel's and LLVM's runtimes also
@@ -114,8 +117,9 @@ def workers_for(device: torch.device) -> int:
 def run_largest_first(fn: Callable[[T], None], items: Sequence[T], sizes: Sequence[int]) -> None:
     """``fn(item)`` for every item, on single-threaded workers that each take the largest item left whenever they
     are free (a shared queue), when PyTorch has several intra-op threads; inline otherwise. ``fn`` runs without
-    gradient tracking. Re-raises the first exception (the other workers stop at their next item), also an
-    interrupt of the wait, and only once every worker has stopped (they write into the caller's buffers).
+    gradient tracking, in the caller's ``torch.inference_mode`` state (see the module docstring). Re-raises the
+    first exception (the other workers stop at their next item), also an interrupt of the wait, and only once every
+    worker has stopped (they write into the caller's buffers).
 
     Why a queue rather than a fixed split: the cores of a shared machine do not run at the same speed from moment
     to moment, and experts' row counts differ; a worker that falls behind takes fewer items instead of holding up
@@ -131,6 +135,7 @@ def run_largest_first(fn: Callable[[T], None], items: Sequence[T], sizes: Sequen
                 fn(items[i])
         return
     queue = iter(order)
+    inference = torch.is_inference_mode_enabled()  # thread-local: each worker enters it again
     lock = threading.Lock()
     failed = threading.Event()
     team = _openmp_team()
@@ -139,7 +144,7 @@ def run_largest_first(fn: Callable[[T], None], items: Sequence[T], sizes: Sequen
     def work() -> None:
         try:
             torch.set_num_threads(1)
-            with torch.no_grad():
+            with torch.inference_mode() if inference else torch.no_grad():
                 while not failed.is_set():
                     with lock:
                         i = next(queue, None)

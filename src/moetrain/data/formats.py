@@ -1,0 +1,534 @@
+"""Corpus formats: each file (or folder) of a corpus read as a stream of documents, in bounded memory.
+
+Text formats give :class:`~moetrain.data.corpus.Document` (name, text):
+
+* a plain file: one document (UTF-8; binary or non-UTF-8 files are skipped and counted);
+* JSON lines (``.jsonl``; ``.json`` when its first line is a JSON object with the text field, else the file is a
+  plain document, as a ``package.json`` in a source tree is): one document per line, its ``data.text_field``;
+* parquet (``.parquet``, read one row group at a time with pyarrow) and Arrow IPC files (``.arrow``, as
+  ``datasets`` writes them): one document per row of the ``data.text_field`` column;
+* a Hugging Face ``datasets`` folder (``Dataset.save_to_disk``; a ``DatasetDict`` folder gives its ``train``
+  split), read with ``datasets.load_from_disk`` (local, no network).
+
+Any file may be compressed: ``.gz`` (gzip) or ``.zst`` / ``.zstd`` (zstandard), decompressed as a stream. A record's
+document is named ``<path without its format and compression suffixes>:<record number>`` (1-based line number for
+JSON lines, row number otherwise), so the same rows stored as ``rows.parquet``, ``rows.jsonl.zst`` or a ``rows``
+``datasets`` folder have the same names, the same validation split and the same token stream.
+
+Pre-tokenized formats give :class:`TokenDocument` (name, ids) and need the tokenizer the ids were made with:
+
+* Megatron-Core's indexed dataset (``prefix.bin`` + ``prefix.idx``, as ``tools/preprocess_data.py`` writes it):
+  document d is the tokens of its sequences ``document_indices[d] .. document_indices[d + 1]``, a trailing
+  end-of-text token (``--append-eod``) dropped, since the stream puts one after every document. Read with numpy
+  from the layout of ``megatron.core.datasets.indexed_dataset`` (``_IndexWriter``), tested against its own
+  ``IndexedDatasetBuilder`` and ``IndexedDataset`` (tests/test_data_formats.py).
+* a flat binary of token ids (nanoGPT's ``train.bin``) of a stated ``data.token_dtype``: documents are the spans
+  between end-of-text tokens.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import os
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from moetrain.errors import DataError
+
+COMPRESSION_SUFFIXES = (".gz", ".zst", ".zstd")
+RECORD_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow")
+# A file with a NUL byte in its first 8 KiB is binary (the heuristic git and grep use).
+BINARY_PROBE_BYTES = 8192
+# Rows per batch when reading a `datasets` folder (its Arrow table is memory-mapped; a batch is a zero-copy slice).
+_DATASETS_BATCH_ROWS = 4096
+# Tokens per block when a flat binary is cut at its end-of-text tokens (64 MiB of uint16 ids).
+_FLAT_BLOCK_TOKENS = 1 << 25
+
+# Megatron-Core's indexed dataset (megatron/core/datasets/indexed_dataset.py): the .idx header, then
+# version <Q (1), dtype code <B, sequence count <Q, document count <Q, int32 sequence lengths, int64 sequence byte
+# offsets into the .bin, int64 document indices (sequence index where each document starts; first 0, last the count).
+MEGATRON_HEADER = b"MMIDIDX\x00\x00"
+MEGATRON_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32,
+                   8: np.uint16}
+
+
+@dataclass(frozen=True)
+class TokenDocument:
+    """One pre-tokenized document.
+
+    Fields:
+        name: ``<file stem>:<document number>`` (1-based), unique within the corpus.
+        ids: [n] integer token ids (a read-only view of a memmap; n >= 1), without a trailing end-of-text token.
+    """
+
+    name: str
+    ids: np.ndarray
+
+
+@dataclass
+class Counts:
+    """What reading skipped (mutable; :class:`~moetrain.data.corpus.ReadStats` is its frozen summary)."""
+
+    binary: int = 0
+    unreadable: int = 0
+    empty: int = 0
+    bad_lines: int = 0
+
+
+# -- names and compression ------------------------------------------------------------------------------------------
+
+def compression_of(path: Path) -> str | None:
+    """``'.gz'``, ``'.zst'`` / ``'.zstd'`` or ``None``, from the file name."""
+    return path.suffix if path.suffix in COMPRESSION_SUFFIXES else None
+
+
+def inner_suffix(path: Path) -> str:
+    """The format suffix under any compression suffix: ``rows.jsonl.zst`` -> ``.jsonl``."""
+    return Path(path.stem).suffix if compression_of(path) else path.suffix
+
+
+def record_stem(name: str) -> str:
+    """``name`` without its compression and record-format suffixes: ``dir/rows.jsonl.zst`` -> ``dir/rows``."""
+    for suffixes in (COMPRESSION_SUFFIXES, RECORD_SUFFIXES):
+        for s in suffixes:
+            if name.endswith(s) and len(name) > len(s):
+                name = name[: -len(s)]
+                break
+    return name
+
+
+def open_stream(path: Path) -> io.BufferedIOBase:
+    """``path`` opened for binary reading, decompressed as a stream when it is ``.gz`` / ``.zst``."""
+    kind = compression_of(path)
+    if kind == ".gz":
+        return gzip.open(path, "rb")
+    if kind in (".zst", ".zstd"):
+        return io.BufferedReader(_ZstdReader(path), buffer_size=1 << 20)
+    return open(path, "rb")
+
+
+class _ZstdReader(io.RawIOBase):
+    """A zstandard file decompressed as a stream, frame after frame (``zstd -c a b > c`` and pzstd write several),
+    that raises on a file ending inside a frame: zstandard's own ``stream_reader`` returns a truncated file's
+    decodable part without an error."""
+
+    def __init__(self, path: Path):
+        import zstandard  # a core dependency; imported here because most corpora are not zstd
+
+        self._zstd = zstandard
+        self._file = open(path, "rb")
+        self._decompressor = zstandard.ZstdDecompressor()
+        self._frame = self._decompressor.decompressobj()
+        self._fed = False  # the current frame has received input
+        self._out, self._pos = b"", 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        while self._pos == len(self._out):
+            chunk = self._file.read(1 << 20)
+            if not chunk:
+                if self._fed:
+                    raise self._zstd.ZstdError("the file ends inside a zstd frame")
+                return 0
+            out = []
+            while chunk:
+                out.append(self._frame.decompress(chunk))
+                self._fed = True
+                if not self._frame.eof:
+                    break
+                chunk = self._frame.unused_data  # the next frame
+                self._frame, self._fed = self._decompressor.decompressobj(), False
+            self._out, self._pos = b"".join(out), 0
+        n = min(len(buffer), len(self._out) - self._pos)
+        buffer[:n] = self._out[self._pos : self._pos + n]
+        self._pos += n
+        return n
+
+    def close(self) -> None:
+        self._file.close()
+        super().close()
+
+
+def corrupt(path: Path, e: BaseException) -> DataError:
+    """The error for a compressed or columnar file that ends early or does not decode."""
+    reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+    return DataError(f"'{path}' is truncated or corrupt ({reason}); re-download or re-write it, or remove it "
+                     f"from data.path")
+
+
+def _read_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that mean a file's bytes are damaged (truncated gzip / zstd stream, bad parquet / Arrow)."""
+    errors: list[type[BaseException]] = [EOFError, gzip.BadGzipFile, OSError]
+    try:
+        import zstandard
+
+        errors.append(zstandard.ZstdError)
+    except ImportError:  # pragma: no cover -- zstandard is a dependency
+        pass
+    try:
+        import pyarrow as pa
+
+        errors.append(pa.ArrowException)
+    except ImportError:  # pragma: no cover -- pyarrow is a dependency
+        pass
+    return tuple(errors)
+
+
+# -- text documents -------------------------------------------------------------------------------------------------
+
+def is_datasets_folder(path: Path) -> bool:
+    """Whether ``path`` is a folder written by ``datasets``' ``save_to_disk`` (a ``Dataset`` or ``DatasetDict``)."""
+    return path.is_dir() and ((path / "state.json").is_file() and (path / "dataset_info.json").is_file()
+                              or (path / "dataset_dict.json").is_file())
+
+
+def iter_text_documents(path: Path, name: str, text_field: str, counts: Counts) -> Iterator[tuple[str, str]]:
+    """The ``(name, text)`` documents of one corpus file (or ``datasets`` folder), in order; skips are counted.
+
+    Args:
+        path: the file or folder.
+        name: its path relative to the corpus root (posix); whole-file documents keep it, records get
+            ``<record_stem(name)>:<n>``.
+        text_field: the record field holding the text.
+        counts: incremented for what is skipped.
+    Raises:
+        DataError: a record file without the text field anywhere (a missing column, or no line with it), a column
+            that is not text, or a file that is truncated or corrupt.
+    """
+    try:
+        if path.is_dir():
+            yield from _datasets_folder(path, record_stem(name), text_field, counts)
+            return
+        suffix = inner_suffix(path)
+        if suffix == ".parquet":
+            yield from _parquet(path, record_stem(name), text_field, counts)
+        elif suffix == ".arrow":
+            yield from _arrow(path, record_stem(name), text_field, counts)
+        elif suffix == ".jsonl" or (suffix == ".json" and _first_line_is_record(path, text_field)):
+            yield from _json_lines(path, record_stem(name), text_field, counts)
+        else:
+            yield from _whole_file(path, name, counts)
+    except DataError:
+        raise
+    except (PermissionError, FileNotFoundError, IsADirectoryError):
+        counts.unreadable += 1  # as before: counted, not fatal
+    except _read_errors() as e:
+        if isinstance(e, OSError) and not compression_of(path) and inner_suffix(path) not in (".parquet", ".arrow"):
+            counts.unreadable += 1  # another I/O error on a plain file
+            return
+        raise corrupt(path, e) from None
+
+
+def decode(raw: bytes) -> str | None:
+    """UTF-8 text of ``raw``; ``None`` for binary (a NUL byte in the first 8 KiB) or non-UTF-8 bytes."""
+    if b"\0" in raw[:BINARY_PROBE_BYTES]:
+        return None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+def _whole_file(path: Path, name: str, counts: Counts) -> Iterator[tuple[str, str]]:
+    with open_stream(path) as f:
+        raw = f.read()
+    text = decode(raw)
+    if text is None:
+        counts.binary += 1
+    elif not text:
+        counts.empty += 1
+    else:
+        yield name, text
+
+
+def _first_line_is_record(path: Path, text_field: str) -> bool:
+    """Whether the first line of a ``.json`` file is a JSON object with a string ``text_field`` (JSON lines)."""
+    with open_stream(path) as f:
+        line = f.readline()
+    try:
+        record = json.loads(line)
+    except ValueError:  # JSONDecodeError and UnicodeDecodeError
+        return False
+    return isinstance(record, dict) and isinstance(record.get(text_field), str)
+
+
+def _json_lines(path: Path, stem: str, text_field: str, counts: Counts) -> Iterator[tuple[str, str]]:
+    """One document per line with a non-empty string field; lines split at ``\\n`` only (JSON keeps U+2028 raw)."""
+    lines = bad = kept = 0
+    with open_stream(path) as f:
+        head = f.peek(BINARY_PROBE_BYTES)[:BINARY_PROBE_BYTES] if hasattr(f, "peek") else b""
+        if b"\0" in head:
+            counts.binary += 1
+            return
+        for lineno, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            lines += 1
+            try:
+                record = json.loads(raw)
+            except ValueError:  # JSONDecodeError and UnicodeDecodeError
+                bad += 1
+                continue
+            text = record.get(text_field) if isinstance(record, dict) else None
+            if not isinstance(text, str):
+                bad += 1
+            elif not text:
+                counts.empty += 1
+            else:
+                kept += 1
+                yield f"{stem}:{lineno}", text
+    counts.bad_lines += bad
+    if not kept and bad:
+        raise DataError(f"no usable text in '{path}': {bad} of {lines} lines are not JSON objects with a string "
+                        f"'{text_field}' field (set data.text_field to the field that holds the text)")
+    if not lines:
+        counts.empty += 1
+
+
+def _text_column(path: Path, schema: Any, text_field: str) -> None:
+    """Raise when the Arrow ``schema`` has no string column ``text_field``."""
+    import pyarrow as pa
+
+    if text_field not in schema.names:
+        raise DataError(f"'{path}' has no column '{text_field}' (columns: {', '.join(schema.names)}); set "
+                        f"data.text_field to the column that holds the text")
+    tp = schema.field(text_field).type
+    if not (pa.types.is_string(tp) or pa.types.is_large_string(tp) or pa.types.is_string_view(tp)):
+        raise DataError(f"'{path}': column '{text_field}' holds {tp}, not text (strings); set data.text_field to "
+                        f"the column that holds the text")
+
+
+def _rows(texts: list[Any], stem: str, first_row: int, counts: Counts) -> Iterator[tuple[str, str]]:
+    """Documents of consecutive rows ``first_row, first_row + 1, ...`` (1-based); null texts count as bad."""
+    for i, text in enumerate(texts):
+        if text is None:
+            counts.bad_lines += 1
+        elif not text:
+            counts.empty += 1
+        else:
+            yield f"{stem}:{first_row + i}", text
+
+
+def _parquet(path: Path, stem: str, text_field: str, counts: Counts) -> Iterator[tuple[str, str]]:
+    import pyarrow.parquet as pq
+
+    with pq.ParquetFile(path) as pf:
+        _text_column(path, pf.schema_arrow, text_field)
+        row = 1
+        for g in range(pf.num_row_groups):  # one row group in memory at a time
+            texts = pf.read_row_group(g, columns=[text_field]).column(0).to_pylist()
+            yield from _rows(texts, stem, row, counts)
+            row += len(texts)
+
+
+def _arrow(path: Path, stem: str, text_field: str, counts: Counts) -> Iterator[tuple[str, str]]:
+    import pyarrow as pa
+
+    with pa.memory_map(str(path)) as source:
+        try:
+            reader: Any = pa.ipc.open_stream(source)  # what datasets writes
+        except pa.ArrowInvalid:
+            source.seek(0)
+            reader = pa.ipc.open_file(source)
+        _text_column(path, reader.schema, text_field)
+        batches = (reader.get_batch(i) for i in range(reader.num_record_batches)) \
+            if isinstance(reader, pa.ipc.RecordBatchFileReader) else reader
+        row = 1
+        for batch in batches:
+            texts = batch.column(text_field).to_pylist()
+            yield from _rows(texts, stem, row, counts)
+            row += len(texts)
+
+
+def _datasets_folder(path: Path, stem: str, text_field: str, counts: Counts) -> Iterator[tuple[str, str]]:
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(f"'{path}' is a Hugging Face datasets folder: install the 'datasets' package "
+                        f"(pip install 'moetrain[data]')") from None
+    ds: Any = datasets.load_from_disk(str(path))
+    if isinstance(ds, datasets.DatasetDict):
+        if "train" not in ds:
+            raise DataError(f"'{path}' is a DatasetDict without a 'train' split (splits: {', '.join(ds)}); point "
+                            f"data.path at the split's folder")
+        ds = ds["train"]
+    _text_column(path, ds.data.schema, text_field)
+    row = 1
+    for batch in ds.with_format("arrow").iter(batch_size=_DATASETS_BATCH_ROWS):
+        texts = batch.column(text_field).to_pylist()
+        yield from _rows(texts, stem, row, counts)
+        row += len(texts)
+
+
+# -- pre-tokenized documents ----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Pretokenized:
+    """A pre-tokenized corpus at ``data.path``.
+
+    Fields:
+        kind: ``'megatron'`` or ``'flat'``.
+        files: the files it is read from (``[prefix.bin, prefix.idx]``, or ``[file.bin]``).
+        name: the documents' name stem (the prefix's or file's name without ``.bin``).
+    """
+
+    kind: str
+    files: tuple[Path, ...]
+    name: str
+
+
+def find_pretokenized(path: str | None) -> Pretokenized | None:
+    """The pre-tokenized corpus ``path`` names, or ``None`` for text input.
+
+    A Megatron indexed dataset is named by its prefix or either of its two files (both must exist); any other
+    ``.bin`` file is a flat binary of token ids.
+    """
+    if path is None:
+        return None
+    p = Path(path).expanduser()
+    prefix = p.with_suffix("") if p.suffix in (".bin", ".idx") else p
+    idx, binary = prefix.with_name(prefix.name + ".idx"), prefix.with_name(prefix.name + ".bin")
+    if idx.is_file() and binary.is_file() and (p.suffix in (".bin", ".idx") or not p.exists()):
+        return Pretokenized("megatron", (binary, idx), prefix.name)
+    if p.suffix == ".idx" and p.is_file():
+        raise DataError(f"data path '{path}' is a Megatron index without its data file '{binary}'")
+    if p.suffix == ".bin" and p.is_file():
+        return Pretokenized("flat", (p,), prefix.name)
+    return None
+
+
+@dataclass(frozen=True)
+class MegatronIndex:
+    """The ``.idx`` of a Megatron-Core indexed dataset.
+
+    Fields:
+        dtype: the token dtype its header states.
+        sequence_lengths: [sequences] int32 tokens per sequence.
+        sequence_pointers: [sequences] int64 byte offset of each sequence in the ``.bin``.
+        document_indices: [documents + 1] int64: document d is sequences ``[document_indices[d],
+            document_indices[d + 1])``.
+    """
+
+    dtype: np.dtype
+    sequence_lengths: np.ndarray
+    sequence_pointers: np.ndarray
+    document_indices: np.ndarray
+
+    @classmethod
+    def read(cls, idx: Path, binary: Path) -> MegatronIndex:
+        """Read and check ``idx`` against the size of ``binary``.
+
+        Raises:
+            DataError: not a Megatron index (header, version, dtype code), an index shorter than its counts say,
+                or a ``.bin`` shorter than the index says (truncated).
+        """
+        with open(idx, "rb") as f:
+            head = f.read(34)
+        if len(head) < 34 or head[:9] != MEGATRON_HEADER:
+            raise DataError(f"'{idx}' is not a Megatron-Core indexed dataset index (no {MEGATRON_HEADER!r} header)")
+        version, code, n_seq, n_doc = struct.unpack("<QBQQ", head[9:34])
+        if version != 1 or code not in MEGATRON_DTYPES:
+            raise DataError(f"'{idx}': unsupported Megatron index version {version} or dtype code {code}")
+        dtype = np.dtype(MEGATRON_DTYPES[code])
+        if dtype.kind == "f":
+            raise DataError(f"'{idx}' holds {dtype} values, not token ids")
+        need = 34 + 4 * n_seq + 8 * n_seq + 8 * n_doc
+        if os.path.getsize(idx) < need:
+            raise DataError(f"'{idx}' is truncated: {os.path.getsize(idx)} bytes, its header says at least {need}")
+        mm = np.memmap(idx, mode="r", dtype=np.uint8)
+        lengths = np.frombuffer(mm, dtype=np.int32, count=n_seq, offset=34)
+        pointers = np.frombuffer(mm, dtype=np.int64, count=n_seq, offset=34 + 4 * n_seq)
+        docs = np.frombuffer(mm, dtype=np.int64, count=n_doc, offset=34 + 12 * n_seq)
+        end = int(pointers[-1]) + int(lengths[-1]) * dtype.itemsize if n_seq else 0
+        size = os.path.getsize(binary)
+        if size < end:
+            raise DataError(f"'{binary}' is truncated: {size} bytes, its index '{idx.name}' needs {end} "
+                            f"({n_seq} sequences of {dtype}); rebuild it or copy it again")
+        return cls(dtype, lengths, pointers, docs)
+
+
+def check_dtype(given: str | None, actual: np.dtype, where: Path) -> None:
+    """Raise when ``data.token_dtype`` was given and differs from the dtype ``where`` states."""
+    if given is not None and np.dtype(given) != actual:
+        raise DataError(f"data.token_dtype: '{given}' does not match '{where}', which holds {actual} ids")
+
+
+def iter_token_documents(corpus: Pretokenized, token_dtype: str | None, eos_id: int, vocab_size: int,
+                         counts: Counts) -> Iterator[TokenDocument]:
+    """The documents of a pre-tokenized corpus, in order; empty ones are counted in ``counts.empty``.
+
+    Args:
+        corpus: from :func:`find_pretokenized`.
+        token_dtype: ``data.token_dtype`` (required for a flat binary).
+        eos_id: the tokenizer's end-of-text id: documents are cut at it in a flat binary; a Megatron document's
+            trailing one is dropped.
+        vocab_size: the tokenizer's vocabulary size; every id must be below it.
+    Raises:
+        DataError: a flat binary without ``token_dtype`` or whose size is not a multiple of it, a dtype that
+            disagrees with the Megatron index, a truncated ``.bin``, or an id outside ``[0, vocab_size)``.
+    """
+    if corpus.kind == "megatron":
+        binary, idx = corpus.files
+        index = MegatronIndex.read(idx, binary)
+        check_dtype(token_dtype, index.dtype, idx)
+        tokens = np.memmap(binary, mode="r", dtype=index.dtype) if os.path.getsize(binary) else np.zeros(0, index.dtype)
+        starts = index.sequence_pointers // index.dtype.itemsize
+        bounds = index.document_indices
+        for d in range(len(bounds) - 1):
+            s0, s1 = int(bounds[d]), int(bounds[d + 1])
+            if s1 <= s0:
+                counts.empty += 1
+                continue
+            # a document's sequences are consecutive in the .bin (the builder writes them in order)
+            ids = tokens[int(starts[s0]) : int(starts[s1 - 1]) + int(index.sequence_lengths[s1 - 1])]
+            if len(ids) and ids[-1] == eos_id:
+                ids = ids[:-1]
+            if not len(ids):
+                counts.empty += 1
+                continue
+            _check_ids(ids, vocab_size, binary, int(starts[s0]), "")
+            yield TokenDocument(f"{corpus.name}:{d + 1}", ids)
+        return
+    (path,) = corpus.files
+    if token_dtype is None:
+        raise DataError(f"data path '{path}' is a flat binary of token ids: set data.token_dtype to their type "
+                        f"(uint16 for nanoGPT's GPT-2 train.bin)")
+    dtype = np.dtype(token_dtype)
+    size = os.path.getsize(path)
+    if size % dtype.itemsize:
+        raise DataError(f"'{path}' has {size} bytes, not a whole number of {dtype} ids ({dtype.itemsize} bytes "
+                        f"each): data.token_dtype is wrong or the file is truncated")
+    tokens = np.memmap(path, mode="r", dtype=dtype) if size else np.zeros(0, dtype)
+    hint = f"; is data.token_dtype={token_dtype} the type the file was written with?"
+    doc, start = 1, 0
+    for block in range(0, len(tokens), _FLAT_BLOCK_TOKENS):
+        chunk = tokens[block : block + _FLAT_BLOCK_TOKENS]
+        _check_ids(chunk, vocab_size, path, block, hint)
+        for end in (block + np.flatnonzero(chunk == eos_id)).tolist():
+            if end > start:
+                yield TokenDocument(f"{corpus.name}:{doc}", tokens[start:end])
+            else:
+                counts.empty += 1
+            doc, start = doc + 1, end + 1
+    if start < len(tokens):  # a last document without an end-of-text token
+        yield TokenDocument(f"{corpus.name}:{doc}", tokens[start:])
+
+
+def _check_ids(ids: np.ndarray, vocab_size: int, path: Path, offset: int, hint: str) -> None:
+    if not len(ids):
+        return
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= vocab_size:
+        bad = lo if lo < 0 else hi
+        at = offset + int(np.flatnonzero(ids == bad)[0])
+        raise DataError(f"'{path}': token id {bad} at token {at:,} is outside the tokenizer's vocabulary of "
+                        f"{vocab_size} (data.tokenizer must be the tokenizer these ids were made with{hint or ''})")
