@@ -8,8 +8,8 @@ busiest rank's peak of :func:`moetrain.parallel.memory.rank_memory` (what ``moet
 Measured: each rank's ``mem/rank{R}/peak_bytes - mem/rank{R}/baseline_bytes`` of the last ``metrics.jsonl`` record
 (peak resident memory from the start of training minus the resident memory before the model was built:
 train/memory_stats.py), the busiest rank's, with glibc's malloc set by :data:`ALLOCATOR` (``--glibc-defaults``:
-not). Writes ``results/<date>-memory-by-layout[-glibc-defaults].json`` (date, CPU model, commit, command,
-environment, figures) and prints a Markdown table.
+not). Writes ``results/<date>-memory-by-layout[-glibc-defaults].json`` (a record of ``results/README.md``: title, date,
+CPU model, commit, command, table, notes) and prints a Markdown table.
 """
 
 from __future__ import annotations
@@ -107,8 +107,21 @@ def main() -> int:
                   f"({got / want:.2f})", flush=True)
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     date = datetime.date.today().isoformat()
-    record = {"date": date, "cpu": cpu_model(), "commit": commit, "command": shlex.join(["python", *sys.argv]),
-              "model_overrides": MODEL, "steps": args.steps, "environment": allocator, "figures": rows}
+    env_words = " ".join(f"{k}={v}" for k, v in allocator.items()) or "glibc malloc defaults"
+    which = "glibc defaults" if args.glibc_defaults else "glibc heap set"
+    record = {"title": f"Per-rank memory by layout: predicted vs measured ({which})",
+              "section": "Memory", "date": date, "cpu": cpu_model(), "commit": commit,
+              "command": shlex.join(["python", *sys.argv]),
+              "table": {"columns": ["layout", "processes", "predicted MB", "measured MB", "measured / predicted",
+                                    "overrides"],
+                        "rows": [[r["layout"], r["processes"], round(r["predicted_bytes"] / 1e6, 1),
+                                  round(r["measured_bytes"] / 1e6, 1), round(r["ratio"], 2),
+                                  " ".join(r["overrides"]) or "(none)"] for r in rows]},
+              "notes": ("Per-rank peak memory that training adds, busiest rank: predicted by moetrain.parallel.memory, "
+                        "measured as peak resident memory minus the resident memory before the model was built "
+                        f"(mem/rank*/peak_bytes - baseline_bytes). Model: tiny preset with {' '.join(MODEL)}; "
+                        f"{args.steps} steps of 8 x 64 tokens, fp32, gloo, one thread per process; allocator: "
+                        f"{env_words}.")}
     Path(args.out).mkdir(parents=True, exist_ok=True)
     suffix = "-glibc-defaults" if args.glibc_defaults else ""
     path = Path(args.out) / f"{date}-memory-by-layout{suffix}.json"
