@@ -82,3 +82,10 @@ def test_metrics_record_each_ranks_measured_memory(tmp_path, code_corpus):
     # parameters + AdamW moments alive after the step (gradients freed; AdamW's step counter per tensor on top)
     held = predicted.params + predicted.optimizer
     assert held <= last["mem/rank0/tensor_bytes"] <= held + 8 * 64
+
+
+def test_plan_prints_the_recommended_layouts_ranks(capsys):
+    assert main(["plan", "--preset", "tiny", "--devices", "4", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.strip().startswith("ranks 0-3:"))
+    assert "AdamW state" in line and "activations" in line

@@ -92,9 +92,37 @@ def run(args) -> int:
     for note in result.notes:
         print(f"  note: {note}")
     print("  (estimates from moetrain.analysis: roofline compute, 1F1B bubble, exposed all-to-all; see docs/bta.md)")
+    _rank_memory(args, config, result.recommended)
     if args.emit:
         _emit(args, config, result.recommended)
     return 0
+
+
+def _run_config(args, config, candidate) -> dict:
+    """The recommendation as run-config data: the preset, the --config file's and the overrides' fields, then the
+    layout's trainer fields (:func:`moetrain.analysis.planner.trainer_fields`) on top."""
+    from moetrain.analysis.planner import trainer_fields
+    from moetrain.configlib import load_file, merge, parse_overrides
+
+    data = merge(load_file(args.config) if args.config else {}, parse_overrides(args.overrides))
+    data = merge(data, trainer_fields(candidate, args.seq, args.dtype))
+    return {"preset": config.preset, **{k: v for k, v in data.items() if k != "preset"}}
+
+
+def _rank_memory(args, config, candidate) -> None:
+    """Each rank's parameters, gradients, AdamW state, gathered parameters and activations of the recommended
+    layout as the trainer would run it (``moetrain.parallel.memory``, fp32 master weights)."""
+    from moetrain.config import build_config
+    from moetrain.parallel.memory import memory_lines
+
+    try:
+        run = build_config(file_data=_run_config(args, config, candidate))
+        lines = memory_lines(run, args.devices)
+    except ConfigError as e:  # a layout the planner counts but the trainer refuses: say why, keep the plan
+        print(f"  per-rank memory: not available for this layout ({e})")
+        return
+    for line in lines:
+        print(f"  {line}")
 
 
 def _emit(args, config, candidate) -> None:
@@ -102,13 +130,9 @@ def _emit(args, config, candidate) -> None:
     then the layout's trainer fields (:func:`moetrain.analysis.planner.trainer_fields`) on top."""
     from pathlib import Path
 
-    from moetrain.analysis.planner import trainer_fields
-    from moetrain.configlib import load_file, merge, parse_overrides
     from moetrain.train.checkpoint import write_file_atomic
 
-    data = merge(load_file(args.config) if args.config else {}, parse_overrides(args.overrides))
-    data = merge(data, trainer_fields(candidate, args.seq, args.dtype))
-    data = {"preset": config.preset, **{k: v for k, v in data.items() if k != "preset"}}
+    data = _run_config(args, config, candidate)
     path = Path(args.emit)
     header = (f"# moetrain plan --preset {config.preset} --devices {args.devices} --device {args.device}: "
               f"{candidate.layout.label}\n# run: torchrun --nproc_per_node ... (WORLD_SIZE {args.devices}) -m moetrain "
