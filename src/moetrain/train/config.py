@@ -35,8 +35,8 @@ class TrainConfig:
         beta2: AdamW's decay rate of the squared gradient's running mean (second moment).
         eps: AdamW's denominator epsilon.
         expert_weight_decay: AdamW's decay of the routed experts' tensors alone (not the shared expert's);
-            ``None`` (default): ``weight_decay``. A preset may set it (``cpu-small``: 1.0, docs/moe-vs-dense.md wave
-            11), and then ``weight_decay`` alone no longer reaches the experts: set both to change all decay. Fixed
+            ``None`` (default): ``weight_decay``. A preset may set it (``cpu-small``: 1.0, see docs/moe-vs-dense.md),
+            and then ``weight_decay`` alone no longer reaches the experts: set both to change all decay. Fixed
             for a run (a resume refuses a change).
         grad_clip: clip the global gradient norm to this value (0 disables).
         dtype: ``fp32``, or ``bf16`` autocast (the router stays in fp32).

@@ -15,7 +15,7 @@ and torchtitan's ``CheckpointManager`` (one ``Stateful`` per component), split b
 - :meth:`TrainState.replicated_state_dict` (replicated): tensors and plain Python data, identical on every rank;
   one rank's copy is written (``train_state.pt``) and every rank loads it.
 
-Issue 17 (FSDP2, pipeline parallel) plugs in here: with DTensor parameters ``model_state_dict`` already holds the
+FSDP2 and pipeline parallelism plug in here: with DTensor parameters ``model_state_dict`` already holds the
 global view (``get_model_state_dict`` may replace the plain ``state_dict`` call), and a pipeline stage's model holds
 only its own blocks, so its FQNs are a subset (DCP matches them by name across any stage split).
 """
