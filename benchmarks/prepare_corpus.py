@@ -199,7 +199,7 @@ def main() -> None:
             "corpus_text_bytes": nbytes, "baseline_text_bytes": baselines[0]["bytes"], "corpus_files": len(list(folder.glob("*.jsonl.zst"))),
             "corpus_zst_bytes": on_disk, "tokens": prepared[0]["tokens"], "vocab": args.vocab, "rounds": args.rounds,
             "cores": os.cpu_count(), "load_average_1min": os.getloadavg()[0],
-            "phases_s_median": {k: statistics.median(ph[k] for ph in phases) for k in phases[0]},
+            **{f"phase_{k}_s_median": statistics.median(ph[k] for ph in phases) for k in phases[0]},
             "prepare_wall_s_median": statistics.median(p["wall_s"] for p in prepared),
             "tokenize_mb_per_s": round(mbps, 2),
             "hf_encode_batch_mb_per_s": round(base["encode_batch"], 2),
@@ -217,7 +217,9 @@ def main() -> None:
         commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
                                 text=True).stdout.strip()
         today = dt.date.today().isoformat()
-        record = {"date": today, "benchmark": "prepare-corpus", "cpu": cpu_model(), "commit": commit,
+        record = {"title": f"Corpus preparation of {nbytes / 1e6:.0f} MB of text in .jsonl.zst: tokenization against HF "
+                           "tokenizers' encode_batch, peak resident memory",
+                  "section": "Data", "date": today, "benchmark": "prepare-corpus", "cpu": cpu_model(), "commit": commit,
                   "command": "python benchmarks/prepare_corpus.py " + " ".join(sys.argv[1:]), "figures": figures}
         path = args.record or ROOT / "results" / f"{today}-prepare-corpus.json"
         path.parent.mkdir(parents=True, exist_ok=True)
