@@ -329,16 +329,37 @@ async def drained(server: Server, timeout: float = 60.0) -> None:
         await asyncio.sleep(0.2)
 
 
+def as_record(entry: dict) -> dict:
+    """``entry`` as a record of results/README.md: a title, and one table row per (comparison, server) with the
+    comparison's median per-round tokens/s ratio."""
+    rows = []
+    for comparison, servers in entry["figures"].items():
+        ratio = next((v["median"] if isinstance(v, dict) else v for k, v in servers.items()
+                      if not isinstance(v, dict) or "median" in v), "")
+        for name, f in servers.items():
+            if isinstance(f, dict) and "completed" in f:
+                rows.append([comparison, name, f["completed"], f["failed"], f["tokens_per_s"], f["p50_latency_s"],
+                             f["p99_latency_s"], ratio])
+                ratio = ""  # the ratio is the first server's over the second's: on its row
+    return {"title": "moetrain serve under concurrent clients: " + "; ".join(entry["figures"]),
+            "section": "Serving", "date": entry["date"][:10], "cpu": entry["cpu"], "commit": entry["commit"],
+            "command": "python benchmarks/" + entry["command"],
+            "table": {"columns": ["clients", "server", "completed", "failed", "tokens/s", "p50 latency s",
+                                  "p99 latency s", "median per-round tokens/s ratio"], "rows": rows},
+            "notes": f"{entry['cores']} cores, load average {entry['load_average']}; settings {entry['settings']}; "
+                     f"wall {entry['wall_s']} s"}
+
+
 def record(results_dir: Path, entry: dict) -> Path:
-    """Append ``entry`` to ``results_dir/<date>-serve-load.json`` (a JSON list; written whole, then renamed)."""
-    results_dir.mkdir(parents=True, exist_ok=True)
-    path = results_dir / f"{entry['date'][:10]}-serve-load.json"
-    records = json.loads(path.read_text()) if path.exists() else []
-    records.append(entry)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(records, indent=2) + "\n")
-    os.replace(tmp, path)
-    return path
+    """Write ``entry`` as a new record in ``results_dir`` (never overwriting one)."""
+    from moetrain.results import write_record
+
+    for k in range(1, 1000):
+        try:
+            return write_record(as_record(entry), results_dir, slug="serve-load" + (f"-{k}" if k > 1 else ""))
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"{results_dir}: no free serve-load record name today")
 
 
 def main() -> int:
