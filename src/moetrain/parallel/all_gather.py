@@ -20,10 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from moetrain.moe.dispatch import DispatchMeta, LocalDispatcher
-from moetrain.moe.dispatcher import Dispatcher
-from moetrain.parallel.comm import CommStats
+from moetrain.parallel.ep_dispatcher import EPDispatcher
 from moetrain.parallel.exchange import AllGather, KeepGradPath, ReduceScatter, all_gather_rows
-from moetrain.parallel.mesh import ParallelMesh
 
 
 @dataclass(frozen=True)
@@ -47,22 +45,13 @@ class AllGatherMeta:
     num_tokens: int
 
 
-class AllGatherDispatcher(Dispatcher):
+class AllGatherDispatcher(EPDispatcher):
     """Same interface as :class:`~moetrain.moe.dispatch.LocalDispatcher`; rows for this rank's experts only.
 
     Args:
         num_experts: E.  mesh: this rank's mesh position.  stats: optional counters.  name: label for errors.
     """
 
-    supports_capacity = True
-
-    def __init__(self, num_experts: int, mesh: ParallelMesh, stats: CommStats | None = None, name: str = "moe"):
-        self.num_experts = num_experts
-        self.ep, self.group = mesh.ep, mesh.ep_group
-        self.local_experts = mesh.local_experts(num_experts)
-        self.permuter = LocalDispatcher(num_experts)
-        self.stats = stats
-        self.name = name
 
     def dispatch(
         self,

@@ -32,10 +32,8 @@ import torch
 import torch.nn.functional as F
 
 from moetrain.moe.dispatch import DispatchMeta, LocalDispatcher
-from moetrain.moe.dispatcher import Dispatcher
-from moetrain.parallel.comm import CommStats
+from moetrain.parallel.ep_dispatcher import EPDispatcher
 from moetrain.parallel.exchange import AllToAll, KeepGradPath, all_to_all_rows, wire_dtype
-from moetrain.parallel.mesh import ParallelMesh
 
 
 @dataclass(frozen=True)
@@ -60,7 +58,7 @@ class AllToAllMeta:
     received: torch.Tensor
 
 
-class AllToAllDispatcher(Dispatcher):
+class AllToAllDispatcher(EPDispatcher):
     """All-to-all dispatch over the EP group of ``mesh``: ``dispatch`` returns the rows of this rank's ``E / ep``
     experts only (so the layer's ``experts`` must be sharded: :mod:`moetrain.parallel.sharding`). Dropless,
     dropping (``keep``) and the capacity layout (``capacity``) are all supported.
@@ -73,15 +71,6 @@ class AllToAllDispatcher(Dispatcher):
         name: label used in error messages (e.g. the layer's module name).
     """
 
-    supports_capacity = True
-
-    def __init__(self, num_experts: int, mesh: ParallelMesh, stats: CommStats | None = None, name: str = "moe"):
-        self.num_experts = num_experts
-        self.ep, self.ep_rank, self.group = mesh.ep, mesh.ep_rank, mesh.ep_group
-        self.local_experts = mesh.local_experts(num_experts)
-        self.permuter = LocalDispatcher(num_experts)
-        self.stats = stats
-        self.name = name
 
     def dispatch(
         self,
