@@ -219,6 +219,39 @@ def test_stage_output_is_no_view_and_carries_the_moe_loss():
         assert float(moe_loss.detach()) > 0.1, "the MoE loss must weigh in the gradients"
 
 
+def test_stages_chained_in_one_process_are_the_models_forward():
+    """Stages run the model's own forward steps: two stages chained by hand (tied embeddings, the last stage's own
+    copy as LM head) give the model's logits and MoE records, with dropout in training (same RNG draws) and
+    without it after the stages' ``eval()``."""
+    from moetrain.parallel.pipeline import StageModule
+
+    data = _config({"pp": 2}, 2).to_dict()
+    data["model"].update(dropout=0.2, tie_embeddings=True)
+    from moetrain.config import build_config
+
+    cfg = build_config(None, overrides=data)
+    model = MoETransformer(cfg.model)
+    init_parameters(model, cfg.model, cfg.train.seed)
+    stages = [StageModule(model, range(0, 2), True, False), StageModule(model, range(2, 4), False, True)]
+    ids = torch.randint(0, cfg.model.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    for train in (True, False):
+        for m in (model, *stages):
+            m.train(train)
+        torch.manual_seed(1)
+        want = model(ids)
+        torch.manual_seed(1)
+        h, first = stages[0].trunk(ids)
+        h, last = stages[1].trunk(h)
+        logits = stages[1].head(h)
+        assert want.logits is not None and torch.equal(logits, want.logits), train
+        got = [r.tokens_per_expert for r in first + last]
+        assert len(got) == len(want.moe) and all(torch.equal(a, r.tokens_per_expert) for a, r in zip(got, want.moe))
+    model.train()
+    for m in stages:
+        m.eval()  # the stages' mode, not the whole model's, decides the embedding's dropout
+    assert torch.equal(stages[0].trunk(ids)[0], stages[0].trunk(ids)[0])
+
+
 def test_monitor_names_a_stage_layers_by_their_block(tmp_path):
     """The routing monitor of a pipeline rank observes its stages' MoE layers under their global block index."""
     from moetrain.parallel.pipeline import StageModule

@@ -6,6 +6,7 @@ Legend: B = batch, S = sequence, D = hidden, V = vocabulary.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -192,13 +193,13 @@ class MoETransformer(nn.Module):
                                     return_logits, document_ids)
         batch = None if kv_cache is None else kv_cache.append(*input_ids.shape)
         x, records = self._trunk(input_ids, padding_mask, kv_cache, document_ids, batch)
-        h = self.norm(x)  # [B, S, D]
         fused_loss = targets is not None and not return_logits
-        logits = None if fused_loss else self.lm_head(h)  # [B, S, V]
+        logits = None if fused_loss else self.logits(x)  # [B, S, V]
         out = ModelOutput(logits=logits, moe=records)
         assemble_moe_losses(out, self.config.moe, global_counts, count_reducer, device=x.device)
         if targets is not None:
             if logits is None:  # fused_loss
+                h = self.norm(x)  # [B, S, D]
                 lm_loss = linear_cross_entropy(h.reshape(-1, h.shape[-1]), self.lm_head.weight, targets.reshape(-1))
             else:
                 lm_loss = F.cross_entropy(
@@ -215,15 +216,55 @@ class MoETransformer(nn.Module):
     ) -> tuple[torch.Tensor, list[MoEAux]]:
         """Embedding and blocks: ([B, S, D] hidden states before the final norm, the MoE records); with a KV
         cache, ``batch`` is where the tokens go in it."""
-        x = self.embed_tokens(input_ids)  # [B, S, D]
+        return self.run_blocks(self.embed(input_ids), None, padding_mask, kv_cache, document_ids, batch)
+
+    # The three steps of the forward, public so that a pipeline stage (parallel/pipeline.py) runs its slice of the
+    # model through this code: the first stage embeds, every stage runs its own blocks, the last one has the head.
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[B, S] int64 token ids -> [B, S, D] embeddings, then dropout (``config.dropout``) in training.
+
+        The embedding module's own train / eval mode decides the dropout: a pipeline stage calls this on the whole
+        model while only the stage's modules follow the stage's ``train()`` / ``eval()``."""
+        x: torch.Tensor = self.embed_tokens(input_ids)  # [B, S, D]
         if self.config.dropout > 0:
-            x = F.dropout(x, self.config.dropout, self.training)
+            x = F.dropout(x, self.config.dropout, self.embed_tokens.training)
+        return x
+
+    def run_blocks(
+        self, x: torch.Tensor, blocks: Iterable[nn.Module] | None = None, padding_mask: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None, document_ids: torch.Tensor | None = None, batch: RaggedBatch | None = None,
+    ) -> tuple[torch.Tensor, list[MoEAux]]:
+        """Hidden states through transformer blocks, in order.
+
+        Args:
+            x: [B, S, D] hidden states (the embeddings, or a previous pipeline stage's output).
+            blocks: the :class:`Block` modules to run (a pipeline stage's own, in global order); ``None``: all of
+                the model's.
+            padding_mask: [B, S] bool, as in :meth:`forward`.
+            kv_cache: past keys/values, as in :meth:`forward`.
+            document_ids: [B, S] int64, as in :meth:`forward`.
+            batch: where the tokens go in ``kv_cache`` (``kv_cache.append``).
+        Returns:
+            ([B, S, D] hidden states, one :class:`MoEAux` per MoE block run, in block order).
+        """
         records: list[MoEAux] = []
-        for block in self.blocks:
+        for block in self.blocks if blocks is None else blocks:
             x, aux = block(x, padding_mask, kv_cache, document_ids, batch=batch)
             if aux is not None:
                 records.append(aux)
         return x, records
+
+    def logits(self, x: torch.Tensor, lm_head: nn.Module | None = None) -> torch.Tensor:
+        """[B, S, D] output of the last block -> [B, S, V] logits: the final norm, then the LM head.
+
+        Args:
+            x: [B, S, D] hidden states.
+            lm_head: the head to apply; ``None``: the model's own. A pipeline's last stage passes its copy of a
+                tied embedding (:class:`~moetrain.parallel.pipeline.StageModule`).
+        """
+        head = self.lm_head if lm_head is None else lm_head
+        return cast(torch.Tensor, head(self.norm(x)))
 
     @torch.no_grad()
     def moe_counts(self, input_ids: torch.Tensor, padding_mask: torch.Tensor | None = None,

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from moetrain.analysis.shape import ModelShape
 from moetrain.analysis.stages import split_stages
@@ -111,7 +110,9 @@ class _AttachLoss(torch.autograd.Function):
 
 
 class StageModule(nn.Module):
-    """One pipeline stage of an ``MoETransformer``: (embedding) -> its blocks -> (final norm -> LM head).
+    """One pipeline stage of an ``MoETransformer``: (embedding) -> its blocks -> (final norm -> LM head), a slice
+    of the model run by the model's own forward steps (``embed``, ``run_blocks``, ``logits``), as torchtitan's
+    stages are slices of the model.
 
     Parameter names equal the whole model's (``blocks`` is a ``ModuleDict`` keyed by the global block index), so
     expert slices, per-shard initialisation and checkpoints use one naming for every layout.
@@ -137,12 +138,18 @@ class StageModule(nn.Module):
         ConfigError: ``pooled_aux_loss_coeff > 0`` (pooled over all layers at once: not split over stages).
     """
 
+    model: "MoETransformer"  # the whole model, whose forward steps run the stage (not a submodule)
+
     def __init__(self, model: "MoETransformer", blocks: range, first: bool, last: bool):
         super().__init__()
         config: ModelConfig = model.config
         check_losses(config)
         self.config = config
         self.first, self.last = first, last
+        # The model's own code runs the stage (MoETransformer.embed / run_blocks / logits) on the modules the stage
+        # shares with it. A plain attribute, not a submodule: the model's other parts are not the stage's to
+        # shard, step or save (built on the meta device, they hold no memory).
+        object.__setattr__(self, "model", model)
         all_blocks = [cast(Block, b) for b in model.blocks]
         self.embed_tokens: nn.Module | None = model.embed_tokens if first else None
         self.blocks = nn.ModuleDict({str(i): all_blocks[i] for i in blocks})
@@ -163,21 +170,15 @@ class StageModule(nn.Module):
         return [cast(MoELayer, b.ffn) for b in self.stage_blocks() if b.is_moe]
 
     def trunk(self, x: torch.Tensor) -> tuple[torch.Tensor, list[MoEAux]]:
-        """Embedding (first stage) and blocks: ([b, S, D], the MoE records)."""
-        h = self.embed_tokens(x) if self.embed_tokens is not None else x
-        if self.embed_tokens is not None and self.config.dropout > 0:  # as MoETransformer._trunk
-            h = F.dropout(h, self.config.dropout, self.training)
-        records: list[MoEAux] = []
-        for block in self.stage_blocks():
-            h, aux = block(h)
-            if aux is not None:
-                records.append(aux)
-        return h, records
+        """The model's embedding (first stage: ``x`` [b, S] token ids) and this stage's blocks: ([b, S, D], the
+        MoE records)."""
+        h = self.model.embed(x) if self.first else x
+        return self.model.run_blocks(h, self.blocks.values())
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
-        """Final norm and LM head of the last stage: [b, S, D] -> [b, S, V] logits."""
-        assert self.norm is not None and self.lm_head is not None, "head() of a stage that is not the last"
-        return cast(torch.Tensor, self.lm_head(self.norm(h)))
+        """The model's final norm and LM head (this stage's own copy when tied): [b, S, D] -> [b, S, V] logits."""
+        assert self.last, "head() of a stage that is not the last"
+        return self.model.logits(h, self.lm_head)
 
     def moe_terms(self, records: list[MoEAux]) -> dict[str, torch.Tensor]:
         """This stage's share of each MoE loss term (sum over its layers / the model's MoE layers)."""
