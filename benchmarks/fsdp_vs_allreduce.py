@@ -11,7 +11,9 @@ the ``tiny`` preset's shapes with ``--layers`` blocks (the reference: the same w
 trainer's ``train_step`` with a flat all-reduce as ``sync_grads``). The variants then alternate: each round times ``--steps``
 optimizer steps of each variant (between barriers, order rotated every round), so slow phases of a shared machine
 hit every variant alike. Printed: the median tokens/s of each variant over the rounds, their ratios to the
-reference, the CPU model and the load average before and after.
+reference, the median CPU time per step of both ranks together (``time.process_time``: steadier than tokens/s on
+a shared machine, since time the other jobs take is not counted; waiting for the other rank is not counted either),
+the CPU model and the load average before and after.
 
 Then one ZeRO-3 step is profiled (``torch.profiler``, CPU activities, both ranks) and rank 0's Chrome trace is
 written to ``--trace`` (open it in ``chrome://tracing`` or Perfetto); from rank 0's events, the share of the
@@ -142,22 +144,26 @@ def _worker(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
             for _ in range(args.warmup):
                 _step(v)
         rates: dict[str, list[float]] = {name: [] for name in VARIANTS}
+        cpu_ms: dict[str, list[float]] = {name: [] for name in VARIANTS}
         names = list(VARIANTS)
         for r in range(args.rounds):
             for name in names[r % len(names):] + names[:r % len(names)]:
                 dist.barrier()
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 for _ in range(args.steps):
                     _step(built[name])
+                used = torch.tensor(time.process_time() - c0, dtype=torch.float64)
                 dist.barrier()
                 rates[name].append(args.steps * built[name]["tokens"] / (time.perf_counter() - t0))
+                dist.all_reduce(used)  # both ranks' CPU seconds
+                cpu_ms[name].append(1e3 * float(used) / args.steps)
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             _step(built["fsdp_zero3"])
         if rank == 0:
             prof.export_chrome_trace(args.trace)
-            Path(out).write_text(json.dumps({"rates": rates}))
+            Path(out).write_text(json.dumps({"rates": rates, "cpu_ms": cpu_ms}))
     finally:
         dist.destroy_process_group()
 
@@ -244,7 +250,8 @@ def main() -> None:
     out = Path(args.trace).with_suffix(".rates.json")
     t0 = time.monotonic()
     mp.start_processes(_worker, args=(port, args, str(out)), nprocs=WORLD, join=True, start_method="fork")
-    rates = json.loads(out.read_text())["rates"]
+    record = json.loads(out.read_text())
+    rates, cpu_ms = record["rates"], record["cpu_ms"]
     out.unlink()
     load1 = os.getloadavg()
     print(f"{datetime.date.today()}, {_cpu_model()}, {os.cpu_count()} CPUs; load average {load0[0]:.1f} before, "
@@ -254,11 +261,12 @@ def main() -> None:
           f"{cfg.train.grad_accum} x {cfg.train.batch_size} x {cfg.data.seq_len} tokens per step, {WORLD} gloo "
           f"ranks, {args.rounds} "
           f"alternating rounds of {args.steps} steps")
-    base = statistics.median(rates[REFERENCE])
+    base, cpu_base = statistics.median(rates[REFERENCE]), statistics.median(cpu_ms[REFERENCE])
     for name, values in rates.items():
-        med = statistics.median(values)
-        print(f"  {name:14s} median {med:8.0f} tokens/s ({min(values):.0f}-{max(values):.0f}); "
-              f"{med / base:.2f}x the reference")
+        med, cpu = statistics.median(values), statistics.median(cpu_ms[name])
+        print(f"  {name:14s} median {med:8.0f} tokens/s ({min(values):.0f}-{max(values):.0f}), "
+              f"{med / base:.2f}x the reference; CPU {cpu:.1f} ms per step, both ranks "
+              f"({min(cpu_ms[name]):.1f}-{max(cpu_ms[name]):.1f}), {cpu / cpu_base:.2f}x")
     o = overlap(Path(args.trace))
     share = o["overlapped_us"] / o["reduce_us"] if o["reduce_us"] else 0.0
     print(f"trace {args.trace} (rank 0, one ZeRO-3 step): {o['reduce_scatters']} reduce-scatters, their transfers "
