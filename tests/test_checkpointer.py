@@ -296,3 +296,39 @@ def test_legacy_checkpoint_resumes_like_the_old_codes_uninterrupted_run(tmp_path
     assert sorted(got_w) == sorted(want)
     worst = max(float((got_w[k].double() - want[k].double()).abs().max()) for k in want)
     assert worst <= 1e-6, worst
+
+
+def test_resumed_adamw_keeps_this_runs_implementation_and_the_saved_hyperparameters():
+    """A checkpoint written by AdamW's per-tensor loop (``fused=None``, as the engine's runs were before they used
+    the fused kernel on DTensor shards) resumes on the fused kernel this run chose, with the saved learning rate and
+    moments: the next step equals the loop's to fp32 rounding."""
+    from moetrain.parallel.dcp import saved_group
+
+    torch.manual_seed(0)
+    weights = [torch.randn(8, 4), torch.randn(4)]
+    grads = [torch.randn_like(w) for w in weights]
+
+    def adamw(fused: bool | None) -> torch.optim.AdamW:
+        params = [torch.nn.Parameter(w.clone()) for w in weights]
+        return torch.optim.AdamW(params, lr=0.01 if fused else 0.02, weight_decay=0.1, fused=fused)
+
+    def step(opt: torch.optim.AdamW) -> None:
+        for p, g in zip(opt.param_groups[0]["params"], grads):
+            p.grad = g.clone()
+        opt.step()
+
+    saved = adamw(None)
+    step(saved)
+    state = saved.state_dict()
+    resumed = adamw(True)
+    for p, q in zip(resumed.param_groups[0]["params"], saved.param_groups[0]["params"]):
+        p.data.copy_(q.data)
+    resumed.load_state_dict({**state, "param_groups": [{**saved_group(g, mine), "params": g["params"]}
+                                                       for g, mine in zip(state["param_groups"],
+                                                                          resumed.param_groups)]})
+    group = resumed.param_groups[0]
+    assert group["fused"] is True and group["lr"] == 0.02
+    step(saved)
+    step(resumed)
+    for p, q in zip(resumed.param_groups[0]["params"], saved.param_groups[0]["params"]):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)

@@ -2,7 +2,8 @@
 replicas, expert parallelism its ep ranks), model level: optimizer steps of a small MoE transformer on N gloo ranks
 (2 and 4 processes) equal one process on the same global batch: losses, gradient norm (with clipping engaged) and every
 parameter after the steps, with the global-batch aux loss, the sequence aux loss, the z-loss, the aux-loss-free
-expert bias and gradient accumulation all on.
+expert bias and gradient accumulation all on; plain data parallelism all-reduces the gradients once per step, with
+two micro-batches too.
 
 The reference is the unsharded model trained by ``train_step`` in the same process on the whole global batch.
 fp32 weights, as the trainer's (FSDP2 on gloo in torch 2.13 halves the gradients of expert units on a one-rank
@@ -17,6 +18,7 @@ import copy
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from _parallel_util import spawn
 from moetrain.config import build_config
@@ -70,12 +72,25 @@ def _train_worker(rank: int, world: int, out_dir, cases: list[dict]) -> dict:
         hooks = ShardedHooks(mesh, cfg.parallel)
         hooks.prepare_model(model)
         runs = []
+        # The gradient all-reduces of the engine's steps: every all-reduce of more elements than a loss or
+        # count vector ([L, E] = 2 x 4) holds gradients (FSDP2 calls torch.distributed.all_reduce).
+        grad_reduces, all_reduce = [], dist.all_reduce
+
+        def counting(tensor: torch.Tensor, *args, **kwargs):
+            if tensor.numel() > 64:
+                grad_reduces.append(tensor.numel())
+            return all_reduce(tensor, *args, **kwargs)
+
         for m, kwargs in ((model, hooks.step_kwargs()), (ref, {})):
             opt = build_optimizer(m, cfg)
             sched = build_scheduler(opt, cfg.train)
             next_batch = hooks.local_batch(sampler()) if m is model else sampler()
-            out = [train_step(m, next_batch, opt, sched, cfg.train, torch.device("cpu"), **kwargs)
-                   for _ in range(STEPS)]
+            dist.all_reduce = counting if m is model else all_reduce
+            try:
+                out = [train_step(m, next_batch, opt, sched, cfg.train, torch.device("cpu"), **kwargs)
+                       for _ in range(STEPS)]
+            finally:
+                dist.all_reduce = all_reduce
             runs.append(out)
         diffs = {}
         for key in ("lm_loss", "grad_norm"):
@@ -92,6 +107,7 @@ def _train_worker(rank: int, world: int, out_dir, cases: list[dict]) -> dict:
                 full = gather_full(full, hooks.plan[name], mesh.ep_mesh)
             worst = max(worst, (full - ref_params[name].detach()).abs().max().item())
         diffs["params"] = worst
+        diffs["grad_all_reduces"] = len(grad_reduces)
         ref_bias = [layer.router.e_score_correction_bias for layer in ref.moe_layers()]
         diffs["expert_bias"] = max((layer.router.e_score_correction_bias - b).abs().max().item()
                                    for layer, b in zip(model.moe_layers(), ref_bias))
@@ -104,6 +120,7 @@ CASES_2 = [
     {"name": "ep2_all_to_all", "ep": 2, "experts": 4, "dispatcher": "all_to_all"},
     {"name": "ep2_all_gather_accum2", "ep": 2, "experts": 4, "dispatcher": "all_gather", "grad_accum": 2},
     {"name": "dp2_ep1", "ep": 1, "experts": 4, "dispatcher": "all_to_all"},
+    {"name": "dp2_ep1_accum2", "ep": 1, "experts": 4, "dispatcher": "all_to_all", "grad_accum": 2},
 ]
 CASES_4 = [
     {"name": "ep4_all_to_all", "ep": 4, "experts": 4, "dispatcher": "all_to_all"},
@@ -134,3 +151,5 @@ def test_steps_match_single_process(results, name):
         # The trainer accumulates the reported losses in fp32 (values ~6): compare them relatively.
         for key in ("lm_loss", "global_aux_loss", "seq_aux_loss", "z_loss"):
             assert r[key] <= 1e-6 * max(1.0, r["ref_" + key]), (name, rank, key, r[key])
+        if name.startswith("dp2_ep1"):  # plain data parallel: one gradient all-reduce per step, whatever grad_accum
+            assert r["grad_all_reduces"] == STEPS, (name, rank, r["grad_all_reduces"])

@@ -370,6 +370,18 @@ def _read(model: nn.Module, optimizer: torch.optim.Optimizer | None, layout: Sha
     return extra
 
 
+# How AdamW runs (one fused kernel, a foreach or a per-tensor loop), not what it computes: this run's own choice
+# (train.trainer.build_optimizer) outlives a checkpoint written by a run that chose otherwise.
+IMPLEMENTATION_KEYS = ("fused", "foreach")
+
+
+def saved_group(saved: dict[str, Any], mine: dict[str, Any]) -> dict[str, Any]:
+    """A saved optimizer group's hyperparameters (without ``params`` and PyTorch's ``param_names``), with this
+    run's implementation choices (:data:`IMPLEMENTATION_KEYS`) from ``mine``, the live group."""
+    return {**{k: v for k, v in saved.items() if k not in ("params", "param_names")},
+            **{k: mine[k] for k in IMPLEMENTATION_KEYS if k in mine}}
+
+
 def _restore_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, loaded: dict[str, dict[str, Any]],
                        saved_groups: list[dict[str, Any]]) -> None:
     names = _param_names(model)
@@ -384,8 +396,7 @@ def _restore_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, loade
     # The saved groups' hyperparameters with this rank's own parameters: under pipeline parallelism the saving
     # rank held only its stages' parameters (the state itself is keyed by name, complete in the shards).
     # (PyTorch's param_names, if saved, would name the saving layout's parameters: dropped.)
-    groups = [{**{k: v for k, v in g.items() if k not in ("params", "param_names")},
-               "params": [index[names[p]] for p in mine["params"]]}
+    groups = [{**saved_group(g, mine), "params": [index[names[p]] for p in mine["params"]]}
               for g, mine in zip(saved_groups, optimizer.param_groups)]
     optimizer.load_state_dict({"state": local, "param_groups": groups})
 

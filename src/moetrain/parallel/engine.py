@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from moetrain.errors import ConfigError
@@ -238,7 +239,18 @@ class ShardedHooks(ParallelHooks):
                             loss_names=find_loss_fields(MoEAux), main=main, reduce=reduce)
 
     def step_kwargs(self) -> dict[str, Any]:
-        return {"count_reducer": self.count_reducer, "sync_grads": self.sync_grads, "reduce_mean": self.reduce_mean}
+        return {"count_reducer": self.count_reducer, "sync_grads": self.sync_grads, "reduce_mean": self.reduce_mean,
+                "grad_sync": self.grad_sync}
+
+    def grad_sync(self, last: bool) -> None:
+        """Before each micro-batch of a step: with one shard per replica (plain data parallelism) FSDP2 all-reduces
+        the gradients in the last micro-batch's backward only (``set_requires_gradient_sync``; the earlier ones
+        accumulate locally, as DDP's ``no_sync``), so a step costs one all-reduce whatever ``train.grad_accum``.
+        Sharded layouts keep reducing every micro-batch: an unreduced gradient would be the whole, unsharded one."""
+        lm = self.layout_mesh
+        if lm.layout.dp_shard * lm.layout.ep == 1:
+            assert self.model is not None, "grad_sync before prepare_model"
+            cast(FSDPModule, self.model).set_requires_gradient_sync(last)
 
     def sync_grads(self, max_norm: float) -> torch.Tensor:
         """FSDP2 reduced the gradients during backward; clip them by the global norm and return it."""

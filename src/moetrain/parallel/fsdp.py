@@ -171,6 +171,8 @@ def clip_grad_norm(model: nn.Module, mesh: LayoutMesh, max_norm: float,
 
     Every rank sums the squares of its local shards; a shard is held by the R replicas, so the sum is divided by R
     before one all-reduce over the whole world (stages hold different parameters, so pipeline stages add up).
+    When the world is the R replicas alone (plain data parallelism) every rank holds every gradient, whole and
+    already all-reduced: the local sum is the global one, and the step saves a latency-bound collective.
     ``counted_elsewhere`` (the last stage's copy of a tied embedding, whose gradient equals the first stage's) is
     clipped but left out of the sum, so the shared weight counts once, as in one process.
     """
@@ -179,8 +181,8 @@ def clip_grad_norm(model: nn.Module, mesh: LayoutMesh, max_norm: float,
     for p in model.parameters():
         if p.grad is not None and p is not counted_elsewhere:
             sq += _local(p.grad).detach().float().pow(2).sum()
-    sq /= mesh.layout.dp_replicate
-    if mesh.distributed:
+    if mesh.distributed and mesh.layout.world > mesh.layout.dp_replicate:
+        sq /= mesh.layout.dp_replicate
         with named_collective("all_reduce (squared gradient norm, all ranks)"):
             dist.all_reduce(sq, op=dist.ReduceOp.SUM)
     norm = sq.sqrt()

@@ -244,8 +244,9 @@ def load_weights(ckpt: LoadedCheckpoint, model: nn.Module, optimizer: torch.opti
     if layout.distributed:
         return
     try:  # PyTorch's param_names (written since the DCP route reads them) would stay in the groups: dropped
-        optimizer.load_state_dict({**optim, "param_groups": [{k: v for k, v in g.items() if k != "param_names"}
-                                                             for g in optim["param_groups"]]})
+        optimizer.load_state_dict({**optim, "param_groups": [{**dcp.saved_group(g, mine), "params": g["params"]}
+                                                             for g, mine in zip(optim["param_groups"],
+                                                                                optimizer.param_groups)]})
     except (KeyError, ValueError, TypeError, RuntimeError, IndexError) as e:
         raise CheckpointError(f"{ckpt.location}/{STATE_FILE}: does not fit this run: "
                               f"{e.__class__.__name__}: {str(e).splitlines()[0]}") from None

@@ -107,6 +107,7 @@ def accumulate_gradients(
     dtype: str,
     device: torch.device,
     count_reducer: CountReducer | None = None,
+    grad_sync: Callable[[bool], None] | None = None,
 ) -> Accumulated:
     """Forward and backward every micro-batch, each loss divided by ``len(batches)`` (or, for token-budget
     :class:`~moetrain.data.batch.PackedBatch` micro-batches, weighted by its share of the step's real tokens:
@@ -119,6 +120,8 @@ def accumulate_gradients(
         dtype: ``fp32`` or ``bf16`` (autocast).
         device: where to compute.
         count_reducer: sums [L, E] counts over data-parallel ranks (a collective), or ``None`` on one rank.
+        grad_sync: called before each micro-batch's forward with whether it is the step's last: data parallelism
+            reduces the accumulated gradients over the ranks once, in the last backward; ``None`` on one rank.
     """
     g = len(batches)
     # Token-budget micro-batches (PackedBatch) hold different real-token counts: weight each by its share
@@ -141,6 +144,8 @@ def accumulate_gradients(
     dropped: torch.Tensor | None = None
     for i, batch in enumerate(batches):
         inputs, targets, batch_kwargs = model_inputs(batch)  # + padding_mask, document_ids of a PackedBatch
+        if grad_sync is not None:
+            grad_sync(i == g - 1)
         with autocast_context(device, dtype):
             out = model(inputs, targets, **batch_kwargs, global_counts=global_counts,
                         count_reducer=count_reducer if global_counts is None else None,
@@ -237,6 +242,7 @@ def train_step(
     count_reducer: CountReducer | None = None,
     sync_grads: Callable[[float], torch.Tensor] | None = None,
     reduce_mean: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    grad_sync: Callable[[bool], None] | None = None,
 ) -> StepResult:
     """Run ``config.grad_accum`` micro-batches from ``next_batch()`` (inputs, targets [B, S] int64), then
     :func:`finish_step` (clip, step the optimizer and scheduler, update the expert biases).
@@ -248,9 +254,10 @@ def train_step(
             backward did not, clips them to the given max norm and returns the global norm
             (:meth:`moetrain.parallel.launch.ParallelHooks.sync_grads`); ``None``: ``clip_grad_norm_`` here.
         reduce_mean: data parallelism only: the mean over ranks of a 1-D tensor of this rank's losses.
+        grad_sync: data parallelism only: :func:`accumulate_gradients`'s ``grad_sync``.
     """
     batches = [next_batch() for _ in range(config.grad_accum)]
-    acc = accumulate_gradients(model, batches, config.dtype, device, count_reducer)
+    acc = accumulate_gradients(model, batches, config.dtype, device, count_reducer, grad_sync)
 
     def clip(max_norm: float) -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
