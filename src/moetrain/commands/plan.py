@@ -121,6 +121,9 @@ def _rank_memory(args, config, candidate) -> None:
     except ConfigError as e:  # a layout the planner counts but the trainer refuses: say why, keep the plan
         print(f"  per-rank memory: not available for this layout ({e})")
         return
+    p = run.parallel
+    print(f"  the trainer shards weights, gradients and AdamW state (FSDP2, dp_shard={p.dp_shard}, ep={p.ep}); the "
+          f"table's GB/device counts ZeRO-1 (only AdamW state sharded), an upper bound:")
     for line in lines:
         print(f"  {line}")
 
