@@ -448,7 +448,7 @@ class Api:
             prep = await asyncio.to_thread(self.prepare, raw, chat)
         except ApiError as e:
             return e.response()
-        rid = ("chatcmpl-" if chat else "") + next_request_id()
+        rid = next_request_id().replace("cmpl-", "chatcmpl-", 1) if chat else next_request_id()  # as OpenAI
         loop = asyncio.get_running_loop()
         arrived: list[tuple[Choice, Event]] = []  # delivered on this loop (engine._deliver), not yet read
         woken = asyncio.Event()
