@@ -211,7 +211,15 @@ def nodes(jobs) -> Path:
     while not _stopped_worker(b.pid):
         assert time.monotonic() < deadline and b.poll() is None, (jobs / "node_lost_b.log").read_text()[-3000:]
         time.sleep(0.02)
+    import psutil
+
+    workers = psutil.Process(b.pid).children(recursive=True)  # torchrun starts its workers in sessions of their own
     os.killpg(b.pid, signal.SIGKILL)
+    for w in workers:  # the stopped worker too: a killpg of the agent's group leaves it behind
+        try:
+            w.kill()
+        except psutil.Error:
+            pass
     b.wait()
     b = _node(jobs, "node_lost", port, False, jobs / "node_lost_b2.log", replaceable=True)
     _wait(a, jobs / "node_lost_a.log")
