@@ -79,14 +79,18 @@ def _experts(ids: list[int]) -> str:
     return ("expert " if len(ids) == 1 else "experts ") + ", ".join(str(i) for i in ids)
 
 
+def _alert(config: MonitorConfig, step: int, kind: str, layer: int | None, experts: list[int], value: float,
+           threshold: float, message: str) -> Alert:
+    return Alert(step=step, kind=kind, layer=layer, experts=tuple(experts), value=float(value),
+                 threshold=float(threshold), message=message, remedy=REMEDIES[kind], fatal=kind in config.fatal)
+
+
 def dead_alert(step: int, layer: int, experts: list[int], idle: int, n_experts: int,
                config: MonitorConfig) -> Alert:
     """The dead-expert alarm for ``experts`` of ``layer``, idle for at least ``idle`` steps."""
-    return Alert(step=step, kind="dead_expert", layer=layer, experts=tuple(experts), value=float(idle),
-                 threshold=float(config.dead_steps), remedy=REMEDIES["dead_expert"],
-                 fatal="dead_expert" in config.fatal,
-                 message=f"layer {layer}: {_experts(experts)} of {n_experts} received no tokens for {idle}+ "
-                         f"consecutive steps (threshold monitor.dead_steps={config.dead_steps})")
+    return _alert(config, step, "dead_expert", layer, experts, idle, config.dead_steps,
+                  f"layer {layer}: {_experts(experts)} of {n_experts} received no tokens for {idle}+ consecutive "
+                  f"steps (threshold monitor.dead_steps={config.dead_steps})")
 
 
 # An alarm episode's key: (kind,) or (kind, layer) or (kind, layer, expert).
@@ -106,9 +110,7 @@ def evaluate_alarms(snap: Snapshot, config: MonitorConfig, top_k: int) -> dict[A
 
     def add(key: AlertKey, kind: str, layer: int | None, experts: list[int], value: float, threshold: float,
             message: str) -> None:
-        out[key] = Alert(step=snap.step, kind=kind, layer=layer, experts=tuple(experts), value=float(value),
-                         threshold=float(threshold), message=message, remedy=REMEDIES[kind],
-                         fatal=kind in config.fatal)
+        out[key] = _alert(config, snap.step, kind, layer, experts, value, threshold, message)
 
     for ls in snap.layers:
         n_experts = len(ls.tokens)
