@@ -22,6 +22,7 @@ from typing import Any
 
 from moetrain.errors import MoetrainError
 from moetrain.runtime.oserrors import writing
+from moetrain.train.metrics import read_jsonl
 from moetrain.train.monitor_config import MonitorConfig
 from moetrain.train.routing_stats import Snapshot
 
@@ -223,15 +224,4 @@ def truncate_alerts(path: Path, last_step: int) -> None:
 
 def read_alerts(run_dir: Path) -> list[dict[str, Any]]:
     """The alarms of a run (``[]`` if none), skipping a partial last line of a run in progress."""
-    path = Path(run_dir) / ALERTS_FILE
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(item, dict):
-            out.append(item)
-    return out
+    return read_jsonl(Path(run_dir) / ALERTS_FILE)

@@ -53,19 +53,28 @@ class MetricsLogger:
             self.writer.close()
 
 
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The JSON objects of the lines of ``path`` (``[]`` without the file), skipping any other line (one cut short
+    by a crash, or a run in progress's partial last line)."""
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            item = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(item, dict):
+            out.append(item)
+    return out
+
+
 def truncate_metrics(path: Path, last_step: int) -> None:
     """Keep only the records of ``path`` with ``step <= last_step``, dropping any line cut short by a crash; the
     file is rewritten atomically (a crash leaves the old or the new content)."""
     if not path.exists():
         return
-    kept = []
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= last_step:
-            kept.append(line + "\n")
     from moetrain.train.checkpoint import write_file_atomic
 
-    write_file_atomic(path, "".join(kept).encode())
+    kept = [r for r in read_jsonl(path) if isinstance(r.get("step"), int) and r["step"] <= last_step]
+    write_file_atomic(path, "".join(json.dumps(r) + "\n" for r in kept).encode())
