@@ -54,7 +54,7 @@ from moetrain.parallel.comm import named_collective
 from moetrain.parallel.mesh import ParallelMesh, single_process
 from moetrain.parallel.meta_init import saved_name
 from moetrain.parallel.sharding import ExpertShard
-from moetrain.train.checkpoint import CorruptCheckpoint, LoadedCheckpoint
+from moetrain.train.checkpoint import CorruptCheckpoint, LoadedCheckpoint, encode_state
 
 MARKER = "moetrain.json"
 METADATA = ".metadata"
@@ -79,14 +79,6 @@ def _quiet(mesh: ParallelMesh) -> Iterator[None]:
         if not mesh.distributed:
             warnings.filterwarnings("ignore", message=".*single process.*")
         yield
-
-
-def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for size in reversed(shape):
-        stride.append(acc)
-        acc *= size
-    return tuple(reversed(stride))
 
 
 @dataclass(frozen=True)
@@ -127,7 +119,7 @@ class ShardLayout:
             return tensor  # a DTensor (an FSDP2 parameter) already carries its placement
         shape = shard.global_shape(tensor.shape)
         return DTensor.from_local(tensor, self.mesh.mesh, [Replicate(), Shard(0)], run_check=False, shape=shape,
-                                  stride=_contiguous_stride(shape))
+                                  stride=torch.empty(shape, device="meta").stride())
 
 
 def _param_names(model: nn.Module) -> dict[torch.Tensor, str]:
@@ -184,13 +176,6 @@ def _state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None, layou
     if optimizer is not None:
         state["optim"] = optimizer_state_dict(model, optimizer, layout)
     return state
-
-
-def _pickled(obj: Any) -> io.BytesIO:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    buf.seek(0)
-    return buf
 
 
 def param_groups(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> list[dict[str, Any]] | None:
@@ -424,7 +409,7 @@ class MemoryReader(StorageReader):
                 self._flat[key] = value
             else:
                 entries[key] = BytesStorageMetadata()
-                self._flat[key] = _pickled(value).getvalue()
+                self._flat[key] = encode_state(value)
         self._metadata = Metadata(state_dict_metadata=entries, storage_data={})
 
     def reset(self, checkpoint_id: str | os.PathLike[Any] | None = None) -> None:
