@@ -682,13 +682,7 @@ def run(args: argparse.Namespace) -> int:
     for path in [out / "compare.json", out / "compare.md", *figures]:
         print(f"wrote {path}")
     print()
-    print(markdown_table(summaries))
-    if leads:
-        print()
-        print(leads_markdown(leads))
-    for note in report["notes"]:
-        print()
-        print(note)
+    print("\n\n".join(part for part in (markdown_table(summaries), leads_markdown(leads), *report["notes"]) if part))
     failed = [r for r in runs if r.exit_code != 0]
     if failed:
         print(f"moetrain: error: {len(failed)} of {len(runs)} runs failed: "
