@@ -12,9 +12,6 @@ Each ``alerts.jsonl`` line is a JSON object: ``step``, ``kind``, ``layer`` (tran
 
 from __future__ import annotations
 
-import json
-import math
-import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -22,7 +19,7 @@ from typing import Any
 
 from moetrain.errors import MoetrainError
 from moetrain.runtime.oserrors import writing
-from moetrain.train.metrics import read_jsonl
+from moetrain.train.metrics import json_line, read_jsonl
 from moetrain.train.monitor_config import MonitorConfig
 from moetrain.train.routing_stats import Snapshot
 
@@ -191,7 +188,7 @@ class AlertTracker:
             # a full disk fails the buffered write with an errno but no file name: name the file here
             with writing("the alarm log", self.path), open(self.path, "a") as f:
                 for alert in new:
-                    f.write(json.dumps(_json_safe(alert.to_json())) + "\n")
+                    f.write(json_line(alert.to_json()))
         for alert in new:
             self.log(alert.line())
             if alert.fatal and self.fatal is None:
@@ -205,21 +202,6 @@ class AlertTracker:
         # A fatal kind's episode is not restored: one that still holds stops the resumed run again, so a restart
         # loop never trains on through an alarm it was told to stop at (drop the kind from monitor.fatal to go on).
         self.active = {tuple(k) for k in state.get("active", []) if k[0] not in self.config.fatal}
-
-
-def _json_safe(d: dict[str, Any]) -> dict[str, Any]:
-    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in d.items()}
-
-
-def truncate_alerts(path: Path, last_step: int) -> None:
-    """Drop the alarms of steps after ``last_step`` (a resumed run recomputes those steps and re-raises them); the
-    file is replaced atomically."""
-    if not path.is_file():
-        return
-    kept = [a for a in read_alerts(path.parent) if isinstance(a.get("step"), int) and a["step"] <= last_step]
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(json.dumps(a) + "\n" for a in kept))
-    os.replace(tmp, path)
 
 
 def read_alerts(run_dir: Path) -> list[dict[str, Any]]:

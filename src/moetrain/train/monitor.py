@@ -26,7 +26,8 @@ import torch
 from tensorboard.compat.proto.summary_pb2 import Summary
 
 from moetrain.parallel.ac import in_recompute
-from moetrain.train.alerts import ALERTS_FILE, AlertTracker, TrainingAlarm, truncate_alerts
+from moetrain.train.alerts import ALERTS_FILE, AlertTracker, TrainingAlarm
+from moetrain.train.metrics import truncate_records
 from moetrain.train.monitor_config import MonitorConfig
 from moetrain.train.routing_stats import RoutingStats, Snapshot, StepSummary
 
@@ -124,7 +125,7 @@ class RoutingMonitor:
                                   config.spike_window, config.spike_warmup, start_step, config.collapse_window)
         self.alerts = AlertTracker(config, self.run_dir / ALERTS_FILE, self.top_k, log)
         if start_step > 0 and self.main:  # resumed: the steps after the checkpoint run again, so do their alarms
-            truncate_alerts(self.run_dir / ALERTS_FILE, start_step)
+            truncate_records(self.run_dir / ALERTS_FILE, start_step)
         # per layer, the last heatmap_history logging steps' token shares [E]
         self.history: list[deque[list[float]]] = [deque(maxlen=config.heatmap_history) for _ in layer_ids]
         self.flushes = 0
