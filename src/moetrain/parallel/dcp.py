@@ -54,7 +54,7 @@ from moetrain.parallel.comm import named_collective
 from moetrain.parallel.mesh import ParallelMesh, single_process
 from moetrain.parallel.meta_init import saved_name
 from moetrain.parallel.sharding import ExpertShard
-from moetrain.train.checkpoint import CorruptCheckpoint, LoadedCheckpoint, encode_state
+from moetrain.train.checkpoint import CorruptCheckpoint, LoadedCheckpoint
 
 MARKER = "moetrain.json"
 METADATA = ".metadata"
@@ -409,7 +409,9 @@ class MemoryReader(StorageReader):
                 self._flat[key] = value
             else:
                 entries[key] = BytesStorageMetadata()
-                self._flat[key] = encode_state(value)
+                buf = io.BytesIO()
+                torch.save(value, buf)
+                self._flat[key] = buf.getvalue()
         self._metadata = Metadata(state_dict_metadata=entries, storage_data={})
 
     def reset(self, checkpoint_id: str | os.PathLike[Any] | None = None) -> None:

@@ -601,8 +601,7 @@ def encode_model(model: torch.nn.Module) -> bytes:
     return safetensors_save(model_tensors(model), metadata={"format": "pt"})
 
 
-def encode_state(state: Any) -> bytes:
-    """``torch.save`` bytes of ``state`` (``train_state.pt``; any value DCP stores as bytes)."""
+def encode_state(state: dict[str, Any]) -> bytes:
     buf = io.BytesIO()
     torch.save(state, buf)
     return buf.getvalue()
