@@ -146,6 +146,26 @@ def from_dict(cls: type[T], data: dict[str, Any], path: str = "", legacy: Mappin
         raise ConfigError(f"{_join(path, e.field)}: {e.message}") from None
 
 
+def check_types(cls: type, data: dict[str, Any], path: str = "", legacy: Mapping[str, str] | None = None) -> None:
+    """Check the keys and value types of one source of config data (a ``--config`` file, the ``FIELD=VALUE``
+    overrides) against the config dataclass ``cls`` before the sources are merged, so that a value a later source
+    or a flag replaces is still refused when it could never be valid (``train.steps=1.5`` beside ``--steps 2``).
+    Values are not checked against each other: that is :func:`from_dict`'s, on the merged data.
+
+    Raises:
+        ConfigError: an unknown key or a value of the wrong type; the message starts with the full field path.
+    """
+    types_ = _field_types(cls)
+    for key, value in data.items():
+        if key not in types_:
+            raise _unknown_key(key, path, list(types_), legacy)
+        tp = types_[key]
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp) and isinstance(value, dict):
+            check_types(tp, value, _join(path, key), legacy)
+        else:
+            _coerce(value, tp, _join(path, key), legacy)
+
+
 _MISSING = object()
 
 

@@ -125,12 +125,14 @@ def check_data_path(path: str | None) -> None:
 def run(args) -> int:
     # Everything up to the config and data checks stays clear of torch (an import of seconds), so a mistyped field or
     # a missing --data file answers at once; tests/test_cli_fast_errors.py holds it.
-    from moetrain.config import build_config, check_router_trainable, upgrade
+    from moetrain.config import LEGACY_PATHS, Config, build_config, check_router_trainable, upgrade
+    from moetrain.configlib import check_types
     from moetrain.presets import SHAPE_ONLY
 
     if args.stop_at_step is not None and args.stop_at_step < 1:
         raise MoetrainError(f"--stop-at-step: must be >= 1, got {args.stop_at_step}")
     overrides = upgrade(parse_overrides(args.overrides))  # old field paths still work, with a note each
+    check_types(Config, overrides, legacy=LEGACY_PATHS)  # before --data / --steps replace a value of theirs
     if args.data is not None:
         overrides = merge(overrides, {"data": {"path": args.data}})
     if args.steps is not None:
