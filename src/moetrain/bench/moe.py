@@ -28,14 +28,12 @@ expert FLOPs, and the peak of torch tensor bytes during one forward + backward (
 
 from __future__ import annotations
 
-import json
 import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
-from moetrain.bench import add_measurement_args, check_device
+from moetrain.bench import add_measurement_args, check_device, write_report
 from moetrain.errors import ConfigError
 
 CANDIDATES = ("dense", "hf-eager", "hf-grouped_mm", "loop", "padded", "grouped_mm", "fused")
@@ -300,8 +298,6 @@ def run(args) -> int:
 
     from moetrain.bench.common import cpu_line, machine_info
 
-    if args.reps < 1 or args.warmup < 0:
-        raise ConfigError(f"--reps must be >= 1 and --warmup >= 0, got {args.reps} and {args.warmup}")
     shapes, names = _shapes(args), _candidates(args)
     check_device(args.device)
     if args.threads:
@@ -323,15 +319,8 @@ def run(args) -> int:
                               args.clock, args.vary_routing, args.device)
             print_record(rec)
             records.append(rec)
-    info_end = machine_info()
-    report = {
-        "benchmark": "moe",
-        "args": {k: v for k, v in vars(args).items() if k not in ("func", "debug")},
-        "machine": {**info, "load_avg_at_end": info_end["load_avg_1_5_15min"]},
-        "dense_limit": "dense SwiGLU with one expert's weight shapes on T*K rows, plain autograd",
-        "results": records,
-    }
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
-    print(f"\nload average at end {info_end['load_avg_1_5_15min']}; wrote {args.json}")
+    end = machine_info()["load_avg_1_5_15min"]
+    print(f"\nload average at end {end}")
+    write_report(args, {"machine": {**info, "load_avg_at_end": end}, "results": records,
+                        "dense_limit": "dense SwiGLU with one expert's weight shapes on T*K rows, plain autograd"})
     return 0

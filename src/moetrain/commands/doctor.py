@@ -26,6 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from moetrain.commands import check_at_least
 from moetrain.errors import MoetrainError
 
 
@@ -318,8 +319,7 @@ def _communication(processes: int | None) -> str:
 
 
 def run(args) -> int:
-    if args.steps < 1:
-        raise MoetrainError(f"--steps: must be >= 1, got {args.steps}")
+    check_at_least(args, 1, "steps")
     config = _config(args.run_dir)
     d = diagnose(config, args.run_dir, args.steps)
     load = "unknown" if d["load"] is None else f"{d['load']:.1f}"

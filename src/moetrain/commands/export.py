@@ -14,6 +14,7 @@ import sys
 import uuid
 from pathlib import Path
 
+from moetrain.commands import check_output_path
 from moetrain.errors import ConfigError, MoetrainError
 
 # What an export writes (transformers' save_pretrained, the generation config and the tokenizer files).
@@ -85,10 +86,7 @@ def run(args) -> int:
     quiet_progress_unless_tty()
     out = Path(args.out_dir)
     shard_bytes = parse_shard_size(args.max_shard_size)
-    if out.exists() and not out.is_dir():
-        raise MoetrainError(f"{out}: exists and is not a directory; choose another OUT_DIR")
-    if any(p.exists() and not p.is_dir() for p in out.parents):
-        raise MoetrainError(f"{out}: a parent path is a file, not a directory")
+    check_output_path(out, "OUT_DIR")
     entries = list(out.iterdir()) if out.is_dir() else []
     if entries:
         if not args.overwrite:

@@ -33,11 +33,10 @@ def run(args) -> int:
     from moetrain.analysis.planner import plan
     from moetrain.analysis.shape import ModelShape
     from moetrain.config import build_config
+    from moetrain.commands import check_at_least
     from moetrain.configlib import load_file, parse_overrides
 
-    for name in ("devices", "seq", "global_batch"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
+    check_at_least(args, 1, "devices", "seq", "global_batch")
     file_data = load_file(args.config) if args.config else None
     config = build_config(args.preset, file_data, parse_overrides(args.overrides))
     model = config.model

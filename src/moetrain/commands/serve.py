@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 
+from moetrain.commands import check_at_least
 from moetrain.errors import MoetrainError
 
 
@@ -106,9 +107,7 @@ def build_app(args, mesh=None):
     from moetrain.serve.engine import Engine
     from moetrain.serve.loader import load_served_model
 
-    for name in ("slots", "max_queue", "max_body_bytes", "threads", "max_connections"):
-        if getattr(args, name, None) is not None and getattr(args, name) < 1:
-            raise MoetrainError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
+    check_at_least(args, 1, "slots", "max_queue", "max_body_bytes", "threads", "max_connections")
     for name in ("header_timeout", "read_timeout"):
         value = getattr(args, name, None)
         if value is not None and not 0 < value < float("inf"):

@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+from moetrain.commands import check_at_least, check_output_path
 from moetrain.configlib import load_file, merge, parse_overrides
 from moetrain.errors import MoetrainError
 from moetrain.train.restart import RESTART_ENV, torchrun_restart
@@ -129,8 +130,7 @@ def run(args) -> int:
     from moetrain.configlib import check_types
     from moetrain.presets import SHAPE_ONLY
 
-    if args.stop_at_step is not None and args.stop_at_step < 1:
-        raise MoetrainError(f"--stop-at-step: must be >= 1, got {args.stop_at_step}")
+    check_at_least(args, 1, "stop_at_step")
     overrides = upgrade(parse_overrides(args.overrides))  # old field paths still work, with a note each
     check_types(Config, overrides, legacy=LEGACY_PATHS)  # before --data / --steps replace a value of theirs
     if args.data is not None:
@@ -239,10 +239,7 @@ def run(args) -> int:
             if why:
                 raise MoetrainError(why)
         run_dir = Path(args.out) if args.out else Path("runs") / f"{config.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
-        if run_dir.exists() and not run_dir.is_dir():
-            raise MoetrainError(f"--out {run_dir}: exists and is not a directory")
-        if any(p.exists() and not p.is_dir() for p in run_dir.parents):
-            raise MoetrainError(f"--out {run_dir}: a parent path is a file, not a directory")
+        check_output_path(run_dir, "--out")
     from moetrain.parallel.dry_run import check
     from moetrain.runtime.preflight import check_fits
     from moetrain.train.trainer import resolve_device
