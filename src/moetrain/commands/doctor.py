@@ -38,19 +38,10 @@ def add_parser(sub) -> None:
 
 
 def _config(run_dir: str | None):
+    from moetrain.commands.run_dir import read_run_config
     from moetrain.config import Config, build_config
 
-    if run_dir is None:
-        return build_config(None, None, {})
-    path = Path(run_dir) / "config.json"
-    if not path.is_file():
-        raise MoetrainError(f"{path} not found; is '{run_dir}' a moetrain run directory?")
-    try:
-        return Config.from_dict(json.loads(path.read_text()))
-    except ValueError as e:
-        if isinstance(e, MoetrainError):
-            raise
-        raise MoetrainError(f"{path}: cannot parse: {e}") from None
+    return build_config() if run_dir is None else Config.from_dict(read_run_config(run_dir))
 
 
 def batch_shape(config) -> tuple[int, int]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import re
 import shlex
@@ -87,18 +86,11 @@ def _resumed_config(run_dir: Path, args, file_data: dict | None, overrides: dict
         MoetrainError: an unreadable config.json, a --preset other than the run's, or a change to a field fixed for
             the run (:mod:`moetrain.train.resume_config`).
     """
+    from moetrain.commands.run_dir import read_run_config
     from moetrain.config import Config, upgrade
     from moetrain.train.resume_config import resume_changes
-    from moetrain.train.trainer import CONFIG_FILE
 
-    saved_path = run_dir / CONFIG_FILE
-    try:
-        data = json.loads(saved_path.read_text())
-    except (OSError, ValueError) as e:
-        raise MoetrainError(f"--resume: cannot read {saved_path}: {e}") from None
-    if not isinstance(data, dict):
-        raise MoetrainError(f"--resume: {saved_path} is not a JSON object of config fields")
-    data = upgrade(data)  # a run written with older field paths: moved to the new ones (with a note each)
+    data = upgrade(read_run_config(run_dir))  # a run written with older field paths: moved to the new ones (with a note each)
     saved = Config.from_dict(data)
     if args.preset is not None and args.preset != saved.preset:
         raise MoetrainError(f"--preset {args.preset} cannot be combined with --resume of a run started from preset "
