@@ -298,25 +298,25 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
     return out
 
 
-def load_file(path: str | Path) -> dict[str, Any]:
-    """Read a ``.toml`` or ``.json`` config file into a dict.
+def load_file(path: str | Path, flag: str = "--config") -> dict[str, Any]:
+    """Read a ``.toml`` or ``.json`` file of fields (a config file; ``plan --device``'s hardware file) into a dict.
 
     Raises:
-        ConfigError: missing file, unknown suffix, or a syntax error (with the file name).
+        ConfigError: missing file, unknown suffix, or a syntax error (naming ``flag`` and the file).
     """
     p = Path(path)
     if p.is_dir():
-        raise ConfigError(f"--config {p}: is a directory; expected a .toml or .json file")
+        raise ConfigError(f"{flag} {p}: is a directory; expected a .toml or .json file")
     if not p.is_file():
-        raise ConfigError(f"--config {p}: no such file")
+        raise ConfigError(f"{flag} {p}: no such file")
     try:
         if p.suffix == ".toml":
             return tomllib.loads(p.read_text())
         if p.suffix == ".json":
             data = json.loads(p.read_text())
             if not isinstance(data, dict):
-                raise ConfigError(f"--config {p}: expected a JSON object of config fields, got {type(data).__name__}")
+                raise ConfigError(f"{flag} {p}: expected a JSON object of fields, got {type(data).__name__}")
             return data
     except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"--config {p}: cannot parse: {e}") from None
-    raise ConfigError(f"--config {p}: expected a .toml or .json file")
+        raise ConfigError(f"{flag} {p}: cannot parse: {e}") from None
+    raise ConfigError(f"{flag} {p}: expected a .toml or .json file")
