@@ -1,21 +1,10 @@
 """``moetrain doctor [RUN_DIR]``: why is training slow here? Measured, with one recommendation per finding.
 
-It reports
-- the machine: CPU model, usable cores, load average, the intra-op threads a run would choose, native bf16 flags;
-- the hardware peak: calibrated GEMM rate (1024^3 products) in fp32 and bf16 with those threads, the best of
-  interleaved rounds before and after the profiled window, and a note when the figures are unreliable (other
-  processes busy, rounds that disagree);
-- a short profiled window of training steps of the run's model (RUN_DIR's ``config.json``; default: the default
-  job's ``cpu-small`` preset) on random tokens of the run's micro-batch shape, run by the trainer's own step function
-  with the run's routing monitor attached (:func:`profile_steps`): the median step time split into forward,
-  backward, optimizer and monitoring, and the achieved model FLOP/s and MFU (``moetrain.analysis`` FLOPs of one
-  step / the median step time / the calibrated peak in the run's compute dtype, never above 100%: where the steps
-  outran the measured peak, it says the MFU could not be measured);
-- from the run's own ``metrics.jsonl`` (when given a run): its logged tokens/s and MFU, the share of its wall time
-  it waited for data (``data_wait_s``) and spent monitoring (``monitor_s``), the peak its MFU was computed against,
-  and how its tokens/s compares with the profiled window's (:func:`compare_with_run`);
-- communication: 0% only where the run is one process (the profiled window is always one process; a torchrun
-  job's all-to-all and all-reduce are not measured here, :func:`run_processes`).
+It reports the machine (CPU, usable cores, load, threads, native bf16), the GEMM peak calibrated in interleaved
+rounds around a short profiled window of the run's training steps (:func:`profile_steps`), that window's step time
+split into forward, backward, optimizer and monitoring, its model FLOP/s and MFU, and, given a run directory, the
+run's own logged tokens/s, MFU and data / monitoring shares against the window's (:func:`compare_with_run`). What
+each figure means and how it is checked: docs/robustness.md.
 """
 
 from __future__ import annotations
