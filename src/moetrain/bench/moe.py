@@ -308,8 +308,7 @@ def run(args) -> int:
           f"candidates interleaved, {'new tokens every call' if args.vary_routing else 'the same tokens every round'}"
           f"; {args.device}{' (' + str(info['cuda']) + ')' if args.device == 'cuda' else ''}, "
           f"{info['threads']} threads, {args.clock} clock; load average "
-          f"{info['load_avg_1_5_15min']} on {info['cpus']} CPUs; native CPU kernels "
-          f"{'on' if info['native_cpu_kernels'] else 'off'}; {cpu_line(info)}")
+          f"{info['load_avg_1_5_15min']} on {info['cpus']} CPUs; {cpu_line(info)}")
     if args.device == "cpu":
         _warn_if_busy(info)
     records = []

@@ -205,9 +205,8 @@ def _print(args, report: dict) -> None:
     print(f"bench train: preset {m['preset']} (L={m['layers']}, D={m['hidden']}, E={m['experts']}, K={m['top_k']}, "
           f"F={m['expert_ffn']}, V={m['vocab']}), batch {report['batch']} x {report['seq']} = "
           f"{report['tokens_per_step']} tokens, {a['dtype']}, fused AdamW; {a['steps']} timed rounds interleaved; "
-          f"{a.get('device', 'cpu')}, {report['machine']['threads']} threads, {a['clock']} clock; load average "
-          f"{report['machine']['load_avg_1_5_15min']}; native CPU kernels "
-          f"{'on' if report['machine'].get('native_cpu_kernels') else 'off'}; {cpu_line(report['machine'])}")
+          f"{a['device']}, {report['machine']['threads']} threads, {a['clock']} clock; load average "
+          f"{report['machine']['load_avg_1_5_15min']}; {cpu_line(report['machine'])}")
     print(f"  {'candidate':<22} {'tok/s':>8} {'step ms':>8} {'min-max ms':>17} {'vs best HF':>10} {'peak MB':>8} "
           f"{'peak/HF':>8} {'lm loss':>8}")
     for name, r in report["candidates"].items():

@@ -217,12 +217,12 @@ def diagnose(config, run_dir: str | None, steps: int) -> dict:
     ran faster than every peak round (the peak was held down by load, so there is no MFU to report).
     """
     from moetrain.analysis.hardware import UNRELIABLE_BUSY_CORES, measure_peaks
-    from moetrain.runtime.cpu import bf16_flags, bf16_support, cpu_model
+    from moetrain.runtime.cpu import cpu_info
     from moetrain.runtime.threads import choose_threads
 
     threads = choose_threads(config.train.threads)
-    bf16 = bf16_support("cpu")
-    compute = "bf16" if config.train.dtype == "bf16" and bf16.fast else "fp32"
+    cpu = cpu_info()
+    compute = "bf16" if config.train.dtype == "bf16" and cpu["bf16_fast"] else "fp32"
     peaks = measure_peaks(rounds=2)
     times = profile_steps(config, steps)
     peaks = peaks.merged(measure_peaks(rounds=2))  # the load may change while the window runs
@@ -234,8 +234,7 @@ def diagnose(config, run_dir: str | None, steps: int) -> dict:
     rows, seq = batch_shape(config)
     tokens = rows * seq * config.train.grad_accum
     achieved = flops / times["step"]
-    return {"cpu": cpu_model(), "bf16_flags": bf16_flags(), "bf16_fast": bf16.fast, "bf16_reason": bf16.reason,
-            "threads": threads.threads, "usable_cores": threads.usable_cores, "load": threads.load,
+    return {**cpu, "threads": threads.threads, "usable_cores": threads.usable_cores, "load": threads.load,
             "busy": threads.busy, "threads_requested": threads.requested, "peak_flops": peak,
             "peak_rounds": peaks.rates, "bf16_ratios": peaks.ratios("bf16", "fp32"), "unreliable": unreliable,
             "compute_dtype": compute, "dtype": config.train.dtype, "step_flops": flops, "tokens_per_step": tokens,
@@ -304,7 +303,7 @@ def run(args) -> int:
     d = diagnose(config, args.run_dir, args.steps)
     load = "unknown" if d["load"] is None else f"{d['load']:.1f}"
     busy = "" if d.get("busy") is None else f", {d['busy']:.1f} of them busy with other processes"
-    print(f"machine: {d['cpu']}; {d['usable_cores']} usable cores{busy}, load average {load}, {d['threads']} "
+    print(f"machine: {d['cpu_model']}; {d['usable_cores']} usable cores{busy}, load average {load}, {d['threads']} "
           f"intra-op threads")
     flags = ", ".join(d["bf16_flags"]) or "none"
     print(f"bf16: native flags {flags}; {'fast' if d['bf16_fast'] else 'slow'} ({d['bf16_reason']})")

@@ -85,6 +85,14 @@ def best_seconds(fn, repeats: int, device: torch.device = torch.device("cpu")) -
     return best
 
 
+def cpu_info() -> dict[str, object]:
+    """This CPU as a benchmark or ``moetrain doctor`` records it: ``cpu_model``, ``bf16_flags`` (its native-bf16
+    features), ``bf16_fast`` and ``bf16_reason`` (whether bf16 autocast computes in bf16 here, and why)."""
+    support = bf16_support("cpu")
+    return {"cpu_model": cpu_model(), "bf16_flags": bf16_flags(), "bf16_fast": support.fast,
+            "bf16_reason": support.reason}
+
+
 def _gemm_rate(dtype: torch.dtype, device: torch.device, size: int, repeats: int) -> float:
     gen = torch.Generator(device=device).manual_seed(0)  # never the global RNG: a run's random stream stays as is
     a = torch.randn(size, size, device=device, generator=gen).to(dtype)
