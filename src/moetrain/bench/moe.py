@@ -150,6 +150,7 @@ def _build(shape: Shape, dtype, names: list[str], seed: int, vary_routing: bool 
 
         built["dense"] = (_stepper(dense_forward, grad_rows, [x_rows, *dense_w]), None)  # no routing to vary
 
+    layers: dict[str, tuple[Any, Any, Callable[[Any, Any], Any]]] = {}  # name -> (module, router weight, call)
     for impl in ("eager", "grouped_mm"):
         if f"hf-{impl}" not in names:
             continue
@@ -161,36 +162,25 @@ def _build(shape: Shape, dtype, names: list[str], seed: int, vary_routing: bool 
         cfg = MixtralConfig(hidden_size=d, intermediate_size=f, num_local_experts=e, num_experts_per_tok=k,
                             router_jitter_noise=0.0, experts_implementation=impl)  # type: ignore[call-arg]
         block = MixtralSparseMoeBlock(cfg)
-        with torch.no_grad():
-            block.gate.weight.copy_(router)
-            block.experts.gate_up_proj.copy_(gate_up)
-            block.experts.down_proj.copy_(down)
-        block = block.to(device, dtype).train()
-        xin = x.clone().view(1, t, d).requires_grad_()
-
-        def hf_forward(block=block, xin=xin):
-            return block(xin).view(t, d)
-
-        built[f"hf-{impl}"] = (_stepper(hf_forward, grad_out, [xin, *block.parameters()],
-                                        _refresher(xin, seed, vary_routing)), hf_forward)
-
+        layers[f"hf-{impl}"] = (block, block.gate.weight, lambda m, xin: m(xin.view(1, t, d)).view(t, d))
     for backend in ("loop", "padded", "grouped_mm", "fused"):
-        if backend not in names:
-            continue
-        layer = MoELayer(d, MoEConfig(num_experts=e, top_k=k, experts=ExpertsConfig(ffn_hidden=f)),
-                         ExecutionConfig(moe_backend=backend))
+        if backend in names:
+            layer = MoELayer(d, MoEConfig(num_experts=e, top_k=k, experts=ExpertsConfig(ffn_hidden=f)),
+                             ExecutionConfig(moe_backend=backend))
+            layers[backend] = (layer, layer.router.weight, lambda m, xin: m(xin)[0])
+    for name, (module, gate, call) in layers.items():  # transformers' expert layout is moetrain's
         with torch.no_grad():
-            layer.router.weight.copy_(router)
-            layer.experts.gate_up_proj.copy_(gate_up)
-            layer.experts.down_proj.copy_(down)
-        layer = layer.to(device, dtype).train()
+            gate.copy_(router)
+            module.experts.gate_up_proj.copy_(gate_up)
+            module.experts.down_proj.copy_(down)
+        module = module.to(device, dtype).train()
         xin = x.clone().requires_grad_()
 
-        def ours_forward(layer=layer, xin=xin):
-            return layer(xin)[0]
+        def forward(module=module, xin=xin, call=call):
+            return call(module, xin)
 
-        built[backend] = (_stepper(ours_forward, grad_out, [xin, *layer.parameters()],
-                                   _refresher(xin, seed, vary_routing)), ours_forward)
+        built[name] = (_stepper(forward, grad_out, [xin, *module.parameters()],
+                                _refresher(xin, seed, vary_routing)), forward)
     return built
 
 
