@@ -44,10 +44,6 @@ def _join(path: str, name: str) -> str:
     return f"{path}.{name}" if path else name
 
 
-def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", str(tp))
-
-
 def _coerce(value: Any, tp: Any, path: str, legacy: Mapping[str, str] | None = None) -> Any:
     """Check (and minimally convert: int -> float) ``value`` against the annotation ``tp``."""
     origin = typing.get_origin(tp)
@@ -102,7 +98,7 @@ def _coerce(value: Any, tp: Any, path: str, legacy: Mapping[str, str] | None = N
         if not isinstance(value, str):
             raise ConfigError(f"{path}: expected a string, got {format_value(value)}")
         return value
-    raise ConfigError(f"{path}: unsupported field type {_type_name(tp)}")
+    raise ConfigError(f"{path}: unsupported field type {getattr(tp, '__name__', tp)}")
 
 
 def _field_types(cls: type) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Shared measurement helpers of the issue-9 benchmarks (``bench moe``, ``bench train``): interleaved timing and
+"""Shared measurement helpers of the benchmarks (``bench moe``, ``bench train``, ``bench bta``): interleaved timing and
 peak tensor memory.
 
 Timing: every round runs each candidate once, in an order rotated by one each round, so that a busy machine (other
