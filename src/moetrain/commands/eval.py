@@ -11,6 +11,7 @@ import json
 import sys
 from pathlib import Path
 
+from moetrain.commands import check_at_least
 from moetrain.commands.run_dir import load_run
 from moetrain.errors import MoetrainError
 
@@ -66,8 +67,7 @@ def run(args) -> int:
     from moetrain.train.progress import batches_fingerprint, logged_val_fingerprint
     from moetrain.train.trainer import TOKENIZER_FILE, evaluate
 
-    if args.batches is not None and args.batches < 1:
-        raise MoetrainError(f"--batches must be >= 1, got {args.batches}")
+    check_at_least(args, 1, "batches")
     if args.data is not None and not args.data.strip():
         raise MoetrainError(f"--data: is empty ({args.data!r}); give a file, directory or glob, or leave --data out "
                             "for the run's own data")

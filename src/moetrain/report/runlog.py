@@ -100,8 +100,8 @@ class RunLog:
     def top_k(self) -> int:
         """The run's top-k (1 when the config is unknown)."""
         try:
-            return int(self.config["model"]["moe"]["top_k"])  # type: ignore[index]
-        except (TypeError, KeyError, ValueError):
+            return int((self._moe_config() or {})["top_k"])
+        except (KeyError, TypeError, ValueError):
             return 1
 
 

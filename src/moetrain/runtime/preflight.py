@@ -130,8 +130,7 @@ def estimate_memory(config) -> MemoryEstimate:
     seq = config.data.seq_len
     act = model_activations(shape, flags, t.batch_size, seq, act_bytes=2 if t.dtype == "bf16" else 4,
                             fused_loss=True).peak
-    batches = 2 * 8 * t.batch_size * seq * (1 + t.eval_batches)
-    return MemoryEstimate(state=float(state), activations=float(act), batches=float(batches))
+    return MemoryEstimate(state=float(state), activations=float(act), batches=_batch_bytes(config))
 
 
 def check_fits(config, device_type: str = "cpu", free: float | None = None, world: int = 1) -> MemoryEstimate:
