@@ -11,6 +11,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -23,10 +25,11 @@ from tokenizers import Tokenizer
 from moetrain.data.config import DataConfig
 from moetrain.data.corpus import discover_files, held_out
 from moetrain.data.formats import find_pretokenized
-from moetrain.data.prepare import CACHE_VERSION, Corpus, atomic_write, scan, split_only, train_on_corpus, write_splits
+from moetrain.data.prepare import (
+    CACHE_VERSION, Corpus, Scan, scan, size_of, split_only, train_on_corpus, write_splits,
+)
 from moetrain.data.tokenizer import EOS_TOKEN, load_tokenizer, tokenizer_file
 from moetrain.errors import ConfigError, DataError
-
 
 
 @dataclass(frozen=True)
@@ -72,9 +75,8 @@ def prepare_data(cfg: DataConfig, vocab_size: int, tokenizer_path: Path | None =
     training split (documents in a fixed pseudo-random order). Results are cached under ``cfg.cache_dir`` /
     ``$MOETRAIN_CACHE`` / ``~/.cache/moetrain``, keyed by the file list with sizes, mtimes and ctimes (not contents),
     ``val_fraction``, ``vocab_size``, ``tokenizer_max_bytes``, a non-default ``text_field`` / ``token_dtype`` and
-    the tokenizer; a cache hit reads no corpus file and trains nothing. Every cache file is written to a temporary
-    name and renamed, and ``meta.json`` is written last, so an interrupted run leaves no entry that is later
-    trusted.
+    the tokenizer; a cache hit reads no corpus file and trains nothing. An entry is built in a temporary directory,
+    renamed into place once complete: an interrupted run, or a corpus refused as too short, leaves no entry.
 
     Args:
         cfg: the data config.
@@ -124,7 +126,8 @@ def prepare_data(cfg: DataConfig, vocab_size: int, tokenizer_path: Path | None =
     log(f"data: {source}: train {data.num_train_docs} docs / {len(data.train_tokens):,} tokens, "
         f"val {data.num_val_docs} docs / {len(data.val_tokens):,} tokens, {data.skipped} skipped, "
         f"vocab {data.tokenizer.get_vocab_size()}")
-    _check_long_enough(data, cfg, source)
+    # seq_len is not in the cache key: a cached entry may be too short for this one
+    _check_long_enough(len(data.train_tokens), len(data.val_tokens), cfg, source)
     return data
 
 
@@ -140,15 +143,26 @@ def _check_pretokenized_tokenizer(cfg: DataConfig, given: Tokenizer | None, toke
                         f"uses: the pre-tokenized ids of '{source}' were made with one of them only")
 
 
-def _check_long_enough(data: PreparedData, cfg: DataConfig, source: str) -> None:
+def _check_long_enough(train: int, val: int, cfg: DataConfig, source: str, bound: str = "") -> None:
+    """Refuse splits of ``train`` / ``val`` tokens (``bound="at most "``: upper bounds) shorter than a sequence."""
     need = cfg.seq_len + 1
-    if len(data.train_tokens) < need:
+    if train < need:
         raise DataError(f"corpus '{source}' is shorter than one sequence of data.seq_len={cfg.seq_len} tokens "
-                        f"({len(data.train_tokens)} training tokens, need {need}); lower data.seq_len or add text")
-    if len(data.val_tokens) < need:
+                        f"({bound}{train} training tokens, need {need}); lower data.seq_len or add text")
+    if val < need:
         raise DataError(f"validation split of '{source}' is shorter than one sequence of "
-                        f"data.seq_len={cfg.seq_len} tokens ({len(data.val_tokens)} tokens, need {need}); lower "
+                        f"data.seq_len={cfg.seq_len} tokens ({bound}{val} tokens, need {need}); lower "
                         f"data.seq_len or raise data.val_fraction")
+
+
+def _most_tokens(found: Scan, val: np.ndarray | None, val_fraction: float) -> tuple[int, int]:
+    """Upper bounds of the (train, val) tokens, EOS included, from the scan: exact for pre-tokenized documents, and
+    a byte-level BPE tokenizer makes at most one token per UTF-8 byte."""
+    if found.only is not None:
+        train, val_part = split_only(found.only, val_fraction)
+        return size_of(train) + 1, 0 if val_part is None else size_of(val_part) + 1
+    assert val is not None
+    return int(found.sizes[~val].sum() + (~val).sum()), int(found.sizes[val].sum() + val.sum())
 
 
 def _cache_root(cfg: DataConfig) -> Path:
@@ -199,10 +213,16 @@ def _load_entry(entry: Path, dtype: np.dtype) -> dict | None:
 
 def _build_entry(entry: Path, corpus: Corpus, source: str, cfg: DataConfig, vocab_size: int,
                  given: Tokenizer | None, dtype: np.dtype, log: Callable[[str], None]) -> dict:
-    """Scan, split, (train a tokenizer,) tokenize and write ``entry`` (data/prepare.py); returns its meta."""
+    """Scan, split, (train a tokenizer,) tokenize and write ``entry`` (data/prepare.py); returns its meta.
+
+    A corpus too short for one sequence per split is refused before its split when the scan proves it (text for a
+    trained tokenizer, pre-tokenized ids), else after tokenizing; either way nothing is left in the cache.
+    """
     t0 = time.perf_counter()
     found = scan(corpus, source)
     val = held_out(found.digests, cfg.val_fraction) if found.only is None else None
+    if given is None or corpus.pretokenized is not None:
+        _check_long_enough(*_most_tokens(found, val, cfg.val_fraction), cfg, source, "at most ")
     if found.only is not None:
         n_train, n_val = 1, int(split_only(found.only, cfg.val_fraction)[1] is not None)
     else:
@@ -214,19 +234,41 @@ def _build_entry(entry: Path, corpus: Corpus, source: str, cfg: DataConfig, voca
     eos_id = tok.token_to_id(EOS_TOKEN)
     assert eos_id is not None  # train_tokenizer puts EOS_TOKEN at id 0; load_tokenizer rejects a tokenizer without it
 
-    entry.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    written = write_splits(entry, corpus, found, val, tok, eos_id, dtype, cfg.val_fraction)
-    seconds = time.perf_counter() - t0
-    rate = "" if corpus.pretokenized is not None else \
-        f" ({int(found.sizes.sum()) / 1e6 / max(seconds, 1e-9):.1f} MB/s)"
-    log(f"data: tokenized {written['train'][1] + written['val'][1]:,} tokens in {seconds:.1f} s{rate} -> {entry}")
-    atomic_write(entry / "tokenizer.json", tok.to_str().encode())
-    meta = {"version": CACHE_VERSION, "eos_id": eos_id, "num_train_docs": written["train"][0],
-            "num_val_docs": written["val"][0], "skipped": found.stats.skipped, "num_train_tokens": written["train"][1],
-            "num_val_tokens": written["val"][1]}
-    atomic_write(entry / "meta.json", json.dumps(meta, indent=1).encode())  # last: marks the entry complete
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(dir=entry.parent, prefix=f".{entry.name}.", suffix=".tmp"))
+    try:
+        t0 = time.perf_counter()
+        written = write_splits(stage, corpus, found, val, tok, eos_id, dtype, cfg.val_fraction)
+        seconds = time.perf_counter() - t0
+        rate = "" if corpus.pretokenized is not None else \
+            f" ({int(found.sizes.sum()) / 1e6 / max(seconds, 1e-9):.1f} MB/s)"
+        log(f"data: tokenized {written['train'][1] + written['val'][1]:,} tokens in {seconds:.1f} s{rate} -> {entry}")
+        _check_long_enough(written["train"][1], written["val"][1], cfg, source)
+        meta = {"version": CACHE_VERSION, "eos_id": eos_id, "num_train_docs": written["train"][0],
+                "num_val_docs": written["val"][0], "skipped": found.stats.skipped,
+                "num_train_tokens": written["train"][1], "num_val_tokens": written["val"][1]}
+        (stage / "tokenizer.json").write_text(tok.to_str())
+        (stage / "meta.json").write_text(json.dumps(meta, indent=1))
+        _publish(stage, entry)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
     return meta
+
+
+def _publish(stage: Path, entry: Path) -> None:
+    """Rename the complete directory ``stage`` to ``entry`` (its files fsynced first, so a crash leaves the whole
+    entry or none), replacing a stale entry or a concurrent build's identical one."""
+    for f in stage.iterdir():
+        with open(f, "rb") as h:
+            os.fsync(h.fileno())
+    os.chmod(stage, 0o755)  # mkdtemp makes it 0700; a shared cache should be readable like any directory
+    try:
+        os.rename(stage, entry)
+    except OSError:  # an entry is there (a non-empty directory or an alias symlink): move it aside, then replace it
+        old = Path(tempfile.mkdtemp(dir=entry.parent, prefix=f".{entry.name}.", suffix=".old"))
+        os.rename(entry, old / "entry")
+        os.rename(stage, entry)
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _open_tokens(path: Path, dtype: np.dtype) -> np.ndarray:

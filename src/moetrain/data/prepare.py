@@ -19,13 +19,12 @@ Pre-tokenized documents skip the encoding: their ids are copied (each followed b
 
 from __future__ import annotations
 
-import os
 import queue
-import tempfile
 import threading
 import time
 from array import array
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -202,13 +201,12 @@ def train_on_corpus(corpus: Corpus, found: Scan, val: np.ndarray | None, cfg: Da
 
 
 class _SplitWriter:
-    """The token file and document index of one split, written atomically."""
+    """The token file and document index of one split (in a staging directory: see ``dataset._build_entry``)."""
 
-    def __init__(self, entry: Path, split: str, dtype: np.dtype):
+    def __init__(self, entry: Path, split: str, dtype: np.dtype, files: ExitStack):
         self.dtype = dtype
-        self._tokens = AtomicFile(entry / f"{split}.bin")
-        self._index = AtomicFile(entry / f"{split}.idx")
-        self.file, self.index = self._tokens.__enter__(), self._index.__enter__()
+        self.file = files.enter_context(open(entry / f"{split}.bin", "wb"))
+        self.index = files.enter_context(open(entry / f"{split}.idx", "wb"))
         self.tokens = 0
         self.documents = 0
 
@@ -218,11 +216,6 @@ class _SplitWriter:
         self.index.write((self.tokens + np.cumsum(lengths, dtype=np.int64)).astype("<i8").tobytes())
         self.tokens += int(len(ids))
         self.documents += len(lengths)
-
-    def close(self, failed: BaseException | None) -> None:
-        kind = type(failed) if failed is not None else None
-        self._tokens.__exit__(kind, failed, None)
-        self._index.__exit__(kind, failed, None)
 
 
 def _read_ahead(items: Iterator[Any], depth: int) -> Iterator[Any]:
@@ -298,64 +291,23 @@ def write_splits(entry: Path, corpus: Corpus, found: Scan, val: np.ndarray | Non
     # encode_batch_fast (tokenizers >= 0.20) gives the same ids as encode_batch without computing offsets: ~1.5x
     # faster on 2 cores.
     encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
-    writers = {split: _SplitWriter(entry, split, dtype) for split in ("train", "val")}
-    failed: BaseException | None = None
-    total = int(found.sizes.sum())
-    try:
-        with tqdm(total=total, desc="data: copying" if pretokenized else "data: tokenizing", disable=None,
-                  unit="tok" if pretokenized else "B", unit_scale=True, mininterval=1.0, smoothing=0.1) as bar:
-            stream = _batches(corpus.documents(Counts()), val, found.sizes, found.only is not None, val_fraction,
-                              limit)
-            for split, batch, nbytes in _read_ahead(stream, _READ_AHEAD):
-                pieces: list[Any]  # [documents] id arrays or lists
-                if pretokenized:
-                    pieces = [np.asarray(d.ids) for d in batch]
-                else:
-                    pieces = [e.ids for e in encode([d.text for d in batch], add_special_tokens=False)]
-                lengths = np.fromiter((len(p) + 1 for p in pieces), dtype=np.int64, count=len(pieces))
-                ids = np.empty(int(lengths.sum()), dtype=dtype)  # [tokens] documents, each followed by EOS
-                ends = np.cumsum(lengths)
-                ids[ends - 1] = eos_id
-                for p, end, n in zip(pieces, ends.tolist(), lengths.tolist()):
-                    ids[end - n : end - 1] = p
-                writers[split].write(ids, lengths)
-                bar.update(nbytes)
-    except BaseException as e:
-        failed = e
-        raise
-    finally:
-        for w in writers.values():
-            w.close(failed)
+    desc, unit = ("data: copying", "tok") if pretokenized else ("data: tokenizing", "B")
+    with ExitStack() as files, tqdm(total=int(found.sizes.sum()), desc=desc, unit=unit, disable=None,
+                                    unit_scale=True, mininterval=1.0, smoothing=0.1) as bar:
+        writers = {split: _SplitWriter(entry, split, dtype, files) for split in ("train", "val")}
+        stream = _batches(corpus.documents(Counts()), val, found.sizes, found.only is not None, val_fraction, limit)
+        for split, batch, nbytes in _read_ahead(stream, _READ_AHEAD):
+            pieces: list[Any]  # [documents] id arrays or lists
+            if pretokenized:
+                pieces = [np.asarray(d.ids) for d in batch]
+            else:
+                pieces = [e.ids for e in encode([d.text for d in batch], add_special_tokens=False)]
+            lengths = np.fromiter((len(p) + 1 for p in pieces), dtype=np.int64, count=len(pieces))
+            ids = np.empty(int(lengths.sum()), dtype=dtype)  # [tokens] documents, each followed by EOS
+            ends = np.cumsum(lengths)
+            ids[ends - 1] = eos_id
+            for p, end, n in zip(pieces, ends.tolist(), lengths.tolist()):
+                ids[end - n : end - 1] = p
+            writers[split].write(ids, lengths)
+            bar.update(nbytes)
     return {split: (w.documents, w.tokens) for split, w in writers.items()}
-
-
-class AtomicFile:
-    """A binary file written under a temporary name in the same directory and renamed into place on success
-    (fsync first, so a crash leaves either the old file or the complete new one, never a partial one)."""
-
-    def __init__(self, path: Path):
-        self.path = path
-
-    def __enter__(self) -> Any:
-        fd, self.tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
-        os.chmod(self.tmp, 0o644)  # mkstemp makes it 0600; a shared cache should be readable like any file
-        self.file = os.fdopen(fd, "wb")
-        return self.file
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        try:
-            with self.file:
-                if exc_type is None:
-                    self.file.flush()
-                    os.fsync(self.file.fileno())
-            if exc_type is None:
-                os.replace(self.tmp, self.path)
-        finally:
-            if os.path.exists(self.tmp):
-                os.unlink(self.tmp)
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically (:class:`AtomicFile`)."""
-    with AtomicFile(path) as f:
-        f.write(data)
