@@ -15,7 +15,7 @@ import pytest
 import zstandard
 
 from moetrain.data import DataConfig, prepare_data, train_tokenizer
-from moetrain.data.formats import Counts, MegatronIndex, find_pretokenized, iter_token_documents
+from moetrain.data.formats import MegatronIndex, ReadStats, find_pretokenized, iter_token_documents
 from moetrain.errors import ConfigError, DataError
 
 WORDS = ("the of and to in is was for on that with as by at from his her it an be are this which or have "
@@ -132,7 +132,7 @@ def test_megatron_indexed_dataset_read_like_megatron_and_like_the_text(formats, 
     theirs = IndexedDataset(str(prefix))
     corpus = find_pretokenized(str(prefix))
     assert corpus is not None and corpus.kind == "megatron"
-    ours = list(iter_token_documents(corpus, None, 0, VOCAB, Counts()))
+    ours = list(iter_token_documents(corpus, None, 0, VOCAB, ReadStats()))
     assert len(ours) == len(theirs) == N_ROWS
     for d in (0, 1, 1234, N_ROWS - 1):
         np.testing.assert_array_equal(ours[d].ids, theirs[d][:-1])  # without the appended end-of-document

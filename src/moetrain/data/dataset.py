@@ -23,10 +23,10 @@ import torch
 from tokenizers import Tokenizer
 
 from moetrain.data.config import DataConfig
-from moetrain.data.corpus import discover_files, held_out
+from moetrain.data.corpus import discover_files, held_out, split_only
 from moetrain.data.formats import find_pretokenized
 from moetrain.data.prepare import (
-    CACHE_VERSION, Corpus, Scan, scan, size_of, split_only, train_on_corpus, write_splits,
+    CACHE_VERSION, Corpus, Scan, scan, size_of, train_on_corpus, write_splits,
 )
 from moetrain.data.tokenizer import EOS_TOKEN, load_tokenizer, tokenizer_file
 from moetrain.errors import ConfigError, DataError

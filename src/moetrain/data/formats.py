@@ -73,13 +73,35 @@ class TokenDocument:
 
 
 @dataclass
-class Counts:
-    """What reading skipped (mutable; :class:`~moetrain.data.corpus.ReadStats` is its frozen summary)."""
+class ReadStats:
+    """What reading a corpus kept and skipped, counted while its documents stream.
 
+    Fields:
+        files: files given.
+        documents: documents kept.
+        binary: files skipped as binary (a NUL byte in the first 8 KiB) or not valid UTF-8.
+        unreadable: files skipped because they could not be read (permissions, vanished, a directory).
+        empty: files (or records) skipped because their text is empty.
+        bad_lines: records skipped: a JSON line that is invalid JSON or has no string text field, a null text.
+    """
+
+    files: int = 0
+    documents: int = 0
     binary: int = 0
     unreadable: int = 0
     empty: int = 0
     bad_lines: int = 0
+
+    @property
+    def skipped(self) -> int:
+        """Files and records skipped, for any reason."""
+        return self.binary + self.unreadable + self.empty + self.bad_lines
+
+    def describe(self) -> str:
+        """``'3 skipped (2 binary, 1 unreadable)'``; ``'0 skipped'`` when nothing was."""
+        parts = [f"{n} {what}" for n, what in ((self.binary, "binary"), (self.unreadable, "unreadable"),
+                                                (self.empty, "empty"), (self.bad_lines, "bad records")) if n]
+        return f"{self.skipped} skipped" + (f" ({', '.join(parts)})" if parts else "")
 
 
 # -- names and compression ------------------------------------------------------------------------------------------
@@ -191,7 +213,7 @@ def is_datasets_folder(path: Path) -> bool:
                               or (path / "dataset_dict.json").is_file())
 
 
-def iter_text_documents(path: Path, name: str, text_field: str, counts: Counts) -> Iterator[tuple[str, str]]:
+def iter_text_documents(path: Path, name: str, text_field: str, counts: ReadStats) -> Iterator[tuple[str, str]]:
     """The ``(name, text)`` documents of one corpus file (or ``datasets`` folder), in order; skips are counted.
 
     Args:
@@ -238,7 +260,7 @@ def decode(raw: bytes) -> str | None:
         return None
 
 
-def _whole_file(path: Path, name: str, counts: Counts) -> Iterator[tuple[str, str]]:
+def _whole_file(path: Path, name: str, counts: ReadStats) -> Iterator[tuple[str, str]]:
     with open_stream(path) as f:
         raw = f.read()
     text = decode(raw)
@@ -261,7 +283,7 @@ def _first_line_is_record(path: Path, text_field: str) -> bool:
     return isinstance(record, dict) and isinstance(record.get(text_field), str)
 
 
-def _json_lines(path: Path, stem: str, text_field: str, counts: Counts) -> Iterator[tuple[str, str]]:
+def _json_lines(path: Path, stem: str, text_field: str, counts: ReadStats) -> Iterator[tuple[str, str]]:
     """One document per line with a non-empty string field; lines split at ``\\n`` only (JSON keeps U+2028 raw)."""
     lines = bad = kept = 0
     with open_stream(path) as f:
@@ -307,7 +329,7 @@ def _text_column(path: Path, schema: Any, text_field: str) -> None:
                         f"the column that holds the text")
 
 
-def _rows(texts: list[Any], stem: str, first_row: int, counts: Counts) -> Iterator[tuple[str, str]]:
+def _rows(texts: list[Any], stem: str, first_row: int, counts: ReadStats) -> Iterator[tuple[str, str]]:
     """Documents of consecutive rows ``first_row, first_row + 1, ...`` (1-based); null texts count as bad."""
     for i, text in enumerate(texts):
         if text is None:
@@ -318,7 +340,7 @@ def _rows(texts: list[Any], stem: str, first_row: int, counts: Counts) -> Iterat
             yield f"{stem}:{first_row + i}", text
 
 
-def _parquet(path: Path, stem: str, text_field: str, counts: Counts) -> Iterator[tuple[str, str]]:
+def _parquet(path: Path, stem: str, text_field: str, counts: ReadStats) -> Iterator[tuple[str, str]]:
     import pyarrow.parquet as pq
 
     with pq.ParquetFile(path) as pf:
@@ -330,7 +352,7 @@ def _parquet(path: Path, stem: str, text_field: str, counts: Counts) -> Iterator
             row += len(texts)
 
 
-def _arrow(path: Path, stem: str, text_field: str, counts: Counts) -> Iterator[tuple[str, str]]:
+def _arrow(path: Path, stem: str, text_field: str, counts: ReadStats) -> Iterator[tuple[str, str]]:
     import pyarrow as pa
 
     with pa.memory_map(str(path)) as source:
@@ -349,7 +371,7 @@ def _arrow(path: Path, stem: str, text_field: str, counts: Counts) -> Iterator[t
             row += len(texts)
 
 
-def _datasets_folder(path: Path, stem: str, text_field: str, counts: Counts) -> Iterator[tuple[str, str]]:
+def _datasets_folder(path: Path, stem: str, text_field: str, counts: ReadStats) -> Iterator[tuple[str, str]]:
     try:
         import datasets
     except ImportError:
@@ -463,7 +485,7 @@ def check_dtype(given: str | None, actual: np.dtype, where: Path) -> None:
 
 
 def iter_token_documents(corpus: Pretokenized, token_dtype: str | None, eos_id: int, vocab_size: int,
-                         counts: Counts) -> Iterator[TokenDocument]:
+                         counts: ReadStats) -> Iterator[TokenDocument]:
     """The documents of a pre-tokenized corpus, in order; empty ones are counted in ``counts.empty``.
 
     Args:

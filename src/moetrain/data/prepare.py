@@ -42,9 +42,9 @@ from moetrain.data.corpus import (
     iter_documents,
     name_digest,
     read_stats,
-    text_cut,
+    split_only,
 )
-from moetrain.data.formats import Counts, Pretokenized, TokenDocument, iter_token_documents
+from moetrain.data.formats import Pretokenized, TokenDocument, iter_token_documents
 from moetrain.data.tokenizer import EOS_TOKEN, train_tokenizer
 
 # Bump when the cache layout or the tokenization changes, so old entries are never trusted.
@@ -72,7 +72,7 @@ class Corpus:
                  tokenizer: Tokenizer | None):
         self.files, self.cfg, self.pretokenized, self.tokenizer = list(files), cfg, pretokenized, tokenizer
 
-    def documents(self, counts: Counts) -> Iterator[Document | TokenDocument]:
+    def documents(self, counts: ReadStats) -> Iterator[Document | TokenDocument]:
         """The documents in corpus order; skipped ones counted in ``counts``."""
         if self.pretokenized is None:
             yield from iter_documents(self.files, self.cfg.text_field, counts)
@@ -108,7 +108,7 @@ class Scan:
 
 def scan(corpus: Corpus, source: str) -> Scan:
     """Pass 1. Raises ``DataError`` when no document is usable (see :func:`~moetrain.data.corpus.read_stats`)."""
-    counts, digests, sizes = Counts(), bytearray(), array("q")
+    counts, digests, sizes = ReadStats(), bytearray(), array("q")
     first = None
     with tqdm(desc="data: scanning", unit="B", unit_scale=True, disable=None, mininterval=1.0) as bar:
         for doc in corpus.documents(counts):
@@ -120,20 +120,6 @@ def scan(corpus: Corpus, source: str) -> Scan:
     stats = read_stats(corpus.files, len(sizes), counts, source)
     return Scan(digest_rows(bytes(digests)), np.frombuffer(sizes, dtype=np.int64) if sizes else
                 np.zeros(0, np.int64), stats, first if len(sizes) == 1 else None)
-
-
-def split_only(doc: Document | TokenDocument, val_fraction: float) -> tuple[Any, Any]:
-    """A one-document corpus's (train, val) parts: text split at :func:`~moetrain.data.corpus.text_cut`, ids at
-    their last ``val_fraction`` (at least one id); val is ``None`` when the document is too short to split."""
-    if isinstance(doc, Document):
-        cut = text_cut(doc.text, val_fraction)
-        return (doc, None) if cut is None else \
-            (Document(doc.name, doc.text[:cut]), Document(f"{doc.name}#val", doc.text[cut:]))
-    n = len(doc.ids)
-    if n < 2:
-        return doc, None
-    cut = n - max(1, round(n * val_fraction))
-    return TokenDocument(doc.name, doc.ids[:cut]), TokenDocument(f"{doc.name}#val", doc.ids[cut:])
 
 
 def sample_plan(sizes: np.ndarray, max_bytes: int) -> list[tuple[int, int | None]]:
@@ -175,7 +161,7 @@ def collect_sample(corpus: Corpus, found: Scan, val: np.ndarray, max_bytes: int)
     plan = sample_plan(found.sizes[train], max_bytes)
     wanted = {int(train[pos]): cut for pos, cut in plan}
     texts: dict[int, str] = {}
-    for i, doc in enumerate(corpus.documents(Counts())):
+    for i, doc in enumerate(corpus.documents(ReadStats())):
         if i in wanted:
             assert isinstance(doc, Document)  # a tokenizer is trained for text input only
             texts[i] = _cut_text(doc.text, wanted[i])
@@ -295,7 +281,7 @@ def write_splits(entry: Path, corpus: Corpus, found: Scan, val: np.ndarray | Non
     with ExitStack() as files, tqdm(total=int(found.sizes.sum()), desc=desc, unit=unit, disable=None,
                                     unit_scale=True, mininterval=1.0, smoothing=0.1) as bar:
         writers = {split: _SplitWriter(entry, split, dtype, files) for split in ("train", "val")}
-        stream = _batches(corpus.documents(Counts()), val, found.sizes, found.only is not None, val_fraction, limit)
+        stream = _batches(corpus.documents(ReadStats()), val, found.sizes, found.only is not None, val_fraction, limit)
         for split, batch, nbytes in _read_ahead(stream, _READ_AHEAD):
             pieces: list[Any]  # [documents] id arrays or lists
             if pretokenized:
