@@ -5,7 +5,7 @@ Text formats give :class:`~moetrain.data.corpus.Document` (name, text):
 * a plain file: one document (UTF-8; binary or non-UTF-8 files are skipped and counted);
 * JSON lines (``.jsonl``; ``.json`` when its first line is a JSON object with the text field, else the file is a
   plain document, as a ``package.json`` in a source tree is): one document per line, its ``data.text_field``;
-* parquet (``.parquet``, read one row group at a time with pyarrow) and Arrow IPC files (``.arrow``, as
+* parquet (``.parquet``, read one record batch at a time with pyarrow) and Arrow IPC files (``.arrow``, as
   ``datasets`` writes them): one document per row of the ``data.text_field`` column;
 * a Hugging Face ``datasets`` folder (``Dataset.save_to_disk``; a ``DatasetDict`` folder gives its ``train``
   split), read with ``datasets.load_from_disk`` (local, no network).
@@ -34,6 +34,7 @@ import json
 import os
 import struct
 from collections.abc import Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -188,21 +189,12 @@ def corrupt(path: Path, e: BaseException) -> DataError:
 
 
 def _read_errors() -> tuple[type[BaseException], ...]:
-    """Exceptions that mean a file's bytes are damaged (truncated gzip / zstd stream, bad parquet / Arrow)."""
-    errors: list[type[BaseException]] = [EOFError, gzip.BadGzipFile, OSError]
-    try:
-        import zstandard
+    """Exceptions that mean a file's bytes are damaged (truncated gzip / zstd stream, bad parquet / Arrow); imported
+    only when an exception is being matched."""
+    import pyarrow as pa
+    import zstandard
 
-        errors.append(zstandard.ZstdError)
-    except ImportError:  # pragma: no cover -- zstandard is a dependency
-        pass
-    try:
-        import pyarrow as pa
-
-        errors.append(pa.ArrowException)
-    except ImportError:  # pragma: no cover -- pyarrow is a dependency
-        pass
-    return tuple(errors)
+    return EOFError, gzip.BadGzipFile, OSError, zstandard.ZstdError, pa.ArrowException
 
 
 # -- text documents -------------------------------------------------------------------------------------------------
@@ -227,14 +219,9 @@ def iter_text_documents(path: Path, name: str, text_field: str, counts: ReadStat
             that is not text, or a file that is truncated or corrupt.
     """
     try:
-        if path.is_dir():
-            yield from _datasets_folder(path, record_stem(name), text_field, counts)
-            return
         suffix = inner_suffix(path)
-        if suffix == ".parquet":
-            yield from _parquet(path, record_stem(name), text_field, counts)
-        elif suffix == ".arrow":
-            yield from _arrow(path, record_stem(name), text_field, counts)
+        if path.is_dir() or suffix in (".parquet", ".arrow"):
+            yield from _columns(path, record_stem(name), text_field, counts)
         elif suffix == ".jsonl" or (suffix == ".json" and _first_line_is_record(path, text_field)):
             yield from _json_lines(path, record_stem(name), text_field, counts)
         else:
@@ -329,49 +316,43 @@ def _text_column(path: Path, schema: Any, text_field: str) -> None:
                         f"the column that holds the text")
 
 
-def _rows(texts: list[Any], stem: str, first_row: int, counts: ReadStats) -> Iterator[tuple[str, str]]:
-    """Documents of consecutive rows ``first_row, first_row + 1, ...`` (1-based); null texts count as bad."""
-    for i, text in enumerate(texts):
-        if text is None:
-            counts.bad_lines += 1
-        elif not text:
-            counts.empty += 1
-        else:
-            yield f"{stem}:{first_row + i}", text
-
-
-def _parquet(path: Path, stem: str, text_field: str, counts: ReadStats) -> Iterator[tuple[str, str]]:
+def _columns(path: Path, stem: str, text_field: str, counts: ReadStats) -> Iterator[tuple[str, str]]:
+    """One document per row of the ``text_field`` column of a parquet or Arrow file or a ``datasets`` folder, one
+    record batch in memory at a time; a null text counts as a bad record."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    with pq.ParquetFile(path) as pf:
-        _text_column(path, pf.schema_arrow, text_field)
-        row = 1
-        for g in range(pf.num_row_groups):  # one row group in memory at a time
-            texts = pf.read_row_group(g, columns=[text_field]).column(0).to_pylist()
-            yield from _rows(texts, stem, row, counts)
-            row += len(texts)
-
-
-def _arrow(path: Path, stem: str, text_field: str, counts: ReadStats) -> Iterator[tuple[str, str]]:
-    import pyarrow as pa
-
-    with pa.memory_map(str(path)) as source:
-        try:
-            reader: Any = pa.ipc.open_stream(source)  # what datasets writes
-        except pa.ArrowInvalid:
-            source.seek(0)
-            reader = pa.ipc.open_file(source)
-        _text_column(path, reader.schema, text_field)
-        batches = (reader.get_batch(i) for i in range(reader.num_record_batches)) \
-            if isinstance(reader, pa.ipc.RecordBatchFileReader) else reader
+    with ExitStack() as files:
+        if path.is_dir():
+            ds = _datasets_split(path)
+            schema, batches = ds.data.schema, ds.with_format("arrow").iter(batch_size=_DATASETS_BATCH_ROWS)
+        elif inner_suffix(path) == ".parquet":
+            pf = files.enter_context(pq.ParquetFile(path))
+            schema, batches = pf.schema_arrow, pf.iter_batches(columns=[text_field])
+        else:
+            source = files.enter_context(pa.memory_map(str(path)))
+            try:
+                reader: Any = pa.ipc.open_stream(source)  # what datasets writes
+            except pa.ArrowInvalid:
+                source.seek(0)
+                reader = pa.ipc.open_file(source)
+            schema, batches = reader.schema, reader if isinstance(reader, pa.ipc.RecordBatchStreamReader) else \
+                (reader.get_batch(i) for i in range(reader.num_record_batches))
+        _text_column(path, schema, text_field)
         row = 1
         for batch in batches:
-            texts = batch.column(text_field).to_pylist()
-            yield from _rows(texts, stem, row, counts)
-            row += len(texts)
+            for text in batch.column(text_field).to_pylist():
+                if text is None:
+                    counts.bad_lines += 1
+                elif not text:
+                    counts.empty += 1
+                else:
+                    yield f"{stem}:{row}", text
+                row += 1
 
 
-def _datasets_folder(path: Path, stem: str, text_field: str, counts: ReadStats) -> Iterator[tuple[str, str]]:
+def _datasets_split(path: Path) -> Any:
+    """The ``datasets.Dataset`` saved at ``path`` (a ``DatasetDict``'s ``train`` split)."""
     try:
         import datasets
     except ImportError:
@@ -383,12 +364,7 @@ def _datasets_folder(path: Path, stem: str, text_field: str, counts: ReadStats) 
             raise DataError(f"'{path}' is a DatasetDict without a 'train' split (splits: {', '.join(ds)}); point "
                             f"data.path at the split's folder")
         ds = ds["train"]
-    _text_column(path, ds.data.schema, text_field)
-    row = 1
-    for batch in ds.with_format("arrow").iter(batch_size=_DATASETS_BATCH_ROWS):
-        texts = batch.column(text_field).to_pylist()
-        yield from _rows(texts, stem, row, counts)
-        row += len(texts)
+    return ds
 
 
 # -- pre-tokenized documents ----------------------------------------------------------------------------------------
