@@ -339,7 +339,8 @@ class BatchSampler:
     Epoch e visits the windows in the order ``numpy.random.default_rng([seed, e]).permutation(W)``; samples are
     drawn from the concatenation of epochs 0, 1, 2, ..., so a batch may span an epoch boundary. ``position`` (samples
     drawn so far) and ``seed`` are the whole state: two samplers over the same windows at the same position draw
-    the same batches.
+    the same batches. ``sampler[position]`` is the batch drawn at ``position`` (a map-style dataset keyed by sample
+    position, for data/loader.py).
 
     Args:
         windows: the :class:`TokenWindows` to draw from.
@@ -354,28 +355,27 @@ class BatchSampler:
         self.batch_size = batch_size
         self.seed = seed
         self.position = 0
-        self._perm_epoch, self._perm = -1, np.zeros(0, dtype=np.int64)  # cache of one derived permutation
+        self._perm_key, self._perm = (seed, -1), np.zeros(0, dtype=np.int64)  # cache of one derived permutation
 
-    @property
-    def epoch(self) -> float:
-        """Epochs drawn so far (fractional)."""
-        return self.position / len(self.windows)
-
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next ``(inputs, targets)``, [B, S] int64 each; advances ``position`` by B."""
+    def __getitem__(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``(inputs, targets)``, [B, S] int64 each, drawn at sample ``position``."""
         n = len(self.windows)
-        positions = np.arange(self.position, self.position + self.batch_size)
+        positions = np.arange(position, position + self.batch_size)
         indices = np.empty(self.batch_size, dtype=np.int64)
         for epoch in np.unique(positions // n):
             mask = positions // n == epoch
             indices[mask] = self._permutation(int(epoch))[positions[mask] % n]
-        self.position += self.batch_size
         return self.windows.get(indices)
 
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next ``(inputs, targets)``, [B, S] int64 each; advances ``position`` by B."""
+        self.position += self.batch_size
+        return self[self.position - self.batch_size]
+
     def _permutation(self, epoch: int) -> np.ndarray:
-        if epoch != self._perm_epoch:
-            self._perm_epoch, self._perm = epoch, np.random.default_rng([self.seed, epoch]).permutation(
-                len(self.windows))
+        if (self.seed, epoch) != self._perm_key:
+            self._perm_key = (self.seed, epoch)
+            self._perm = np.random.default_rng([self.seed, epoch]).permutation(len(self.windows))
         return self._perm
 
     def state_dict(self) -> dict[str, int]:
@@ -386,7 +386,6 @@ class BatchSampler:
         """Resume from :meth:`state_dict` (the seed is restored too)."""
         self.position = int(state["position"])
         self.seed = int(state["seed"])
-        self._perm_epoch = -1
 
 
 def eval_batches(windows: TokenWindows, batch_size: int, n_batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
