@@ -19,11 +19,11 @@ Pre-tokenized documents skip the encoding: their ids are copied (each followed b
 
 from __future__ import annotations
 
-import queue
-import threading
 import time
 from array import array
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -207,36 +207,15 @@ class _SplitWriter:
 def _read_ahead(items: Iterator[Any], depth: int) -> Iterator[Any]:
     """``items`` produced by a background thread, up to ``depth`` ahead (the reader parses JSON and decompresses
     while the encoder, which releases the GIL, runs); its exception is raised here."""
-    q: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=depth)
-    stop = threading.Event()
-
-    def produce() -> None:
-        try:
-            for item in items:
-                while not stop.is_set():
-                    try:
-                        q.put(("item", item), timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
-                    return
-            q.put(("done", None))
-        except BaseException as e:  # noqa: BLE001 -- handed to the consumer, which raises it
-            q.put(("error", e))
-
-    thread = threading.Thread(target=produce, name="moetrain-data-reader", daemon=True)
-    thread.start()
+    end = object()
+    pool = ThreadPoolExecutor(1, thread_name_prefix="moetrain-data-reader")  # one thread: next() calls in order
     try:
-        while True:
-            kind, item = q.get()
-            if kind == "done":
-                return
-            if kind == "error":
-                raise item
+        ahead = deque(pool.submit(next, items, end) for _ in range(depth))
+        while (item := ahead.popleft().result()) is not end:
+            ahead.append(pool.submit(next, items, end))
             yield item
     finally:
-        stop.set()
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _batches(docs: Iterator[Document | TokenDocument], val: np.ndarray | None, sizes: np.ndarray, only: bool,
