@@ -61,14 +61,8 @@ class PreparedData:
 
 def prepare_data(cfg: DataConfig, vocab_size: int, tokenizer_path: Path | None = None,
                  log: Callable[[str], None] = print) -> PreparedData:
-    """Discover, read, split, tokenize and cache the corpus described by ``cfg``, in bounded memory.
-
-    Documents are streamed (data/formats.py reads each format) in three passes: a scan (document names and sizes,
-    for the validation split), a pass collecting the tokenizer's sample (only when one is trained) and the
-    tokenization, on all cores (HF tokenizers' batch encoding) while a thread reads ahead, with a progress bar
-    (MB/s, ETA) on a terminal. Memory holds a 16-byte digest and a size per document, the tokenizer sample and a
-    few batches of ~4M characters, whatever the corpus size. Pre-tokenized input (a Megatron indexed dataset, a
-    flat binary of ids) is split and copied the same way without tokenizing.
+    """Discover, read, split, tokenize and cache the corpus described by ``cfg``, in bounded memory (the passes:
+    data/prepare.py; pre-tokenized input is split and copied the same way without tokenizing).
 
     The tokenizer is, in order of precedence: ``tokenizer_path`` (resuming or evaluating a run), ``cfg.tokenizer``
     (a pretrained one), else a byte-level BPE tokenizer trained on at most ``cfg.tokenizer_max_bytes`` of the

@@ -1,29 +1,16 @@
-"""Corpus formats: each file (or folder) of a corpus read as a stream of documents, in bounded memory.
+"""Corpus formats: each file (or folder) of a corpus read as a stream of documents, in bounded memory (the formats,
+their document names and their errors: docs/data.md, "Corpus formats").
 
-Text formats give :class:`~moetrain.data.corpus.Document` (name, text):
+Text formats give ``(name, text)`` documents: a plain file (one document) and JSON lines (one per line; a ``.json``
+file only when its first line is a JSON object with the text field), either ``.gz`` / ``.zst`` compressed or not
+(decompressed as a stream); parquet / Arrow IPC files and ``datasets`` folders (one per row, one row group or record
+batch in memory at a time). A record's document is named ``<path without its format and compression
+suffixes>:<record number>`` (1-based), so the same rows in any format are the same documents.
 
-* a plain file: one document (UTF-8; binary or non-UTF-8 files are skipped and counted);
-* JSON lines (``.jsonl``; ``.json`` when its first line is a JSON object with the text field, else the file is a
-  plain document, as a ``package.json`` in a source tree is): one document per line, its ``data.text_field``;
-* parquet (``.parquet``, read one record batch at a time with pyarrow) and Arrow IPC files (``.arrow``, as
-  ``datasets`` writes them): one document per row of the ``data.text_field`` column;
-* a Hugging Face ``datasets`` folder (``Dataset.save_to_disk``; a ``DatasetDict`` folder gives its ``train``
-  split), read with ``datasets.load_from_disk`` (local, no network).
-
-Any file may be compressed: ``.gz`` (gzip) or ``.zst`` / ``.zstd`` (zstandard), decompressed as a stream. A record's
-document is named ``<path without its format and compression suffixes>:<record number>`` (1-based line number for
-JSON lines, row number otherwise), so the same rows stored as ``rows.parquet``, ``rows.jsonl.zst`` or a ``rows``
-``datasets`` folder have the same names, the same validation split and the same token stream.
-
-Pre-tokenized formats give :class:`TokenDocument` (name, ids) and need the tokenizer the ids were made with:
-
-* Megatron-Core's indexed dataset (``prefix.bin`` + ``prefix.idx``, as ``tools/preprocess_data.py`` writes it):
-  document d is the tokens of its sequences ``document_indices[d] .. document_indices[d + 1]``, a trailing
-  end-of-text token (``--append-eod``) dropped, since the stream puts one after every document. Read with numpy
-  from the layout of ``megatron.core.datasets.indexed_dataset`` (``_IndexWriter``), tested against its own
-  ``IndexedDatasetBuilder`` and ``IndexedDataset`` (tests/test_data_formats.py).
-* a flat binary of token ids (nanoGPT's ``train.bin``) of a stated ``data.token_dtype``: documents are the spans
-  between end-of-text tokens.
+Pre-tokenized formats give :class:`TokenDocument` (name, ids): Megatron-Core's indexed dataset (``prefix.bin`` +
+``prefix.idx``), read with numpy from the layout of ``megatron.core.datasets.indexed_dataset`` (``_IndexWriter``) and
+tested against its own ``IndexedDatasetBuilder`` and ``IndexedDataset`` (tests/test_data_formats.py), a trailing
+end-of-text token dropped; and a flat binary of token ids (nanoGPT's ``train.bin``) cut at its end-of-text tokens.
 """
 
 from __future__ import annotations
@@ -328,7 +315,8 @@ def _columns(path: Path, stem: str, text_field: str, counts: ReadStats) -> Itera
             schema, batches = ds.data.schema, ds.with_format("arrow").iter(batch_size=_DATASETS_BATCH_ROWS)
         elif inner_suffix(path) == ".parquet":
             pf = files.enter_context(pq.ParquetFile(path))
-            schema, batches = pf.schema_arrow, pf.iter_batches(columns=[text_field])
+            schema = pf.schema_arrow
+            batches = (pf.read_row_group(g, columns=[text_field]) for g in range(pf.num_row_groups))
         else:
             source = files.enter_context(pa.memory_map(str(path)))
             try:

@@ -1,21 +1,10 @@
-"""Training batches in a fixed, resumable order, built in the background by ``torch.utils.data.DataLoader`` workers.
+"""Training batches in a fixed, resumable order, built in the background by ``torch.utils.data.DataLoader`` workers
+(the design and its tests: docs/data.md, "Background loading").
 
-Every micro-batch has a key: the sample position for ``data.packing=windows`` (the :class:`BatchSampler`
-position before it), ``(epoch, index)`` for ``documents``. A batch is a pure function of its key (and the seed), so
-it does not matter which process builds it: with ``data.workers = N > 0`` a DataLoader runs the dataset in N
-worker processes, keys handed out round-robin and batches returned in key order; with 0 the training process
-builds each batch when asked. The state saved in a checkpoint is the key of the next batch the training loop has
-not consumed yet (batches prefetched but not consumed are built again after a resume), so a resumed run sees the
-same batches as an uninterrupted one, bit for bit, whatever ``data.workers`` is.
-
-Workers never outlive the training process, however it ends (SIGKILL included): each one watches it
-(:func:`_exit_with`). PyTorch's own watchdog watches only a worker's parent, which is the training process under
-the ``fork`` start method but a forkserver under ``forkserver`` (Python 3.14's default on Linux); the workers keep
-that forkserver alive, so after a SIGKILL of the trainer they would run on, each holding its shared memory.
-
-On CUDA the DataLoader pins batches in page-locked memory (``pin_memory=True``) so the host-to-device copy can run
-asynchronously. The time the step spends waiting in :meth:`BatchLoader.next_batch` is logged as ``data_wait_s`` by
-the trainer (train/console.py).
+Every micro-batch is a pure function of its key: the sample position (``data.packing=windows``) or ``(epoch,
+index)`` (``documents``), so it does not matter which process builds it. The checkpoint state is the key of the next
+batch the training loop has not consumed (prefetched batches are built again after a resume). Workers never outlive
+the training process, SIGKILL included (:func:`_exit_with`).
 """
 
 from __future__ import annotations
