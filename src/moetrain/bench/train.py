@@ -67,7 +67,7 @@ def build_models(args):
     import torch
     import transformers
 
-    from moetrain.configlib import from_dict
+    from moetrain.configlib import from_dict, merge
     from moetrain.interop.families import MIXTRAL, family_for, hf_config_dict
     from moetrain.interop.hf import hf_state_dict
     from moetrain.model.config import ModelConfig
@@ -79,13 +79,10 @@ def build_models(args):
     preset = preset_dict(args.preset)
     batch = args.batch or preset.get("train", {}).get("batch_size", 8)  # checked by moetrain/commands/bench.py
     seq = args.seq or preset.get("data", {}).get("seq_len", 256)
-    model_dict = preset["model"]
-    for flag, field in (("experts", "num_experts"), ("top_k", "top_k")):
-        if getattr(args, flag, None) is not None:
-            model_dict["moe"] = {**model_dict["moe"], field: getattr(args, flag)}  # validated by ModelConfig
-    if getattr(args, "expert_ffn", None) is not None:
-        model_dict["moe"] = {**model_dict["moe"], "experts": {**model_dict["moe"].get("experts", {}),
-                                                             "ffn_hidden": args.expert_ffn}}
+    moe = {k: v for k, v in (("num_experts", args.experts), ("top_k", args.top_k)) if v is not None}
+    if args.expert_ffn is not None:
+        moe["experts"] = {"ffn_hidden": args.expert_ffn}
+    model_dict = merge(preset["model"], {"moe": moe})  # validated by ModelConfig
     model_dict["max_seq_len"] = max(model_dict.get("max_seq_len", seq), seq)
     models = {}
     ref_cfg = None

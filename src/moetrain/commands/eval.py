@@ -7,7 +7,6 @@ By default it evaluates exactly what training's periodic evaluation did (the run
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -35,10 +34,7 @@ def logged_val_loss(run_dir: Path, step: int) -> float | None:
         records = load_run_log(run_dir).records
     except MoetrainError:  # neither metrics.jsonl nor config.json
         return None
-    found = None
-    for record in records:
-        if record["step"] == step and "val_loss" in record:
-            found = record["val_loss"]
+    found = next((r["val_loss"] for r in reversed(records) if r["step"] == step and "val_loss" in r), None)
     return float(found) if isinstance(found, (int, float)) and not isinstance(found, bool) else None
 
 
@@ -53,7 +49,7 @@ def evaluated_alike(saved: dict | None, config) -> bool:
             return None
         return c.get("data"), train.get("batch_size"), train.get("eval_batches"), train.get("dtype")
 
-    now = settings(json.loads(json.dumps(config.to_dict())))
+    now = settings(config.to_dict())  # plain JSON data, as the checkpoint's config.json reads
     return now is not None and settings(saved) == now
 
 

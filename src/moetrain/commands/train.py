@@ -143,10 +143,8 @@ def run(args) -> int:
 
         for flag, given in (("--resume", args.resume), ("--init-from", args.init_from), ("--dry-run", args.dry_run)):
             if given:
-                from moetrain.train.trainer import CONFIG_FILE
-
                 raise MoetrainError(f"--list-fields lists a preset's fields and does not combine with {flag} (a run's "
-                                    f"own fields are in its {CONFIG_FILE}; --dry-run checks a config)")
+                                    "own fields are in its config.json; --dry-run checks a config)")
         config = build_config(args.preset, file_data, overrides)
         print(f"config fields of preset {config.preset!r} (set one with FIELD=VALUE or in a --config file; "
               "each in full: docs/configuration.md)")
@@ -167,8 +165,6 @@ def run(args) -> int:
                      "checkpoint that verifies, as --resume does")
     init_notes: list[str] = []  # said after the run directory's own notes
     if resume:
-        from moetrain.train.trainer import CONFIG_FILE
-
         if not args.out:
             raise MoetrainError("--resume needs --out RUN_DIR (the run to continue)")
         run_dir = Path(args.out)
@@ -178,10 +174,10 @@ def run(args) -> int:
                          "(--resume continues it from its newest checkpoint next time)")
         elif _started_but_empty(run_dir):
             resume = False
-            notes.append(f"note: {run_dir} has no {CONFIG_FILE} (its first run stopped before writing it, so there is "
+            notes.append(f"note: {run_dir} has no config.json (its first run stopped before writing it, so there is "
                          "nothing to resume): starting it from step 0 with this command's settings")
-        elif not (run_dir / CONFIG_FILE).is_file():
-            raise MoetrainError(f"--resume: {run_dir / CONFIG_FILE} not found; is '{run_dir}' a moetrain run "
+        elif not (run_dir / "config.json").is_file():
+            raise MoetrainError(f"--resume: {run_dir / 'config.json'} not found; is '{run_dir}' a moetrain run "
                                 "directory?")
         else:
             config, changes = _resumed_config(run_dir, args, file_data, overrides)
