@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -171,3 +172,30 @@ def test_a_one_shard_pipeline_stage_holds_an_unsharded_copy_of_its_parameters():
         assert r.gathered == r.params  # FSDP2's world-size-1 copy, fp32
         assert r.grads_at_peak >= r.grads  # the accumulated unsharded gradients
     assert GRAD_BYTES == 4
+
+
+def test_the_timeline_tracer_counts_live_buffers_from_every_thread_by_where_they_were_allocated(tmp_path):
+    """benchmarks/memory_timeline.py's parser on a hand-written strace log: two threads, an interleaved call, a
+    1 MiB interpreter arena (left out), a buffer from before the start and one after the last memory record."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from memory_timeline import parse
+
+    anon = "PROT_READ|PROT_WRITE, MAP_PRIVATE|MAP_ANONYMOUS, -1, 0"
+    mark = 'access("/moetrain-mark/{}", F_OK) = -1 ENOENT (No such file or directory)'
+    log = [f"100 1.0 mmap(NULL, 4096000, {anon}) = 0x7f0000000000",
+           f"100 1.1 {mark.format('START')}",
+           f"100 1.2 {mark.format('B_model_build')}",
+           f"100 1.3 mmap(NULL, 1000000, {anon}) = 0x7f1000000000",
+           f"100 1.4 {mark.format('E_model_build')}",
+           f"100 1.5 {mark.format('B_backward')}",
+           f"101 1.6 mmap(NULL, 3000000, {anon} <unfinished ...>",
+           f"100 1.65 mmap(NULL, 1048576, {anon}) = 0x7f3000000000",
+           "101 1.7 <... mmap resumed>) = 0x7f2000000000",
+           "101 1.8 munmap(0x7f2000000000, 3000000) = 0",
+           f"100 1.9 {mark.format('E_backward')}",
+           f"100 2.0 {mark.format('RECORD')}",
+           f"100 2.1 mmap(NULL, 9000000, {anon}) = 0x7f4000000000"]
+    (tmp_path / "trace.0").write_text("\n".join(log) + "\n")
+    peak = parse(tmp_path / "trace.0")
+    assert peak["bytes"] == 1000000 + 3000000 and peak["open"] == ["backward"]
+    assert peak["by_site"] == {"before the model": 4096000, "model build": 1000000, "backward": 3000000}

@@ -55,7 +55,7 @@ measures peak resident memory against the memory a process had before building i
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from moetrain.parallel.layout import Layout
@@ -229,7 +229,6 @@ class _Moment:
     gathered: float = 0.0
     comm: float = 0.0
     activations: float = 0.0
-    parts: dict[str, float] = field(default_factory=dict)
 
     @property
     def total(self) -> float:
