@@ -251,8 +251,9 @@ def step_moments(units: list[Unit], acts: list[float], transient: float, c: int,
         pending = sum(v.full for v in units[:i]) * g if accumulate else 0.0  # earlier micro-batches' unsharded
         held = sum(v.full for v in units[:i + 1]) * c  # ZeRO-2 / one unit: gathered from forward until backward
         gathered = u.full * c if zero3 else held
-        nxt = units[i - 1] if zero3 and i > 0 else None  # ZeRO-3: the next unit's all-gather, prefetched
-        prefetch = (nxt.full * c * (2 if gloo and nxt.collective else 1)) if nxt is not None else 0.0
+        # ZeRO-3: the next unit's all-gather, prefetched (a one-shard unit is copied at its own backward instead)
+        nxt = units[i - 1] if zero3 and i > 0 and units[i - 1].collective else None
+        prefetch = nxt.full * c * (2 if gloo else 1) if nxt is not None else 0.0
         kept = units[i + 1].full * g if i + 1 < n else 0.0  # the previous reduce-scatter's flat input
         left = sum(acts[:i + 1]) + transient
         fresh = u.experts * g if accumulate else 0.0  # this micro-batch's expert gradients, added to the pending
