@@ -116,7 +116,7 @@ def _rank_memory(args, config, candidate) -> None:
 
     try:
         run = build_config(file_data=_run_config(args, config, candidate))
-        lines = memory_lines(run, args.devices)
+        lines = memory_lines(run, args.devices, device="cpu" if args.device == "cpu" else "cuda")
     except ConfigError as e:  # a layout the planner counts but the trainer refuses: say why, keep the plan
         print(f"  per-rank memory: not available for this layout ({e})")
         return
