@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from moetrain.errors import MoetrainError
+from moetrain.report.runlog import refuse_hugging_face_dir
 
 
 class CheckpointInfo(NamedTuple):
@@ -27,18 +28,6 @@ class Run(NamedTuple):
     tokenizer: Any
     model: Any
     checkpoint: CheckpointInfo
-
-
-def refuse_hugging_face_dir(root: Path, config: Any) -> None:
-    """Raise if ``config`` (the parsed ``config.json`` of ``root``) is transformers', not a run's: a directory written
-    by ``moetrain export`` / ``upcycle`` is served, not read as a run.
-
-    Raises:
-        MoetrainError: naming the directory and its ``model_type``.
-    """
-    if isinstance(config, dict) and "model_type" in config and "model" not in config:
-        raise MoetrainError(f"{root}: a Hugging Face directory (model_type {config['model_type']!r}), not a moetrain "
-                            f"run directory; serve it with `moetrain serve {root}`")
 
 
 def read_run_config(run_dir: str | Path) -> dict:
