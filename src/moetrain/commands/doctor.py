@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 from moetrain.commands import check_at_least
-from moetrain.errors import MoetrainError
 
 
 def add_parser(sub) -> None:
