@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from moetrain.errors import MoetrainError
-from moetrain.report.runlog import refuse_hugging_face_dir
 
 
 class CheckpointInfo(NamedTuple):
@@ -36,6 +35,8 @@ def read_run_config(run_dir: str | Path) -> dict:
     Raises:
         MoetrainError: no ``config.json``, an unparsable one or not a JSON object, or a Hugging Face directory's.
     """
+    from moetrain.report.runlog import refuse_hugging_face_dir  # here: it imports torch, which the CLI defers
+
     root = Path(run_dir)
     path = root / "config.json"
     if not path.is_file():
