@@ -132,8 +132,7 @@ def weight_copy_bytes(
     n = {
         "attention": 2 * d * shape.q_width + 2 * d * shape.kv_width,
         # under expert parallelism a rank casts only its E / ep experts
-        "moe": shape.num_experts / ep * shape.expert_mats * d * shape.expert_ffn
-        + shape.expert_mats * d * shape.shared_ffn,
+        "moe": shape.num_experts / ep * shape.expert_params + shape.expert_mats * d * shape.shared_ffn,
         "dense": 3 * d * shape.dense_ffn,
         "lm_head": shape.vocab * d,
     }[part]

@@ -43,7 +43,7 @@ def forward_flops(shape: ModelShape, batch: int, seq: int) -> dict[str, float]:
         "attn_proj": shape.n_layers * 2 * t * d * (2 * q + 2 * kv),
         "attn_scores": shape.n_layers * 4 * batch * shape.n_heads * seq * seq * shape.head_size,
         "router": shape.moe_layers * 2 * t * d * shape.num_experts,
-        "experts": shape.moe_layers * 2 * rows * d * shape.expert_ffn * shape.expert_mats,
+        "experts": shape.moe_layers * 2 * rows * shape.expert_params,
         "shared_experts": shape.moe_layers * (
             2 * t * d * shape.shared_ffn * shape.expert_mats + (2 * t * d if shape.shared_gate else 0)
         ),

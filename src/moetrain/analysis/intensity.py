@@ -46,9 +46,5 @@ def expert_intensity(shape: ModelShape, rows: float, act_bytes: int = 2, weight_
     """Arithmetic intensity of one expert's forward GEMMs for ``rows`` tokens (``act_bytes`` / ``weight_bytes``
     per element: 2 for bf16, 4 for fp32). The backward's two GEMMs per matrix have the same ratio."""
     d, f, mats = shape.hidden, shape.expert_ffn, shape.expert_mats
-    return Intensity(
-        rows=rows,
-        flops=2 * rows * d * f * mats,
-        weight_bytes=mats * d * f * weight_bytes,
-        act_bytes=rows * (2 * d + mats * f) * act_bytes,
-    )
+    return Intensity(rows=rows, flops=2 * rows * shape.expert_params, weight_bytes=shape.expert_params * weight_bytes,
+                     act_bytes=rows * (2 * d + mats * f) * act_bytes)

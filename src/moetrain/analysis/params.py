@@ -81,7 +81,7 @@ def count_params(shape: ModelShape) -> ParamCounts:
         attention=attn * shape.n_layers,
         dense_ffn=3 * d * shape.dense_ffn * shape.dense_layers,
         router=shape.num_experts * d * shape.moe_layers,
-        experts=shape.num_experts * shape.expert_mats * d * shape.expert_ffn * shape.moe_layers,
+        experts=shape.num_experts * shape.expert_params * shape.moe_layers,
         shared_experts=shared * shape.moe_layers,
         num_experts=shape.num_experts,
         top_k=shape.top_k,

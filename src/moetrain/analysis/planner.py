@@ -84,30 +84,22 @@ def plan_layout(
     """Search micro-batch, G and checkpointing for one layout."""
     counts = count_params(shape)
     per_rank = global_batch // layout.data_parallel
-    best = untiled = smallest = tiled = None
-    for mb in _powers_of_two(per_rank):
-        if per_rank % mb:
-            continue
-        for g in _powers_of_two(min(mb, max_tiles)):
-            # Checkpointed blocks recompute the experts anyway; recomputing them alone is a lever without it.
-            for ckpt, rexp in ((False, False), (False, True), (True, False)):
-                work = Workload(seq=seq, global_batch=global_batch, micro_batch=mb, bta_tiles=g, checkpoint=ckpt,
-                                recompute_experts=rexp, act_bytes=act_bytes)
-                est = estimate(shape, moe_flags, layout, work, hw, counts)
-                if smallest is None or est.memory < smallest.memory:
-                    smallest = est
-                if not est.fits:
-                    continue
-                if best is None or est.step_s < best.step_s:
-                    best = est
-                if g == 1 and (untiled is None or est.step_s < untiled.step_s):
-                    untiled = est
-                if g > 1 and (tiled is None or est.step_s < tiled.step_s):
-                    tiled = est
+    # Checkpointed blocks recompute the experts anyway; recomputing them alone is a lever without it.
+    options = [Workload(seq=seq, global_batch=global_batch, micro_batch=mb, bta_tiles=g, checkpoint=ckpt,
+                        recompute_experts=rexp, act_bytes=act_bytes)
+               for mb in _powers_of_two(per_rank) if per_rank % mb == 0
+               for g in _powers_of_two(min(mb, max_tiles))
+               for ckpt, rexp in ((False, False), (False, True), (True, False))]
+    estimates = [estimate(shape, moe_flags, layout, work, hw, counts) for work in options]
+    fitting = [e for e in estimates if e.fits]
+    best = min(fitting, key=lambda e: e.step_s, default=None)
+    untiled = min((e for e in fitting if e.workload.bta_tiles == 1), key=lambda e: e.step_s, default=None)
+    tiled = min((e for e in fitting if e.workload.bta_tiles > 1), key=lambda e: e.step_s, default=None)
     if best is not None and untiled is not None and best.workload.bta_tiles > 1:
         if best.step_s > untiled.step_s * (1 - BTA_MIN_GAIN):
             best = untiled
-    assert smallest is not None  # per_rank >= 1 (global_batch >= data_parallel), so mb = g = 1 always ran
+    # per_rank >= 1 (global_batch >= data_parallel), so mb = g = 1 always ran: there is a smallest option
+    smallest = min(estimates, key=lambda e: e.memory)
     return Candidate(layout=layout, best=best, untiled=untiled, smallest=smallest, tiled=tiled)
 
 

@@ -85,6 +85,11 @@ class ModelShape:
         """Hkv * Hd."""
         return self.n_kv_heads * self.head_size
 
+    @property
+    def expert_params(self) -> int:
+        """Weights of one routed expert: expert_mats * D * F (the FLOPs, bytes and parameter counts all use it)."""
+        return self.expert_mats * self.hidden * self.expert_ffn
+
     def expert_rows(self, tokens: int) -> int:
         """Rows the routed experts compute for ``tokens`` tokens: T * K dropless; with a capacity factor at most
         E * C (assuming balanced routing), exactly E * C when padded to capacity."""

@@ -8,9 +8,6 @@ from pathlib import Path
 
 from moetrain.errors import ConfigError
 
-JSON_HELP = "output file (default: a new file under {dir}, printed at the end)"
-
-
 def default_output(bench: str) -> Path:
     """Where ``moetrain bench NAME`` writes its JSON without ``--json``: a new file
     ``<temp dir>/moetrain-bench/NAME-YYYYmmdd-HHMMSS-PID.json``, never the current directory and never an earlier
@@ -35,7 +32,8 @@ def write_report(args, report: dict) -> None:
 
 def add_json_arg(p) -> None:
     """``--json PATH`` (default ``None``: :func:`default_output`, chosen when the benchmark runs)."""
-    p.add_argument("--json", default=None, help=JSON_HELP.format(dir=Path(tempfile.gettempdir()) / "moetrain-bench"))
+    p.add_argument("--json", default=None, help=f"output file (default: a new file under "
+                   f"{Path(tempfile.gettempdir()) / 'moetrain-bench'}, printed at the end)")
 
 
 def add_measurement_args(p) -> None:

@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 from moetrain.commands import check_at_least
-from moetrain.errors import MoetrainError
 
 
 def add_parser(sub) -> None:
@@ -74,20 +73,19 @@ def profile_steps(config, steps: int) -> dict[str, float]:
     clock = {"forward": 0.0, "optimizer": 0.0}
     started: dict[str, float] = {}
 
-    def begin(name: str):
-        def hook(*args) -> None:
+    def timer(name: str):  # a pre-hook and a post-hook that add the seconds between them to clock[name]
+        def begin(*_) -> None:
             started[name] = time.perf_counter()
-        return hook
 
-    def end(name: str):
-        def hook(*args) -> None:
+        def end(*_) -> None:
             clock[name] += time.perf_counter() - started[name]
-        return hook
+        return begin, end
 
-    model.register_forward_pre_hook(begin("forward"))
-    model.register_forward_hook(end("forward"))
-    opt.register_step_pre_hook(begin("optimizer"))
-    opt.register_step_post_hook(end("optimizer"))
+    for name, pre, post in (("forward", model.register_forward_pre_hook, model.register_forward_hook),
+                            ("optimizer", opt.register_step_pre_hook, opt.register_step_post_hook)):
+        begin, end = timer(name)
+        pre(begin)
+        post(end)
     parts: dict[str, list[float]] = {"train_step": [], "forward": [], "optimizer": [], "end_step": []}
     with tempfile.TemporaryDirectory() as tmp:
         monitor = RoutingMonitor(model, config.monitor, Path(tmp), log=lambda _: None)

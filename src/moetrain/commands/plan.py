@@ -180,9 +180,7 @@ def _ckpt(work) -> str:
 
 
 def _ckpt_words(work) -> str:
-    if work.checkpoint:
-        return "on"
-    return "off, experts recomputed (model.execution.recompute_experts=true)" if work.recompute_experts else "off"
+    return {"exp": "off, experts recomputed (model.execution.recompute_experts=true)"}.get(_ckpt(work), _ckpt(work))
 
 
 def _si(value: float, unit: str) -> str:

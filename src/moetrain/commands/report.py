@@ -19,11 +19,10 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from moetrain.commands.run_dir import refuse_hugging_face_dir
     from moetrain.report import build_report
     from moetrain.report.runlog import load_run_log
 
-    refuse_hugging_face_dir(Path(args.run_dir), load_run_log(args.run_dir).config)
+    log = load_run_log(args.run_dir)  # the errors of a directory that is not a run's, before anything is written
     if args.out is not None:  # the default RUN_DIR/report is the report's own: regenerated from the kept logs
         out = Path(args.out)
         check_output_path(out, "--out")
@@ -33,7 +32,7 @@ def run(args) -> int:
     report = build_report(args.run_dir, args.out)
     for path in report.figures:
         print(f"figure: {path}")
-    if load_run_log(args.run_dir).dropless():
+    if log.dropless():
         print("figure: no drop_fraction.png: the run is dropless (model.moe.capacity.factor=null), so no token is "
               "ever dropped")
     print(f"report: {report.html}")

@@ -29,24 +29,14 @@ class Run(NamedTuple):
     checkpoint: CheckpointInfo
 
 
-def refuse_hugging_face_dir(root: Path, config: Any) -> None:
-    """Raise if ``config`` (the parsed ``config.json`` of ``root``) is transformers', not a run's: a directory written
-    by ``moetrain export`` / ``upcycle`` is served, not read as a run.
-
-    Raises:
-        MoetrainError: naming the directory and its ``model_type``.
-    """
-    if isinstance(config, dict) and "model_type" in config and "model" not in config:
-        raise MoetrainError(f"{root}: a Hugging Face directory (model_type {config['model_type']!r}), not a moetrain "
-                            f"run directory; serve it with `moetrain serve {root}`")
-
-
 def read_run_config(run_dir: str | Path) -> dict:
     """The parsed ``config.json`` of the run directory ``run_dir`` (plain data, old field paths not yet moved).
 
     Raises:
         MoetrainError: no ``config.json``, an unparsable one or not a JSON object, or a Hugging Face directory's.
     """
+    from moetrain.report.runlog import refuse_hugging_face_dir  # here: it imports torch, which the CLI defers
+
     root = Path(run_dir)
     path = root / "config.json"
     if not path.is_file():

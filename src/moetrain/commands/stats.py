@@ -13,13 +13,11 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from moetrain.commands.run_dir import refuse_hugging_face_dir
     from moetrain.report.runlog import load_run_log
     from moetrain.report.table import HEADER, format_table, layer_rows, monitor_enabled, run_summary
 
     check_at_least(args, 0, "alarms")
     log = load_run_log(args.run_dir)
-    refuse_hugging_face_dir(log.run_dir, log.config)
     print(f"run: {log.run_dir}")
     for label, value in run_summary(log):
         print(f"  {label}: {value}")

@@ -188,7 +188,9 @@ def run(args) -> int:
             config, init_notes = init.config(args.preset, file_data, overrides)
         check_router_trainable(config)
         check_data_path(config.data.path)
-    from moetrain.train.trainer import CONFIG_FILE  # torch from here on
+    from moetrain.parallel.dry_run import check, dry_run, too_large
+    from moetrain.runtime.preflight import available_memory, check_fits
+    from moetrain.train.trainer import CONFIG_FILE, resolve_device  # torch from here on
 
     world = args.world_size if args.world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
     if not resume and world >= 1:  # a resumed run keeps its config.json's micro-batches
@@ -200,7 +202,6 @@ def run(args) -> int:
             if chosen:
                 notes.append(f"note: {chosen}")
     if args.dry_run:  # of the config this command would train, the resumed run's included; nothing is written
-        from moetrain.parallel.dry_run import dry_run
         from moetrain.train.resume_config import describe
 
         if world < 1:
@@ -216,24 +217,16 @@ def run(args) -> int:
         what = f"the resumed run {args.out}'s config" if resume else "the config"
         print(f"dry run: {what} is valid for {world} rank(s); nothing was written")
         return 0
+    device_type = resolve_device(config.train.device).type  # after the dry run: it plans a GPU job on any machine
     if not resume:
         if config.preset in SHAPE_ONLY:  # the sharded state against this machine's memory (parallel/dry_run.py)
-            from moetrain.parallel.dry_run import too_large
-            from moetrain.runtime.preflight import available_memory
-            from moetrain.train.trainer import resolve_device
-
-            device_type = resolve_device(config.train.device).type
             why = too_large(config, world, device_type, available_memory(device_type))
             if why:
                 raise MoetrainError(why)
         run_dir = Path(args.out) if args.out else Path("runs") / f"{config.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
         check_output_path(run_dir, "--out")
-    from moetrain.parallel.dry_run import check
-    from moetrain.runtime.preflight import check_fits
-    from moetrain.train.trainer import resolve_device
-
     check(config, world)  # the layout --dry-run checks, before --overwrite can delete the old run
-    check_fits(config, resolve_device(config.train.device).type, world=world)  # before any allocation or write
+    check_fits(config, device_type, world=world)  # before any allocation or write
 
     had_files = run_dir.is_dir() and bool(os.listdir(run_dir))  # before the lock creates the directory and its file
     with RunLock(run_dir) if owner else contextlib.nullcontext():

@@ -94,11 +94,24 @@ class RunLog:
             return 1
 
 
+def refuse_hugging_face_dir(root: Path, config: Any) -> None:
+    """Raise if ``config`` (the parsed ``config.json`` of ``root``) is transformers', not a run's: a directory written
+    by ``moetrain export`` / ``upcycle`` is served, not read as a run.
+
+    Raises:
+        MoetrainError: naming the directory and its ``model_type``.
+    """
+    if isinstance(config, dict) and "model_type" in config and "model" not in config:
+        raise MoetrainError(f"{root}: a Hugging Face directory (model_type {config['model_type']!r}), not a moetrain "
+                            f"run directory; serve it with `moetrain serve {root}`")
+
+
 def load_run_log(run_dir: str | Path) -> RunLog:
     """Read the logs of ``run_dir``.
 
     Raises:
-        MoetrainError: ``run_dir`` is not a directory or holds neither ``metrics.jsonl`` nor ``config.json``.
+        MoetrainError: ``run_dir`` is not a directory, holds neither ``metrics.jsonl`` nor ``config.json``, or is a
+            Hugging Face directory.
     """
     root = Path(run_dir)
     metrics_path, config_path = root / "metrics.jsonl", root / "config.json"
@@ -112,6 +125,7 @@ def load_run_log(run_dir: str | Path) -> RunLog:
             config = json.loads(config_path.read_text())
         except (OSError, ValueError):
             config = None
+        refuse_hugging_face_dir(root, config)
     records, skipped = [], 0
     if metrics_path.is_file():
         for line in metrics_path.read_text(errors="replace").splitlines():

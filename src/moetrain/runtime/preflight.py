@@ -76,9 +76,8 @@ def sharded_suggestion(config, free: float, device_type: str = "cpu") -> str:
     from moetrain.parallel.config import ParallelConfig
     from moetrain.parallel.memory import rank_memory
 
-    if estimate_memory(config).state / 64 > free:  # even the whole state split 64 ways does not fit
-        return "no dp_shard of up to 64 processes fits either; see `moetrain plan`"
-    for n in (2, 4, 8, 16, 32, 64):
+    shards = (2, 4, 8, 16, 32, 64) if estimate_memory(config).state / 64 <= free else ()  # else none can fit
+    for n in shards:
         try:
             layout = replace(config, parallel=ParallelConfig(dp_shard=n), train=replace(config.train,
                              batch_size=max(config.train.batch_size, n) // n * n))
