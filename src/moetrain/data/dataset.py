@@ -366,6 +366,10 @@ class BatchSampler:
         self.position += self.batch_size
         return self[self.position - self.batch_size]
 
+    def key_after(self, position: int) -> int:
+        """The sample position of the batch after the one drawn at ``position``."""
+        return position + self.batch_size
+
     def _permutation(self, epoch: int) -> np.ndarray:
         if (self.seed, epoch) != self._perm_key:
             self._perm_key = (self.seed, epoch)

@@ -290,6 +290,11 @@ class DocumentBatches:
         """Micro-batches in ``epoch`` (the plan of an epoch is computed once and cached)."""
         return len(self._plan(epoch))
 
+    def key_after(self, key: tuple[int, int]) -> tuple[int, int]:
+        """The ``(epoch, index)`` of the batch after ``key``'s (an epoch's last is followed by the next's first)."""
+        epoch, index = key
+        return (epoch, index + 1) if index + 1 < self.num_batches(epoch) else (epoch + 1, 0)
+
     def __getitem__(self, key: tuple[int, int]) -> PackedBatch:
         epoch, index = key
         return self.build(self._plan(int(epoch))[int(index)])
