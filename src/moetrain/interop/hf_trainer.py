@@ -23,7 +23,7 @@ twice.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import cast
 
 import torch
@@ -51,8 +51,8 @@ _EXPERT_BACKENDS = ("grouped_mm", "loop")  # of moetrain.moe.experts.BACKENDS: t
 @dataclass
 class _LayerSums:
     tokens_per_expert: torch.Tensor  # [E] fp32 assignments summed over recorded forwards
-    aux_loss: torch.Tensor = field(default_factory=lambda: torch.zeros(()))  # summed Switch losses
-    z_loss: torch.Tensor = field(default_factory=lambda: torch.zeros(()))  # summed z-losses
+    aux_loss: torch.Tensor  # [] summed Switch losses
+    z_loss: torch.Tensor  # [] summed z-losses
     forwards: int = 0
 
 
@@ -81,8 +81,8 @@ class HFRoutingSums:
         probs = route(logits, topk_ids.shape[-1], score_func=score_func).probs  # [T, E] as our router's
         s = self._sums.get(layer)
         if s is None:
-            s = self._sums[layer] = _LayerSums(torch.zeros(e, device=logits.device))
-            s.aux_loss, s.z_loss = s.aux_loss.to(logits.device), s.z_loss.to(logits.device)
+            zero = torch.zeros((), device=logits.device)
+            s = self._sums[layer] = _LayerSums(torch.zeros(e, device=logits.device), zero, zero.clone())
         s.tokens_per_expert += expert_counts(topk_ids, e)
         s.aux_loss += switch_load_balancing_loss(probs, topk_ids)
         s.z_loss += router_z_loss(logits)
