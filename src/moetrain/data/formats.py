@@ -449,7 +449,7 @@ def iter_token_documents(corpus: Pretokenized, token_dtype: str | None, eos_id: 
         index = MegatronIndex.read(idx, binary)
         if token_dtype is not None and np.dtype(token_dtype) != index.dtype:
             raise DataError(f"data.token_dtype: '{token_dtype}' does not match '{idx}', which holds {index.dtype} ids")
-        tokens = np.memmap(binary, mode="r", dtype=index.dtype) if os.path.getsize(binary) else np.zeros(0, index.dtype)
+        tokens = open_tokens(binary, index.dtype)
         starts = index.sequence_pointers // index.dtype.itemsize
         bounds = index.document_indices
         for d in range(len(bounds) - 1):
@@ -476,7 +476,7 @@ def iter_token_documents(corpus: Pretokenized, token_dtype: str | None, eos_id: 
     if size % dtype.itemsize:
         raise DataError(f"'{path}' has {size} bytes, not a whole number of {dtype} ids ({dtype.itemsize} bytes "
                         f"each): data.token_dtype is wrong or the file is truncated")
-    tokens = np.memmap(path, mode="r", dtype=dtype) if size else np.zeros(0, dtype)
+    tokens = open_tokens(path, dtype)
     hint = f"; is data.token_dtype={token_dtype} the type the file was written with?"
     doc, start = 1, 0
     for block in range(0, len(tokens), _FLAT_BLOCK_TOKENS):
@@ -490,6 +490,11 @@ def iter_token_documents(corpus: Pretokenized, token_dtype: str | None, eos_id: 
             doc, start = doc + 1, end + 1
     if start < len(tokens):  # a last document without an end-of-text token
         yield TokenDocument(f"{corpus.name}:{doc}", tokens[start:])
+
+
+def open_tokens(path: Path, dtype: np.dtype) -> np.ndarray:
+    """[N] read-only memmap of the ids in ``path``; np.memmap refuses empty files, so an empty one is a plain array."""
+    return np.memmap(path, mode="r", dtype=dtype) if os.path.getsize(path) else np.zeros(0, dtype)
 
 
 def _check_ids(ids: np.ndarray, vocab_size: int, path: Path, offset: int, hint: str) -> None:
