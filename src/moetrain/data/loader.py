@@ -114,9 +114,7 @@ class BatchLoader:
         windows = isinstance(self._key, int)
         self._key = int(state["position"]) if windows else (int(state["epoch"]), int(state["index"]))
         self.seed = int(state["seed"])
-        self.dataset.seed = self.seed
-        if isinstance(self.dataset, DocumentBatches):
-            self.dataset._plans.clear()
+        self.dataset.seed = self.seed  # both datasets key their cached orders by the seed
         self._it = None
 
 
