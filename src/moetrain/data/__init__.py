@@ -13,18 +13,19 @@ from typing import TYPE_CHECKING, Any
 # Names re-exported from the submodules, imported on first use (PEP 562): ``moetrain.data.config`` is read by the
 # config checks, which must answer before torch (``.dataset``) is imported (a config error takes < 1 s).
 _EXPORTS = {
-    "DataConfig": "config", "Document": "corpus", "ReadStats": "corpus", "default_corpus_files": "corpus",
-    "discover_files": "corpus", "iter_documents": "corpus", "read_documents": "corpus", "split_documents": "corpus", "BatchSampler": "dataset",
-    "PreparedData": "dataset", "TokenWindows": "dataset", "eval_batches": "dataset", "prepare_data": "dataset",
-    "EOS_TOKEN": "tokenizer", "load_tokenizer": "tokenizer", "train_tokenizer": "tokenizer",
+    "DataConfig": "config", "Document": "corpus", "ReadStats": "formats", "default_corpus_files": "corpus",
+    "discover_files": "corpus", "iter_documents": "corpus", "read_documents": "corpus", "split_documents": "corpus",
+    "BatchSampler": "dataset", "PreparedData": "dataset", "TokenWindows": "dataset", "eval_batches": "dataset",
+    "prepare_data": "dataset", "EOS_TOKEN": "tokenizer", "load_tokenizer": "tokenizer", "train_tokenizer": "tokenizer",
 }
 
 if TYPE_CHECKING:
     from moetrain.data.config import DataConfig
     from moetrain.data.corpus import (
-        Document, ReadStats, default_corpus_files, discover_files, iter_documents, read_documents, split_documents,
+        Document, default_corpus_files, discover_files, iter_documents, read_documents, split_documents,
     )
     from moetrain.data.dataset import BatchSampler, PreparedData, TokenWindows, eval_batches, prepare_data
+    from moetrain.data.formats import ReadStats
     from moetrain.data.tokenizer import EOS_TOKEN, load_tokenizer, train_tokenizer
 
 
@@ -34,8 +35,4 @@ def __getattr__(name: str) -> Any:
     return getattr(importlib.import_module(f"moetrain.data.{_EXPORTS[name]}"), name)
 
 
-__all__ = [
-    "EOS_TOKEN", "BatchSampler", "DataConfig", "Document", "PreparedData", "ReadStats", "TokenWindows",
-    "default_corpus_files", "discover_files", "iter_documents", "eval_batches", "load_tokenizer", "prepare_data", "read_documents",
-    "split_documents", "train_tokenizer",
-]
+__all__ = sorted(_EXPORTS)

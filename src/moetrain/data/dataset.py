@@ -24,7 +24,7 @@ from tokenizers import Tokenizer
 
 from moetrain.data.config import DataConfig
 from moetrain.data.corpus import discover_files, held_out, split_only
-from moetrain.data.formats import find_pretokenized
+from moetrain.data.formats import find_pretokenized, open_tokens
 from moetrain.data.prepare import (
     CACHE_VERSION, Corpus, Scan, scan, size_of, train_on_corpus, write_splits,
 )
@@ -113,8 +113,8 @@ def prepare_data(cfg: DataConfig, vocab_size: int, tokenizer_path: Path | None =
             _atomic_symlink(entry.name, entry.parent / f"tokens-{_cache_key(files, cfg, vocab_size, trained_json)}")
     data = PreparedData(
         tokenizer=load_tokenizer(entry / "tokenizer.json"),
-        train_tokens=_open_tokens(entry / "train.bin", dtype),
-        val_tokens=_open_tokens(entry / "val.bin", dtype),
+        train_tokens=open_tokens(entry / "train.bin", dtype),
+        val_tokens=open_tokens(entry / "val.bin", dtype),
         eos_id=meta["eos_id"], num_train_docs=meta["num_train_docs"], num_val_docs=meta["num_val_docs"],
         skipped=meta["skipped"], cache_path=entry)
     log(f"data: {source}: train {data.num_train_docs} docs / {len(data.train_tokens):,} tokens, "
@@ -265,13 +265,6 @@ def _publish(stage: Path, entry: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _open_tokens(path: Path, dtype: np.dtype) -> np.ndarray:
-    """[N] read-only memmap of ``path``; np.memmap refuses empty files, so an empty split is a plain array."""
-    if path.stat().st_size == 0:
-        return np.zeros(0, dtype=dtype)
-    return np.memmap(path, dtype=dtype, mode="r")
-
-
 def _atomic_symlink(target: str, link: Path) -> None:
     """Point ``link`` at ``target`` (a sibling name); best effort: a filesystem without symlinks only loses the
     alias."""
@@ -365,6 +358,10 @@ class BatchSampler:
         """The next ``(inputs, targets)``, [B, S] int64 each; advances ``position`` by B."""
         self.position += self.batch_size
         return self[self.position - self.batch_size]
+
+    def key_after(self, position: int) -> int:
+        """The sample position of the batch after the one drawn at ``position``."""
+        return position + self.batch_size
 
     def _permutation(self, epoch: int) -> np.ndarray:
         if (self.seed, epoch) != self._perm_key:

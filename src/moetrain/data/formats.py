@@ -168,13 +168,6 @@ class _ZstdReader(io.RawIOBase):
         super().close()
 
 
-def corrupt(path: Path, e: BaseException) -> DataError:
-    """The error for a compressed or columnar file that ends early or does not decode."""
-    reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-    return DataError(f"'{path}' is truncated or corrupt ({reason}); re-download or re-write it, or remove it "
-                     f"from data.path")
-
-
 def _read_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that mean a file's bytes are damaged (truncated gzip / zstd stream, bad parquet / Arrow); imported
     only when an exception is being matched."""
@@ -221,23 +214,18 @@ def iter_text_documents(path: Path, name: str, text_field: str, counts: ReadStat
         if isinstance(e, OSError) and not compression_of(path) and inner_suffix(path) not in (".parquet", ".arrow"):
             counts.unreadable += 1  # another I/O error on a plain file
             return
-        raise corrupt(path, e) from None
-
-
-def decode(raw: bytes) -> str | None:
-    """UTF-8 text of ``raw``; ``None`` for binary (a NUL byte in the first 8 KiB) or non-UTF-8 bytes."""
-    if b"\0" in raw[:BINARY_PROBE_BYTES]:
-        return None
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError:
-        return None
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise DataError(f"'{path}' is truncated or corrupt ({reason}); re-download or re-write it, or remove it "
+                        f"from data.path") from None
 
 
 def _whole_file(path: Path, name: str, counts: ReadStats) -> Iterator[tuple[str, str]]:
     with open_stream(path) as f:
         raw = f.read()
-    text = decode(raw)
+    try:  # None: binary or not UTF-8
+        text = None if b"\0" in raw[:BINARY_PROBE_BYTES] else raw.decode("utf-8")
+    except UnicodeDecodeError:
+        text = None
     if text is None:
         counts.binary += 1
     elif not text:
@@ -442,12 +430,6 @@ class MegatronIndex:
         return cls(dtype, lengths, pointers, docs)
 
 
-def check_dtype(given: str | None, actual: np.dtype, where: Path) -> None:
-    """Raise when ``data.token_dtype`` was given and differs from the dtype ``where`` states."""
-    if given is not None and np.dtype(given) != actual:
-        raise DataError(f"data.token_dtype: '{given}' does not match '{where}', which holds {actual} ids")
-
-
 def iter_token_documents(corpus: Pretokenized, token_dtype: str | None, eos_id: int, vocab_size: int,
                          counts: ReadStats) -> Iterator[TokenDocument]:
     """The documents of a pre-tokenized corpus, in order; empty ones are counted in ``counts.empty``.
@@ -465,8 +447,9 @@ def iter_token_documents(corpus: Pretokenized, token_dtype: str | None, eos_id: 
     if corpus.kind == "megatron":
         binary, idx = corpus.files
         index = MegatronIndex.read(idx, binary)
-        check_dtype(token_dtype, index.dtype, idx)
-        tokens = np.memmap(binary, mode="r", dtype=index.dtype) if os.path.getsize(binary) else np.zeros(0, index.dtype)
+        if token_dtype is not None and np.dtype(token_dtype) != index.dtype:
+            raise DataError(f"data.token_dtype: '{token_dtype}' does not match '{idx}', which holds {index.dtype} ids")
+        tokens = open_tokens(binary, index.dtype)
         starts = index.sequence_pointers // index.dtype.itemsize
         bounds = index.document_indices
         for d in range(len(bounds) - 1):
@@ -493,7 +476,7 @@ def iter_token_documents(corpus: Pretokenized, token_dtype: str | None, eos_id: 
     if size % dtype.itemsize:
         raise DataError(f"'{path}' has {size} bytes, not a whole number of {dtype} ids ({dtype.itemsize} bytes "
                         f"each): data.token_dtype is wrong or the file is truncated")
-    tokens = np.memmap(path, mode="r", dtype=dtype) if size else np.zeros(0, dtype)
+    tokens = open_tokens(path, dtype)
     hint = f"; is data.token_dtype={token_dtype} the type the file was written with?"
     doc, start = 1, 0
     for block in range(0, len(tokens), _FLAT_BLOCK_TOKENS):
@@ -507,6 +490,11 @@ def iter_token_documents(corpus: Pretokenized, token_dtype: str | None, eos_id: 
             doc, start = doc + 1, end + 1
     if start < len(tokens):  # a last document without an end-of-text token
         yield TokenDocument(f"{corpus.name}:{doc}", tokens[start:])
+
+
+def open_tokens(path: Path, dtype: np.dtype) -> np.ndarray:
+    """[N] read-only memmap of the ids in ``path``; np.memmap refuses empty files, so an empty one is a plain array."""
+    return np.memmap(path, mode="r", dtype=dtype) if os.path.getsize(path) else np.zeros(0, dtype)
 
 
 def _check_ids(ids: np.ndarray, vocab_size: int, path: Path, offset: int, hint: str) -> None:

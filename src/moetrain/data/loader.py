@@ -10,14 +10,13 @@ the training process, SIGKILL included (:func:`_exit_with`).
 from __future__ import annotations
 
 import functools
-import itertools
 import os
 import select
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
@@ -27,16 +26,6 @@ from moetrain.data.dataset import BatchSampler, PreparedData, TokenWindows, eval
 from moetrain.data.packing import DocumentBatches, DocumentChunks
 from moetrain.data.val_coverage import small_split_warning, val_coverage_note
 from moetrain.errors import ConfigError
-
-
-class _Keys:
-    """The infinite key sequence from a start state (DataLoader's ``sampler``)."""
-
-    def __init__(self, loader: BatchLoader, start: dict[str, int]):
-        self.loader, self.start = loader, dict(start)
-
-    def __iter__(self) -> Iterator[Any]:
-        return self.loader._keys_from(self.start)
 
 
 class BatchLoader:
@@ -55,38 +44,20 @@ class BatchLoader:
                  pin_memory: bool = False):
         self.dataset, self.seed = dataset, seed
         self.workers, self.prefetch, self.pin_memory = workers, prefetch, pin_memory
-        self._state = {"position": 0} if isinstance(dataset, BatchSampler) else {"epoch": 0, "index": 0}
+        self._key: Any = 0 if isinstance(dataset, BatchSampler) else (0, 0)  # of the next batch not yet returned
         self._it: Iterator[tuple[Any, Batch]] | None = None
         self.padding_tokens = 0  # positions that were padding, over the batches returned since the last take
         self.positions = 0  # all positions of those batches
 
-    # -- keys ----------------------------------------------------------------------------------------------------
-    def _keys_from(self, state: dict[str, int]) -> Iterator[Any]:
-        if "position" in state:
-            b = cast(BatchSampler, self.dataset).batch_size  # a "position" state: windows
-            return (state["position"] + i * b for i in itertools.count())
-        return self._document_keys(state["epoch"], state["index"])
-
-    def _document_keys(self, epoch: int, index: int) -> Iterator[tuple[int, int]]:
-        dataset = cast(DocumentBatches, self.dataset)  # an ("epoch", "index") state: documents
+    # -- keys: sample positions (windows) or (epoch, index) (documents) ----------------------------------------------
+    def _keys_from(self, key: Any) -> Iterator[Any]:
         while True:
-            n = dataset.num_batches(epoch)
-            for i in range(index, n):
-                yield (epoch, i)
-            epoch, index = epoch + 1, 0
-
-    def _after(self, key: Any) -> dict[str, int]:
-        """The state that resumes right after the batch of ``key``."""
-        if isinstance(key, tuple):  # (epoch, index): documents
-            epoch, index = key
-            if index + 1 >= cast(DocumentBatches, self.dataset).num_batches(epoch):
-                return {"epoch": epoch + 1, "index": 0}
-            return {"epoch": epoch, "index": index + 1}
-        return {"position": int(key) + cast(BatchSampler, self.dataset).batch_size}  # an int key: windows
+            yield key
+            key = self.dataset.key_after(key)
 
     # -- batches -------------------------------------------------------------------------------------------------
     def _start(self) -> Iterator[tuple[Any, Batch]]:
-        keys = _Keys(self, self._state)
+        keys = self._keys_from(self._key)
         if self.workers == 0:
             return ((key, self.dataset[key]) for key in keys)
         loader = DataLoader(_Keyed(self.dataset), batch_size=None, sampler=keys, num_workers=self.workers,
@@ -104,7 +75,7 @@ class BatchLoader:
             key = int(key)
         elif isinstance(key, (list, tuple)):
             key = tuple(int(k) for k in key)
-        self._state = self._after(key)
+        self._key = self.dataset.key_after(key)
         if isinstance(batch, PackedBatch):
             n = batch.padding_mask.numel()
             self.positions += n
@@ -130,7 +101,9 @@ class BatchLoader:
     def state_dict(self) -> dict[str, int]:
         """``{"position", "seed"}`` (windows: the same as :meth:`BatchSampler.state_dict`) or ``{"epoch",
         "index", "seed"}`` (documents): the next batch not yet returned."""
-        return {**self._state, "seed": self.seed}
+        key = self._key
+        state = {"position": key} if isinstance(key, int) else {"epoch": key[0], "index": key[1]}
+        return {**state, "seed": self.seed}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Resume at ``state`` (before the first :meth:`next_batch`; a running loader is restarted).
@@ -138,12 +111,10 @@ class BatchLoader:
         Raises:
             KeyError: ``state`` is of the other packing (a checkpoint of a windows run resumed with documents).
         """
-        keys = ("position",) if "position" in self._state else ("epoch", "index")
-        self._state = {k: int(state[k]) for k in keys}
+        windows = isinstance(self._key, int)
+        self._key = int(state["position"]) if windows else (int(state["epoch"]), int(state["index"]))
         self.seed = int(state["seed"])
-        self.dataset.seed = self.seed
-        if isinstance(self.dataset, DocumentBatches):
-            self.dataset._plans.clear()
+        self.dataset.seed = self.seed  # both datasets key their cached orders by the seed
         self._it = None
 
 

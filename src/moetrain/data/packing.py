@@ -264,14 +264,16 @@ class DocumentBatches:
                              "longest chunk would not fit")
         self.chunks, self.batch_size, self.tokens_per_batch = chunks, batch_size, tokens_per_batch
         self.seed, self.shuffle = seed, shuffle
-        self._plans: dict[int, list[list[list[int]]]] = {}  # per process: each DataLoader worker plans for itself
+        # (seed, epoch) -> plan, per process: each DataLoader worker plans for itself
+        self._plans: dict[tuple[int, int], list[list[list[int]]]] = {}
 
     def _plan(self, epoch: int) -> list[list[list[int]]]:
-        if epoch not in self._plans:
+        key = (self.seed, epoch)
+        if key not in self._plans:
             if len(self._plans) >= 2:  # the current epoch and the next: a batch may be read across the boundary
-                del self._plans[min(self._plans)]
-            self._plans[epoch] = self._make_plan(epoch)
-        return self._plans[epoch]
+                del self._plans[next(iter(self._plans))]  # the oldest
+            self._plans[key] = self._make_plan(epoch)
+        return self._plans[key]
 
     def _make_plan(self, epoch: int) -> list[list[list[int]]]:
         """The epoch's micro-batches, each a list of rows, each a list of chunk indices."""
@@ -289,6 +291,11 @@ class DocumentBatches:
     def num_batches(self, epoch: int) -> int:
         """Micro-batches in ``epoch`` (the plan of an epoch is computed once and cached)."""
         return len(self._plan(epoch))
+
+    def key_after(self, key: tuple[int, int]) -> tuple[int, int]:
+        """The ``(epoch, index)`` of the batch after ``key``'s (an epoch's last is followed by the next's first)."""
+        epoch, index = key
+        return (epoch, index + 1) if index + 1 < self.num_batches(epoch) else (epoch + 1, 0)
 
     def __getitem__(self, key: tuple[int, int]) -> PackedBatch:
         epoch, index = key

@@ -7,8 +7,8 @@ whatever the corpus size.
 Passes over the documents (data/formats.py streams every format):
 
 1. scan: each document's name digest (the validation split, :func:`~moetrain.data.corpus.held_out`) and size;
-2. sample (only when a tokenizer is trained): the documents of the tokenizer's sample, picked from the sizes in the
-   same pseudo-random order as the in-memory :func:`tokenizer_sample`;
+2. sample (only when a tokenizer is trained): the documents of the tokenizer's sample, picked from the sizes
+   (:func:`sample_plan`);
 3. tokenize: batches of documents of one split are encoded with HF tokenizers' ``encode_batch_fast`` (Rust, on all
    cores, without the GIL) while a thread reads and parses the next batches, and written to ``train.bin`` /
    ``val.bin`` (each document followed by EOS) with an index of document ends (``train.idx`` / ``val.idx``,
@@ -149,12 +149,6 @@ def _cut_text(text: str, limit: int | None) -> str:
     return text if limit is None else text.encode()[:limit].decode("utf-8", errors="ignore")
 
 
-def tokenizer_sample(docs: Sequence[Document], max_bytes: int) -> list[str]:
-    """Up to ``max_bytes`` of UTF-8 text from ``docs`` (in memory), chosen by :func:`sample_plan`."""
-    plan = sample_plan(np.array([len(d.text.encode()) for d in docs], dtype=np.int64), max_bytes)
-    return [_cut_text(docs[i].text, cut) for i, cut in plan]
-
-
 def collect_sample(corpus: Corpus, found: Scan, val: np.ndarray, max_bytes: int) -> list[str]:
     """Pass 2: the tokenizer sample of a corpus of n > 1 documents, read from the stream."""
     train = np.flatnonzero(~val)
@@ -174,9 +168,8 @@ def train_on_corpus(corpus: Corpus, found: Scan, val: np.ndarray | None, cfg: Da
                     log: Callable[[str], None]) -> Tokenizer:
     """A byte-level BPE tokenizer trained on the training split's sample; logs its size and time."""
     t0 = time.perf_counter()
-    if found.only is not None:
-        train_part, _ = split_only(found.only, cfg.val_fraction)
-        sample = tokenizer_sample([train_part], cfg.tokenizer_max_bytes)
+    if found.only is not None:  # the sample is the one document's training part, cut to the budget
+        sample = [_cut_text(split_only(found.only, cfg.val_fraction)[0].text, cfg.tokenizer_max_bytes)]
     else:
         assert val is not None
         sample = collect_sample(corpus, found, val, cfg.tokenizer_max_bytes)

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from moetrain.data.tokenizer import EOS_TOKEN
 from moetrain.errors import CheckpointError, ConfigError
 from moetrain.interop.families import (
     DENSE_FAMILIES,
@@ -46,7 +47,8 @@ TOKENIZER_FILE = "tokenizer.json"
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # old checkpoints saved this non-persistent buffer
 
 
-def _transformers():
+def transformers_module() -> Any:
+    """``transformers``, or a ConfigError naming the ``hf`` extra when it is missing or older than 5."""
     try:
         import transformers
     except ImportError:
@@ -73,16 +75,12 @@ def to_hf_model(model: MoETransformer, tokenizer: Any = None):
     Non-persistent buffers (RoPE tables) stay on the meta device: the result is for ``save_pretrained``, not for
     running. Raises ConfigError for a configuration with no faithful HF equivalent (see :func:`family_for`).
     """
-    tf = _transformers()
+    tf = transformers_module()
     family = family_for(model.config)
     kwargs = hf_config_dict(model.config, family)
-    eos = None
-    if tokenizer is not None:
-        from moetrain.data.tokenizer import EOS_TOKEN
-
-        eos = tokenizer.token_to_id(EOS_TOKEN)
     # Explicit None: the config classes default to ids (Mixtral: bos 1, eos 2) that would stop generation early.
-    kwargs.update(bos_token_id=None, eos_token_id=eos, pad_token_id=None)
+    kwargs.update(bos_token_id=None, eos_token_id=tokenizer.token_to_id(EOS_TOKEN) if tokenizer is not None else None,
+                  pad_token_id=None)
     config = tf.AutoConfig.for_model(family.model_type, **kwargs)
     config.architectures = [family.architecture]
     state = hf_state_dict(model, family)
@@ -127,7 +125,7 @@ def to_hf(model: MoETransformer, out_dir: str | Path, tokenizer: Any = None, max
     Raises:
         ConfigError: a configuration with no faithful HF equivalent (the message names the feature).
     """
-    tf = _transformers()
+    tf = transformers_module()
     out = Path(out_dir)
     hf = to_hf_model(model, tokenizer)
     out.mkdir(parents=True, exist_ok=True)
@@ -135,8 +133,6 @@ def to_hf(model: MoETransformer, out_dir: str | Path, tokenizer: Any = None, max
     eos = hf.config.eos_token_id
     tf.GenerationConfig(bos_token_id=None, eos_token_id=eos, pad_token_id=None).save_pretrained(out)
     if tokenizer is not None:
-        from moetrain.data.tokenizer import EOS_TOKEN
-
         fast = tf.PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS_TOKEN,
                                           model_max_length=model.config.max_seq_len)
         fast.save_pretrained(out)
@@ -207,7 +203,7 @@ def read_hf_config(path: str | Path) -> tuple[Family, Any]:
     Raises:
         MoetrainError: a missing directory or ``config.json``, an unsupported or unmappable ``model_type``.
     """
-    tf = _transformers()
+    tf = transformers_module()
     root = Path(path)
     if not root.is_dir():
         raise CheckpointError(f"{root}: no such directory")
@@ -324,9 +320,9 @@ def from_hf(path_or_model: Any, dtype: torch.dtype | None = torch.float32) -> Mo
 
     Families: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, dots.llm1 (DeepSeek-V3 router: sigmoid scores, groups, expert
     bias, shared experts, with grouped-query attention); and the dense Llama, Mistral (no sliding window), Qwen2
-    and Qwen3, which load as dense models (``moe_every=0``, the input of :mod:`moetrain.interop.upcycle`). Expert layouts are declared per format: a directory may
-    hold fused ``gate_up_proj`` [E, 2F, D] (gate first), per-expert ``gate_proj/up_proj/down_proj``, or Mixtral's
-    ``w1/w3/w2``; an in-memory model always has the fused layout.
+    and Qwen3, which load as dense models (``moe_every=0``, the input of :mod:`moetrain.interop.upcycle`). Expert
+    layouts are declared per format: a directory may hold fused ``gate_up_proj`` [E, 2F, D] (gate first), per-expert
+    ``gate_proj/up_proj/down_proj``, or Mixtral's ``w1/w3/w2``; an in-memory model always has the fused layout.
 
     Args:
         path_or_model: a directory with ``config.json`` and safetensors weights, or a ``PreTrainedModel``.
@@ -338,7 +334,7 @@ def from_hf(path_or_model: Any, dtype: torch.dtype | None = torch.float32) -> Mo
             config (named, with both shapes), a missing or unexpected tensor.
         ConfigError: an unsupported ``model_type``, or a config feature with no faithful equivalent here.
     """
-    tf = _transformers()
+    tf = transformers_module()
     if isinstance(path_or_model, tf.PreTrainedModel):
         hf_cfg = path_or_model.config
         family = family_of(getattr(hf_cfg, "model_type", None), type(path_or_model).__name__)

@@ -1,6 +1,7 @@
-"""moetrain's MoE inside Hugging Face models (the HF ``Trainer`` integration; public as :mod:`moetrain.hf`): :func:`accelerate` swaps the sparse MoE blocks of a transformers
-Mixtral / Qwen2-MoE / Qwen3-MoE / OLMoE / dots.llm1 / DeepSeek-V3 model in place for moetrain's dispatch and grouped-GEMM experts,
-and :class:`MoELoggingCallback` logs the per-layer routing statistics to an HF ``Trainer``'s loggers.
+"""moetrain's MoE inside Hugging Face models (the HF ``Trainer`` integration; public as :mod:`moetrain.hf`):
+:func:`accelerate` swaps the sparse MoE blocks of a transformers Mixtral / Qwen2-MoE / Qwen3-MoE / OLMoE / dots.llm1
+/ DeepSeek-V3 model in place for moetrain's dispatch and grouped-GEMM experts, and :class:`MoELoggingCallback` logs
+the per-layer routing statistics to an HF ``Trainer``'s loggers.
 
 Legend: B = batch, S = sequence, T = B * S tokens, D = hidden, E = experts, K = top-k.
 
@@ -22,13 +23,14 @@ twice.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import cast
 
 import torch
 from torch import nn
 
 from moetrain.errors import ConfigError
+from moetrain.interop.hf import transformers_module
 from moetrain.moe.dispatch import LocalDispatcher
 from moetrain.moe.experts import BACKENDS
 from moetrain.moe.losses import expert_counts, router_z_loss, switch_load_balancing_loss
@@ -49,8 +51,8 @@ _EXPERT_BACKENDS = ("grouped_mm", "loop")  # of moetrain.moe.experts.BACKENDS: t
 @dataclass
 class _LayerSums:
     tokens_per_expert: torch.Tensor  # [E] fp32 assignments summed over recorded forwards
-    aux_loss: torch.Tensor = field(default_factory=lambda: torch.zeros(()))  # summed Switch losses
-    z_loss: torch.Tensor = field(default_factory=lambda: torch.zeros(()))  # summed z-losses
+    aux_loss: torch.Tensor  # [] summed Switch losses
+    z_loss: torch.Tensor  # [] summed z-losses
     forwards: int = 0
 
 
@@ -79,8 +81,8 @@ class HFRoutingSums:
         probs = route(logits, topk_ids.shape[-1], score_func=score_func).probs  # [T, E] as our router's
         s = self._sums.get(layer)
         if s is None:
-            s = self._sums[layer] = _LayerSums(torch.zeros(e, device=logits.device))
-            s.aux_loss, s.z_loss = s.aux_loss.to(logits.device), s.z_loss.to(logits.device)
+            zero = torch.zeros((), device=logits.device)
+            s = self._sums[layer] = _LayerSums(torch.zeros(e, device=logits.device), zero, zero.clone())
         s.tokens_per_expert += expert_counts(topk_ids, e)
         s.aux_loss += switch_load_balancing_loss(probs, topk_ids)
         s.z_loss += router_z_loss(logits)
@@ -217,16 +219,8 @@ def accelerate(model: nn.Module, backend: str = "grouped_mm") -> HFRoutingSums:
     return stats
 
 
-def _callback_base():
-    try:
-        from transformers import TrainerCallback
-    except ImportError:  # pragma: no cover - transformers is the hf extra
-        raise ConfigError("moetrain.hf (HF Trainer integration) needs transformers: pip install 'moetrain[hf]'") from None
-    return TrainerCallback
-
-
 # transformers' TrainerCallback, resolved at import time (a clear error without the hf extra): mypy cannot follow it.
-class MoELoggingCallback(_callback_base()):  # type: ignore[misc]
+class MoELoggingCallback(transformers_module().TrainerCallback):  # type: ignore[misc]
     """A ``transformers.TrainerCallback`` that adds the routing statistics of :func:`accelerate`'s blocks to every
     training log (see :meth:`HFRoutingSums.summary` for the keys), then resets them, so each log covers the steps
     since the previous one.

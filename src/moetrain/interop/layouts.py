@@ -40,20 +40,23 @@ class ExpertLayout:
 
     Attributes:
         name: the layout's name (see the module docstring).
-        probe: the name of expert 0's first tensor relative to ``p`` (its presence identifies the layout).
+        parts: expert e's tensors are ``{p}.{e}.{part}.weight``: (gate, up, down), or (fc1, fc2) with fc1 the gate
+            rows then the up rows; empty for ``fused``.
     """
 
     name: str
-    probe: str
+    parts: tuple[str, ...] = ()
+
+    @property
+    def probe(self) -> str:
+        """The name of expert 0's first tensor relative to ``p`` (its presence identifies the layout)."""
+        return f"0.{self.parts[0]}.weight" if self.parts else "gate_up_proj"
 
     def names(self, prefix: str, num_experts: int) -> list[str]:
         """Every tensor name the layout stores for one layer, in a fixed order."""
-        if self.name == "fused":
+        if not self.parts:
             return [f"{prefix}.gate_up_proj", f"{prefix}.down_proj"]
-        parts = {"per_expert": ("gate_proj.weight", "up_proj.weight", "down_proj.weight"),
-                 "w123": ("w1.weight", "w3.weight", "w2.weight"),
-                 "megatron": ("linear_fc1.weight", "linear_fc2.weight")}[self.name]
-        return [f"{prefix}.{e}.{part}" for e in range(num_experts) for part in parts]
+        return [f"{prefix}.{e}.{part}.weight" for e in range(num_experts) for part in self.parts]
 
     def read(self, get: Getter, prefix: str, num_experts: int, hidden: int, ffn: int
              ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,40 +74,29 @@ class ExpertLayout:
             CheckpointError: a missing tensor or a shape that disagrees with the config.
         """
         e, d, f = num_experts, hidden, ffn
-        if self.name == "fused":
+        if not self.parts:
             return get(f"{prefix}.gate_up_proj", (e, 2 * f, d)), get(f"{prefix}.down_proj", (e, d, f))
-        if self.name == "megatron":
-            fc1 = [get(f"{prefix}.{i}.linear_fc1.weight", (2 * f, d)) for i in range(e)]
-            fc2 = [get(f"{prefix}.{i}.linear_fc2.weight", (d, f)) for i in range(e)]
-            return torch.stack(fc1), torch.stack(fc2)
-        g, u, dn = {"per_expert": ("gate_proj", "up_proj", "down_proj"), "w123": ("w1", "w3", "w2")}[self.name]
-        gate_up = [torch.cat([get(f"{prefix}.{i}.{g}.weight", (f, d)), get(f"{prefix}.{i}.{u}.weight", (f, d))])
-                   for i in range(e)]
-        down = [get(f"{prefix}.{i}.{dn}.weight", (d, f)) for i in range(e)]
-        return torch.stack(gate_up), torch.stack(down)
+        shapes = [(2 * f, d), (d, f)] if len(self.parts) == 2 else [(f, d), (f, d), (d, f)]
+        experts = [[get(f"{prefix}.{i}.{part}.weight", shape) for part, shape in zip(self.parts, shapes)]
+                   for i in range(e)]  # [E] lists of (fc1, fc2) or (gate, up, down)
+        return torch.stack([torch.cat(w[:-1]) for w in experts]), torch.stack([w[-1] for w in experts])
 
     def write(self, prefix: str, gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> dict[str, torch.Tensor]:
         """Our (gate_up_proj [E, 2F, D], down_proj [E, D, F]) as this layout's named tensors (views, no copies)."""
-        if self.name == "fused":
+        if not self.parts:
             return {f"{prefix}.gate_up_proj": gate_up_proj, f"{prefix}.down_proj": down_proj}
-        out: dict[str, torch.Tensor] = {}
         f = down_proj.shape[-1]
+        out: dict[str, torch.Tensor] = {}
         for i in range(gate_up_proj.shape[0]):
-            if self.name == "megatron":
-                out[f"{prefix}.{i}.linear_fc1.weight"] = gate_up_proj[i]
-                out[f"{prefix}.{i}.linear_fc2.weight"] = down_proj[i]
-                continue
-            g, u, dn = {"per_expert": ("gate_proj", "up_proj", "down_proj"), "w123": ("w1", "w3", "w2")}[self.name]
-            out[f"{prefix}.{i}.{g}.weight"] = gate_up_proj[i, :f]
-            out[f"{prefix}.{i}.{u}.weight"] = gate_up_proj[i, f:]
-            out[f"{prefix}.{i}.{dn}.weight"] = down_proj[i]
+            fc1 = [gate_up_proj[i]] if len(self.parts) == 2 else [gate_up_proj[i, :f], gate_up_proj[i, f:]]
+            out.update({f"{prefix}.{i}.{part}.weight": t for part, t in zip(self.parts, [*fc1, down_proj[i]])})
         return out
 
 
-FUSED = ExpertLayout("fused", "gate_up_proj")
-PER_EXPERT = ExpertLayout("per_expert", "0.gate_proj.weight")
-W123 = ExpertLayout("w123", "0.w1.weight")
-MEGATRON = ExpertLayout("megatron", "0.linear_fc1.weight")
+FUSED = ExpertLayout("fused")
+PER_EXPERT = ExpertLayout("per_expert", ("gate_proj", "up_proj", "down_proj"))
+W123 = ExpertLayout("w123", ("w1", "w3", "w2"))
+MEGATRON = ExpertLayout("megatron", ("linear_fc1", "linear_fc2"))
 LAYOUTS = {layout.name: layout for layout in (FUSED, PER_EXPERT, W123, MEGATRON)}
 
 
