@@ -12,8 +12,9 @@ out; only our copy counts as resident), after evicting least recently used pool 
 
 A layer's experts are computed one at a time (the resident ones first, then each miss as it arrives), so the
 budget only needs to hold one expert beyond the pinned set, and a layer whose experts do not all fit at once still
-runs. The arithmetic is the reference per-expert loop's (:func:`moetrain.moe.experts.loop_experts`), dispatch and
-combine are the layer's own dispatcher: outputs equal the layer's fused kernel up to float summation order
+runs. The store is the layer's weight provider: the layer's per-expert loop
+(:func:`moetrain.moe.experts.expert_loop`) asks it for each expert as it reaches it; dispatch and combine are the
+layer's own dispatcher: outputs equal the layer's fused kernel up to float summation order
 (tests/test_serve_experts.py: same greedy tokens, logits within 1e-5).
 
 The file: a run directory's single-format checkpoint ``model.safetensors`` is mapped as it is (its expert tensors
@@ -31,13 +32,13 @@ from __future__ import annotations
 import collections
 import os
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from moetrain.errors import MoetrainError
-from moetrain.moe.expert_ops import activate
 from moetrain.serve.expert_usage import ExpertUsage
 
 Unit = tuple[int, int]  # (transformer block, expert)
@@ -236,20 +237,15 @@ class ExpertStore:
     # --- compute -------------------------------------------------------------------------------------------
     def experts_forward(self, layer, rows: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """The routed experts of ``layer`` from the store (its :data:`~moetrain.moe.layer.ExpertProvider`): rows
-        [R, D] grouped by expert, tokens_per_expert [E] int64 -> [R, D] in the store's dtype."""
+        [R, D] grouped by expert, tokens_per_expert [E] int64 -> [R, D] in the store's dtype, by the layer's
+        per-expert loop with the store as its :data:`~moetrain.moe.experts.ExpertWeights`."""
         block = self._layer_blocks[id(layer)]
-        counts = tokens_per_expert.tolist()  # one host sync: which experts this step needs
-        starts = [0]
-        for c in counts:
-            starts.append(starts[-1] + c)
-        out = torch.zeros(rows.shape[0], rows.shape[1], dtype=self.dtype)
-        needed = [e for e, c in enumerate(counts) if c]
-        needed.sort(key=lambda e: not self.is_resident((block, e)))  # hits first: misses may evict them after use
-        for e in needed:
-            w_in, w_out = self.get((block, e))
-            a, b = starts[e], starts[e + 1]
-            out[a:b] = activate(rows[a:b].to(self.dtype) @ w_in.T, self.activation) @ w_out.T
-        return out
+
+        def weights(used: list[int]) -> Iterator[tuple[int, torch.Tensor, torch.Tensor, None, None]]:
+            used = sorted(used, key=lambda e: not self.is_resident((block, e)))  # hits first: misses may evict them
+            return ((e, *self.get((block, e)), None, None) for e in used)  # paged in as the loop reaches each
+
+        return layer.experts.provided(rows, tokens_per_expert, weights)
 
     def close(self) -> None:
         """Drop the resident units and delete the spill file (if one was written)."""

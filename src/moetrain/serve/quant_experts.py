@@ -8,11 +8,13 @@ Each routed expert's two weights, ``w_in`` [2F, D] (SwiGLU ``gate_up_proj``; GEL
 ``q = round(w / scale)`` (symmetric, round to nearest, in [-127, 127]; an all-zero row gets scale 1 and q = 0).
 Memory: 1 byte per weight plus 4 bytes per output row, about 0.26 of fp32.
 
-Dequantise on use: a step dispatches its rows with the layer's own dispatcher and computes each expert that got
-rows as ``y = (x @ q^T) * scale`` (the int8 values converted to fp32 for the matmul, one expert at a time, so at
-most one expert's fp32 copy exists at once; the per-row scale is applied to the matmul's output columns, which
-is the same product as ``x @ (q * scale)^T``), then combines with the dispatcher. There is no int8 GEMM on this
-path: it saves memory, not time. Shared experts and dense FFNs stay fp32.
+Dequantise on use: a step dispatches its rows with the layer's own dispatcher; the layer's per-expert loop
+(:func:`moetrain.moe.experts.expert_loop`, fed by this module as a weight provider) computes each expert that got
+rows as ``y = (x @ q^T) * scale`` (the int8 values converted to the layer's dtype for the matmul, one expert at a
+time, so at most one expert's converted copy exists at once; the per-row scale is applied to the matmul's output
+columns, which is the same product as ``x @ (q * scale)^T`` without a pass over the weight), then combines with the
+dispatcher. There is no int8 GEMM on this path: it saves memory, not time. Shared experts and dense FFNs stay in
+the model's dtype.
 
 Quality (:func:`moetrain.serve.quality.int8_experts_report`): routing agreement, the share of (token, MoE layer)
 pairs whose top-k set is unchanged when the whole model runs with the dequantised experts (the first MoE layer
@@ -21,13 +23,13 @@ always agrees: only the layers after an int8 expert see changed hidden states), 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from moetrain.errors import MoetrainError
-from moetrain.moe.expert_ops import activate
 
 
 @dataclass(frozen=True)
@@ -95,14 +97,11 @@ class Int8Experts:
     def experts_forward(self, layer, rows: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """The routed experts of ``layer`` from their int8 weights (its
         :data:`~moetrain.moe.layer.ExpertProvider`): rows [R, D] grouped by expert, tokens_per_expert [E] int64 ->
-        [R, D] fp32."""
+        [R, D] in the layer's expert dtype, by the layer's per-expert loop with these weights (its
+        :data:`~moetrain.moe.experts.ExpertWeights`: each expert's int8 values, converted there, and scales)."""
         w_in, w_out = self.weights[self._layer_blocks[id(layer)]]
-        out = torch.zeros(rows.shape[0], rows.shape[1], dtype=torch.float32)
-        start = 0
-        for e, n in enumerate(tokens_per_expert.tolist()):  # one host sync
-            if n:
-                x = rows[start:start + n].float()  # [n_e, D]
-                h = (x @ w_in.q[e].float().T) * w_in.scale[e]  # [n_e, 2F]
-                out[start:start + n] = (activate(h, self.activation) @ w_out.q[e].float().T) * w_out.scale[e]
-            start += n
-        return out
+
+        def weights(used: list[int]) -> Iterator[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+            return ((e, w_in.q[e], w_out.q[e], w_in.scale[e], w_out.scale[e]) for e in used)
+
+        return layer.experts.provided(rows, tokens_per_expert, weights)
