@@ -1,57 +1,35 @@
 """The fused routed-expert Function (the ``fused`` backend): experts with a hand-written backward, and on one device
-dispatch + experts + combine as one autograd Function (the default CPU path).
+dispatch + experts + combine as one autograd Function (the default CPU path; design and measured figures:
+docs/performance.md).
 
 Legend: T = tokens, D = hidden, E = experts, K = top-k, N = T * K rows (assignments, grouped by expert), F = expert
 FFN hidden, I = input-projection width (2F for SwiGLU, F for GELU), n = rows of one block of experts.
 
-Two entry points run the same Function:
+Two entry points run the same Function: :func:`fused_moe` (through :class:`FusedLocalDispatcher`), dropless on one
+device, tokens in and combined outputs out; :func:`fused_experts`, the experts alone on rows a dispatcher laid out
+(a capacity factor, expert parallelism): each row a "token" routed to its own expert with weight 1 (exact).
 
-- :func:`fused_moe` (through :class:`FusedLocalDispatcher`, the layer's default dispatcher for the ``fused`` backend):
-  dropless on one device, tokens in and combined outputs out. Earns its keep as the default: in
-  docs/performance.md (``moetrain bench moe --grid readme``, 2026-11-30, 2-core CPU, fp32 / bf16) the layer's
-  forward + backward took 0.90-1.41x the time of a dense SwiGLU with the same active FLOPs, against 1.28-4.39x for
-  the ``grouped_mm`` backend, and ran 1.38-5.10x faster than transformers' best expert implementation.
-- :func:`fused_experts`: the experts alone on rows a dispatcher laid out (the ``fused`` backend with a capacity
-  factor, or behind an expert-parallel dispatcher): each row is a "token" routed to its own expert with weight 1
-  (K = 1, an identity layout, so the gathers are copies and the combine a gather back; w * a with w = 1 is exact).
+:func:`fused_moe` computes what LocalDispatcher dropless dispatch -> routed experts -> gating-weighted combine
+computes (same stable sort, same row order), ``out[t] = sum_k w[t, k] * expert_{e(t,k)}(x[t])``, but:
 
-:func:`fused_moe` computes exactly what the layer's unfused path computes (LocalDispatcher dropless dispatch ->
-routed experts -> gating-weighted combine; same stable sort, same row order),
-``out[t] = sum_k w[t, k] * expert_{e(t,k)}(x[t])``, but:
-
-- **No [N, D] copy of the input is kept.** Rows are processed in blocks of consecutive experts (about
-  :data:`BLOCK_ELEMENTS` scratch elements each): a block's rows are gathered from x into a scratch buffer right
-  before its GEMMs (and gathered again in backward for the weight gradients), so the Function saves only the
-  pre-activation ``h`` [N, I] (plus x, which the caller holds anyway). The unfused autograd path saves the permuted
-  input [N, D], ``h``, the activation and, for SwiGLU, ``silu(gate)``. GEMMs run per expert; gathers, activation
-  and scaling once per block (per-expert elementwise ops would cost more in call overhead than arithmetic at
-  E = 64-128).
-- **The gating weight is applied to the activation, before the down projection** (``(w * a) @ W_down^T``, a
-  row scaling of cache-hot [n, F] data), so the combine is a plain sum of K gathered rows and its backward is one
-  gather per block into scratch. The weight's gradient is ``<dL/d(w a), a>`` over F, from the same tiles.
-- **Scratch buffers are reused**: by every block of a call, and on CPU from call to call
-  (moe/kernels/cpu/workspace.py, with the [N, D] expert outputs and input-gradient rows): a fresh multi-MiB tensor
-  costs page faults on CPU (glibc maps large blocks anew each time; measured ~1/3 of a bf16 forward at E = 64).
-  The kept buffers, and those that must be fresh (``h``, the weight gradients, the combined outputs) when 32 MiB
-  or more, ask for 2 MiB pages (moe/kernels/cpu/hugepages.py: fp32 forward + backward ~4% faster at E = 64 for the fresh ones alone).
-- **The activation is recomputed in backward** from ``h`` (two elementwise passes over cache-hot rows).
-- **On CPU in fp32 / bf16 with SwiGLU, the elementwise work is native code** (moe/kernels/cpu/native.py): one pass for
-  the activation and its gating weight, one for the whole backward (w * a, dL/dh, dL/dw), instead of 3 and 9
-  PyTorch ops; PyTorch ops otherwise (no C compiler, ``MOETRAIN_CPU_KERNELS=0``, GELU, fp16, CUDA).
-- **The combines (output, input gradient) are gathers and adds in a fixed order** (deterministic, no atomics);
-  see :func:`_sum_k` for the rounding in bf16.
+- **No [N, D] copy of the input is kept**: rows are gathered per block of consecutive experts (about
+  :data:`BLOCK_ELEMENTS` scratch elements) right before its GEMMs, and again in backward; only the pre-activation
+  ``h`` [N, I] is saved (nothing with ``recompute``), and the activation is recomputed from it in backward.
+- **The gating weight scales the activation** before the down projection (``(w * a) @ W_down^T``), so the combine
+  is a plain sum of K gathered rows (:func:`_sum_k`, fixed order: deterministic) and dL/dw comes from the same tiles.
+- **Scratch buffers are reused** from call to call on CPU (moe/kernels/cpu/workspace.py) and large buffers ask for
+  2 MiB pages (moe/kernels/cpu/hugepages.py); the CPU elementwise work is native code where available
+  (moe/kernels/cpu/native.py: SwiGLU in fp32 / bf16), PyTorch ops otherwise.
 
 Precision: in bf16 the gating weight is rounded to bf16 once and multiplied into the bf16 activation (relative
-error 2^-9, the same as the bf16 rounding the activation already had); the unfused path multiplies the bf16 expert
-output by the fp32 weight.
+error 2^-9, the rounding the activation already had); the unfused path multiplies the bf16 expert output by the
+fp32 weight.
 
-Execution: ``tiles`` mode runs one ``torch.mm`` per expert and projection into slices of preallocated outputs
-(CPU; the counts are read on the host once, which is free there; in bf16 / fp16 each expert's rows are padded to
-one of a few sizes so that the GEMM shapes repeat: :func:`pad_groups`); with several intra-op threads the blocks are
-handed largest-first to single-threaded workers, one per thread (moe/kernels/cpu/workers.py: expert-level instead of
-op-level parallelism, measured faster at E = 64). ``grouped`` mode runs each projection as one
-``torch.nn.functional.grouped_mm`` with device offsets (no host sync; the mode used on CUDA in bf16); both modes
-run the same maths and are tested against the unfused layer on CPU (tests/test_perf_experts.py).
+Execution: ``tiles`` mode runs one ``torch.mm`` per expert and projection (CPU; counts read on the host; in bf16 /
+fp16 each expert's rows padded to one of a few sizes, :func:`pad_groups`), blocks handed largest-first to
+single-threaded workers (moe/kernels/cpu/workers.py). ``grouped`` mode runs each projection as one
+``torch.nn.functional.grouped_mm`` with device offsets (no host sync; CUDA bf16). Both are tested against the unfused
+layer (tests/test_perf_experts.py).
 """
 
 from __future__ import annotations
