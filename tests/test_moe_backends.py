@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from moetrain.execution import ExecutionConfig
 from moetrain.moe.config import CapacityConfig, ExpertsConfig, MoEConfig, RouterConfig, SharedExpertConfig
-from moetrain.moe.experts import BACKENDS, RoutedExperts
+from moetrain.moe.experts import BACKENDS, RoutedExperts, expert_loop
 from moetrain.moe.layer import MoELayer
 
 D, FF, E = 16, 8, 6
@@ -235,17 +235,17 @@ def test_a_lazy_weight_provider_runs_the_per_expert_loop():
         return ((e, q_in[e], q_out[e], s_in[e], s_out[e]) for e in used)
 
     with torch.no_grad():
-        got = experts.provided(x, counts, plain)
+        got = expert_loop(x, counts, plain, "swiglu", torch.float32)
         want = BACKENDS["loop"].experts(x, experts.w_in, experts.down_proj, counts, "swiglu")
-        got8 = experts.provided(x, counts, int8)
+        got8 = expert_loop(x, counts, int8, "swiglu", torch.float32)
         want8 = BACKENDS["loop"].experts(x, q_in * s_in[..., None], q_out * s_out[..., None], counts, "swiglu")
     assert asked == [[0, 2, 5]]  # experts with rows only
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert got[-2:].abs().max() == 0
     torch.testing.assert_close(got8, want8, rtol=1e-4, atol=1e-3)
     with pytest.raises(ValueError, match=r"yielded 2 of the 3 experts that have rows \[0, 2, 5\]"):
-        experts.provided(x, counts, lambda used: ((e, experts.w_in[e], experts.down_proj[e], None, None)
-                                                  for e in used if e != 2))
+        expert_loop(x, counts, lambda used: ((e, experts.w_in[e], experts.down_proj[e], None, None)
+                                             for e in used if e != 2), "swiglu", torch.float32)
 
 
 def test_the_tokens_form_is_the_fused_backends_and_asks_for_one_form():

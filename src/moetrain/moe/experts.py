@@ -30,8 +30,7 @@ Weights are arguments, not module state, in every backend: :meth:`RoutedExperts.
 unless it is handed ``weights=(w_in, w_out)`` (experts with no rows may be left out of both the weights and
 ``tokens_per_expert``: the rows' layout is the same). A weight provider (:data:`ExpertWeights`: serving's int8
 experts, the hot/cold expert store) yields the weights of the experts a step uses one at a time to the per-expert
-loop (:meth:`RoutedExperts.provided`, :func:`expert_loop`), so that at most one expert is converted or paged in at
-once.
+loop (:func:`expert_loop`), so that at most one expert is converted or paged in at once.
 """
 
 from __future__ import annotations
@@ -280,13 +279,6 @@ class RoutedExperts(nn.Module):
     def num_experts(self) -> int:
         """Experts held by this module (E, or E / ep on an expert-parallel rank)."""
         return self.down_proj.shape[0]
-
-    def provided(self, x: torch.Tensor, tokens_per_expert: torch.Tensor, weights: ExpertWeights) -> torch.Tensor:
-        """These experts with a weight provider's weights (serving's int8 experts, the hot/cold expert store;
-        inference): rows [R, D] grouped by expert, tokens_per_expert [E] int64 -> [R, D] by :func:`expert_loop`, in
-        the dtype of this module's weights (or the autocast dtype). A plain call, not through ``__call__``: ~20 us
-        less per layer, a tenth of a decode step's expert time at 8 experts."""
-        return expert_loop(x, tokens_per_expert, weights, self.activation, compute_dtype(x, self.down_proj))
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor | None = None, *,
                 topk_ids: torch.Tensor | None = None, topk_weights: torch.Tensor | None = None,

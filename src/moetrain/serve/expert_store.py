@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from moetrain.errors import MoetrainError
+from moetrain.moe.experts import expert_loop
 from moetrain.serve.expert_usage import ExpertUsage
 
 Unit = tuple[int, int]  # (transformer block, expert)
@@ -236,15 +237,15 @@ class ExpertStore:
     # --- compute -------------------------------------------------------------------------------------------
     def experts_forward(self, layer, rows: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """The routed experts of ``layer`` from the store (its :data:`~moetrain.moe.layer.ExpertProvider`): rows
-        [R, D] grouped by expert, tokens_per_expert [E] int64 -> [R, D] in the store's dtype, by the layer's
-        per-expert loop with the store as its :data:`~moetrain.moe.experts.ExpertWeights`."""
+        [R, D] grouped by expert, tokens_per_expert [E] int64 -> [R, D] in the store's dtype, by the per-expert loop
+        (:func:`~moetrain.moe.experts.expert_loop`) with the store as its :data:`~moetrain.moe.experts.ExpertWeights`."""
         block = self._layer_blocks[id(layer)]
 
         def weights(used: list[int]) -> Iterator[tuple[int, torch.Tensor, torch.Tensor, None, None]]:
             used = sorted(used, key=lambda e: not self.is_resident((block, e)))  # hits first: misses may evict them
             return ((e, *self.get((block, e)), None, None) for e in used)  # paged in as the loop reaches each
 
-        return layer.experts.provided(rows, tokens_per_expert, weights)
+        return expert_loop(rows, tokens_per_expert, weights, self.activation, self.dtype)
 
     def close(self) -> None:
         """Drop the resident units and delete the spill file (if one was written)."""

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from moetrain.errors import MoetrainError
+from moetrain.moe.experts import expert_loop
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,7 @@ class Int8Experts:
             raise MoetrainError("--int8-experts: the model has no MoE layers")
         self.model, self.blocks = model, blocks
         self.activation = model.blocks[blocks[0]].ffn.experts.activation
+        self.dtype = model.blocks[blocks[0]].ffn.experts.down_proj.dtype  # the compute dtype
         self.weights: dict[int, tuple[Int8Weight, Int8Weight]] = {}
         self._layer_blocks = {id(model.blocks[b].ffn): b for b in blocks}
         self.fp32_bytes = 0
@@ -87,11 +89,11 @@ class Int8Experts:
     def experts_forward(self, layer, rows: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """The routed experts of ``layer`` from their int8 weights (its
         :data:`~moetrain.moe.layer.ExpertProvider`): rows [R, D] grouped by expert, tokens_per_expert [E] int64 ->
-        [R, D] in the layer's expert dtype, by the layer's per-expert loop with these weights (its
-        :data:`~moetrain.moe.experts.ExpertWeights`: each expert's int8 values, converted there, and scales)."""
+        [R, D] in the model's expert dtype, by the per-expert loop (:func:`~moetrain.moe.experts.expert_loop`) with
+        these weights as its :data:`~moetrain.moe.experts.ExpertWeights` (each expert's int8 values and scales)."""
         w_in, w_out = self.weights[self._layer_blocks[id(layer)]]
 
         def weights(used: list[int]) -> Iterator[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
             return ((e, w_in.q[e], w_out.q[e], w_in.scale[e], w_out.scale[e]) for e in used)
 
-        return layer.experts.provided(rows, tokens_per_expert, weights)
+        return expert_loop(rows, tokens_per_expert, weights, self.activation, self.dtype)
