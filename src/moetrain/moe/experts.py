@@ -1,36 +1,24 @@
 """Routed experts: E FFNs stored as 3-D tensors, computed by one of four named backends (fused, grouped GEMM, padded
-batched GEMM, the reference loop).
+batched GEMM, the reference loop; what each does and costs: docs/experts.md, docs/performance.md).
 
 Legend: R = dispatched rows (grouped by expert), D = hidden, E = experts, F = expert FFN hidden, C = capacity.
 
 Weight layout follows transformers' ``MixtralExperts``: SwiGLU experts hold ``gate_up_proj`` [E, 2F, D] (gate half
-first) and ``down_proj`` [E, D, F], expert e computing ``down_e(silu(gate_e x) * up_e x)``; GELU experts (the
-classic two-matrix FFN) hold ``up_proj`` [E, F, D] and ``down_proj`` [E, D, F], computing ``down_e(gelu(up_e x))``
-with the exact (erf) GELU and no biases.
+first) and ``down_proj`` [E, D, F], expert e computing ``down_e(silu(gate_e x) * up_e x)``; GELU experts hold
+``up_proj`` [E, F, D] and ``down_proj`` [E, D, F], computing ``down_e(gelu(up_e x))`` (exact erf GELU, no biases).
 
-Four named backends (:data:`BACKENDS`, chosen by ``model.execution.moe_backend``), each an :class:`ExpertBackend`
-tested against the loop by one conformance suite (tests/test_moe_backends.py: outputs, gradients, idle experts,
-capacity, bf16). Every backend computes ``fn(x [R, D], w_in, w_out, tokens_per_expert [E], activation) -> [R, D]``
-on rows a dispatcher laid out: rows of expert e follow those of expert e - 1, and rows after the last expert's are
-ignored (their output is unspecified; the dispatcher never reads them). Figures: ``moetrain bench moe --grid readme``
-in docs/performance.md, 2026-11-30, 2-core CPU, forward + backward time relative to a dense SwiGLU with the same
-active FLOPs, fp32 / bf16, E = 8-128:
+Every backend (:data:`BACKENDS`, ``model.execution.moe_backend``) computes ``fn(x [R, D], w_in, w_out,
+tokens_per_expert [E], activation) -> [R, D]`` on rows a dispatcher laid out (rows of expert e follow those of
+expert e - 1; rows after the last expert's are ignored) and passes one conformance suite against the ``loop``
+reference (tests/test_moe_backends.py). ``fused`` (moe/fast_moe.py), the default and fastest on CPU, is the only one
+with a ``fused`` form (dropless dispatch + experts + combine as one Function); ``grouped_mm`` is the no-sync path
+(and ``moetrain.hf.accelerate``'s experts); ``padded`` the only static-shape path (``pad_to_capacity``).
 
-- ``fused`` (moe/fast_moe.py): the default and the fastest on CPU, 0.90-1.41x dense. The only backend with a
-  ``fused`` form: dropless on one device, dispatch + experts + combine as one autograd Function.
-- ``grouped_mm`` (:func:`grouped_experts`): stock autograd around one grouped GEMM per projection, no host sync;
-  1.28-4.39x dense on CPU (still ahead of transformers' own experts, 1.25-7.17x). Kept as the no-sync path and the
-  experts ``moetrain.hf.accelerate`` puts into transformers models.
-- ``padded`` (:func:`padded_experts`): capacity buffers [E, C, D] and batched matmuls (GShard / Switch), the only
-  path with static shapes (``pad_to_capacity``); not measured faster, kept for static shapes.
-- ``loop`` (:func:`loop_experts`): one pair of dense matmuls per expert, the reference every other path is tested
-  against (tests/test_moe_backends.py, tests/test_perf_experts.py, tests/test_dispatcher_conformance.py).
-
-Weights are arguments, not module state, in every backend: :meth:`RoutedExperts.forward` passes its own parameters
-unless it is handed ``weights=(w_in, w_out)`` (experts with no rows may be left out of both the weights and
-``tokens_per_expert``: the rows' layout is the same). A weight provider (:data:`ExpertWeights`: serving's int8
-experts, the hot/cold expert store) yields the weights of the experts a step uses one at a time to the per-expert
-loop (:func:`expert_loop`), so that at most one expert is converted or paged in at once.
+Weights are arguments, not module state: :meth:`RoutedExperts.forward` passes its own parameters unless handed
+``weights=(w_in, w_out)`` (experts with no rows may be left out of both the weights and ``tokens_per_expert``). A
+weight provider (:data:`ExpertWeights`: serving's int8 experts, the hot/cold expert store) yields the weights of the
+experts a step uses one at a time to the per-expert loop (:func:`expert_loop`), so at most one expert is converted
+or paged in at once.
 """
 
 from __future__ import annotations
@@ -91,9 +79,6 @@ def grouped_experts(
 ) -> torch.Tensor:
     """Dropless experts with two ``torch.nn.functional.grouped_mm`` calls (MegaBlocks-style); no host sync.
 
-    Kept as the no-sync stock-autograd path (and ``moetrain.hf.accelerate``'s experts): 1.28-4.39x a dense SwiGLU's
-    time on CPU where ``fused`` takes 0.90-1.41x (docs/performance.md, 2026-11-30, 2-core CPU).
-
     ``grouped_mm`` needs 16-byte aligned rows (it raises "strides should be multiple of 16 bytes" otherwise, e.g.
     fp32 with D not a multiple of 4); with unaligned D, I or F this falls back to :func:`loop_experts` (same maths,
     one host sync to read the counts), as the fused path falls back from its grouped to its tiles mode.
@@ -125,8 +110,6 @@ def padded_experts(
     activation: str = "swiglu",
 ) -> torch.Tensor:
     """Experts on capacity buffers: x viewed as [E, C, D], two ``torch.bmm`` (GShard / Switch style).
-
-    Kept as the only static-shape path (``pad_to_capacity``); it was not measured faster than the others.
 
     Needs the capacity layout (every expert owns exactly C rows, R = E * C; see moe/dispatch.py); empty slots are
     zero rows, which every activation maps to zero. Same arguments as :func:`grouped_experts`.

@@ -70,9 +70,8 @@ MIN_BLOCK_ROWS = 256
 MODES = ("auto", "tiles", "grouped")
 
 # The native combine reads T * K * D elements; below this many it runs on the calling thread alone: handing out the
-# shares and two threads first touching a fresh output cost more than they save (2-core Sapphire Rapids, fp32,
-# sum_k alone: T = 4096, K = 2, D = 64 0.26 ms inline, 0.63 ms on 2 workers; D = 256 0.75 / 0.79; K = 8, D = 512
-# 7.5 / 2.3 ms).
+# shares cost more than it saves (2 cores, fp32, T = 4096, K = 2, D = 64: 0.26 ms inline, 0.63 ms on 2 workers;
+# K = 8, D = 512: 7.5 / 2.3 ms).
 PARALLEL_SUM_K = 1 << 22
 
 _Block = tuple[int, int, list[tuple[int, int, int]]]  # (first row, rows, [(expert, first row in the block, rows)])
@@ -140,15 +139,11 @@ def pad_groups(token_ids: torch.Tensor, rows_of: torch.Tensor, topk_ids: torch.T
                bits: int = PAD_BITS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The dropless layout with each expert's group padded to :func:`padded_rows` rows.
 
-    Why: in bf16 / fp16 PyTorch's CPU GEMM is oneDNN's, which JIT-compiles a kernel for every new shape. Per-expert
-    row counts change every training step, so almost every expert GEMM compiled one (measured: ~8 ms for a
-    1024 x 256 x 1024 bf16 GEMM that takes ~1 ms with a cached shape). With padded groups the row counts come
-    from a small set (8 per octave), each compiled once, and each expert runs one GEMM per projection. (Splitting
-    each expert's rows into a multiple of 64 and a remainder instead costs a second, badly shaped GEMM per expert
-    and projection: at E = 64, ~512 rows per expert, bf16, 2 threads, the layer's forward + backward took ~280 ms
-    split and ~210 ms padded to multiples of 64 in ``moetrain bench moe``.) Rounding relative to the count, not to
-    a fixed multiple, bounds the extra work at any batch size: a fixed 64 would make a 3-row expert (decoding,
-    small batches) run 64 rows.
+    Why (docs/performance.md): in bf16 / fp16 PyTorch's CPU GEMM is oneDNN's, which JIT-compiles a kernel for every
+    new shape (~8 ms for a GEMM that then runs in ~1 ms), and per-expert row counts change every step. Padded, the
+    row counts come from a small set, each compiled once, with one GEMM per expert and projection (a multiple of 64
+    plus a remainder would cost a second, badly shaped GEMM: ~280 against ~210 ms at E = 64 in bf16). Rounding
+    relative to the count bounds the extra work at any batch size (a fixed 64 would run a 3-row expert as 64).
 
     A padding row repeats its expert's first token and gets gating weight 0 (the caller scatters the real weights
     into zeros): its pre-activation and outputs are finite whenever the expert's real rows are, its activation

@@ -48,12 +48,11 @@ def enabled() -> bool:
 def advise(tensor: torch.Tensor, *, kept: bool = False) -> torch.Tensor:
     """Ask the kernel to back ``tensor``'s storage with 2 MiB pages; returns ``tensor`` (for chaining).
 
-    Call it on a freshly allocated tensor, before anything writes it. Only the whole 2 MiB-aligned pages inside the
-    storage are advised (never memory outside it). Left alone: a storage under :data:`OWN_MAPPING_BYTES` unless
-    ``kept`` (see the module docstring), a storage that holds no such page (any under 2 MiB), non-CPU tensors, tensor subclasses (fake tensors), non-strided layouts (sparse, mkldnn) and tensors
-    without a storage of their own (functorch's grad / vmap wrappers) are left alone, as is everything off Linux or
-    with ``MOETRAIN_HUGEPAGES=0``. A refused advice (THP compiled out: ``EINVAL``) is ignored: the pages stay 4 KiB
-    and the results are the same.
+    Call it on a freshly allocated tensor, before anything writes it. Only whole 2 MiB-aligned pages inside the
+    storage are advised. Left alone: a storage under :data:`OWN_MAPPING_BYTES` unless ``kept`` (see the module
+    docstring), non-CPU tensors, tensor subclasses (fake tensors), non-strided layouts, tensors without a storage of
+    their own (functorch wrappers), and everything off Linux or with ``MOETRAIN_HUGEPAGES=0``. A refused advice (THP
+    compiled out) is ignored: the pages stay 4 KiB, the results the same.
 
     Args:
         tensor: any tensor; its whole storage is advised, not just the view.
