@@ -511,10 +511,9 @@ def _launch(x: torch.Tensor, weights: torch.Tensor, w_in: torch.Tensor, w_out: t
 def fused_experts(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, tokens_per_expert: torch.Tensor,
                   activation: str = "swiglu", *, mode: str = "auto", block_rows: int | None = None,
                   recompute: bool = False) -> torch.Tensor:
-    """Routed experts alone, on rows a dispatcher laid out: the ``fused`` backend's experts with a capacity factor or
-    behind an expert-parallel dispatcher (the same Function as :func:`fused_moe`, each row routed to its own expert
-    with weight 1; same backend signature as :func:`moetrain.moe.experts.loop_experts`, the reference it is tested
-    against in tests/test_perf_experts.py).
+    """Routed experts alone, on rows a dispatcher laid out (a capacity factor, expert parallelism): the Function of
+    :func:`fused_moe`, each row routed to its own expert with weight 1; the backend signature of
+    :func:`moetrain.moe.experts.loop_experts`, the reference it is tested against (tests/test_perf_experts.py).
 
     Args:
         x: [R, D] rows grouped by expert (expert 0's rows first); rows past the last group are ignored (their
@@ -551,11 +550,10 @@ def fused_experts(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, toke
 
 
 class FusedLocalDispatcher(LocalDispatcher):
-    """The layer's single-device dispatcher for a backend with a fused form (``fused``): dropless, :meth:`forward`
-    hands the tokens and their routing to the experts module, whose backend runs dispatch, experts and combine as
-    one autograd Function (:func:`fused_moe`, the CPU fast path; see the module docstring for the measured
-    figures). ``dispatch`` / ``combine`` are :class:`~moetrain.moe.dispatch.LocalDispatcher`'s, for the capacity
-    layouts (the experts then run :func:`fused_experts`).
+    """The layer's single-device dispatcher for a backend with a fused form (``fused``): :meth:`forward` hands the
+    tokens and their routing to the experts module, whose backend runs dispatch, experts and combine as one
+    Function (:func:`fused_moe`); ``dispatch`` / ``combine`` are :class:`~moetrain.moe.dispatch.LocalDispatcher`'s,
+    for the capacity layouts (the experts then run :func:`fused_experts`).
     """
 
     fuses_experts = True
