@@ -2,7 +2,8 @@
 ``padded``, and any added later) agrees with the per-expert ``loop`` reference in output and gradients, through the
 layer: dropless and with capacity (both policies, with and without padding), GELU, a gated shared expert, grouped
 sigmoid routing, in bf16, with idle experts (exactly zero gradient), with a batch whose every token is dropped; the
-backend functions alone on a capacity layout and on weights a provider hands in (idle experts left out); and
+backend functions alone on a capacity layout and on weights a provider hands in (idle experts left out), a lazy
+weight provider (the per-expert loop, int8 weights with scales); and
 grouped_mm when the grouped GEMM leaves the memory it does not own full of NaN."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 
 from moetrain.execution import ExecutionConfig
 from moetrain.moe.config import CapacityConfig, ExpertsConfig, MoEConfig, RouterConfig, SharedExpertConfig
-from moetrain.moe.experts import BACKENDS, RoutedExperts
+from moetrain.moe.experts import BACKENDS, RoutedExperts, expert_loop
 from moetrain.moe.layer import MoELayer
 
 D, FF, E = 16, 8, 6
@@ -212,6 +213,39 @@ def test_weights_from_a_provider_may_leave_idle_experts_out(backend):
         ref = BACKENDS["loop"].experts(x, experts.w_in, experts.down_proj, counts, "swiglu")
     torch.testing.assert_close(given, full, rtol=0, atol=0)
     torch.testing.assert_close(full, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_a_lazy_weight_provider_runs_the_per_expert_loop():
+    # A lazy provider (ExpertWeights) yields the used experts one at a time in its own order, possibly stored in
+    # int8 with per-output-row scales: the rows equal the reference loop on the weights it stands for.
+    torch.manual_seed(0)
+    experts = RoutedExperts(E, D, FF, backend="fused")
+    counts = torch.tensor([3, 0, 4, 0, 0, 2])
+    x = torch.randn(int(counts.sum()) + 2, D, generator=torch.Generator().manual_seed(7))  # 2 rows past the groups
+    s_in, s_out = torch.rand(E, 2 * FF) + 0.5, torch.rand(E, D) + 0.5
+    q_in = torch.randint(-127, 128, (E, 2 * FF, D), dtype=torch.int8)
+    q_out = torch.randint(-127, 128, (E, D, FF), dtype=torch.int8)
+    asked = []
+
+    def plain(used):
+        asked.append(list(used))
+        return ((e, experts.w_in[e], experts.down_proj[e], None, None) for e in reversed(used))
+
+    def int8(used):
+        return ((e, q_in[e], q_out[e], s_in[e], s_out[e]) for e in used)
+
+    with torch.no_grad():
+        got = expert_loop(x, counts, plain, "swiglu", torch.float32)
+        want = BACKENDS["loop"].experts(x, experts.w_in, experts.down_proj, counts, "swiglu")
+        got8 = expert_loop(x, counts, int8, "swiglu", torch.float32)
+        want8 = BACKENDS["loop"].experts(x, q_in * s_in[..., None], q_out * s_out[..., None], counts, "swiglu")
+    assert asked == [[0, 2, 5]]  # experts with rows only
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert got[-2:].abs().max() == 0
+    torch.testing.assert_close(got8, want8, rtol=1e-4, atol=1e-3)
+    with pytest.raises(ValueError, match=r"yielded 2 of the 3 experts that have rows \[0, 2, 5\]"):
+        expert_loop(x, counts, lambda used: ((e, experts.w_in[e], experts.down_proj[e], None, None)
+                                             for e in used if e != 2), "swiglu", torch.float32)
 
 
 def test_the_tokens_form_is_the_fused_backends_and_asks_for_one_form():

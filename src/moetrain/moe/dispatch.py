@@ -1,26 +1,19 @@
 """Single-device token dispatch: lay (token, expert) assignments out expert by expert, and combine the expert outputs
-back (the reference :class:`~moetrain.moe.dispatcher.Dispatcher`).
+back (the reference :class:`~moetrain.moe.dispatcher.Dispatcher`; docs/dispatchers.md).
 
 Legend: T = tokens, D = hidden, E = experts, K = top-k, N = T * K assignments, R = dispatched rows, C = capacity.
 
-Two layouts:
-- *grouped* (dropless and dropping without padding): R = N rows sorted by expert (a stable sort, so tokens keep
-  their order within an expert), kept rows first, dropped assignments after the last expert's rows;
-  ``tokens_per_expert`` counts the kept rows only.
-- *capacity* (``capacity=C``: the ``padded`` backend and ``pad_to_capacity``): R = E * C rows, expert e owning
-  rows ``[e * C, (e + 1) * C)``; kept assignments fill the first slots in token order, the rest are zero rows;
-  ``tokens_per_expert`` is C for every expert (static shapes).
+Two layouts: *grouped* (dropless and dropping without padding): R = N rows sorted by expert (stable: token order
+within an expert), kept rows first, dropped assignments after the last expert's rows, ``tokens_per_expert`` counting
+the kept rows; *capacity* (``capacity=C``: the ``padded`` backend and ``pad_to_capacity``): R = E * C rows, expert e
+owning rows ``[e * C, (e + 1) * C)``, kept assignments in the first slots in token order, zero rows after;
+``tokens_per_expert`` is C for every expert. Rows without a kept assignment are zero on the way in and ignored on the
+way out (``torch.where``, never a multiply, so garbage in them cannot leak NaN).
 
-Rows that hold no kept assignment are zero on the way in and ignored on the way out (``torch.where``, never a
-multiply, so garbage in them, e.g. the unspecified output of ``grouped_mm`` past its last group, cannot leak NaN
-into outputs or gradients).
-
-Dropless, both directions of the permutation are gathers: ``token_ids`` [N] maps a row to its token and ``rows``
-[T, K] a token's assignments to their rows. Autograd differentiates ``x[token_ids]`` and ``y[rows]`` with
-``index_put_(accumulate=True)``, whose CPU kernel adds one row at a time (about 10x slower than a gather of the same
-bytes, and on CUDA it needs atomics, so it is not deterministic); :func:`permute_rows` and :func:`combine_rows`
-make the backward of each gather the other gather plus a fixed-order sum over K (same results as the autograd path
-up to summation order: tests/test_perf_experts.py).
+Dropless, both directions of the permutation are gathers: autograd would differentiate ``x[token_ids]`` and
+``y[rows]`` with ``index_put_(accumulate=True)`` (one row at a time on CPU, ~10x slower than a gather; atomics on
+CUDA, not deterministic), so :func:`permute_rows` and :func:`combine_rows` make each backward the other gather plus a
+fixed-order sum over K.
 """
 
 from __future__ import annotations
@@ -110,16 +103,7 @@ class LocalDispatcher(Dispatcher):
         keep: torch.Tensor | None = None,
         capacity: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, DispatchMeta]:
-        """Args:
-            tokens: [T, D].
-            topk_ids: [T, K] int64 expert of each assignment.
-            topk_weights: [T, K] fp32 gating weights.
-            keep: [T, K] bool, False for dropped assignments; ``None`` keeps all.
-            capacity: C selects the capacity layout (the caller guarantees <= C kept assignments per expert);
-                ``None`` the grouped layout.
-        Returns:
-            (rows [R, D] grouped by expert, tokens_per_expert [E] int64 rows per expert, meta).
-        """
+        """As :meth:`Dispatcher.dispatch` (rows [R, D], tokens_per_expert [E] int64, :class:`DispatchMeta`)."""
         t, k = topk_ids.shape
         if keep is None and capacity is None:  # every row valid: a gather, whose backward is a gather too
             token_ids, rows, tokens_per_expert = route_dropless(topk_ids, self.num_experts)

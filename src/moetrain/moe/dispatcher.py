@@ -1,21 +1,15 @@
-"""The dispatcher seam: how a MoE layer's (token, expert) assignments reach the experts and come back.
+"""The dispatcher seam: how a MoE layer's (token, expert) assignments reach the experts and come back
+(docs/dispatchers.md).
 
 Legend: T = tokens, D = hidden, E = experts, K = top-k, R = rows handed to the experts, C = capacity.
 
-Model code is single-device (STYLE.md #3, torchtitan's ``token_dispatcher.py``): the layer routes, decides capacity,
-then calls ``dispatch`` -> its experts -> ``combine``; everything that moves tokens (a local sort, an all-to-all, an
-all-gather) lives behind this interface, and parallel code attaches its own dispatcher from outside
-(``MoELayer.set_dispatcher``). Every implementation:
-
-- ``moetrain.moe.dispatch.LocalDispatcher``: sort-based, one device; the reference.
-- ``moetrain.moe.fast_moe.FusedLocalDispatcher``: the local dispatcher plus :meth:`Dispatcher.forward`, dispatch +
-  experts + combine as one autograd Function (the ``fused`` backend's dropless CPU fast path).
-- ``moetrain.parallel.all_to_all.AllToAllDispatcher`` and ``moetrain.parallel.all_gather.AllGatherDispatcher``:
-  expert parallelism.
-
-Capabilities are declared as class attributes, never probed: :attr:`Dispatcher.supports_capacity` (accepts ``keep``
-/ ``capacity``) and :attr:`Dispatcher.fuses_experts` (implements :meth:`Dispatcher.forward`). tests/
-test_dispatcher_conformance.py checks every implementation against the per-expert loop reference.
+Model code is single-device (torchtitan's ``token_dispatcher.py``): the layer routes, decides capacity, then calls
+``dispatch`` -> its experts -> ``combine``; everything that moves tokens lives behind this interface, and parallel
+code attaches its own dispatcher from outside (``MoELayer.set_dispatcher``). Implementations:
+``moetrain.moe.dispatch.LocalDispatcher`` (one device, the reference), ``moetrain.moe.fast_moe.FusedLocalDispatcher``
+(plus :meth:`Dispatcher.forward`: the ``fused`` backend's one Function), ``moetrain.parallel.all_to_all`` and
+``moetrain.parallel.all_gather`` (expert parallelism). Capabilities are class attributes, never probed;
+tests/test_dispatcher_conformance.py checks every implementation against the per-expert loop.
 """
 
 from __future__ import annotations

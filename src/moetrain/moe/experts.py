@@ -1,40 +1,30 @@
 """Routed experts: E FFNs stored as 3-D tensors, computed by one of four named backends (fused, grouped GEMM, padded
-batched GEMM, the reference loop).
+batched GEMM, the reference loop; what each does and costs: docs/experts.md, docs/performance.md).
 
 Legend: R = dispatched rows (grouped by expert), D = hidden, E = experts, F = expert FFN hidden, C = capacity.
 
 Weight layout follows transformers' ``MixtralExperts``: SwiGLU experts hold ``gate_up_proj`` [E, 2F, D] (gate half
-first) and ``down_proj`` [E, D, F], expert e computing ``down_e(silu(gate_e x) * up_e x)``; GELU experts (the
-classic two-matrix FFN) hold ``up_proj`` [E, F, D] and ``down_proj`` [E, D, F], computing ``down_e(gelu(up_e x))``
-with the exact (erf) GELU and no biases.
+first) and ``down_proj`` [E, D, F], expert e computing ``down_e(silu(gate_e x) * up_e x)``; GELU experts hold
+``up_proj`` [E, F, D] and ``down_proj`` [E, D, F], computing ``down_e(gelu(up_e x))`` (exact erf GELU, no biases).
 
-Four named backends (:data:`BACKENDS`, chosen by ``model.execution.moe_backend``), each an :class:`ExpertBackend`
-tested against the loop by one conformance suite (tests/test_moe_backends.py: outputs, gradients, idle experts,
-capacity, bf16). Every backend computes ``fn(x [R, D], w_in, w_out, tokens_per_expert [E], activation) -> [R, D]``
-on rows a dispatcher laid out: rows of expert e follow those of expert e - 1, and rows after the last expert's are
-ignored (their output is unspecified; the dispatcher never reads them). Figures: ``moetrain bench moe --grid readme``
-in docs/performance.md, 2026-11-30, 2-core CPU, forward + backward time relative to a dense SwiGLU with the same
-active FLOPs, fp32 / bf16, E = 8-128:
+Every backend (:data:`BACKENDS`, ``model.execution.moe_backend``) computes ``fn(x [R, D], w_in, w_out,
+tokens_per_expert [E], activation) -> [R, D]`` on rows a dispatcher laid out (rows of expert e follow those of
+expert e - 1; rows after the last expert's are ignored) and passes one conformance suite against the ``loop``
+reference (tests/test_moe_backends.py). ``fused`` (moe/fast_moe.py), the default and fastest on CPU, is the only one
+with a ``fused`` form (dropless dispatch + experts + combine as one Function); ``grouped_mm`` is the no-sync path
+(and ``moetrain.hf.accelerate``'s experts); ``padded`` the only static-shape path (``pad_to_capacity``).
 
-- ``fused`` (moe/fast_moe.py): the default and the fastest on CPU, 0.90-1.41x dense. The only backend with a
-  ``fused`` form: dropless on one device, dispatch + experts + combine as one autograd Function.
-- ``grouped_mm`` (:func:`grouped_experts`): stock autograd around one grouped GEMM per projection, no host sync;
-  1.28-4.39x dense on CPU (still ahead of transformers' own experts, 1.25-7.17x). Kept as the no-sync path and the
-  experts ``moetrain.hf.accelerate`` puts into transformers models.
-- ``padded`` (:func:`padded_experts`): capacity buffers [E, C, D] and batched matmuls (GShard / Switch), the only
-  path with static shapes (``pad_to_capacity``); not measured faster, kept for static shapes.
-- ``loop`` (:func:`loop_experts`): one pair of dense matmuls per expert, the reference every other path is tested
-  against (tests/test_moe_backends.py, tests/test_perf_experts.py, tests/test_dispatcher_conformance.py).
-
-Weights are arguments, not module state, in every backend: :meth:`RoutedExperts.forward` passes its own parameters
-unless it is handed ``weights=(w_in, w_out)`` by a weight provider (int8 copies dequantised, experts paged in from
-disk). Experts with no rows may be left out of both the weights and ``tokens_per_expert`` (the rows' layout is the
-same), so a provider need only materialise the experts a step uses.
+Weights are arguments, not module state: :meth:`RoutedExperts.forward` passes its own parameters unless handed
+``weights=(w_in, w_out)`` (experts with no rows may be left out of both the weights and ``tokens_per_expert``). A
+weight provider (:data:`ExpertWeights`: serving's int8 experts, the hot/cold expert store) yields the weights of the
+experts a step uses one at a time to the per-expert loop (:func:`expert_loop`), so at most one expert is converted
+or paged in at once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import itertools
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -89,9 +79,6 @@ def grouped_experts(
 ) -> torch.Tensor:
     """Dropless experts with two ``torch.nn.functional.grouped_mm`` calls (MegaBlocks-style); no host sync.
 
-    Kept as the no-sync stock-autograd path (and ``moetrain.hf.accelerate``'s experts): 1.28-4.39x a dense SwiGLU's
-    time on CPU where ``fused`` takes 0.90-1.41x (docs/performance.md, 2026-11-30, 2-core CPU).
-
     ``grouped_mm`` needs 16-byte aligned rows (it raises "strides should be multiple of 16 bytes" otherwise, e.g.
     fp32 with D not a multiple of 4); with unaligned D, I or F this falls back to :func:`loop_experts` (same maths,
     one host sync to read the counts), as the fused path falls back from its grouped to its tiles mode.
@@ -124,8 +111,6 @@ def padded_experts(
 ) -> torch.Tensor:
     """Experts on capacity buffers: x viewed as [E, C, D], two ``torch.bmm`` (GShard / Switch style).
 
-    Kept as the only static-shape path (``pad_to_capacity``); it was not measured faster than the others.
-
     Needs the capacity layout (every expert owns exactly C rows, R = E * C; see moe/dispatch.py); empty slots are
     zero rows, which every activation maps to zero. Same arguments as :func:`grouped_experts`.
 
@@ -142,22 +127,55 @@ def padded_experts(
     return y.reshape(x.shape[0], x.shape[1])
 
 
+ExpertWeights = Callable[[list[int]], Iterable[tuple[int, torch.Tensor, torch.Tensor, "torch.Tensor | None",
+                                                    "torch.Tensor | None"]]]
+"""A weight provider (int8 copies, experts paged in from disk): given the experts that have rows (ascending), yields
+each one's weights lazily, one expert at a time, in the order it chooses: ``(e, w_in_e [I, D], w_out_e [D, F],
+s_in [I] or None, s_out [D] or None)``. A weight may be stored in another dtype (int8): :func:`expert_loop` converts
+it to the compute dtype expert by expert. ``s`` is a per-output-row scale of a weight-only quantised weight: the
+expert computes ``(x @ w^T) * s``, the product ``x @ (s w)^T`` without a scaled copy of the weight."""
+
+
+def expert_loop(x: torch.Tensor, tokens_per_expert: torch.Tensor, weights: ExpertWeights, activation: str,
+                dtype: torch.dtype) -> torch.Tensor:
+    """The per-expert GEMM loop every provider and :func:`loop_experts` run: rows [R, D] grouped by expert,
+    tokens_per_expert [E] -> [R, D] in ``dtype``, one pair of matmuls per expert that ``weights`` yields. Syncs with
+    the host once to read the counts; rows after the last group are zero.
+
+    Raises:
+        ValueError: ``weights`` left out an expert that has rows.
+    """
+    counts = tokens_per_expert.tolist()
+    starts = [0, *itertools.accumulate(counts)]  # [E + 1] first row of each expert
+    out = x.new_zeros(x.shape[0], x.shape[1], dtype=dtype)  # [R, D], zero after the last group (ints: ~2 us < a Size)
+    used = [e for e, n in enumerate(counts) if n]
+    done = 0  # experts with rows computed
+    x = x.to(dtype=dtype)  # keyword form: the cheapest call of the per-expert conversions below (~1 us each)
+    for e, w_in, w_out, s_in, s_out in weights(used):
+        a, b = starts[e], starts[e + 1]
+        h = x[a:b] @ w_in.to(dtype=dtype).T  # [n_e, I]
+        y = activate(h if s_in is None else h.mul_(s_in), activation) @ w_out.to(dtype=dtype).T  # [n_e, D]
+        if s_out is None:
+            out[a:b] = y
+        else:  # a quantised weight, so inference: scaled straight into place (out= has no autograd)
+            torch.mul(y, s_out, out=out[a:b])
+        done += a < b
+    if done < len(used):
+        raise ValueError(f"weights: the provider yielded {done} of the {len(used)} experts that have rows {used}")
+    return out
+
+
 def loop_experts(
     x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, tokens_per_expert: torch.Tensor,
     activation: str = "swiglu",
 ) -> torch.Tensor:
-    """Reference: a plain Python loop over experts, one pair of dense matmuls each (same arguments as
-    :func:`grouped_experts`); every other path is tested against it, and :func:`grouped_experts` falls back to it
-    for unaligned rows. Syncs with the host once to read the counts; rows after the last group are zero."""
-    dtype = compute_dtype(x, w_in)
-    outs = []
-    start = 0
-    for e, count in enumerate(tokens_per_expert.tolist()):
-        xe = x[start : start + count].to(dtype)  # [n_e, D]
-        outs.append(activate(xe @ w_in[e].to(dtype).T, activation) @ w_out[e].to(dtype).T)
-        start += count
-    outs.append(x.new_zeros(x.shape[0] - start, x.shape[1], dtype=dtype))
-    return torch.cat(outs, dim=0)
+    """Reference: a plain Python loop over experts, one pair of dense matmuls each (:func:`expert_loop`; same
+    arguments as :func:`grouped_experts`); every other path is tested against it, and :func:`grouped_experts` falls
+    back to it for unaligned rows. Syncs with the host once to read the counts; rows after the last group are
+    zero."""
+    every = range(w_in.shape[0])  # idle experts too: their weights get exact zero gradients
+    return expert_loop(x, tokens_per_expert, lambda used: ((e, w_in[e], w_out[e], None, None) for e in every),
+                       activation, compute_dtype(x, w_in))
 
 
 @dataclass(frozen=True)
@@ -256,19 +274,19 @@ class RoutedExperts(nn.Module):
             tokens_per_expert: [E] int64 rows per expert.
             topk_ids: [T, K] int64 experts of each token.
             topk_weights: [T, K] fp32 gating weights (differentiable).
-            weights: (w_in [E, I, D], w_out [E, D, F]) to use instead of this module's parameters (a weight
-                provider's; with rows, experts that have no rows may be left out of the weights and the counts).
+            weights: (w_in [E, I, D], w_out [E, D, F]) to use instead of this module's parameters (with rows,
+                experts that have no rows may be left out of the weights and the counts).
         Returns:
             [R, D] expert outputs, or [T, D] combined outputs, in the compute dtype (the autocast dtype under
             autocast, else the weights').
         Raises:
             ValueError: neither or both forms given, or the tokens form on a backend without one.
         """
-        w_in, w_out = weights if weights is not None else (self.w_in, self.down_proj)
         rows = tokens_per_expert is not None
         if rows == (topk_ids is not None and topk_weights is not None):
             raise ValueError("RoutedExperts: give either tokens_per_expert (rows) or topk_ids and topk_weights "
                              "(tokens)")
+        w_in, w_out = weights if weights is not None else (self.w_in, self.down_proj)
         kernel = self.kernel
         if not rows:
             if kernel.fused is None:

@@ -1,57 +1,35 @@
 """The fused routed-expert Function (the ``fused`` backend): experts with a hand-written backward, and on one device
-dispatch + experts + combine as one autograd Function (the default CPU path).
+dispatch + experts + combine as one autograd Function (the default CPU path; design and measured figures:
+docs/performance.md).
 
 Legend: T = tokens, D = hidden, E = experts, K = top-k, N = T * K rows (assignments, grouped by expert), F = expert
 FFN hidden, I = input-projection width (2F for SwiGLU, F for GELU), n = rows of one block of experts.
 
-Two entry points run the same Function:
+Two entry points run the same Function: :func:`fused_moe` (through :class:`FusedLocalDispatcher`), dropless on one
+device, tokens in and combined outputs out; :func:`fused_experts`, the experts alone on rows a dispatcher laid out
+(a capacity factor, expert parallelism): each row a "token" routed to its own expert with weight 1 (exact).
 
-- :func:`fused_moe` (through :class:`FusedLocalDispatcher`, the layer's default dispatcher for the ``fused`` backend):
-  dropless on one device, tokens in and combined outputs out. Earns its keep as the default: in
-  docs/performance.md (``moetrain bench moe --grid readme``, 2026-11-30, 2-core CPU, fp32 / bf16) the layer's
-  forward + backward took 0.90-1.41x the time of a dense SwiGLU with the same active FLOPs, against 1.28-4.39x for
-  the ``grouped_mm`` backend, and ran 1.38-5.10x faster than transformers' best expert implementation.
-- :func:`fused_experts`: the experts alone on rows a dispatcher laid out (the ``fused`` backend with a capacity
-  factor, or behind an expert-parallel dispatcher): each row is a "token" routed to its own expert with weight 1
-  (K = 1, an identity layout, so the gathers are copies and the combine a gather back; w * a with w = 1 is exact).
+:func:`fused_moe` computes what LocalDispatcher dropless dispatch -> routed experts -> gating-weighted combine
+computes (same stable sort, same row order), ``out[t] = sum_k w[t, k] * expert_{e(t,k)}(x[t])``, but:
 
-:func:`fused_moe` computes exactly what the layer's unfused path computes (LocalDispatcher dropless dispatch ->
-routed experts -> gating-weighted combine; same stable sort, same row order),
-``out[t] = sum_k w[t, k] * expert_{e(t,k)}(x[t])``, but:
-
-- **No [N, D] copy of the input is kept.** Rows are processed in blocks of consecutive experts (about
-  :data:`BLOCK_ELEMENTS` scratch elements each): a block's rows are gathered from x into a scratch buffer right
-  before its GEMMs (and gathered again in backward for the weight gradients), so the Function saves only the
-  pre-activation ``h`` [N, I] (plus x, which the caller holds anyway). The unfused autograd path saves the permuted
-  input [N, D], ``h``, the activation and, for SwiGLU, ``silu(gate)``. GEMMs run per expert; gathers, activation
-  and scaling once per block (per-expert elementwise ops would cost more in call overhead than arithmetic at
-  E = 64-128).
-- **The gating weight is applied to the activation, before the down projection** (``(w * a) @ W_down^T``, a
-  row scaling of cache-hot [n, F] data), so the combine is a plain sum of K gathered rows and its backward is one
-  gather per block into scratch. The weight's gradient is ``<dL/d(w a), a>`` over F, from the same tiles.
-- **Scratch buffers are reused**: by every block of a call, and on CPU from call to call
-  (moe/kernels/cpu/workspace.py, with the [N, D] expert outputs and input-gradient rows): a fresh multi-MiB tensor
-  costs page faults on CPU (glibc maps large blocks anew each time; measured ~1/3 of a bf16 forward at E = 64).
-  The kept buffers, and those that must be fresh (``h``, the weight gradients, the combined outputs) when 32 MiB
-  or more, ask for 2 MiB pages (moe/kernels/cpu/hugepages.py: fp32 forward + backward ~4% faster at E = 64 for the fresh ones alone).
-- **The activation is recomputed in backward** from ``h`` (two elementwise passes over cache-hot rows).
-- **On CPU in fp32 / bf16 with SwiGLU, the elementwise work is native code** (moe/kernels/cpu/native.py): one pass for
-  the activation and its gating weight, one for the whole backward (w * a, dL/dh, dL/dw), instead of 3 and 9
-  PyTorch ops; PyTorch ops otherwise (no C compiler, ``MOETRAIN_CPU_KERNELS=0``, GELU, fp16, CUDA).
-- **The combines (output, input gradient) are gathers and adds in a fixed order** (deterministic, no atomics);
-  see :func:`_sum_k` for the rounding in bf16.
+- **No [N, D] copy of the input is kept**: rows are gathered per block of consecutive experts (about
+  :data:`BLOCK_ELEMENTS` scratch elements) right before its GEMMs, and again in backward; only the pre-activation
+  ``h`` [N, I] is saved (nothing with ``recompute``), and the activation is recomputed from it in backward.
+- **The gating weight scales the activation** before the down projection (``(w * a) @ W_down^T``), so the combine
+  is a plain sum of K gathered rows (:func:`_sum_k`, fixed order: deterministic) and dL/dw comes from the same tiles.
+- **Scratch buffers are reused** from call to call on CPU (moe/kernels/cpu/workspace.py) and large buffers ask for
+  2 MiB pages (moe/kernels/cpu/hugepages.py); the CPU elementwise work is native code where available
+  (moe/kernels/cpu/native.py: SwiGLU in fp32 / bf16), PyTorch ops otherwise.
 
 Precision: in bf16 the gating weight is rounded to bf16 once and multiplied into the bf16 activation (relative
-error 2^-9, the same as the bf16 rounding the activation already had); the unfused path multiplies the bf16 expert
-output by the fp32 weight.
+error 2^-9, the rounding the activation already had); the unfused path multiplies the bf16 expert output by the
+fp32 weight.
 
-Execution: ``tiles`` mode runs one ``torch.mm`` per expert and projection into slices of preallocated outputs
-(CPU; the counts are read on the host once, which is free there; in bf16 / fp16 each expert's rows are padded to
-one of a few sizes so that the GEMM shapes repeat: :func:`pad_groups`); with several intra-op threads the blocks are
-handed largest-first to single-threaded workers, one per thread (moe/kernels/cpu/workers.py: expert-level instead of
-op-level parallelism, measured faster at E = 64). ``grouped`` mode runs each projection as one
-``torch.nn.functional.grouped_mm`` with device offsets (no host sync; the mode used on CUDA in bf16); both modes
-run the same maths and are tested against the unfused layer on CPU (tests/test_perf_experts.py).
+Execution: ``tiles`` mode runs one ``torch.mm`` per expert and projection (CPU; counts read on the host; in bf16 /
+fp16 each expert's rows padded to one of a few sizes, :func:`pad_groups`), blocks handed largest-first to
+single-threaded workers (moe/kernels/cpu/workers.py). ``grouped`` mode runs each projection as one
+``torch.nn.functional.grouped_mm`` with device offsets (no host sync; CUDA bf16). Both are tested against the unfused
+layer (tests/test_perf_experts.py).
 """
 
 from __future__ import annotations
@@ -92,9 +70,8 @@ MIN_BLOCK_ROWS = 256
 MODES = ("auto", "tiles", "grouped")
 
 # The native combine reads T * K * D elements; below this many it runs on the calling thread alone: handing out the
-# shares and two threads first touching a fresh output cost more than they save (2-core Sapphire Rapids, fp32,
-# sum_k alone: T = 4096, K = 2, D = 64 0.26 ms inline, 0.63 ms on 2 workers; D = 256 0.75 / 0.79; K = 8, D = 512
-# 7.5 / 2.3 ms).
+# shares cost more than it saves (2 cores, fp32, T = 4096, K = 2, D = 64: 0.26 ms inline, 0.63 ms on 2 workers;
+# K = 8, D = 512: 7.5 / 2.3 ms).
 PARALLEL_SUM_K = 1 << 22
 
 _Block = tuple[int, int, list[tuple[int, int, int]]]  # (first row, rows, [(expert, first row in the block, rows)])
@@ -162,15 +139,11 @@ def pad_groups(token_ids: torch.Tensor, rows_of: torch.Tensor, topk_ids: torch.T
                bits: int = PAD_BITS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The dropless layout with each expert's group padded to :func:`padded_rows` rows.
 
-    Why: in bf16 / fp16 PyTorch's CPU GEMM is oneDNN's, which JIT-compiles a kernel for every new shape. Per-expert
-    row counts change every training step, so almost every expert GEMM compiled one (measured: ~8 ms for a
-    1024 x 256 x 1024 bf16 GEMM that takes ~1 ms with a cached shape). With padded groups the row counts come
-    from a small set (8 per octave), each compiled once, and each expert runs one GEMM per projection. (Splitting
-    each expert's rows into a multiple of 64 and a remainder instead costs a second, badly shaped GEMM per expert
-    and projection: at E = 64, ~512 rows per expert, bf16, 2 threads, the layer's forward + backward took ~280 ms
-    split and ~210 ms padded to multiples of 64 in ``moetrain bench moe``.) Rounding relative to the count, not to
-    a fixed multiple, bounds the extra work at any batch size: a fixed 64 would make a 3-row expert (decoding,
-    small batches) run 64 rows.
+    Why (docs/performance.md): in bf16 / fp16 PyTorch's CPU GEMM is oneDNN's, which JIT-compiles a kernel for every
+    new shape (~8 ms for a GEMM that then runs in ~1 ms), and per-expert row counts change every step. Padded, the
+    row counts come from a small set, each compiled once, with one GEMM per expert and projection (a multiple of 64
+    plus a remainder would cost a second, badly shaped GEMM: ~280 against ~210 ms at E = 64 in bf16). Rounding
+    relative to the count bounds the extra work at any batch size (a fixed 64 would run a 3-row expert as 64).
 
     A padding row repeats its expert's first token and gets gating weight 0 (the caller scatters the real weights
     into zeros): its pre-activation and outputs are finite whenever the expert's real rows are, its activation
@@ -538,10 +511,9 @@ def _launch(x: torch.Tensor, weights: torch.Tensor, w_in: torch.Tensor, w_out: t
 def fused_experts(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, tokens_per_expert: torch.Tensor,
                   activation: str = "swiglu", *, mode: str = "auto", block_rows: int | None = None,
                   recompute: bool = False) -> torch.Tensor:
-    """Routed experts alone, on rows a dispatcher laid out: the ``fused`` backend's experts with a capacity factor or
-    behind an expert-parallel dispatcher (the same Function as :func:`fused_moe`, each row routed to its own expert
-    with weight 1; same backend signature as :func:`moetrain.moe.experts.loop_experts`, the reference it is tested
-    against in tests/test_perf_experts.py).
+    """Routed experts alone, on rows a dispatcher laid out (a capacity factor, expert parallelism): the Function of
+    :func:`fused_moe`, each row routed to its own expert with weight 1; the backend signature of
+    :func:`moetrain.moe.experts.loop_experts`, the reference it is tested against (tests/test_perf_experts.py).
 
     Args:
         x: [R, D] rows grouped by expert (expert 0's rows first); rows past the last group are ignored (their
@@ -578,11 +550,10 @@ def fused_experts(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, toke
 
 
 class FusedLocalDispatcher(LocalDispatcher):
-    """The layer's single-device dispatcher for a backend with a fused form (``fused``): dropless, :meth:`forward`
-    hands the tokens and their routing to the experts module, whose backend runs dispatch, experts and combine as
-    one autograd Function (:func:`fused_moe`, the CPU fast path; see the module docstring for the measured
-    figures). ``dispatch`` / ``combine`` are :class:`~moetrain.moe.dispatch.LocalDispatcher`'s, for the capacity
-    layouts (the experts then run :func:`fused_experts`).
+    """The layer's single-device dispatcher for a backend with a fused form (``fused``): :meth:`forward` hands the
+    tokens and their routing to the experts module, whose backend runs dispatch, experts and combine as one
+    Function (:func:`fused_moe`); ``dispatch`` / ``combine`` are :class:`~moetrain.moe.dispatch.LocalDispatcher`'s,
+    for the capacity layouts (the experts then run :func:`fused_experts`).
     """
 
     fuses_experts = True

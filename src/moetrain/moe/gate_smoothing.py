@@ -1,26 +1,18 @@
 """Gate-output smoothing: a penalty on the entropy deficit of each token's routing distribution
-(``model.moe.losses.entropy_loss_coeff``).
+(``model.moe.losses.entropy_loss_coeff``; motivation and measured effect: docs/data.md).
 
 Legend: T = tokens, E = experts.
 
-Definition, per MoE layer, over the real tokens t (padding excluded)::
+Per MoE layer, over the real tokens t (padding excluded)::
 
-    p_t      = the token's routing distribution over the E experts (softmax router: its probabilities; sigmoid
-               router: its scores normalised to sum 1)
+    p_t      = the token's routing distribution over the E experts (softmax probabilities, or sigmoid scores
+               normalised to sum 1)
     H(p_t)   = -sum_e p_te log p_te                      (nats; 0 for one-hot, log E for uniform)
     loss     = mean_t (log E - H(p_t)) / log E           (in [0, 1]: 0 = uniform gates, 1 = one-hot gates)
 
-Why: early in training the router's logits grow fast, gates become near one-hot, and tokens then flip between
-experts from step to step as the experts change ("routing fluctuation", Dai et al., 2022, StableMoE, ACL,
-arXiv:2204.08396, who show it harms sample efficiency); every flip changes a token's whole FFN path at once, which
-shows as an oscillating loss. Penalising low-entropy (over-confident) output distributions is the "confidence
-penalty" of Pereyra et al., 2017 ("Regularizing Neural Networks by Penalizing Confident Output Distributions",
-arXiv:1701.06548), here applied to the gate's output instead of the classifier's: it keeps the gates soft, so a
-token's mixture weights move smoothly rather than jumping between experts. It is the per-token counterpart of the
-Switch aux loss (which balances the *batch's* expert shares but lets every single gate be one-hot) and acts on the
-probabilities, unlike the router z-loss (ST-MoE), which bounds the logits' scale. A mean over tokens, so gradient
-accumulation with token weights (train/microbatch_weights.py) is exactly one large batch for it. Measured effect on a
-short run: docs/data.md.
+Sources: the confidence penalty of Pereyra et al., 2017 (arXiv:1701.06548), applied to the gate, against the routing
+fluctuation of StableMoE (Dai et al., 2022, arXiv:2204.08396). A mean over tokens, so token-weighted gradient
+accumulation (train/microbatch_weights.py) is exactly one large batch for it.
 """
 
 from __future__ import annotations

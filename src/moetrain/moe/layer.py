@@ -254,9 +254,8 @@ class MoELayer(nn.Module):
 
 
 def local_dispatcher(num_experts: int, backend: str) -> Dispatcher:
-    """The single-device dispatcher a layer starts with: :class:`~moetrain.moe.fast_moe.FusedLocalDispatcher` for
-    a backend with a fused form (``fused``: dropless dispatch + experts + combine as one Function, run through the
-    experts module), else :class:`~moetrain.moe.dispatch.LocalDispatcher` (the reference)."""
+    """The single-device dispatcher a layer starts with: :class:`~moetrain.moe.fast_moe.FusedLocalDispatcher` for a
+    backend with a fused form (``fused``), else :class:`~moetrain.moe.dispatch.LocalDispatcher` (the reference)."""
     fused = BACKENDS[backend].fused is not None
     return FusedLocalDispatcher(num_experts) if fused else LocalDispatcher(num_experts)
 

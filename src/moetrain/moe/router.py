@@ -54,9 +54,8 @@ def topk_stable(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     """Top-k along the last dim with ties broken by the lowest index.
 
     K rounds of ``max`` over the last dim (which returns the first of equal maxima), each masking its pick, instead
-    of a stable descending sort of all E: the same ids and values, 2-3x faster on CPU (one thread, T = 4096, Intel
-    Xeon with AVX-512, 2026-12-03: E = 8, K = 2: 0.48 -> 0.25 ms; E = 64, K = 8: 7.8 -> 3.4 ms; E = 128, K = 8:
-    17.5 -> 5.6 ms). ``-inf`` scores are ranked as the lowest finite value while picking, so that a masked pick
+    of a stable descending sort of all E: the same ids and values, 2-3x faster on CPU (docs/performance.md). ``-inf``
+    scores are ranked as the lowest finite value while picking, so that a masked pick
     (``-inf``) ranks below every score not yet picked and no id repeats; the returned values are the input's own.
 
     Args:
@@ -81,10 +80,8 @@ def softmax_experts(logits: torch.Tensor) -> torch.Tensor:
 
     On CPU with E < 16 the softmax runs over dim 0 of the transposed view, copied back to a contiguous [T, E] (the
     router may be an FSDP2 unit of its own, which must not return views): PyTorch's last-dim CPU kernel handles a
-    row shorter than one vector register (16 fp32 lanes on AVX-512) lane by lane. Same maths, rounded within an ulp
-    of the last-dim kernel's. Measured forward + backward, one thread, T = 4096, Intel Xeon with AVX-512,
-    2026-12-03: E = 8: 0.87 -> 0.18 ms (0.21 with the copy); at E = 16 the last-dim kernel is faster (0.18 against
-    0.40 ms), so it is kept from 16 experts up and on other devices.
+    row shorter than one vector register lane by lane (E = 8: 0.87 -> 0.21 ms forward + backward, T = 4096; from
+    E = 16 the last-dim kernel is faster). Same maths, rounded within an ulp of the last-dim kernel's.
     """
     if logits.device.type == "cpu" and logits.dim() == 2 and logits.shape[-1] < 16:
         return torch.softmax(logits.t(), dim=0).t().contiguous()

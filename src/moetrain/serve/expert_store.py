@@ -1,29 +1,23 @@
 """Hot/cold experts under a memory budget: hot experts resident, cold ones memory-mapped from a safetensors file and
-paged in on demand through an LRU (``moetrain serve --expert-memory-budget BYTES``).
+paged in on demand through an LRU (``moetrain serve --expert-memory-budget BYTES``; docs/serving.md).
 
 Legend: T = tokens, D = hidden, E = experts, K = top-k, F = expert FFN hidden, R = dispatched rows.
 
-Each (MoE layer, expert) pair is one unit: its ``w_in`` [2F, D] (SwiGLU ``gate_up_proj``, or GELU ``up_proj``
-[F, D]) and ``down_proj`` [D, F] rows. Units are ranked by their share of their layer's assignments
+Each (MoE layer, expert) pair is one unit: its ``w_in`` [2F, D] (or GELU ``up_proj`` [F, D]) and ``down_proj``
+[D, F] rows. Units are ranked by their share of their layer's assignments
 (:class:`~moetrain.serve.expert_usage.ExpertUsage`); the hottest are *pinned* (never evicted) up to ``hot_share``
 of the budget, the rest of the budget is an LRU pool that starts filled with the next hottest. A unit not resident
-when a step needs it is copied from the memory-mapped file (``safetensors.safe_open``: the OS pages the file in and
-out; only our copy counts as resident), after evicting least recently used pool units until it fits.
+when a step needs it is copied from the memory-mapped file (only our copy counts as resident), after evicting least
+recently used pool units until it fits.
 
-A layer's experts are computed one at a time (the resident ones first, then each miss as it arrives), so the
-budget only needs to hold one expert beyond the pinned set, and a layer whose experts do not all fit at once still
-runs. The arithmetic is the reference per-expert loop's (:func:`moetrain.moe.experts.loop_experts`), dispatch and
-combine are the layer's own dispatcher: outputs equal the layer's fused kernel up to float summation order
-(tests/test_serve_experts.py: same greedy tokens, logits within 1e-5).
+The store is the layer's weight provider: the layer's per-expert loop (:func:`moetrain.moe.experts.expert_loop`)
+asks it for one expert at a time, resident ones first, so the budget only needs to hold one expert beyond the
+pinned set. Outputs equal the layer's fused kernel up to float summation order (tests/test_serve_experts.py).
 
-The file: a run directory's single-format checkpoint ``model.safetensors`` is mapped as it is (its expert tensors
-are the [E, ...] weights this model loaded; the store checks each unit against the loaded weights once, at start).
-Otherwise (a Hugging Face directory, whose experts are stored per expert under family names, or a sharded
-checkpoint) the loaded experts are written once to a spill file in our layout and that is mapped.
-
-Memory: after the store is built the model's own expert weights are released (replaced by meta tensors), so the
-steady state holds at most ``budget`` bytes of routed experts. Start-up holds the whole model once (the
-checkpointer verifies and loads every byte before we get it).
+The file: a run directory's single-format ``model.safetensors`` is mapped as it is (checked against the loaded
+weights once, at start); otherwise (a Hugging Face directory, a sharded checkpoint) the loaded experts are written
+once to a spill file in our layout. After the store is built the model's own expert weights are released (meta
+tensors), so the steady state holds at most ``budget`` bytes of routed experts; start-up holds the whole model once.
 """
 
 from __future__ import annotations
@@ -31,13 +25,14 @@ from __future__ import annotations
 import collections
 import os
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from moetrain.errors import MoetrainError
-from moetrain.moe.expert_ops import activate
+from moetrain.moe.experts import expert_loop
 from moetrain.serve.expert_usage import ExpertUsage
 
 Unit = tuple[int, int]  # (transformer block, expert)
@@ -47,6 +42,17 @@ def expert_tensor_names(block: int, activation: str) -> tuple[str, str]:
     """The state-dict names of a block's routed-expert weights: (w_in, w_out)."""
     w_in = "gate_up_proj" if activation == "swiglu" else "up_proj"
     return f"blocks.{block}.ffn.experts.{w_in}", f"blocks.{block}.ffn.experts.down_proj"
+
+
+def release_experts(model, blocks: list[int]) -> None:
+    """Replace the routed-expert weights of ``model``'s MoE ``blocks`` by meta tensors (same shapes and dtypes): the
+    model then runs its experts only through a weight provider."""
+    for b in blocks:
+        ex = model.blocks[b].ffn.experts
+        for name in ("gate_up_proj" if ex.activation == "swiglu" else "up_proj", "down_proj"):
+            p = getattr(ex, name)
+            setattr(ex, name, torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
+                                                 requires_grad=False))
 
 
 def unit_bytes(model) -> int:
@@ -131,12 +137,7 @@ class ExpertStore:
         self.pinned: dict[Unit, tuple[torch.Tensor, torch.Tensor]] = {}
         self.pool: collections.OrderedDict[Unit, tuple[torch.Tensor, torch.Tensor]] = collections.OrderedDict()
         self._warm(usage, hot_share)
-        for b in self.blocks:  # release the model's own expert weights: the store holds what is resident
-            ex = model.blocks[b].ffn.experts
-            for name in ("gate_up_proj" if self.activation == "swiglu" else "up_proj", "down_proj"):
-                p = getattr(ex, name)
-                setattr(ex, name, torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
-                                                     requires_grad=False))
+        release_experts(model, self.blocks)  # the store holds what is resident
         self.measure()
 
     # --- the file ------------------------------------------------------------------------------------------
@@ -236,20 +237,15 @@ class ExpertStore:
     # --- compute -------------------------------------------------------------------------------------------
     def experts_forward(self, layer, rows: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """The routed experts of ``layer`` from the store (its :data:`~moetrain.moe.layer.ExpertProvider`): rows
-        [R, D] grouped by expert, tokens_per_expert [E] int64 -> [R, D] in the store's dtype."""
+        [R, D] grouped by expert, tokens_per_expert [E] int64 -> [R, D] in the store's dtype, by the per-expert loop
+        (:func:`~moetrain.moe.experts.expert_loop`) with the store as its :data:`~moetrain.moe.experts.ExpertWeights`."""
         block = self._layer_blocks[id(layer)]
-        counts = tokens_per_expert.tolist()  # one host sync: which experts this step needs
-        starts = [0]
-        for c in counts:
-            starts.append(starts[-1] + c)
-        out = torch.zeros(rows.shape[0], rows.shape[1], dtype=self.dtype)
-        needed = [e for e, c in enumerate(counts) if c]
-        needed.sort(key=lambda e: not self.is_resident((block, e)))  # hits first: misses may evict them after use
-        for e in needed:
-            w_in, w_out = self.get((block, e))
-            a, b = starts[e], starts[e + 1]
-            out[a:b] = activate(rows[a:b].to(self.dtype) @ w_in.T, self.activation) @ w_out.T
-        return out
+
+        def weights(used: list[int]) -> Iterator[tuple[int, torch.Tensor, torch.Tensor, None, None]]:
+            used = sorted(used, key=lambda e: not self.is_resident((block, e)))  # hits first: misses may evict them
+            return ((e, *self.get((block, e)), None, None) for e in used)  # paged in as the loop reaches each
+
+        return expert_loop(rows, tokens_per_expert, weights, self.activation, self.dtype)
 
     def close(self) -> None:
         """Drop the resident units and delete the spill file (if one was written)."""

@@ -1,35 +1,22 @@
 """Expert placement for expert-parallel serving: which rank holds which experts, with the hottest replicated
-(the idea of DeepSeek's expert-parallel load balancer, EPLB: github.com/deepseek-ai/EPLB, ``eplb.py``).
+(DeepSeek's expert-parallel load balancer, EPLB: github.com/deepseek-ai/EPLB, ``eplb.py``; the steps and outputs:
+docs/serving.md).
 
 Legend: L = MoE layers, E = logical experts, R = redundant experts, P = E + R physical experts, N = EP ranks,
 G = P / N physical experts per rank.
 
-Per layer, from the expert usage (assignments per expert; moetrain/serve/expert_usage.py), as EPLB's global policy
-(one node, no group constraint; ``rebalance_experts_hierarchical`` with one group and one node reduces to it):
+Per layer, from the expert usage (moetrain/serve/expert_usage.py), EPLB's global policy (one node, no groups):
+:func:`replicate` (R replicas, each to the expert with the largest load per replica; a token goes to one of an
+expert's replicas evenly), :func:`pack` (heaviest first onto the least loaded rank with room; physical expert
+``rank * G + slot``, as SGLang), then ours, :func:`refine` (swaps while they lower the larger of two ranks' loads:
+greedy packing alone can lose to the contiguous split on nearly balanced usage). With R = 0 the contiguous split is
+a candidate too, so a placement is never predicted worse than none.
 
-1. replicate: R times, add one replica to the expert with the largest load per replica (``count / replicas``);
-   EPLB's ``replicate_experts``. A token is assumed to go to one of an expert's replicas evenly, so each replica
-   carries ``count / replicas``.
-2. pack: the P replicas, heaviest first, each onto the least loaded rank that still has fewer than G replicas
-   (ties: the lower rank); EPLB's ``balanced_packing``. Physical expert ``rank * G + slot`` is the ``slot``-th
-   replica placed on ``rank``, so rank r holds physical experts ``[r * G, (r + 1) * G)`` as in SGLang.
-3. refine (ours, not in EPLB): swap a replica on the most loaded rank with one elsewhere while that lowers the
-   larger of the two ranks' loads. Greedy packing alone can lose to the plain contiguous split when the usage is
-   already nearly balanced (the 40-step ``tiny`` run: max 21454 against 20826 assignments); the swaps fix that.
-   With R = 0 the contiguous split itself is also a candidate, so the placement is never predicted worse than no
-   placement.
-
-Outputs:
-- SGLang's ``--init-expert-location`` JSON: ``{"physical_to_logical_map": [[...P ids...] x layers]}``, one row per
-  transformer layer (SGLang's ``ExpertLocationMetadata.init_by_mapping``, which takes that one key as keyword
-  argument, so the file holds nothing else; rows of layers without experts hold the trivial map ``p % E``).
-  SGLang requires P divisible by its EP size.
-- our own format (:func:`placement_dict`, read by :func:`load_placement`): per MoE block the same map plus the
-  rank of each physical expert, replicas per logical expert and the predicted load per rank before and after.
-
-Predicted load: the usage's assignments per rank, before = the contiguous split without replicas (rank r holds
-experts ``[r * E / N, (r + 1) * E / N)``, how the expert-parallel dispatcher shards), after = this placement; the
-figure of merit is max / mean over ranks (1.0 = perfectly balanced).
+Outputs: SGLang's ``--init-expert-location`` JSON (:func:`sglang_json`: ``{"physical_to_logical_map": [...]}``, one
+row per transformer layer, the trivial map ``p % E`` for layers without experts) and our own file
+(:func:`placement_dict`, read by :func:`load_placement`). Predicted load: the usage's assignments per rank, before =
+the contiguous split without replicas (how the expert-parallel dispatcher shards), after = this placement; the
+figure of merit is max / mean over ranks (1.0 = balanced).
 """
 
 from __future__ import annotations
@@ -177,8 +164,7 @@ def sglang_json(layers: list[LayerPlacement], blocks: list[int], n_layers: int, 
     """SGLang's ``--init-expert-location`` dict: ``physical_to_logical_map`` [n_layers, P], MoE blocks' rows from
     ``layers``, other rows trivial (``p % E``)."""
     p = len(layers[0].physical_to_logical)
-    rows = [list(range(p)) for _ in range(n_layers)]
-    rows = [[x % num_experts for x in r] for r in rows]
+    rows = [[x % num_experts for x in range(p)] for _ in range(n_layers)]
     for b, lp in zip(blocks, layers):
         rows[b] = list(lp.physical_to_logical)
     return {"physical_to_logical_map": rows}

@@ -1,33 +1,29 @@
-"""int8 weight-only routed experts for the CPU serving path (``moetrain serve --int8-experts``).
+"""int8 weight-only routed experts for the CPU serving path (``moetrain serve --int8-experts``; docs/serving.md).
 
 Legend: E = experts, D = hidden, F = expert FFN hidden, O = a weight's output rows, I = its inputs, R = dispatched
-rows, n_e = rows of expert e.
+rows.
 
-Each routed expert's two weights, ``w_in`` [2F, D] (SwiGLU ``gate_up_proj``; GELU ``up_proj`` [F, D]) and
-``down_proj`` [D, F], are stored as int8 with one fp32 scale per output row: ``scale[o] = max_i |w[o, i]| / 127``,
-``q = round(w / scale)`` (symmetric, round to nearest, in [-127, 127]; an all-zero row gets scale 1 and q = 0).
-Memory: 1 byte per weight plus 4 bytes per output row, about 0.26 of fp32.
+Each routed expert's ``w_in`` [2F, D] (or GELU ``up_proj`` [F, D]) and ``down_proj`` [D, F] are stored as int8 with
+one fp32 scale per output row: ``scale[o] = max_i |w[o, i]| / 127``, ``q = round(w / scale)`` (symmetric, in
+[-127, 127]; an all-zero row gets scale 1). Memory: about 0.26 of fp32.
 
-Dequantise on use: a step dispatches its rows with the layer's own dispatcher and computes each expert that got
-rows as ``y = (x @ q^T) * scale`` (the int8 values converted to fp32 for the matmul, one expert at a time, so at
-most one expert's fp32 copy exists at once; the per-row scale is applied to the matmul's output columns, which
-is the same product as ``x @ (q * scale)^T``), then combines with the dispatcher. There is no int8 GEMM on this
-path: it saves memory, not time. Shared experts and dense FFNs stay fp32.
-
-Quality (:func:`moetrain.serve.quality.int8_experts_report`): routing agreement, the share of (token, MoE layer)
-pairs whose top-k set is unchanged when the whole model runs with the dequantised experts (the first MoE layer
-always agrees: only the layers after an int8 expert see changed hidden states), and the validation loss change.
+Dequantise on use: these weights are the layer's weight provider; its per-expert loop
+(:func:`moetrain.moe.experts.expert_loop`) converts one expert's int8 values at a time to the layer's dtype and
+applies the scale to the matmul's output columns (``(x @ q^T) * scale``, the product ``x @ (q * scale)^T`` without a
+pass over the weight). No int8 GEMM: it saves memory, not time. Shared experts and dense FFNs stay as they are.
+Quality: :func:`moetrain.serve.quality.int8_experts_report`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from moetrain.errors import MoetrainError
-from moetrain.moe.expert_ops import activate
+from moetrain.moe.experts import expert_loop
 
 
 @dataclass(frozen=True)
@@ -70,6 +66,7 @@ class Int8Experts:
             raise MoetrainError("--int8-experts: the model has no MoE layers")
         self.model, self.blocks = model, blocks
         self.activation = model.blocks[blocks[0]].ffn.experts.activation
+        self.dtype = model.blocks[blocks[0]].ffn.experts.down_proj.dtype  # the compute dtype
         self.weights: dict[int, tuple[Int8Weight, Int8Weight]] = {}
         self._layer_blocks = {id(model.blocks[b].ffn): b for b in blocks}
         self.fp32_bytes = 0
@@ -85,24 +82,18 @@ class Int8Experts:
     def release_fp32(self) -> None:
         """Replace the model's own routed-expert weights by meta tensors (only the int8 copies stay resident); the
         model then runs only through :meth:`experts_forward`."""
-        for b in self.blocks:
-            ex = self.model.blocks[b].ffn.experts
-            for name in ("gate_up_proj" if self.activation == "swiglu" else "up_proj", "down_proj"):
-                p = getattr(ex, name)
-                setattr(ex, name, torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
-                                                     requires_grad=False))
+        from moetrain.serve.expert_store import release_experts
+
+        release_experts(self.model, self.blocks)
 
     def experts_forward(self, layer, rows: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """The routed experts of ``layer`` from their int8 weights (its
         :data:`~moetrain.moe.layer.ExpertProvider`): rows [R, D] grouped by expert, tokens_per_expert [E] int64 ->
-        [R, D] fp32."""
+        [R, D] in the model's expert dtype, by the per-expert loop (:func:`~moetrain.moe.experts.expert_loop`) with
+        these weights as its :data:`~moetrain.moe.experts.ExpertWeights` (each expert's int8 values and scales)."""
         w_in, w_out = self.weights[self._layer_blocks[id(layer)]]
-        out = torch.zeros(rows.shape[0], rows.shape[1], dtype=torch.float32)
-        start = 0
-        for e, n in enumerate(tokens_per_expert.tolist()):  # one host sync
-            if n:
-                x = rows[start:start + n].float()  # [n_e, D]
-                h = (x @ w_in.q[e].float().T) * w_in.scale[e]  # [n_e, 2F]
-                out[start:start + n] = (activate(h, self.activation) @ w_out.q[e].float().T) * w_out.scale[e]
-            start += n
-        return out
+
+        def weights(used: list[int]) -> Iterator[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+            return ((e, w_in.q[e], w_out.q[e], w_in.scale[e], w_out.scale[e]) for e in used)
+
+        return expert_loop(rows, tokens_per_expert, weights, self.activation, self.dtype)

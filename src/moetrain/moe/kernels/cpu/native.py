@@ -1,36 +1,23 @@
-"""Native CPU kernels for the elementwise work of the fused MoE path (moe/fast_moe.py): the SwiGLU activation, its
-gating-weight scaling, its backward and the gating weight's gradient, each as one pass over a block's rows; and the
-combine (the sum of each token's K expert-output rows) as one pass over the tokens.
+"""Native CPU kernels for the elementwise work of the fused MoE path (moe/fast_moe.py): the SwiGLU activation with
+its gating-weight scaling, its backward with the gating weight's gradient, each one pass over a block's rows; the
+combine (the sum of each token's K expert-output rows) as one pass over the tokens; the dropless layout as one
+counting sort. Why and what it saves (3 and 9 PyTorch ops replaced, 6-12% of the layer): docs/performance.md.
 
 Legend: n = rows of one block, F = expert FFN hidden, h = [gate | up] pre-activation [n, 2F], T = tokens,
 K = top-k, N = T * K rows, D = hidden.
 
-Why: in eager PyTorch the block's activation forward is 3 ops and its backward 9 (silu, products, a row sum,
-``silu_backward``), each a full pass over [n, F] arrays, with bf16 converted to fp32 and back in every one. One
-pass each, measured on a 2-core Sapphire Rapids, single thread, n = 1024, F = 512: backward 3.7-4.0 ms -> 0.56 ms
-(fp32) and 3.7 ms -> 1.1 ms (bf16); forward 0.66 -> 0.39 ms. With the combine (:func:`sum_k`) too, a whole
-layer's forward + backward, 2 threads, median of 10-12 interleaved rounds: E = 64, K = 8, D = 512, F = 256 fp32
-530 -> 478 ms and bf16 240 -> 210 ms; E = 8, K = 2, D = 512, F = 1024 fp32 434 -> 406 ms.
+``native.c`` beside this file is built on first use with the system C compiler (``$CC``, else ``cc``, ``gcc`` or
+``clang``; ``-O3 -march=native``, retried without) and loaded with :mod:`ctypes`, which releases the GIL, so the CPU
+workers (moe/kernels/cpu/workers.py) run the kernels in parallel. The library is cached in ``kernels/`` under
+``$MOETRAIN_CACHE`` (else ``~/.cache/moetrain``; if not writable, a private ``moetrain-<uid>`` in the temporary
+directory), named by a hash of the source, compiler, flags and CPU, renamed into place once whole and loaded only if
+its SHA-256 matches the one written beside it (loading a truncated library kills the process). Without a compiler,
+or if the build fails, :func:`available` is ``False``, one warning says why, and the callers run the same maths as
+PyTorch ops. ``MOETRAIN_CPU_KERNELS=0`` turns the kernels off.
 
-What: ``native.c`` beside this file, plain C with GCC / Clang vector extensions, built on first use with the
-system C compiler (``$CC``, else ``cc``, ``gcc`` or ``clang``; ``-O3 -march=native``, retried without
-``-march=native``) and loaded with :mod:`ctypes`. ctypes releases the GIL during the call, so the CPU workers
-(moe/kernels/cpu/workers.py) run these kernels in parallel. (``torch.compile`` generates equally fused C++, but its
-kernels hold the GIL, which serialised the two workers: no faster end to end, measured.)
-
-The library is cached in ``kernels/`` under ``$MOETRAIN_CACHE`` (else ``~/.cache/moetrain``; if that is not
-writable, a private ``moetrain-<uid>`` in the temporary directory), named by a hash of the source, the compiler
-(``$CC`` may carry arguments), its flags and the CPU; it is written to a temporary file and renamed into place, so
-concurrent processes never load a partial library, and loaded only if its SHA-256 matches the one written beside it
-(a damaged one is built anew: loading a truncated library kills the process). Without a compiler, or if the build
-fails, :func:`available` is ``False``, one warning says why, and moe/fast_moe.py runs the same maths as PyTorch
-ops. ``MOETRAIN_CPU_KERNELS=0`` turns the kernels off.
-
-Numerics (the C file's header has the formulas): fp32 arithmetic throughout; bf16 inputs are widened exactly and
-each output is rounded once (the eager ops round after every op); ``exp`` is Cephes' ``expf`` polynomial, NaN
-propagated. tests/test_cpu_kernels.py checks both kernels against an fp64 PyTorch reference (fp32: within 1e-6
-relative; bf16: within half a bf16 ulp), silu over [-120, 120] and at infinities, NaN and the float extremes, and
-the fused layer with and without the kernels.
+Numerics (the C file's header has the formulas): fp32 arithmetic throughout; bf16 inputs widened exactly, each
+output rounded once; ``exp`` is Cephes' ``expf`` polynomial, NaN propagated (tests/test_cpu_kernels.py: against an
+fp64 reference, within 1e-6 relative in fp32 and half a bf16 ulp in bf16).
 """
 
 from __future__ import annotations

@@ -1,30 +1,20 @@
 """Independent pieces of CPU work on single-threaded workers, one per intra-op thread (expert-level parallelism).
 
-Why: the fused MoE path (moe/fast_moe.py) runs one GEMM per expert and a few elementwise ops per block of experts.
-Each such op, run with PyTorch's intra-op threads, splits its own small problem across the cores and joins them
-at a barrier; at E = 64 (about 512 rows per expert) a bf16 GEMM then reaches ~65% of the rate of one large GEMM on
-2 cores, and every barrier waits for the slowest core. Giving each core whole blocks of experts instead (each
-worker single-threaded, no barrier until the end) measured on a 2-core Sapphire Rapids: E = 64, k = 8 forward +
-backward 1.95x -> 1.36x the dense-limit time in bf16 and 1.16x -> 1.05x in fp32; E = 8 unchanged.
+Why (measured in docs/performance.md): the fused MoE path (moe/fast_moe.py) runs one GEMM per expert; each such op
+run with PyTorch's intra-op threads splits its small problem across the cores and waits at a barrier for the
+slowest. Giving each core whole blocks of experts instead, single-threaded with no barrier until the end, made the
+layer up to 1.4x faster at E = 64.
 
 Results do not depend on the scheduling: every item (a block of experts) writes its own rows and its own experts'
-weight gradients, with single-threaded kernels. The calling thread is one of the workers; the others come from a
-process-wide thread pool (rebuilt after a fork). While they run, PyTorch's intra-op thread count is 1 (it is
-process-wide state), then restored. Gradient tracking is off in every worker, and each runs under the caller's
-``torch.inference_mode`` state: that state is thread-local, and a worker outside it may not write a buffer the
-caller allocated inside it (an inference tensor: PyTorch raises "Inplace update to inference tensor outside
-InferenceMode").
+weight gradients. The calling thread is one of the workers. While they run, PyTorch's intra-op thread count is 1
+(process-wide state), then restored. Each worker runs without gradient tracking, under the caller's
+``torch.inference_mode`` state (thread-local: a worker outside it may not write a buffer allocated inside it).
 
-**The workers are PyTorch's own OpenMP threads** where PyTorch runs its intra-op work on an OpenMP runtime that this
-module can find (Linux; GNU libgomp in the PyTorch wheels, whose ``GOMP_parallel`` Intel's and LLVM's runtimes also
-provide): the items run inside one OpenMP parallel region, started through ``ctypes`` with a Python callback per
-thread. Why: after each parallel op (an attention GEMM, the LM head) libgomp's idle threads spin for a while before
-they sleep (``GOMP_SPINCOUNT``), so a separate pool thread shared its core with a spinning OpenMP thread. Measured on a
-2-core Sapphire Rapids, ``cpu-small``'s MoE layer (T = 4,096, D = 64, E = 8, K = 2, F = 128, fp32, 2 threads) between
-dense ops: forward + backward 15.9 -> 13.2 ms, the training step 168 -> 157 ms against the dense twin's 130 ms
-(``OMP_WAIT_POLICY=PASSIVE`` freed the cores too but slowed every other op: both steps lost 15-30%). Inside the
-region every PyTorch op runs single-threaded (ATen, MKL and oneDNN run nested work inline). ``MOETRAIN_OMP_TEAM=0``
-uses the thread pool instead, and so does a forked child (libgomp's threads do not survive a fork).
+The workers are PyTorch's own OpenMP threads where PyTorch runs on an OpenMP runtime this module can find (Linux,
+``GOMP_parallel``, which libgomp, Intel's and LLVM's runtimes provide): one parallel region started through
+``ctypes`` with a Python callback per thread, because a separate pool thread would share its core with an OpenMP
+thread still spinning after the previous op. Otherwise (``MOETRAIN_OMP_TEAM=0``, a forked child: libgomp's threads
+do not survive a fork) a thread pool of this module's own.
 """
 
 from __future__ import annotations
@@ -121,11 +111,8 @@ def run_largest_first(fn: Callable[[T], None], items: Sequence[T], sizes: Sequen
     first exception (the other workers stop at their next item), also an interrupt of the wait, and only once every
     worker has stopped (they write into the caller's buffers).
 
-    Why a queue rather than a fixed split: the cores of a shared machine do not run at the same speed from moment
-    to moment, and experts' row counts differ; a worker that falls behind takes fewer items instead of holding up
-    the others at the end. Measured in a (hidden-256) cpu-small fp32 training step (E = 8, 2 threads;
-    torch.profiler self time of the fused Function, i.e. the calling thread waiting for the other worker): ~110 ms
-    per step with a fixed, row-balanced split of blocks, ~50 ms with this queue and smaller blocks.
+    A queue rather than a fixed split: a worker that falls behind (a shared core, a busy expert) takes fewer items
+    instead of holding up the others (cpu-small fp32 step, 2 threads: ~110 ms waiting with a fixed split, ~50 ms).
     """
     order = sorted(range(len(items)), key=lambda i: -sizes[i])
     threads = torch.get_num_threads()

@@ -1,20 +1,13 @@
 """Scratch memory kept between calls (CPU) for the fused MoE path and the fused LM-head loss (model/fused_ce.py):
-buffers live only inside one call.
+buffers that live only inside one call (never anything saved for backward or returned).
 
-Why: PyTorch's CPU allocator is the C library's ``malloc``. glibc serves every block above its mmap threshold
-(at most 32 MiB, 128 KiB to start with) with fresh pages and unmaps them on free, so each call's multi-MiB
-temporaries are faulted in again, page by page, on first touch. Measured on this project's 2-core VM at E = 64,
-K = 8, D = 512, F = 256, T = 4096 in bf16: ~17k page faults per forward at ~2.5 us each, about a third of the
-forward's time. Each buffer is also backed by 2 MiB pages where the system allows (moe/kernels/cpu/hugepages.py).
-CUDA's caching allocator avoids the same cost on GPUs; this module does it for the few large buffers whose
-lifetime is one call (moe/fast_moe.py: scratch, the [N, D] expert outputs before the combine, the [N, D]
-input-gradient rows; model/fused_ce.py: one chunk's [c, V] logits): never for anything saved for backward or
-returned.
+Why: glibc serves large blocks with fresh pages and unmaps them on free, so each call's multi-MiB temporaries were
+faulted in again page by page (about a third of a bf16 forward at E = 64, K = 8). Off the CPU the device's caching
+allocator does this already.
 
-A buffer is private to a (thread, name, dtype, device); the fused path's workers are threads with their own names,
-so no two users ever share one. A buffer only grows (to the largest size asked for) and is held until
-:func:`clear`; :func:`held_bytes` says how much is held. Benchmarks that count peak memory clear it first, so that
-the buffers are counted as allocations inside the measured call (moetrain/bench/common.py).
+A buffer is private to a (thread, name, dtype, device), so the fused path's workers never share one; it only grows
+and is held until :func:`clear` (:func:`held_bytes` says how much). Benchmarks that count peak memory clear it
+first (moetrain/bench/common.py).
 """
 
 from __future__ import annotations
