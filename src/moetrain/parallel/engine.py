@@ -2,9 +2,9 @@
 expert slicing and dispatchers, activation checkpointing (:mod:`.ac`), FSDP2 (:mod:`.fsdp`), pipeline stages
 (:mod:`.pipeline_runner`); the interface of :class:`~.launch.ParallelHooks`, the one-process hooks.
 
-- gradients are reduced by FSDP2 during backward (reduce-scattered over the shards, all-reduced over the
-  replicas: plain data parallelism is ``dp_replicate`` with one shard); ``sync_grads`` only clips
-  (:func:`.fsdp.clip_grad_norm`);
+- gradients are reduced during backward: by FSDP2 (reduce-scattered over the shards, all-reduced over the
+  replicas), or with one shard per replica and no pipeline (plain data parallelism) by ``replicate`` over the
+  replicas (:func:`.fsdp.apply_replicate`); ``sync_grads`` only clips (:func:`.fsdp.clip_grad_norm`);
 - counts and losses are reduced over the data-parallel ranks of a pipeline stage (``stage_group``), not the world:
   the stages hold different layers;
 - a rank reads rows ``[d * B / D, (d + 1) * B / D)`` of each global micro-batch, d its data-parallel index within
@@ -17,13 +17,12 @@ import dataclasses
 from contextlib import contextmanager
 from dataclasses import dataclass
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from moetrain.errors import ConfigError
@@ -31,7 +30,7 @@ from moetrain.parallel import ac as activation_checkpointing, rendezvous
 from moetrain.parallel.comm import CollectiveError, collective_error, named_collective
 from moetrain.parallel.config import ParallelConfig
 from moetrain.parallel.dcp import ShardLayout
-from moetrain.parallel.fsdp import apply_fsdp, clip_grad_norm, init_root, local_bytes
+from moetrain.parallel.fsdp import apply_fsdp, apply_replicate, clip_grad_norm, init_root, local_bytes
 from moetrain.parallel.launch import ParallelHooks, parallelize
 from moetrain.parallel.layout import Layout, LayoutMesh, build_layout_mesh
 from moetrain.parallel.mesh import nccl_error_handling
@@ -121,6 +120,12 @@ def fsdp_collectives(name: str, group: dist.ProcessGroup | None = None) -> Itera
         raise collective_error(name, group, cause) from e
 
 
+class _GradientSync(Protocol):
+    """A module under ``replicate`` (or FSDP2): its gradient reduction can be turned off for a backward."""
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None: ...
+
+
 class ShardedHooks(ParallelHooks):
     """One rank of an FSDP2 (and EP) job.
 
@@ -162,19 +167,30 @@ class ShardedHooks(ParallelHooks):
             return self.runner.local
         self.plan = parallelize(model, lm.ep_mesh, self.dispatcher, self.stats)
         activation_checkpointing.apply(model, self.parallel.activation_checkpoint)
-        apply_fsdp(model, lm, self.dtype, self.parallel.reshard_after_forward, self.parallel.cpu_offload)
-        if any(p.is_meta for p in model.parameters()):  # built by meta_init.build_meta: this rank's shards only
-            materialise(model, cast("ModelConfig", model.config), lm.device, self.seed, self.plan)
-        init_root(model)
+        if self.replicas_only:
+            if any(p.is_meta for p in model.parameters()):
+                materialise(model, cast("ModelConfig", model.config), lm.device, self.seed, self.plan)
+            apply_replicate(model, lm, self.parallel.cpu_offload)
+            how = "replicate (plain data parallel: gradients all-reduced in buckets during backward)"
+        else:
+            apply_fsdp(model, lm, self.dtype, self.parallel.reshard_after_forward, self.parallel.cpu_offload)
+            if any(p.is_meta for p in model.parameters()):  # built by meta_init.build_meta: this rank's shards only
+                materialise(model, cast("ModelConfig", model.config), lm.device, self.seed, self.plan)
+            init_root(model)
+            how = "FSDP2 " + ("ZeRO-3" if self.parallel.reshard_after_forward else "ZeRO-2")
         self.model = model
         if log is not None:
             held = local_bytes(model)["params"]
-            zero = "ZeRO-3" if self.parallel.reshard_after_forward else "ZeRO-2"
-            if lm.layout.dp_shard * lm.layout.ep == 1:
-                zero = "replicas only (plain data parallel: one unit, gradients all-reduced in backward)"
-            log(f"parallel: {lm.layout.describe()}; FSDP2 {zero}, activation checkpointing "
+            log(f"parallel: {lm.layout.describe()}; {how}, activation checkpointing "
                 f"{self.parallel.activation_checkpoint}; rank 0 holds {held / 1e6:.2f} MB of parameters")
         return model
+
+    @property
+    def replicas_only(self) -> bool:
+        """Plain data parallelism: one shard per replica (``dp_shard * ep == 1``) and no pipeline; the model is
+        whole on every rank (:func:`~moetrain.parallel.fsdp.apply_replicate`)."""
+        layout = self.layout_mesh.layout
+        return layout.dp_shard * layout.ep == 1 and layout.pp == 1
 
     def local_batch(self, next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]]
                     ) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
@@ -243,14 +259,13 @@ class ShardedHooks(ParallelHooks):
                 "grad_sync": self.grad_sync}
 
     def grad_sync(self, last: bool) -> None:
-        """Before each micro-batch of a step: with one shard per replica (plain data parallelism) FSDP2 all-reduces
-        the gradients in the last micro-batch's backward only (``set_requires_gradient_sync``; the earlier ones
-        accumulate locally, as DDP's ``no_sync``), so a step costs one all-reduce whatever ``train.grad_accum``.
-        Sharded layouts keep reducing every micro-batch: an unreduced gradient would be the whole, unsharded one."""
-        lm = self.layout_mesh
-        if lm.layout.dp_shard * lm.layout.ep == 1:
+        """Before each micro-batch of a step: plain data parallelism all-reduces the gradients in the last
+        micro-batch's backward only (``replicate``'s ``set_requires_gradient_sync``, DDP's ``no_sync``; the earlier
+        ones accumulate locally), so a step costs one reduction whatever ``train.grad_accum``. Sharded layouts keep
+        reducing every micro-batch: an unreduced gradient would be the whole, unsharded one."""
+        if self.replicas_only:
             assert self.model is not None, "grad_sync before prepare_model"
-            cast(FSDPModule, self.model).set_requires_gradient_sync(last)
+            cast(_GradientSync, self.model).set_requires_gradient_sync(last)
 
     def sync_grads(self, max_norm: float) -> torch.Tensor:
         """FSDP2 reduced the gradients during backward; clip them by the global norm and return it."""

@@ -109,6 +109,8 @@ class LayoutMesh:
             split over ep, then each slice over dp_shard (how a checkpoint sees the global [E, ...] tensor).
         embed_group: the first and the last rank of this rank's pipeline (Megatron-Core's embedding group: a tied
             embedding's gradient is summed over it); ``None`` without pipelining or on a middle stage's rank.
+        replicate_mesh: ``("dp_replicate",)`` mesh of the R replicas of this rank's shard (plain data parallelism's
+            ``replicate``, :func:`moetrain.parallel.fsdp.apply_replicate`).
     """
 
     layout: Layout
@@ -123,6 +125,7 @@ class LayoutMesh:
     pp_ranks: list[int] = field(default_factory=list)
     expert_global_mesh: DeviceMesh | None = None
     embed_group: dist.ProcessGroup | None = None
+    replicate_mesh: DeviceMesh | None = None
 
     @property
     def distributed(self) -> bool:
@@ -209,6 +212,7 @@ def build_layout_mesh(layout: Layout, timeout_s: float, device: torch.device) ->
     ep_mesh = ParallelMesh(world_size=world, rank=rank, ep=layout.ep, ep_rank=x,
                            dp=layout.dp_replicate * layout.dp_shard, dp_rank=r * layout.dp_shard + s,
                            device=device, mesh=dense, ep_group=ep_group, dp_group=edp_group)
+    replicas = _mesh([rep_group], stage[:, s, x], ("dp_replicate",), dtype)
     return LayoutMesh(layout, rank, (p, r, s, x), device, ep_mesh, dense, expert, stage_group, pp_group, pp_ranks,
-                      expert_global, embed_group)
+                      expert_global, embed_group, replicas)
 
