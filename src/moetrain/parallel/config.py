@@ -31,7 +31,7 @@ class ParallelConfig:
             collective (``init_process_group(timeout=...)`` and every sub-group's; honoured by gloo, and by NCCL's
             watchdog, which moetrain sets to raise in the training thread instead of tearing the process down:
             ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` unless the environment sets it, see
-            :func:`moetrain.parallel.mesh.nccl_error_handling`).
+            :func:`moetrain.parallel.layout.nccl_error_handling`).
         backend: ``auto`` (NCCL on CUDA, gloo on CPU), ``gloo`` or ``nccl``.
         pp: pipeline-parallel size (stages of the block stack, ``torch.distributed.pipelining``).
         dp_shard: FSDP2 sharding degree: non-expert parameters, gradients and AdamW state are sharded over the

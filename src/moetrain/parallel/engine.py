@@ -26,14 +26,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from moetrain.errors import ConfigError
-from moetrain.parallel import ac as activation_checkpointing, rendezvous
+from moetrain.parallel import ac as activation_checkpointing
 from moetrain.parallel.comm import CollectiveError, collective_error, named_collective
 from moetrain.parallel.config import ParallelConfig
 from moetrain.parallel.dcp import ShardLayout
 from moetrain.parallel.fsdp import apply_fsdp, apply_replicate, clip_grad_norm, init_root, local_bytes
 from moetrain.parallel.launch import ParallelHooks, parallelize
-from moetrain.parallel.layout import Layout, LayoutMesh, build_layout_mesh
-from moetrain.parallel.mesh import nccl_error_handling
+from moetrain.parallel.layout import Layout, LayoutMesh, init_layout_mesh
 from moetrain.parallel.meta_init import build_meta, materialise
 from moetrain.parallel.pipeline_runner import PipelineRunner
 
@@ -316,38 +315,21 @@ class ShardedHooks(ParallelHooks):
 
 
 def start_sharded(config: Config, device_type: str) -> ShardedHooks:
-    """Join the ``torchrun`` job (or stay one process) and build the FSDP2 engine's mesh; the mesh line is
+    """Join the ``torchrun`` job and build the engine's mesh (:func:`~.layout.init_layout_mesh`); the mesh line is
     rank 0's, once (:meth:`ShardedHooks.prepare_model`'s log).
 
     Raises:
-        ConfigError: the world size does not fit ``pp * dp_replicate * dp_shard * ep``, NCCL on a CPU run.
+        ConfigError: the world size does not fit ``pp * dp_replicate * dp_shard * ep``, NCCL on a CPU run, or one
+            process (the message says how to launch with ``torchrun``).
     """
-    import datetime
     import os
 
     p = config.parallel
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    layout = Layout.from_config(p, world)
-    backend = p.backend if p.backend != "auto" else ("nccl" if device_type == "cuda" else "gloo")
-    if backend == "nccl" and device_type != "cuda":
-        raise ConfigError("parallel.backend: 'nccl' needs train.device=cuda; use 'gloo' (or 'auto') on CPU")
-    device = torch.device("cpu")
-    if device_type == "cuda":
-        device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}")
-        torch.cuda.set_device(device)
-    if world == 1:
+    layout = Layout.from_config(p, int(os.environ.get("WORLD_SIZE", "1")))
+    if layout.world == 1:
         raise ConfigError(f"parallel: pp={p.pp}, dp_shard={p.dp_shard} need {layout.world} processes; launch with "
                           f"`torchrun --nproc_per_node {layout.world} -m moetrain train ...`")
-    owns = False
-    if not dist.is_initialized():
-        nccl_error_handling(backend)  # NCCL's watchdog raises in this thread instead of tearing the process down
-        with named_collective("init_process_group (rendezvous at MASTER_ADDR:MASTER_PORT)"):
-            # The time-out of every collective (gloo's, and NCCL's watchdog); sub-groups get it in build_layout_mesh.
-            timeout = datetime.timedelta(seconds=p.timeout_s)
-            dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None,
-                                    **rendezvous.init_kwargs(timeout))
-        owns = True
-    mesh = build_layout_mesh(layout, p.timeout_s, device)  # the mesh line is prepare_model's log (rank 0's)
+    mesh, owns = init_layout_mesh(p, device_type)
     micro = (config.train.batch_size // layout.data_parallel, config.data.seq_len)
     return ShardedHooks(mesh, p, config.train.dtype, config.train.seed, owns_group=owns,
                         grad_accum=config.train.grad_accum, micro_shape=micro)
