@@ -12,6 +12,7 @@ from moetrain.parallel.config import ParallelConfig
 from moetrain.parallel import ac
 from moetrain.parallel.engine import ShardedHooks
 from moetrain.parallel.launch import start
+from moetrain.parallel.meta_init import build_meta
 from moetrain.parallel.layout import Layout, build_layout_mesh, init_layout_mesh
 
 
@@ -54,12 +55,19 @@ def _checks_worker(rank: int, world: int, out_dir) -> dict:
         hooks.local_batch(lambda: (torch.zeros(3, 4), torch.zeros(3, 4)))()
     except ConfigError as e:
         out["batch"] = str(e)
+    plain = ParallelConfig(cpu_offload=True)  # 2 replicas: replicate, which has no shards to offload
+    hooks = ShardedHooks(build_layout_mesh(Layout.from_config(plain, world), 30, torch.device("cpu")), plain)
+    try:
+        hooks.prepare_model(build_meta(build_config("tiny").model))
+    except ConfigError as e:
+        out["offload"] = str(e)
     return out
 
 
 def test_world_size_and_batch_checks(tmp_path):
     for r in spawn(_checks_worker, 2, tmp_path):
         assert r["mesh"].startswith("parallel: world size 2") and "* 1 * 4; change parallel" in r["mesh"], r
+        assert r["offload"].startswith("parallel.cpu_offload: ") and "set it to false" in r["offload"], r
         assert r["batch"].startswith("train.batch_size: 3 sequences") and "over the 2 data-parallel ranks" in r["batch"], r
 
 

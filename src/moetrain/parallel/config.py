@@ -43,7 +43,8 @@ class ParallelConfig:
         reshard_after_forward: FSDP2 ZeRO-3 (``True``: parameters freed after forward and all-gathered again in
             backward) or ZeRO-2 (``False``: only gradients and optimizer state stay sharded).
         cpu_offload: FSDP2 ``CPUOffloadPolicy`` (parameters, gradients and optimizer state in host memory; needs
-            CUDA: on a CPU run the parameters are already in host memory).
+            CUDA: on a CPU run the parameters are already in host memory; refused for plain data parallelism,
+            which has no shards).
         activation_checkpoint: ``none``, ``full`` (every block recomputed in backward) or ``selective`` (each
             block's attention branch and routed experts recomputed; router, norms and dispatch kept).
         pp_schedule: ``1f1b``, ``interleaved_1f1b`` (needs ``pp_stages_per_rank >= 2``), ``gpipe``, or the

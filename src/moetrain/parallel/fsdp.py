@@ -5,8 +5,9 @@ Legend: E = experts, X = ep, S = dp_shard, R = dp_replicate.
 
 Units, innermost first (each ``fully_shard`` call is one all-gather / reduce-scatter unit):
 
-- the routed experts of each MoE block, already sliced to this rank's E / X experts (:mod:`.sharding`), sharded
-  over the expert mesh (the S ranks holding the same experts, replicated over R). Their reduce-scatter divides by
+- the routed experts of each MoE block, already sliced to this rank's E / X experts
+  (:func:`.layout.shard_experts`), sharded over the expert mesh (the S ranks holding the same experts, replicated
+  over R). Their reduce-scatter divides by
   all R * S * X data-parallel ranks of the stage, not the R * S of its mesh: every rank's loss is the mean over its
   own rows, and an expert's gradient already sums the contributions of the X ranks of its EP group
   (torchtitan sets the same ``gradient_divide_factor``);
@@ -91,10 +92,11 @@ def apply_fsdp(model: nn.Module, mesh: LayoutMesh, dtype: str = "fp32", reshard_
                     shard_placement_fn=placement)
 
     dense, ep, expert_units = mesh.dense_mesh, mesh.layout.ep, set()
-    # Plain data parallelism (one shard per replica): nothing is gathered, so per-block units would only split the
-    # gradient all-reduce into many small ones (measured 0.58x the tokens/s of one all-reduce on the tiny model,
-    # 2 gloo ranks): one unit of every module (its hooks on each, so the routing pre-pass, which skips the root's
-    # forward, still finds the weights), the routers apart for their fp32 policy under bf16.
+    # One shard per replica (a pipeline stage without sharding; without a pipeline that is apply_replicate):
+    # nothing is gathered, so per-block units would only split the gradient all-reduce into many small ones
+    # (measured 0.58x the tokens/s of one all-reduce on the tiny model, 2 gloo ranks): one unit of every module (its
+    # hooks on each, so the routing pre-pass, which skips the root's forward, still finds the weights), the routers
+    # apart for their fp32 policy under bf16.
     replicate_only = mesh.layout.dp_shard * ep == 1
     for block in stage_blocks(model):
         placement = None

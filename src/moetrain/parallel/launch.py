@@ -95,12 +95,13 @@ class NullMetrics:
 
 
 class ParallelHooks:
-    """The trainer's view of one rank of a DP x EP job (see the module docstring); for a single process
-    (:meth:`local`) every hook is the identity and checkpoints keep the single-file format, but a sharded
-    checkpoint can still be loaded (resharded to one process).
+    """The trainer's view of one rank (see the module docstring): for a single process
+    (``ParallelHooks(single_process(device))``) every hook is the identity and checkpoints keep the single-file
+    format, but a sharded checkpoint can still be loaded (resharded to one process); the base of the engine's
+    :class:`~moetrain.parallel.engine.ShardedHooks`.
 
     Args:
-        mesh: this rank's mesh position.
+        mesh: this rank's expert-parallel view (:class:`~moetrain.parallel.layout.ParallelMesh`).
         dispatcher: ``parallel.dispatcher``.
         owns_group: destroy the default process group in :meth:`close` (it was created by :func:`start`).
         activation_checkpoint: ``parallel.activation_checkpoint``, attached in :meth:`prepare_model`
