@@ -117,7 +117,9 @@ def main() -> int:
                         "rows": [[r["layout"], r["processes"], round(r["predicted_bytes"] / 1e6, 1),
                                   round(r["measured_bytes"] / 1e6, 1), round(r["ratio"], 2),
                                   " ".join(r["overrides"]) or "(none)"] for r in rows]},
-              "notes": ("Per-rank peak memory that training adds, busiest rank: predicted by moetrain.parallel.memory, "
+              "notes": ("Per-rank peak memory that training adds, busiest rank: predicted by moetrain.parallel.memory "
+                        "(sharded state, FSDP2's gathered copies and collective buffers with gloo's copies, "
+                        "activations, the MoE scratch kept between calls, the runtime constant), "
                         "measured as peak resident memory minus the resident memory before the model was built "
                         f"(mem/rank*/peak_bytes - baseline_bytes). Model: tiny preset with {' '.join(MODEL)}; "
                         f"{args.steps} steps of 8 x 64 tokens, fp32, gloo, one thread per process; allocator: "

@@ -118,7 +118,7 @@ def needed_files(ckpt_dir: Path, model, optimizer, layout) -> list[str]:
     ``.metadata``."""
     metadata = pickle.loads((ckpt_dir / ".metadata").read_bytes())
     state = dcp._state_dict(model, optimizer, layout)
-    if "meta" in metadata.state_dict_metadata:  # the blob of param groups, in checkpoints of dcp.save
+    if "meta" in metadata.state_dict_metadata:  # the blob of param groups, in checkpoints written before train_state.pt held them
         state["meta"] = io.BytesIO()
     flat, _ = flatten_state_dict(state)
     files = set()

@@ -42,6 +42,8 @@ def _run(tmp_path: Path, *argv: str) -> tuple[dict, str]:
     (["train", "--dry-run", "model.hidden=0"], "model.hidden"),
     (["train", "--list-fields", "model.moe.num_expert=8"], "model.moe.num_expert"),
     (["train", "--steps", "abc"], None),
+    (["train", "--steps", "2", "train.steps=1.5"], "train.steps: expected an integer, got 1.5"),
+    (["train", "--data", "corpus", "data.path=[1]"], "data.path: expected a string, got [1]"),
     (["compare", "--out", "cmp", "moe:", "dense:model.moe.num_expert=8"], "model.moe.num_expert"),
     (["compare", "--out", "cmp", "--data", "missing.txt", "moe:", "dense:model.moe_every=0"],
      "data path 'missing.txt' does not exist"),
@@ -54,6 +56,13 @@ def test_config_and_data_errors_answer_before_torch(tmp_path, argv, words):
         assert words in err, err
     assert not result["torch"], f"{argv}: torch was imported before the error"
     assert not (tmp_path / "cmp").exists() and not (tmp_path / "runs").exists()
+
+
+def test_a_config_file_value_an_override_replaces_is_still_checked(tmp_path):
+    (tmp_path / "run.toml").write_text("[train]\nsteps = 1.5\n")
+    result, err = _run(tmp_path, "train", "--config", "run.toml", "train.steps=2")
+    assert result["code"] == 2 and "train.steps: expected an integer, got 1.5" in err, err
+    assert not result["torch"]
 
 
 def test_the_harness_sees_torch_when_a_command_imports_it(tmp_path):

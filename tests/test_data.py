@@ -298,6 +298,36 @@ def test_corpus_shorter_than_one_sequence_is_an_error(tmp_path):
         prepare_data(cfg, vocab_size=300, log=quiet)
 
 
+def test_two_token_corpus_is_refused_before_it_is_split_or_cached(tmp_path):
+    # "ab" is 2 tokens: too short for a training and a validation sequence of data.seq_len=2 tokens (3 each with
+    # the EOS). It is refused before its one document is cut into a training and a validation part, and before
+    # anything is written to the cache.
+    path = tmp_path / "tiny.txt"
+    path.write_text("ab")
+    cache = tmp_path / "cache"
+    logs: list[str] = []
+    cfg = DataConfig(path=str(path), seq_len=2, cache_dir=str(cache))
+    with pytest.raises(DataError, match=r"shorter than one sequence of data.seq_len=2.*at most 2 training tokens"):
+        prepare_data(cfg, vocab_size=300, log=logs.append)
+    assert not any("split" in line or "tokenized" in line for line in logs)
+    assert not cache.exists() or list(cache.iterdir()) == []
+
+
+def test_split_found_short_after_tokenizing_leaves_no_cache_entry(tmp_path):
+    # BPE merges make the validation split shorter in tokens than in bytes: the refusal comes after tokenizing,
+    # and the tokens written meanwhile are removed, not left as a cache entry.
+    root = make_corpus(tmp_path / "corpus", n_files=4)
+    cache = tmp_path / "cache"
+    probe = prepare_data(DataConfig(path=str(root), seq_len=8, val_fraction=0.25, cache_dir=str(tmp_path / "probe")),
+                         vocab_size=300, log=quiet)
+    val_bytes = len(probe.tokenizer.decode(probe.val_tokens.tolist()).encode())
+    assert len(probe.val_tokens) < val_bytes  # merges: fewer tokens than bytes
+    cfg = DataConfig(path=str(root), seq_len=len(probe.val_tokens), val_fraction=0.25, cache_dir=str(cache))
+    with pytest.raises(DataError, match=rf"validation split .* \({len(probe.val_tokens)} tokens, need"):
+        prepare_data(cfg, vocab_size=300, log=quiet)
+    assert not cache.exists() or list(cache.iterdir()) == []
+
+
 def test_tinyshakespeare_single_file(tmp_path):
     cfg = DataConfig(path=str(SHAKESPEARE), seq_len=64, val_fraction=0.1, tokenizer_max_bytes=200_000,
                      cache_dir=str(tmp_path / "cache"))

@@ -15,7 +15,7 @@ import pytest
 import zstandard
 
 from moetrain.data import DataConfig, prepare_data, train_tokenizer
-from moetrain.data.formats import Counts, MegatronIndex, find_pretokenized, iter_token_documents
+from moetrain.data.formats import MegatronIndex, ReadStats, find_pretokenized, iter_token_documents
 from moetrain.errors import ConfigError, DataError
 
 WORDS = ("the of and to in is was for on that with as by at from his her it an be are this which or have "
@@ -132,7 +132,7 @@ def test_megatron_indexed_dataset_read_like_megatron_and_like_the_text(formats, 
     theirs = IndexedDataset(str(prefix))
     corpus = find_pretokenized(str(prefix))
     assert corpus is not None and corpus.kind == "megatron"
-    ours = list(iter_token_documents(corpus, None, 0, VOCAB, Counts()))
+    ours = list(iter_token_documents(corpus, None, 0, VOCAB, ReadStats()))
     assert len(ours) == len(theirs) == N_ROWS
     for d in (0, 1, 1234, N_ROWS - 1):
         np.testing.assert_array_equal(ours[d].ids, theirs[d][:-1])  # without the appended end-of-document
@@ -316,3 +316,27 @@ def test_zstd_of_several_frames_reads_whole(tmp_path):
     docs, _ = read_documents(discover_files(str(path)))
     assert [d.text for d in docs] == [f"doc {i}" for i in range(100)]
     assert docs[-1].name == "multi:100"
+
+
+def test_arrow_stream_and_file_and_null_texts(rows, tmp_path):
+    """Arrow IPC as `datasets` writes it (stream) and as a file, read batch by batch: the same documents as parquet
+    (row numbers continue across batches); a null text is a bad record, an empty one is counted empty."""
+    from moetrain.data.corpus import iter_documents
+
+    texts = rows[:40] + [None, ""]
+    table = pa.table({"text": texts})
+    (tmp_path / "stream").mkdir()
+    (tmp_path / "file").mkdir()
+    (tmp_path / "pq").mkdir()
+    with pa.OSFile(str(tmp_path / "stream" / "rows.arrow"), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as w:
+        for batch in table.to_batches(max_chunksize=7):
+            w.write_batch(batch)
+    with pa.OSFile(str(tmp_path / "file" / "rows.arrow"), "wb") as sink, pa.ipc.new_file(sink, table.schema) as w:
+        for batch in table.to_batches(max_chunksize=9):
+            w.write_batch(batch)
+    pq.write_table(table, tmp_path / "pq" / "rows.parquet", row_group_size=11)
+    for kind in ("stream", "file", "pq"):
+        counts = ReadStats()
+        docs = list(iter_documents([next((tmp_path / kind).iterdir())], counts=counts))
+        assert [(d.name, d.text) for d in docs] == [(f"rows:{i + 1}", t) for i, t in enumerate(rows[:40])], kind
+        assert (counts.bad_lines, counts.empty) == (1, 1), kind

@@ -34,7 +34,13 @@ def test_export_trained_run(tmp_path, code_corpus, capsys):
     run = tmp_path / "run"
     assert main(["train", "--preset", "tiny", "--data", str(code_corpus), "--out", str(run), "--steps", "2", *TRAIN]) == 0
     out = tmp_path / "hf"
-    assert main(["export", str(run), "--format", "hf", str(out)]) == 0
+    capsys.readouterr()
+    try:
+        assert main(["export", str(run), "--format", "hf", str(out)]) == 0
+        err = capsys.readouterr().err  # not a terminal: no progress bar of transformers' save_pretrained
+        assert "it/s]" not in err and "\r" not in err, err
+    finally:
+        transformers.utils.logging.enable_progress_bar()
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         assert (out / name).is_file(), name
     assert (out / "model.safetensors").is_file() or (out / "model.safetensors.index.json").is_file()

@@ -15,8 +15,8 @@ import torch
 from conftest import sample_text
 from moetrain.cli import main
 from moetrain.data.batch import PackedBatch
-from moetrain.data.dataset import TokenWindows
-from moetrain.data.loader import BatchLoader, WindowBatches
+from moetrain.data.dataset import BatchSampler, TokenWindows
+from moetrain.data.loader import BatchLoader
 from moetrain.data.packing import DocumentBatches, DocumentChunks
 from moetrain.train.checkpoint import CheckpointStore
 
@@ -40,7 +40,7 @@ def _same(a, b) -> bool:
 def _datasets():
     chunks = DocumentChunks(_stream(), 0, 32)
     return {
-        "windows": WindowBatches(TokenWindows(_stream(), 16), 4, seed=3),
+        "windows": BatchSampler(TokenWindows(_stream(), 16), 4, seed=3),
         "documents": DocumentBatches(chunks, 4, 0, seed=3),
         "budget": DocumentBatches(chunks, 4, 96, seed=3),
     }
@@ -71,7 +71,7 @@ def test_windows_state_matches_batch_sampler_format():
 
     windows = TokenWindows(_stream(), 16)
     old = BatchSampler(windows, 4, 3)
-    new = BatchLoader(WindowBatches(windows, 4, 3), seed=3)
+    new = BatchLoader(BatchSampler(windows, 4, 3), seed=3)
     for _ in range(5):
         assert _same(old.next_batch(), new.next_batch())
     assert new.state_dict() == old.state_dict()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -14,7 +15,7 @@ from moetrain.cli import main
 from moetrain.config import build_config
 from moetrain.errors import ConfigError
 from moetrain.parallel.dry_run import dry_run
-from moetrain.parallel.memory import rank_memory
+from moetrain.parallel.memory import GRAD_BYTES, RUNTIME_CPU_BYTES, Unit, moe_scratch, rank_memory, step_moments
 from moetrain.runtime.preflight import check_fits
 
 PIPE = {"model": {"tie_embeddings": False}}
@@ -24,23 +25,29 @@ PIPE = {"model": {"tie_embeddings": False}}
                                              ({"pp": 2}, 2), ({"dp_shard": 2, "reshard_after_forward": False}, 2)])
 def test_state_is_the_dry_runs_and_its_parts_are_4_4_8(parallel, world):
     cfg = build_config("tiny", overrides={**PIPE, "parallel": parallel, "train": {"grad_accum": 2}})
-    ranks = rank_memory(cfg, world)
+    ranks = rank_memory(cfg, world, device="cpu")
     assert len(ranks) == cfg.parallel.pp
     assert max(r.state for r in ranks) == dry_run(cfg, world).rank_bytes
     for r in ranks:
         assert r.grads == r.params and r.optimizer == 2 * r.params and r.activations > 0
-        assert (r.gathered > 0) == (world > 1 and cfg.parallel.pp == 1)  # one engine: every layout on FSDP2
+        # one engine: every layout on FSDP2, which holds unsharded copies even of a one-shard pipeline stage
+        assert (r.gathered > 0) == (world > 1)
+        assert r.grads_at_peak > 0
+        assert r.total == pytest.approx(r.params + r.grads_at_peak + r.optimizer + r.gathered + r.comm
+                                        + r.activations + r.scratch + r.runtime)
 
 
 def test_sharding_divides_the_state_and_zero2_gathers_more():
-    one = rank_memory(build_config("tiny", overrides=PIPE), 1)[0]
+    one = rank_memory(build_config("tiny", overrides=PIPE), 1, device="cpu")[0]
     cfg = build_config("tiny", overrides={**PIPE, "parallel": {"dp_shard": 4}})
-    zero3 = rank_memory(cfg, 4)[0]
+    zero3 = rank_memory(cfg, 4, device="cpu")[0]
     zero2 = rank_memory(build_config("tiny", overrides={**PIPE, "parallel": {"dp_shard": 4,
-                                                                             "reshard_after_forward": False}}), 4)[0]
+                                                                             "reshard_after_forward": False}}), 4,
+                        device="cpu")[0]
     assert one.state / 4 <= zero3.state <= one.state / 4 * 1.05  # padding of dim 0 to 4 rows
     assert zero2.state == zero3.state and zero2.gathered > zero3.gathered
-    assert zero3.activations == pytest.approx(one.activations / 4, rel=0.35)  # a quarter of the rows each
+    # a quarter of the rows each, of the blocks not yet run backward at the peak
+    assert 0 < zero3.activations <= one.activations / 4 * 1.35
 
 
 def test_dry_run_prints_each_ranks_parts(capsys):
@@ -54,9 +61,10 @@ def test_dry_run_prints_each_ranks_parts(capsys):
 
 
 def test_a_model_over_the_free_memory_names_the_layout_that_fits():
-    cfg = build_config("tiny", overrides={"model": {"hidden": 256, "moe": {"experts": {"ffn_hidden": 1024}}},
-                                          "train": {"batch_size": 4}})
-    need = rank_memory(cfg, 1)[0]
+    # 0.42 GB of state: large enough that sharding's gains outweigh each process's runtime (RUNTIME_CPU_BYTES)
+    cfg = build_config("tiny", overrides={"model": {"hidden": 256, "n_layers": 4, "moe": {
+        "num_experts": 8, "experts": {"ffn_hidden": 1024}}}, "train": {"batch_size": 4}})
+    need = rank_memory(cfg, 1, device="cpu")[0]
     assert need.state > need.activations  # the state is what does not fit
     with pytest.raises(ConfigError, match=r"out of memory\); try parallel.dp_shard=(\d+) on \1 processes"):
         check_fits(cfg, free=need.state * 0.6)
@@ -89,3 +97,105 @@ def test_plan_prints_the_recommended_layouts_ranks(capsys):
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if x.strip().startswith("ranks 0-3:"))
     assert "AdamW state" in line and "activations" in line
+
+
+# Hand-derived moments of a 3-unit rank (embedding, one block, the tail), fp32 (c = 4), 2 shards over gloo: unit sizes
+# in elements, activations in bytes.
+EMBED, BLOCK, TAIL = Unit("embed", 100, 50, 0, True), Unit("blocks.0", 1000, 500, 600, True), Unit("tail", 200, 100, 0,
+                                                                                                      True)
+
+
+def _moment(moments, name):
+    return next(m for m in moments if m.name == name)
+
+
+def test_zero3_backward_holds_the_unit_its_gradient_the_prefetch_with_glooss_copy_and_the_kept_reduce_input():
+    moments = step_moments([EMBED, BLOCK, TAIL], [0.0, 3000.0, 700.0], 0.0, 4, zero3=True, gloo=True,
+                           accumulate=False, first_acts=0.0)
+    m = _moment(moments, "backward of blocks.0")
+    assert m.grads == 100 * 4 + 1000 * 4  # the tail's reduced shard, the block's unsharded gradient
+    assert m.gathered == 1000 * 4  # the block's parameters
+    # the embedding's all-gather prefetched (FSDP2's flat output + gloo's flat copy), the tail's reduce-scatter input
+    assert m.comm == 2 * 100 * 4 + 200 * 4
+    assert m.activations == 3000.0  # the block's and the embedding's (none): the tail's are freed
+    r = _moment(moments, "reduce-scatter of blocks.0")
+    assert r.comm == 1000 * 4 + 1000 * 4 + 2 * 100 * 4  # FSDP2's flat input + gloo's clone of it + the prefetch
+    assert r.grads == 100 * 4 + 500 * 4 and r.gathered == 0
+    nccl = step_moments([EMBED, BLOCK, TAIL], [0.0, 3000.0, 700.0], 0.0, 4, zero3=True, gloo=False,
+                        accumulate=False, first_acts=0.0)
+    assert _moment(nccl, "reduce-scatter of blocks.0").comm == 1000 * 4 + 100 * 4  # no copies on NCCL
+    assert _moment(moments, "the optimizer step").grads == (50 + 500 + 100) * 4
+
+
+def test_zero2_and_one_unit_stages_keep_every_unit_gathered_until_its_backward():
+    moments = step_moments([EMBED, BLOCK, TAIL], [0.0, 3000.0, 700.0], 0.0, 4, zero3=False, gloo=True,
+                           accumulate=False, first_acts=0.0)
+    assert _moment(moments, "backward of tail").gathered == (100 + 1000 + 200) * 4
+    assert _moment(moments, "reduce-scatter copy-in of tail").gathered == (100 + 1000) * 4
+    # a pipeline stage without data parallelism: one unit, copied (no collective), accumulating 2 micro-batches
+    stage = Unit("stage", 1300, 1300, 600, False)
+    moments = step_moments([stage], [3700.0], 0.0, 4, zero3=False, gloo=True, accumulate=True, first_acts=7400.0)
+    m = _moment(moments, "backward of stage")
+    assert m.gathered == 1300 * 4 and m.comm == 0
+    assert m.grads == 1300 * 4 + 600 * 4  # the accumulated unsharded gradient + one MoE backward's fresh one
+    assert _moment(moments, "reduce-scatter of stage").comm == 1300 * 4  # the flat input, no gloo clone
+    first = _moment(moments, "first backward of stage")
+    assert first.activations == 7400.0 and first.gathered == 1300 * 4
+
+
+def test_moe_scratch_is_the_fused_paths_kept_buffers():
+    from moetrain.analysis.shape import ModelShape
+
+    cfg = build_config("tiny", overrides={"model": {"hidden": 256, "moe": {"num_experts": 8,
+                                                                           "experts": {"ffn_hidden": 1024}}}})
+    shape = ModelShape.from_config(cfg.model)
+    assert shape.fused_experts and shape.expert_mats == 3
+    d, f, k, seq = 256, 1024, shape.top_k, cfg.data.seq_len
+    fwd, bwd = 8 * seq * k, 4 * seq * k  # rows: the evaluation's 8 sequences, training's 4
+    want = (fwd * (2 * d + f) + bwd * (3 * d + 2 * f + 2 * f)) * 4  # y, xs, a; dx, g, xs, dz, a, dh
+    assert moe_scratch(shape, 4, 8, seq, 4) == want
+    # measured (strace of glibc's mmaps, 2 gloo ranks, 4 + 8 rows of 64 tokens, k = 2): 16.3 MB
+    if k == 2 and seq == 64:
+        assert want == pytest.approx(16.3e6, rel=0.01)
+
+
+def test_cpu_counts_the_runtime_and_scratch_cuda_does_not():
+    cfg = build_config("tiny", overrides={**PIPE, "parallel": {"dp_shard": 2}})
+    cpu, cuda = rank_memory(cfg, 2, device="cpu")[0], rank_memory(cfg, 2, device="cuda")[0]
+    assert cpu.runtime == RUNTIME_CPU_BYTES and cuda.runtime == 0 and cuda.scratch == 0 < cpu.scratch
+    assert cuda.state == cpu.state and cuda.total < cpu.total
+
+
+def test_a_one_shard_pipeline_stage_holds_an_unsharded_copy_of_its_parameters():
+    cfg = build_config("tiny", overrides={**PIPE, "parallel": {"pp": 2}, "train": {"grad_accum": 2}})
+    for r in rank_memory(cfg, 2, device="cpu"):
+        assert r.gathered == r.params  # FSDP2's world-size-1 copy, fp32
+        assert r.grads_at_peak >= r.grads  # the accumulated unsharded gradients
+    assert GRAD_BYTES == 4
+
+
+def test_the_timeline_tracer_counts_live_buffers_from_every_thread_by_where_they_were_allocated(tmp_path):
+    """benchmarks/memory_timeline.py's parser on a hand-written strace log: two threads, an interleaved call, a
+    1 MiB interpreter arena (left out), a buffer from before the start and one after the last memory record."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from memory_timeline import parse
+
+    anon = "PROT_READ|PROT_WRITE, MAP_PRIVATE|MAP_ANONYMOUS, -1, 0"
+    mark = 'access("/moetrain-mark/{}", F_OK) = -1 ENOENT (No such file or directory)'
+    log = [f"100 1.0 mmap(NULL, 4096000, {anon}) = 0x7f0000000000",
+           f"100 1.1 {mark.format('START')}",
+           f"100 1.2 {mark.format('B_model_build')}",
+           f"100 1.3 mmap(NULL, 1000000, {anon}) = 0x7f1000000000",
+           f"100 1.4 {mark.format('E_model_build')}",
+           f"100 1.5 {mark.format('B_backward')}",
+           f"101 1.6 mmap(NULL, 3000000, {anon} <unfinished ...>",
+           f"100 1.65 mmap(NULL, 1048576, {anon}) = 0x7f3000000000",
+           "101 1.7 <... mmap resumed>) = 0x7f2000000000",
+           "101 1.8 munmap(0x7f2000000000, 3000000) = 0",
+           f"100 1.9 {mark.format('E_backward')}",
+           f"100 2.0 {mark.format('RECORD')}",
+           f"100 2.1 mmap(NULL, 9000000, {anon}) = 0x7f4000000000"]
+    (tmp_path / "trace.0").write_text("\n".join(log) + "\n")
+    peak = parse(tmp_path / "trace.0")
+    assert peak["bytes"] == 1000000 + 3000000 and peak["open"] == ["backward"]
+    assert peak["by_site"] == {"before the model": 4096000, "model build": 1000000, "backward": 3000000}

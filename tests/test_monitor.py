@@ -22,7 +22,7 @@ from moetrain.moe.layer import MoELayer
 from moetrain.train.alerts import ALERTS_FILE, AlertTracker, TrainingAlarm, read_alerts
 from moetrain.train.monitor import RoutingMonitor, colorize
 from moetrain.train.monitor_config import MonitorConfig
-from moetrain.train.routing_stats import RoutingStats, load_statistics, routing_entropy_and_z
+from moetrain.train.routing_stats import RoutingStats, entropy_and_z_sums, load_statistics
 
 # Router logits of 6 tokens over 4 experts (the router weight is the identity, so logits = inputs).
 X = [
@@ -71,6 +71,11 @@ def make_model(**moe_overrides) -> tuple[nn.Module, MoELayer]:
     model = nn.Module()
     model.blocks = nn.ModuleList([_Block(nn.Identity(), False), _Block(layer, True)])
     return model, layer
+
+
+def routing_entropy_and_z(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The means over the T tokens of ``entropy_and_z_sums``."""
+    return tuple(s / logits.shape[0] for s in entropy_and_z_sums(logits))
 
 
 def test_entropy_and_z_equal_hand_computation():

@@ -1,12 +1,12 @@
 """Distributed checkpoints (torch.distributed.checkpoint) reshard across expert-parallel sizes.
 
-One chain, each link checked against the previous one:
-  1 process trains one step and saves (DCP, no process group)
-  -> 4 ranks (EP=4) load it, save again at EP=4, take the next step
+One chain through the trainer's Checkpointer, each link checked against the previous one:
+  1 process trains one step and saves (the one-process format: safetensors + train_state.pt)
+  -> 4 ranks (EP=4) load it, save again at EP=4 (DCP shards), take the next step
   -> 2 ranks (EP=2) load the EP=4 checkpoint, take the next step
   -> 1 process loads the EP=4 checkpoint, takes the next step;
-and the 2 ranks also load the single-process (safetensors + train_state.pt) format of the first state into their
-sharded model (expert tensors and AdamW moments sliced), as a run started without torchrun and resumed with it.
+and the 2 ranks also load the first state's one-process files as written before the optimizer state named its
+parameters into their sharded model (expert tensors and AdamW moments sliced).
 Every load must restore the saved parameters exactly (bit for bit), and every next step must give the loss and the
 parameters of the uninterrupted single-process run (so the AdamW moments and the LR schedule were resharded and
 restored too). fp32 weights, as the trainer's: the steps agree to 1e-6 (reduction order), the loads bit for bit.
@@ -23,14 +23,15 @@ from _parallel_util import spawn
 from moetrain.config import build_config
 from moetrain.errors import CheckpointError
 from moetrain.model.transformer import MoETransformer
-from moetrain.parallel import dcp
+from moetrain.parallel.dcp import MARKER, ShardLayout
 from moetrain.parallel.engine import ShardedHooks
 from moetrain.parallel.fsdp import full_tensor
 from moetrain.parallel.launch import ParallelHooks
 from moetrain.parallel.layout import Layout, build_layout_mesh, gather_full, single_process
 from moetrain.train.checkpoint import MODEL_FILE, STATE_FILE, LoadedCheckpoint, encode_model, encode_state
-from moetrain.train.checkpointer import load_weights
+from moetrain.train.checkpointer import Checkpointer, checkpoint_format, load_latest_model, load_weights
 from moetrain.train.schedule import build_scheduler
+from moetrain.train.state import TrainState
 from moetrain.train.step import train_step
 from moetrain.train.trainer import build_optimizer
 
@@ -97,10 +98,19 @@ def _max_diff(a: dict, b: dict) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
+def _load(path, model, hooks, opt, sched) -> None:
+    checkpointer = Checkpointer(path, hooks.layout)
+    ckpt, _ = checkpointer.latest()
+    checkpointer.load(ckpt, TrainState(model, opt, sched))
+
+
+def _save(path, model, hooks, opt, sched) -> None:
+    Checkpointer(path, hooks.layout).save(TrainState(model, opt, sched, step=1))
+
+
 def _load_and_step(world: int, path, step: int):
     cfg, model, hooks, opt, sched = _setup(world, seed=99)
-    extra = dcp.load(path, model, opt, hooks.plan, hooks.mesh, layout=hooks.layout)
-    sched.load_state_dict(extra["scheduler"])
+    _load(path, model, hooks, opt, sched)
     loaded = _full_params(model, hooks)
     loss = _step(cfg, model, hooks, opt, sched, step)
     return loaded, loss, _full_params(model, hooks), (cfg, model, hooks, opt, sched)
@@ -122,10 +132,8 @@ def _ep_worker(rank: int, world: int, out_dir, src, dst, legacy=None) -> dict:
     legacy_result = _legacy_load_and_step(world, legacy, step=1) if legacy is not None else None
     if dst is not None:  # re-save the state just loaded (before the step above) at this EP size
         cfg, model, hooks, opt, sched = _setup(world, seed=7)
-        extra = dcp.load(src, model, opt, hooks.plan, hooks.mesh, layout=hooks.layout)
-        sched.load_state_dict(extra["scheduler"])
-        dcp.save(dst, model, opt, hooks.plan, hooks.mesh, extra={"scheduler": sched.state_dict()},
-                 layout=hooks.layout)
+        _load(src, model, hooks, opt, sched)
+        _save(dst, model, hooks, opt, sched)
     return {"loaded": loaded, "loss": loss, "after": after, "legacy": legacy_result}
 
 
@@ -135,7 +143,7 @@ def chain(tmp_path_factory) -> dict:
     cfg, model, hooks, opt, sched = _setup(1, seed=0)
     _step(cfg, model, hooks, opt, sched, step=0)
     saved = _full_params(model, hooks)
-    dcp.save(root / "ep1", model, opt, hooks.plan, hooks.mesh, extra={"scheduler": sched.state_dict()})
+    _save(root / "ep1", model, hooks, opt, sched)
     legacy = {MODEL_FILE: encode_model(model),
               STATE_FILE: encode_state({"optimizer": opt.state_dict(), "scheduler": sched.state_dict()})}
     reference = copy.deepcopy((model, opt, sched))
@@ -164,17 +172,17 @@ def test_step_changed_the_weights(chain):
 
 
 def test_checkpoint_layout(chain):
-    """EP=4 wrote one shard file per rank, and the marker records the mesh."""
-    files = sorted(p.name for p in (chain["root"] / "ep4").iterdir())
-    assert [f for f in files if f.endswith(".distcp")] == [f"__{r}_0.distcp" for r in range(4)]
-    assert dcp.is_dcp_checkpoint(chain["root"] / "ep4")
+    """One process wrote the one-process format; EP=4 one shard file per rank, and the marker records the mesh."""
+    assert checkpoint_format(Checkpointer(chain["root"] / "ep1").latest()[0].files) == "single"
+    ckpt = Checkpointer(chain["root"] / "ep4").latest()[0]
+    assert [f for f in sorted(ckpt.deferred) if f.endswith(".distcp")] == [f"__{r}_0.distcp" for r in range(4)]
+    assert checkpoint_format(ckpt.files) == "sharded" and b'"ep": 4' in ckpt.files[MARKER]
 
 
 def test_wrong_model_is_a_checkpoint_error(chain, tmp_path):
-    cfg = _config(1)
     model = MoETransformer(build_config("tiny", overrides={"model": {"vocab_size": 64, "hidden": 32}}).model).double()
+    ckpt = Checkpointer(chain["root"] / "ep4").latest()[0]
     with pytest.raises(CheckpointError, match="does not fit"):
-        dcp.load(chain["root"] / "ep4", model, None, {}, single_process())
-    with pytest.raises(CheckpointError, match="not a complete distributed checkpoint"):
-        dcp.load(tmp_path, model, None, {}, single_process())
-    del cfg
+        load_weights(ckpt, model, None, ShardLayout(single_process()))
+    with pytest.raises(CheckpointError, match="no usable checkpoint"):
+        load_latest_model(tmp_path, model)

@@ -85,17 +85,13 @@ def main(argv: list[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 141
-    except MoetrainError as e:
-        if getattr(args, "debug", False):
-            raise
-        print(f"moetrain: error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
-    except OSError as e:  # the machine's, not the input's: still one line, naming the path
+    except (MoetrainError, OSError) as e:  # an OSError is the machine's, not the input's: one line naming the path
         if getattr(args, "debug", False):
             raise
         from moetrain.runtime.oserrors import os_error_line
 
-        print(f"moetrain: error: {' '.join(os_error_line(e).split())}", file=sys.stderr)
+        line = str(e) if isinstance(e, MoetrainError) else os_error_line(e)
+        print(f"moetrain: error: {' '.join(line.split())}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("moetrain: interrupted", file=sys.stderr)

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from moetrain.configlib import print_note, from_dict, merge, rename_legacy, require, to_dict
+from moetrain.configlib import check_types, from_dict, merge, print_note, rename_legacy, require, to_dict
 from moetrain.data.config import DataConfig
 from moetrain.errors import ConfigError
 from moetrain.model.config import ModelConfig
@@ -159,8 +159,9 @@ def build_config(preset: str | None = None, file_data: dict | None = None, overr
     from moetrain.presets import preset_dict
 
     data = preset_dict(choose_preset(preset, file_data, overrides))
-    if file_data:
-        data = merge(data, upgrade(file_data))
-    if overrides:
-        data = merge(data, upgrade(overrides))
+    for source in (file_data, overrides):
+        if source:
+            source = upgrade(source)
+            check_types(Config, source, legacy=LEGACY_PATHS)  # a value the next source replaces is checked too
+            data = merge(data, source)
     return Config.from_dict(data)

@@ -56,19 +56,9 @@ def field_docs(cls: type) -> dict[str, str]:
 
 def nested_configs(cls: type) -> dict[str, type]:
     """Fields of ``cls`` whose value is itself a config dataclass."""
-    try:
-        hints = typing.get_type_hints(cls)
-    except Exception:  # an annotation that does not resolve: fall back to the default factories
-        hints = {}
-    out = {}
-    for f in dataclasses.fields(cls):
-        tp = hints.get(f.name)
-        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
-            out[f.name] = tp
-        elif f.default_factory is not dataclasses.MISSING and isinstance(f.default_factory, type) \
-                and dataclasses.is_dataclass(f.default_factory):
-            out[f.name] = f.default_factory
-    return out
+    hints = typing.get_type_hints(cls)
+    return {f.name: tp for f in dataclasses.fields(cls)
+            if isinstance(tp := hints.get(f.name), type) and dataclasses.is_dataclass(tp)}
 
 
 def sections(cls: type, path: str = "") -> list[tuple[str, type]]:
@@ -91,11 +81,8 @@ def summary(text: str) -> str:
 def field_types(cls: type) -> dict[str, str]:
     """``{field name: its type as a user writes values}`` for the fields of config dataclass ``cls``: ``int``,
     ``float or null``, ``one of windows / documents``, ``list, each one of dead_expert / collapse / ...``."""
-    try:
-        hints = typing.get_type_hints(cls, include_extras=False)
-    except Exception:  # an annotation that does not resolve: its source text
-        return {f.name: str(f.type).replace("typing.", "") for f in dataclasses.fields(cls)}
-    return {f.name: _type_text(hints[f.name]) for f in dataclasses.fields(cls) if f.name in hints}
+    hints = typing.get_type_hints(cls)
+    return {f.name: _type_text(hints[f.name]) for f in dataclasses.fields(cls)}
 
 
 def _type_text(tp: Any) -> str:

@@ -44,10 +44,6 @@ def _join(path: str, name: str) -> str:
     return f"{path}.{name}" if path else name
 
 
-def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", str(tp))
-
-
 def _coerce(value: Any, tp: Any, path: str, legacy: Mapping[str, str] | None = None) -> Any:
     """Check (and minimally convert: int -> float) ``value`` against the annotation ``tp``."""
     origin = typing.get_origin(tp)
@@ -102,7 +98,7 @@ def _coerce(value: Any, tp: Any, path: str, legacy: Mapping[str, str] | None = N
         if not isinstance(value, str):
             raise ConfigError(f"{path}: expected a string, got {format_value(value)}")
         return value
-    raise ConfigError(f"{path}: unsupported field type {_type_name(tp)}")
+    raise ConfigError(f"{path}: unsupported field type {getattr(tp, '__name__', tp)}")
 
 
 def _field_types(cls: type) -> dict[str, Any]:
@@ -144,6 +140,26 @@ def from_dict(cls: type[T], data: dict[str, Any], path: str = "", legacy: Mappin
         return cls(**kwargs)
     except FieldError as e:
         raise ConfigError(f"{_join(path, e.field)}: {e.message}") from None
+
+
+def check_types(cls: type, data: dict[str, Any], path: str = "", legacy: Mapping[str, str] | None = None) -> None:
+    """Check the keys and value types of one source of config data (a ``--config`` file, the ``FIELD=VALUE``
+    overrides) against the config dataclass ``cls`` before the sources are merged, so that a value a later source
+    or a flag replaces is still refused when it could never be valid (``train.steps=1.5`` beside ``--steps 2``).
+    Values are not checked against each other: that is :func:`from_dict`'s, on the merged data.
+
+    Raises:
+        ConfigError: an unknown key or a value of the wrong type; the message starts with the full field path.
+    """
+    types_ = _field_types(cls)
+    for key, value in data.items():
+        if key not in types_:
+            raise _unknown_key(key, path, list(types_), legacy)
+        tp = types_[key]
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp) and isinstance(value, dict):
+            check_types(tp, value, _join(path, key), legacy)
+        else:
+            _coerce(value, tp, _join(path, key), legacy)
 
 
 _MISSING = object()
@@ -278,25 +294,25 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
     return out
 
 
-def load_file(path: str | Path) -> dict[str, Any]:
-    """Read a ``.toml`` or ``.json`` config file into a dict.
+def load_file(path: str | Path, flag: str = "--config") -> dict[str, Any]:
+    """Read a ``.toml`` or ``.json`` file of fields (a config file; ``plan --device``'s hardware file) into a dict.
 
     Raises:
-        ConfigError: missing file, unknown suffix, or a syntax error (with the file name).
+        ConfigError: missing file, unknown suffix, or a syntax error (naming ``flag`` and the file).
     """
     p = Path(path)
     if p.is_dir():
-        raise ConfigError(f"--config {p}: is a directory; expected a .toml or .json file")
+        raise ConfigError(f"{flag} {p}: is a directory; expected a .toml or .json file")
     if not p.is_file():
-        raise ConfigError(f"--config {p}: no such file")
+        raise ConfigError(f"{flag} {p}: no such file")
     try:
         if p.suffix == ".toml":
             return tomllib.loads(p.read_text())
         if p.suffix == ".json":
             data = json.loads(p.read_text())
             if not isinstance(data, dict):
-                raise ConfigError(f"--config {p}: expected a JSON object of config fields, got {type(data).__name__}")
+                raise ConfigError(f"{flag} {p}: expected a JSON object of fields, got {type(data).__name__}")
             return data
     except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"--config {p}: cannot parse: {e}") from None
-    raise ConfigError(f"--config {p}: expected a .toml or .json file")
+        raise ConfigError(f"{flag} {p}: cannot parse: {e}") from None
+    raise ConfigError(f"{flag} {p}: expected a .toml or .json file")

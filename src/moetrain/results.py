@@ -111,16 +111,12 @@ def load(directory: Path) -> list[dict[str, Any]]:
 
 
 def _cell(value: Any) -> str:
-    if isinstance(value, bool) or value is None:
-        text = json.dumps(value)
-    elif isinstance(value, (int, float, str)):
-        text = str(value)
-    else:
-        text = json.dumps(value)
-    return text.replace("|", "\\|").replace("\n", " ")
+    plain = isinstance(value, (int, float, str)) and not isinstance(value, bool)
+    return (str(value) if plain else json.dumps(value)).replace("|", "\\|").replace("\n", " ")
 
 
-def _table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
+def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
+    """The lines of a markdown table (``|`` in a cell escaped, a newline a space)."""
     lines = ["| " + " | ".join(_cell(c) for c in columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(_cell(v) for v in row) + " |" for row in rows]
     return lines
@@ -148,9 +144,9 @@ def render(records: Sequence[Mapping[str, Any]]) -> str:
             meta += [f"{k}: {_cell(r[k])}" for k in extra]
             out += [" · ".join(meta), "", "```bash", str(r["command"]).rstrip(), "```", ""]
             if r.get("figures"):
-                out += _table(["figure", "value"], list(r["figures"].items())) + [""]
+                out += markdown_table(["figure", "value"], list(r["figures"].items())) + [""]
             if r.get("table"):
-                out += _table(r["table"]["columns"], r["table"]["rows"]) + [""]
+                out += markdown_table(r["table"]["columns"], r["table"]["rows"]) + [""]
             if r.get("notes"):
                 out += [str(r["notes"]).strip(), ""]
             source = f"; first reported in {r['source']}" if r.get("source") else ""

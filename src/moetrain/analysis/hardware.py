@@ -8,10 +8,7 @@ Bandwidths are per device and per direction (a link quoted as "900 GB/s bidirect
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import time
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -195,13 +192,12 @@ def calibrate_cpu(size: int = 1024, repeats: int = 3) -> Hardware:
     """
     import torch
 
-    from moetrain.runtime.cpu import gemm_peak
+    from moetrain.runtime.cpu import best_seconds, gemm_peak
 
     flops = gemm_peak(torch.float32, "cpu", size, repeats, fresh=True)
     src = torch.empty(16 * 2**20)  # 64 MiB fp32
     dst = torch.empty_like(src)
-    dst.copy_(src)
-    best_copy = min(_timed(lambda: dst.copy_(src)) for _ in range(repeats))
+    best_copy = best_seconds(lambda: dst.copy_(src), repeats)
     bw = 2 * src.numel() * 4 / best_copy
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     note = f"measured by moetrain.analysis.hardware.calibrate_cpu() on {torch.get_num_threads()} threads"
@@ -216,12 +212,6 @@ def calibrate_cpu(size: int = 1024, repeats: int = 3) -> Hardware:
     )
 
 
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
 def load_hardware(path: str | Path) -> Hardware:
     """A user-supplied device from a ``.json`` or ``.toml`` file with the :class:`Hardware` fields (SI units:
     FLOP/s, bytes, bytes/s); ``sources`` is optional, ``name`` defaults to the file stem.
@@ -229,18 +219,10 @@ def load_hardware(path: str | Path) -> Hardware:
     Raises:
         ConfigError: missing file, unknown suffix, syntax error, unknown or missing fields, bad values.
     """
+    from moetrain.configlib import load_file
+
     p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"--device {p}: no such file")
-    try:
-        if p.suffix == ".json":
-            data = json.loads(p.read_text())
-        elif p.suffix == ".toml":
-            data = tomllib.loads(p.read_text())
-        else:
-            raise ConfigError(f"--device {p}: expected a .json or .toml hardware file")
-    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as e:
-        raise ConfigError(f"--device {p}: cannot parse: {e}") from None
+    data = load_file(p, "--device")
     known = {f.name for f in dataclasses.fields(Hardware)}
     unknown = sorted(set(data) - known)
     if unknown:

@@ -119,13 +119,13 @@ def local_params(counts: ParamCounts, n_layers: int, ep: int = 1, pp: int = 1,
             :func:`moetrain.analysis.stages.split_stages`); default ceil(L / pp) blocks with the larger pipeline end
             (embedding, or LM head + final norm; both when pp == 1) on the busiest device.
     """
-    if stages is not None:
-        return max((_placed(counts, n_layers, ep, s) for s in stages), key=sum)
-    per_block = (counts.norms + counts.attention + counts.dense_ffn + counts.router + counts.shared_experts) / n_layers
+    return max((_placed(counts, n_layers, ep, s) for s in stages or _even_split(n_layers, pp)), key=sum)
+
+
+def _even_split(n_layers: int, pp: int) -> list[Placement]:
+    """ceil(L / pp) blocks with either pipeline end (both when pp == 1): the busiest of an even split."""
     blocks = -(-n_layers // pp)
-    ends = counts.embedding + counts.lm_head + counts.final_norm
-    edge = ends if pp == 1 else max(counts.embedding, counts.lm_head + counts.final_norm)
-    return per_block * blocks + edge, counts.experts / n_layers * blocks / ep
+    return [(blocks, True, pp == 1), (blocks, pp == 1, True)]
 
 
 def sharded_params(counts: ParamCounts, n_layers: int, ep: int = 1, pp: int = 1, dp_shard: int = 1,
@@ -134,10 +134,8 @@ def sharded_params(counts: ParamCounts, n_layers: int, ep: int = 1, pp: int = 1,
     sharded over the ``dp_shard * ep`` ranks of a replica, the E / ep local experts over ``dp_shard``; weights,
     gradients and AdamW moments are all sharded the same way (ZeRO-3; ZeRO-2 adds the unsharded weights while a
     block computes, which are activations-time memory, not state). ``stages``: as in :func:`local_params`."""
-    if stages is not None:
-        return max(d / (dp_shard * ep) + e / dp_shard for d, e in (_placed(counts, n_layers, ep, s) for s in stages))
-    dense, experts = local_params(counts, n_layers, ep, pp)
-    return dense / (dp_shard * ep) + experts / dp_shard
+    placed = (_placed(counts, n_layers, ep, s) for s in stages or _even_split(n_layers, pp))
+    return max(d / (dp_shard * ep) + e / dp_shard for d, e in placed)
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """Benchmarks run by ``moetrain bench NAME``: one module per benchmark (see moetrain/commands/bench.py)."""
 
+import json
 import os
 import tempfile
 import time
@@ -20,6 +21,16 @@ def default_output(bench: str) -> Path:
         n += 1
         path = stem.with_name(f"{stem.name}-{n}.json")
     return path
+
+
+def write_report(args, report: dict) -> None:
+    """Write ``report`` as JSON to ``--json`` (its folder created), after the benchmark's name and the command's
+    arguments, and say where."""
+    out = {"benchmark": args.bench, "args": {k: v for k, v in vars(args).items() if k not in ("func", "debug")},
+           **report}
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {args.json}")
 
 
 def add_json_arg(p) -> None:

@@ -8,8 +8,8 @@ activations of B sequences are saved); (b) runs everything G times on B / G sequ
 fewer rows per GEMM, but every micro-batch re-reads every expert's weights and writes its gradient); (c) runs the
 attention in G tiles of B / G sequences (recomputed in backward) and the MoE layers once on all B sequences.
 
-Timing: each round runs one training step (forward, backward, AdamW step) of every mode in turn, interleaved so
-that a busy machine slows all modes alike; the table reports the median and the best step time over the timed
+Timing: each round runs one training step (forward, backward, AdamW step) of every mode, interleaved as in
+moetrain/bench/common.py; the table reports the median and the best step time over the timed
 rounds. Saved bytes are counted with ``torch.autograd.graph.saved_tensors_hooks`` (moetrain/analysis/saved.py):
 what one step's forward keeps for backward, plus for BTA the inputs its tile checkpoints hold and one tile's
 recomputed attention.
@@ -19,11 +19,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import platform
+import functools
 import statistics
-import time
-from pathlib import Path
 
 from moetrain.bench import add_json_arg
 from moetrain.errors import ConfigError
@@ -66,14 +63,9 @@ def add_parser(sub) -> None:
 
 
 def _check(args) -> None:
-    for name in ("experts", "top_k", "hidden", "expert_ffn", "heads", "layers", "vocab", "seq", "batch", "tiles",
-                 "steps"):
-        if getattr(args, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
-    if args.warmup < 0:
-        raise ConfigError(f"--warmup: must be >= 0, got {args.warmup}")
-    if args.kv_heads is not None and args.kv_heads < 1:
-        raise ConfigError(f"--kv-heads: must be >= 1 (or left out: = --heads), got {args.kv_heads}")
+    from moetrain.commands import check_at_least
+
+    check_at_least(args, 1, "experts", "top_k", "hidden", "expert_ffn", "heads", "kv_heads", "layers", "vocab", "seq")
     if args.tiles < 2:
         raise ConfigError(f"--tiles: must be >= 2 (G = 1 is mode (a) itself), got {args.tiles}")
     if args.batch % args.tiles:
@@ -89,7 +81,8 @@ def run(args) -> int:
     from moetrain.analysis.intensity import expert_intensity
     from moetrain.analysis.saved import saved_bytes_per_block
     from moetrain.analysis.shape import ModelShape
-    from moetrain.bench.common import cpu_info
+    from moetrain.bench import write_report
+    from moetrain.bench.common import interleaved_times, machine_info
     from moetrain.configlib import from_dict
     from moetrain.model.config import ModelConfig
     from moetrain.model.transformer import MoETransformer
@@ -129,14 +122,8 @@ def run(args) -> int:
         opts[mode].step()
         opts[mode].zero_grad(set_to_none=True)
 
-    times: dict[str, list[float]] = {k: [] for k in MODES}
     with kernel:
-        for r in range(args.warmup + args.steps):
-            for mode in MODES:
-                t0 = time.perf_counter()
-                step(mode)
-                if r >= args.warmup:
-                    times[mode].append(time.perf_counter() - t0)
+        times = interleaved_times({k: functools.partial(step, k) for k in MODES}, args.steps, args.warmup)
         saved = {}
         with autocast:
             saved["a"] = saved_bytes_per_block(models["a"], ids, tgt, return_logits=False)
@@ -147,14 +134,9 @@ def run(args) -> int:
     shape = ModelShape.from_config(base)
     flags = [base.is_moe_layer(i) for i in range(base.n_layers)]
     act_bytes = 2 if args.dtype == "bf16" else 4
-    predicted = {
-        "a": model_activations(shape, flags, args.batch, args.seq, 1, act_bytes=act_bytes,
-                               attention_kernel=args.attention, fused_loss=True).peak,
-        "b": model_activations(shape, flags, args.batch // g, args.seq, 1, act_bytes=act_bytes,
-                               attention_kernel=args.attention, fused_loss=True).peak,
-        "c": model_activations(shape, flags, args.batch, args.seq, g, act_bytes=act_bytes,
-                               attention_kernel=args.attention, fused_loss=True).peak,
-    }
+    predicted = {k: model_activations(shape, flags, args.batch // micro[k], args.seq, g if k == "c" else 1,
+                                      act_bytes=act_bytes, attention_kernel=args.attention, fused_loss=True).peak
+                 for k in MODES}
     tokens = args.batch * args.seq
     cpu = calibrate_cpu()
     intensity = {k: expert_intensity(shape, tokens // micro[k] * args.top_k / args.experts, act_bytes, act_bytes)
@@ -182,19 +164,10 @@ def run(args) -> int:
         "c_over_a_tokens_per_s": rows["c"]["tokens_per_s"] / rows["a"]["tokens_per_s"],
         "c_over_a_saved_bytes": rows["c"]["saved_bytes"] / rows["a"]["saved_bytes"],
     }
-    machine = cpu_info()
+    machine = {**machine_info(), "calibrated_flops": cpu.peak_flops, "calibrated_bytes_per_s": cpu.mem_bw,
+               "ridge_flops_per_byte": cpu.ridge}
     _print_table(args, rows, ratios, cpu.ridge, machine)
-    report = {
-        "benchmark": "bta", "args": {k: v for k, v in vars(args).items() if k not in ("func", "debug")},
-        "machine": {"platform": platform.platform(), **machine, "torch": torch.__version__,
-                    "threads": torch.get_num_threads(),
-                    "calibrated_flops": cpu.peak_flops, "calibrated_bytes_per_s": cpu.mem_bw,
-                    "ridge_flops_per_byte": cpu.ridge},
-        "tokens_per_step": tokens, "modes": rows, "ratios": ratios,
-    }
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.json}")
+    write_report(args, {"machine": machine, "tokens_per_step": tokens, "modes": rows, "ratios": ratios})
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Shared measurement helpers of the issue-9 benchmarks (``bench moe``, ``bench train``): interleaved timing and
+"""Shared measurement helpers of the benchmarks (``bench moe``, ``bench train``, ``bench bta``): interleaved timing and
 peak tensor memory.
 
 Timing: every round runs each candidate once, in an order rotated by one each round, so that a busy machine (other
@@ -116,27 +116,19 @@ def peak_tensor_bytes(fn: Callable[[], None], device: torch.device | str = "cpu"
     return peak
 
 
-def cpu_info() -> dict[str, object]:
-    """The CPU a benchmark ran on (``moetrain.runtime.cpu``): ``cpu_model`` (``/proc/cpuinfo`` model name),
-    ``bf16_flags`` (the native-bf16 features it reports: ``avx512_bf16``, ``amx_bf16``), ``bf16_fast`` and
-    ``bf16_reason`` (whether bf16 autocast computes in bf16 here, and why: the bf16 policy)."""
-    from moetrain.runtime.cpu import bf16_flags, bf16_support, cpu_model
-
-    support = bf16_support("cpu")
-    return {"cpu_model": cpu_model(), "bf16_flags": bf16_flags(), "bf16_fast": support.fast,
-            "bf16_reason": support.reason}
-
-
 def cpu_line(info: dict) -> str:
-    """``CPU Intel(R) Xeon(R) Processor, native bf16: amx_bf16 avx512_bf16 (bf16 fast)`` for a bench header."""
+    """``native CPU kernels on; CPU Intel(R) Xeon(R) Processor, native bf16: amx_bf16 avx512_bf16 (bf16 fast)``
+    for a bench header, from :func:`machine_info`."""
     flags = " ".join(info["bf16_flags"]) or "none"
-    return f"CPU {info['cpu_model']}, native bf16: {flags} (bf16 {'fast' if info['bf16_fast'] else 'slow'})"
+    return (f"native CPU kernels {'on' if info['native_cpu_kernels'] else 'off'}; CPU {info['cpu_model']}, native "
+            f"bf16: {flags} (bf16 {'fast' if info['bf16_fast'] else 'slow'})")
 
 
 def machine_info() -> dict:
-    """What the numbers were measured on: the CPU (:func:`cpu_info`), the load average at the time and whether the
+    """What the numbers were measured on: the CPU (:func:`moetrain.runtime.cpu.cpu_info`), the load average at the time and whether the
     fused MoE path's native CPU kernels were in use (built here on the first call)."""
     from moetrain.moe.kernels.cpu import native as cpu_kernels
+    from moetrain.runtime.cpu import cpu_info
 
     info: dict[str, object] = {
         "platform": platform.platform(),

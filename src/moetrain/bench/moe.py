@@ -28,14 +28,12 @@ expert FLOPs, and the peak of torch tensor bytes during one forward + backward (
 
 from __future__ import annotations
 
-import json
 import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
-from moetrain.bench import add_measurement_args, check_device
+from moetrain.bench import add_measurement_args, check_device, write_report
 from moetrain.errors import ConfigError
 
 CANDIDATES = ("dense", "hf-eager", "hf-grouped_mm", "loop", "padded", "grouped_mm", "fused")
@@ -152,6 +150,7 @@ def _build(shape: Shape, dtype, names: list[str], seed: int, vary_routing: bool 
 
         built["dense"] = (_stepper(dense_forward, grad_rows, [x_rows, *dense_w]), None)  # no routing to vary
 
+    layers: dict[str, tuple[Any, Any, Callable[[Any, Any], Any]]] = {}  # name -> (module, router weight, call)
     for impl in ("eager", "grouped_mm"):
         if f"hf-{impl}" not in names:
             continue
@@ -163,36 +162,25 @@ def _build(shape: Shape, dtype, names: list[str], seed: int, vary_routing: bool 
         cfg = MixtralConfig(hidden_size=d, intermediate_size=f, num_local_experts=e, num_experts_per_tok=k,
                             router_jitter_noise=0.0, experts_implementation=impl)  # type: ignore[call-arg]
         block = MixtralSparseMoeBlock(cfg)
-        with torch.no_grad():
-            block.gate.weight.copy_(router)
-            block.experts.gate_up_proj.copy_(gate_up)
-            block.experts.down_proj.copy_(down)
-        block = block.to(device, dtype).train()
-        xin = x.clone().view(1, t, d).requires_grad_()
-
-        def hf_forward(block=block, xin=xin):
-            return block(xin).view(t, d)
-
-        built[f"hf-{impl}"] = (_stepper(hf_forward, grad_out, [xin, *block.parameters()],
-                                        _refresher(xin, seed, vary_routing)), hf_forward)
-
+        layers[f"hf-{impl}"] = (block, block.gate.weight, lambda m, xin: m(xin.view(1, t, d)).view(t, d))
     for backend in ("loop", "padded", "grouped_mm", "fused"):
-        if backend not in names:
-            continue
-        layer = MoELayer(d, MoEConfig(num_experts=e, top_k=k, experts=ExpertsConfig(ffn_hidden=f)),
-                         ExecutionConfig(moe_backend=backend))
+        if backend in names:
+            layer = MoELayer(d, MoEConfig(num_experts=e, top_k=k, experts=ExpertsConfig(ffn_hidden=f)),
+                             ExecutionConfig(moe_backend=backend))
+            layers[backend] = (layer, layer.router.weight, lambda m, xin: m(xin)[0])
+    for name, (module, gate, call) in layers.items():  # transformers' expert layout is moetrain's
         with torch.no_grad():
-            layer.router.weight.copy_(router)
-            layer.experts.gate_up_proj.copy_(gate_up)
-            layer.experts.down_proj.copy_(down)
-        layer = layer.to(device, dtype).train()
+            gate.copy_(router)
+            module.experts.gate_up_proj.copy_(gate_up)
+            module.experts.down_proj.copy_(down)
+        module = module.to(device, dtype).train()
         xin = x.clone().requires_grad_()
 
-        def ours_forward(layer=layer, xin=xin):
-            return layer(xin)[0]
+        def forward(module=module, xin=xin, call=call):
+            return call(module, xin)
 
-        built[backend] = (_stepper(ours_forward, grad_out, [xin, *layer.parameters()],
-                                   _refresher(xin, seed, vary_routing)), ours_forward)
+        built[name] = (_stepper(forward, grad_out, [xin, *module.parameters()],
+                                _refresher(xin, seed, vary_routing)), forward)
     return built
 
 
@@ -300,8 +288,6 @@ def run(args) -> int:
 
     from moetrain.bench.common import cpu_line, machine_info
 
-    if args.reps < 1 or args.warmup < 0:
-        raise ConfigError(f"--reps must be >= 1 and --warmup >= 0, got {args.reps} and {args.warmup}")
     shapes, names = _shapes(args), _candidates(args)
     check_device(args.device)
     if args.threads:
@@ -312,8 +298,7 @@ def run(args) -> int:
           f"candidates interleaved, {'new tokens every call' if args.vary_routing else 'the same tokens every round'}"
           f"; {args.device}{' (' + str(info['cuda']) + ')' if args.device == 'cuda' else ''}, "
           f"{info['threads']} threads, {args.clock} clock; load average "
-          f"{info['load_avg_1_5_15min']} on {info['cpus']} CPUs; native CPU kernels "
-          f"{'on' if info['native_cpu_kernels'] else 'off'}; {cpu_line(info)}")
+          f"{info['load_avg_1_5_15min']} on {info['cpus']} CPUs; {cpu_line(info)}")
     if args.device == "cpu":
         _warn_if_busy(info)
     records = []
@@ -323,15 +308,8 @@ def run(args) -> int:
                               args.clock, args.vary_routing, args.device)
             print_record(rec)
             records.append(rec)
-    info_end = machine_info()
-    report = {
-        "benchmark": "moe",
-        "args": {k: v for k, v in vars(args).items() if k not in ("func", "debug")},
-        "machine": {**info, "load_avg_at_end": info_end["load_avg_1_5_15min"]},
-        "dense_limit": "dense SwiGLU with one expert's weight shapes on T*K rows, plain autograd",
-        "results": records,
-    }
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
-    print(f"\nload average at end {info_end['load_avg_1_5_15min']}; wrote {args.json}")
+    end = machine_info()["load_avg_1_5_15min"]
+    print(f"\nload average at end {end}")
+    write_report(args, {"machine": {**info, "load_avg_at_end": end}, "results": records,
+                        "dense_limit": "dense SwiGLU with one expert's weight shapes on T*K rows, plain autograd"})
     return 0

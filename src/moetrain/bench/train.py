@@ -24,10 +24,7 @@ temporaries; the weights and AdamW states, allocated before and equal for both m
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
-from moetrain.bench import add_measurement_args, check_device
+from moetrain.bench import add_measurement_args, check_device, write_report
 from moetrain.errors import ConfigError
 
 OURS_BACKENDS = ("fused", "grouped_mm", "loop", "padded")
@@ -70,7 +67,7 @@ def build_models(args):
     import torch
     import transformers
 
-    from moetrain.configlib import from_dict
+    from moetrain.configlib import from_dict, merge
     from moetrain.interop.families import MIXTRAL, family_for, hf_config_dict
     from moetrain.interop.hf import hf_state_dict
     from moetrain.model.config import ModelConfig
@@ -80,17 +77,12 @@ def build_models(args):
     if args.preset in SHAPE_ONLY:
         raise ConfigError(f"--preset {args.preset}: a shape-only preset is too large to train here")
     preset = preset_dict(args.preset)
-    batch = args.batch or preset.get("train", {}).get("batch_size", 8)
+    batch = args.batch or preset.get("train", {}).get("batch_size", 8)  # checked by moetrain/commands/bench.py
     seq = args.seq or preset.get("data", {}).get("seq_len", 256)
-    if batch < 1 or seq < 2:
-        raise ConfigError(f"--batch must be >= 1 and --seq >= 2, got {batch} and {seq}")
-    model_dict = preset["model"]
-    for flag, field in (("experts", "num_experts"), ("top_k", "top_k")):
-        if getattr(args, flag, None) is not None:
-            model_dict["moe"] = {**model_dict["moe"], field: getattr(args, flag)}  # validated by ModelConfig
-    if getattr(args, "expert_ffn", None) is not None:
-        model_dict["moe"] = {**model_dict["moe"], "experts": {**model_dict["moe"].get("experts", {}),
-                                                             "ffn_hidden": args.expert_ffn}}
+    moe = {k: v for k, v in (("num_experts", args.experts), ("top_k", args.top_k)) if v is not None}
+    if args.expert_ffn is not None:
+        moe["experts"] = {"ffn_hidden": args.expert_ffn}
+    model_dict = merge(preset["model"], {"moe": moe})  # validated by ModelConfig
     model_dict["max_seq_len"] = max(model_dict.get("max_seq_len", seq), seq)
     models = {}
     ref_cfg = None
@@ -132,8 +124,6 @@ def run(args) -> int:
 
     from moetrain.bench.common import interleaved_times, machine_info, peak_tensor_bytes, summary
 
-    if args.steps < 1 or args.warmup < 0:
-        raise ConfigError(f"--steps must be >= 1 and --warmup >= 0, got {args.steps} and {args.warmup}")
     check_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -194,31 +184,26 @@ def run(args) -> int:
             r["speedup_vs_best_hf"] = rows[best_hf]["median_s"] / r["median_s"]
             hb = rows[best_hf]["peak_bytes"]
             r["peak_vs_best_hf"] = r["peak_bytes"] / hb if hb and r["peak_bytes"] is not None else None
-    info = machine_info()
     report = {
-        "benchmark": "train", "args": {k: v for k, v in vars(args).items() if k not in ("func", "debug")},
-        "machine": info, "batch": batch, "seq": seq, "tokens_per_step": tokens, "best_hf": best_hf,
+        "machine": machine_info(), "batch": batch, "seq": seq, "tokens_per_step": tokens, "best_hf": best_hf,
         "model": {"preset": args.preset, "layers": cfg.n_layers, "hidden": cfg.hidden, "experts": cfg.moe.num_experts,
                   "top_k": cfg.moe.top_k, "expert_ffn": cfg.moe.experts.ffn_hidden, "vocab": cfg.vocab_size},
         "candidates": rows,
     }
-    _print(report)
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.json}")
+    _print(args, report)
+    write_report(args, report)
     return 0
 
 
-def _print(report: dict) -> None:
+def _print(args, report: dict) -> None:
     from moetrain.bench.common import cpu_line
 
-    m, a = report["model"], report["args"]
+    m, a = report["model"], vars(args)
     print(f"bench train: preset {m['preset']} (L={m['layers']}, D={m['hidden']}, E={m['experts']}, K={m['top_k']}, "
           f"F={m['expert_ffn']}, V={m['vocab']}), batch {report['batch']} x {report['seq']} = "
           f"{report['tokens_per_step']} tokens, {a['dtype']}, fused AdamW; {a['steps']} timed rounds interleaved; "
-          f"{a.get('device', 'cpu')}, {report['machine']['threads']} threads, {a['clock']} clock; load average "
-          f"{report['machine']['load_avg_1_5_15min']}; native CPU kernels "
-          f"{'on' if report['machine'].get('native_cpu_kernels') else 'off'}; {cpu_line(report['machine'])}")
+          f"{a['device']}, {report['machine']['threads']} threads, {a['clock']} clock; load average "
+          f"{report['machine']['load_avg_1_5_15min']}; {cpu_line(report['machine'])}")
     print(f"  {'candidate':<22} {'tok/s':>8} {'step ms':>8} {'min-max ms':>17} {'vs best HF':>10} {'peak MB':>8} "
           f"{'peak/HF':>8} {'lm loss':>8}")
     for name, r in report["candidates"].items():

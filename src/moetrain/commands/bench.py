@@ -1,8 +1,9 @@
 """``moetrain bench NAME ...``: benchmarks that print a table and write JSON.
 
 Each benchmark lives in ``moetrain.bench.<name>`` and defines ``add_parser(sub)`` (which calls
-``set_defaults(func=run)``); add one by adding its name to :data:`BENCHES`. The arguments every benchmark shares
-(``--threads``, ``--json``, ``--overwrite``, and ``bench train``'s ``--batch`` / ``--seq`` / ``--lr``) are checked
+``set_defaults(func=run)``); add one by adding its name to :data:`BENCHES`. The arguments benchmarks share
+(``--threads``, ``--steps`` / ``--reps``, ``--warmup``, ``--json``, ``--overwrite``, and ``bench train``'s
+``--batch`` / ``--seq`` / ``--lr``) are checked
 here before the benchmark starts, so a bad value is a one-line error rather than a traceback minutes later. The JSON
 goes where ``--json`` says, else to a new file under the temp directory (:func:`moetrain.bench.default_output`),
 never into the current directory; an existing ``--json`` file is replaced only with ``--overwrite``.
@@ -16,6 +17,7 @@ import importlib
 import math
 from pathlib import Path
 
+from moetrain.commands import check_at_least, check_output_path
 from moetrain.errors import ConfigError, MoetrainError
 
 BENCHES = ["bta", "moe", "train"]
@@ -33,9 +35,8 @@ def add_parser(sub) -> None:
 
 
 def _checked(func, args) -> int:
-    threads = getattr(args, "threads", None)
-    if threads is not None and threads < 0:
-        raise ConfigError(f"--threads: must be >= 1 (or 0 for PyTorch's default), got {threads}")
+    check_at_least(args, 0, "threads", "warmup")  # --threads 0: PyTorch's default
+    check_at_least(args, 1, "steps", "reps", "batch")
     if args.bench == "train":
         _check_train(args)
     if args.json is None:  # a new file under the temp directory, never the current directory
@@ -44,20 +45,13 @@ def _checked(func, args) -> int:
         args.json = str(default_output(args.bench))
     elif Path(args.json).exists() and not Path(args.json).is_dir() and not args.overwrite:
         raise MoetrainError(f"--json {args.json}: exists; pass --overwrite to replace it or choose another file")
-    if args.json is not None:
-        path = Path(args.json)
-        if path.is_dir():
-            raise MoetrainError(f"--json {path}: is a directory; give a file name such as {path / 'bench.json'}")
-        if any(p.exists() and not p.is_dir() for p in path.parents):
-            raise MoetrainError(f"--json {path}: a parent path is a file, not a directory")
+    check_output_path(Path(args.json), "--json", "file")
     return func(args)
 
 
 def _check_train(args) -> None:
     from moetrain.config import build_config
 
-    if args.batch is not None and args.batch < 1:
-        raise ConfigError(f"--batch: must be >= 1, got {args.batch}")
     if not (args.lr > 0 and math.isfinite(args.lr)):  # AdamW raises a bare ValueError only after the models are built
         raise ConfigError(f"--lr: must be > 0 and finite, got {args.lr:g}")
     if args.seq is not None:

@@ -1,27 +1,12 @@
 """``moetrain compare VARIANT [VARIANT ...] --out DIR``: train variants of a config on the same tokens and seeds,
-side by side on this machine, then tabulate and plot their validation losses per token and per second.
+side by side on this machine, then tabulate and plot their validation losses per token and per second
+(docs/compare.md: the variants, what every run gets alike, what DIR holds, how to read it).
 
-A VARIANT is a config file (what ``train --config`` reads; named after its stem, or a ``config.json`` after its
-directory) or ``NAME:FIELD=VALUE,...`` (``moe:`` alone is the preset as is); its fields go over ``--preset`` and the
-shared ``FIELD=VALUE`` overrides.
 Every (variant, seed) is one child process ``python -m moetrain train --config DIR/configs/NAME-sSEED.json --out
-DIR/runs/NAME-sSEED``, whose config is resolved and validated here first, so a bad spec costs no training. The
-command sets ``train.seed`` (``--seeds``), ``train.threads`` (``--threads-per-run``) and, when given,
-``data.path`` (``--data``), ``train.steps`` (``--steps``) and ``train.time_budget_s`` (``--seconds``) over every
-variant's own value. The corpus is tokenized once here before any run starts (the runs then read the same token
-cache), and the runs start in waves of at most ``--parallel`` (:func:`plan_waves`): a wave never mixes the seeds'
-shares of the variants, so that a seed's variants run next to each other and share the machine alike.
-
-What DIR holds at the end: ``compare-command.json`` (the command line, written first), ``configs/`` and ``logs/``
-(each run's config and console output), ``runs/`` (the run directories), ``compare.json`` (every run: variant,
-seed, parameters, every evaluation with tokens seen and wall seconds, median tokens/s, the fingerprint of the
-first batch; see :func:`summarize_run`; and each variant's leads over the first variant, per token and at the same
-seconds: moetrain/commands/compare_leads.py), ``compare.md`` (the machine, a table, whether the variants of each
-seed saw the same first batch, the leads) and ``loss_vs_tokens.png`` / ``loss_vs_seconds.png``.
-
-Errors: a bad variant, seed list or field is a :class:`~moetrain.errors.ConfigError` naming the variant and the
-field (one line, exit status 2, before anything is written); an existing non-empty DIR is refused unless
-``--overwrite``. A run that fails is a row without losses in the table, and the command then exits with status 1.
+DIR/runs/NAME-sSEED``, its config resolved and validated here first, so a bad spec costs no training (a
+:class:`~moetrain.errors.ConfigError` naming the variant and the field, before anything is written). The corpus is
+tokenized once before any run starts, and the runs start in waves of at most ``--parallel`` (:func:`plan_waves`).
+A run that fails is a row without losses, and the command then exits with status 1.
 """
 
 from __future__ import annotations
@@ -159,6 +144,13 @@ def parse_seeds(text: str) -> list[int]:
     return seeds
 
 
+# The fields the command sets over every variant's own: field -> (its option, the option's value in ``args``; the
+# seed is the run's).
+FORCED = {"train.seed": ("--seeds", "seed"), "train.threads": ("--threads-per-run", "threads_per_run"),
+          "data.path": ("--data", "data"), "train.steps": ("--steps", "steps"),
+          "train.time_budget_s": ("--seconds", "seconds")}
+
+
 def _nested_get(data: dict[str, Any] | None, path: str) -> Any:
     node: Any = data or {}
     for part in path.split("."):
@@ -169,16 +161,13 @@ def _nested_get(data: dict[str, Any] | None, path: str) -> Any:
 
 
 def forced_fields(args: argparse.Namespace, seed: int) -> dict[str, Any]:
-    """The fields the command sets over every variant's own: ``train.seed``, ``train.threads`` and, when given,
-    ``data.path``, ``train.steps``, ``train.time_budget_s``; nested."""
-    train: dict[str, Any] = {"seed": seed, "threads": args.threads_per_run}
-    if args.steps is not None:
-        train["steps"] = args.steps
-    if args.seconds is not None:
-        train["time_budget_s"] = args.seconds
-    forced: dict[str, Any] = {"train": train}
-    if args.data is not None:
-        forced["data"] = {"path": args.data}
+    """The :data:`FORCED` fields given (``train.seed`` and ``train.threads`` always), nested."""
+    values = {**vars(args), "seed": seed}
+    forced: dict[str, Any] = {}
+    for path, (_, option) in FORCED.items():
+        if values[option] is not None:
+            section, name = path.split(".")
+            forced.setdefault(section, {})[name] = values[option]
     return forced
 
 
@@ -262,13 +251,8 @@ def child_command(out: Path, run: Run) -> list[str]:
 
 def plan_waves(runs: list[Run], parallel: int) -> list[list[Run]]:
     """The waves ``runs`` (seed-major, the variants in command-line order) start in; sets each run's ``wave``.
-
-    With V variants: when ``parallel >= V``, a wave holds ``parallel // V`` whole seeds (every variant of a seed runs
-    beside the others; up to ``V - 1`` slots stay free); else each seed's variants are cut into waves of
-    ``parallel``, in order, so the first variant (the baseline of the leads) shares a wave with the next
-    ``parallel - 1`` only. Cutting the run list into blocks of ``parallel`` instead would put one seed's variants in
-    different waves as soon as ``parallel`` is not a multiple of V.
-    """
+    With V variants a wave holds ``parallel // V`` whole seeds when ``parallel >= V``, else ``parallel`` of one
+    seed's variants in order: one seed's variants never straddle waves to fill a slot."""
     seeds: dict[int, list[Run]] = {}
     for r in runs:
         seeds.setdefault(r.seed, []).append(r)
@@ -580,9 +564,7 @@ def _check_out(out: Path, overwrite: bool) -> None:
 def _notes(variant: Variant, shared: dict[str, Any], forced: dict[str, Any]) -> list[str]:
     """A note for each field the variant or the shared overrides set that the command replaces."""
     notes = []
-    flags = {"train.seed": "--seeds", "train.threads": "--threads-per-run", "data.path": "--data",
-             "train.steps": "--steps", "train.time_budget_s": "--seconds"}
-    for path, flag in flags.items():
+    for path, (flag, _) in FORCED.items():
         value = _nested_get(forced, path)
         if value is None:
             continue
@@ -627,14 +609,12 @@ def run(args: argparse.Namespace) -> int:
                               "give each variant its own NAME")
         names[v.name] = v.spec
     seeds = parse_seeds(args.seeds)
-    if args.threads_per_run < 1:
-        raise ConfigError(f"--threads-per-run: must be >= 1, got {args.threads_per_run}")
-    if args.parallel is not None and args.parallel < 1:
-        raise ConfigError(f"--parallel: must be >= 1, got {args.parallel}")
+    for option, value in (("--threads-per-run", args.threads_per_run), ("--parallel", args.parallel),
+                          ("--steps", args.steps)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{option}: must be >= 1, got {value}")
     if args.seconds is not None and not args.seconds > 0:
         raise ConfigError(f"--seconds: must be > 0, got {args.seconds:g}")
-    if args.steps is not None and args.steps < 1:
-        raise ConfigError(f"--steps: must be >= 1, got {args.steps}")
     from moetrain.config import upgrade
 
     shared = upgrade(parse_overrides(shared_items))
@@ -702,13 +682,7 @@ def run(args: argparse.Namespace) -> int:
     for path in [out / "compare.json", out / "compare.md", *figures]:
         print(f"wrote {path}")
     print()
-    print(markdown_table(summaries))
-    if leads:
-        print()
-        print(leads_markdown(leads))
-    for note in report["notes"]:
-        print()
-        print(note)
+    print("\n\n".join(part for part in (markdown_table(summaries), leads_markdown(leads), *report["notes"]) if part))
     failed = [r for r in runs if r.exit_code != 0]
     if failed:
         print(f"moetrain: error: {len(failed)} of {len(runs)} runs failed: "

@@ -1,26 +1,17 @@
-"""Leads of each variant of a ``moetrain compare`` over the first one, per token and at the same seconds.
+"""Leads of each variant of a ``moetrain compare`` over the first one (the baseline: list the dense twin first),
+per token and at the same seconds, and the tokens/s ratio; how to read them: docs/compare.md.
 
-The first variant on the command line is the baseline (the dense twin in ``moetrain compare
-dense:model.moe_every=0 moe: ...``). For each seed and each other variant:
-
-- **per token**: ``baseline - variant`` validation loss (nats/token; positive = the variant is lower) at the most
-  tokens both runs were evaluated at (the last evaluation of both when they ran the same steps);
-- **at the same seconds**: the same difference at ``t* = min(T_baseline, T_variant)``, each run's training-loop
-  seconds (``elapsed_s``, its evaluations and checkpoints included) at its last evaluation, each loss read off its
-  run's evaluations by linear interpolation in seconds (the run that finished first is read at its last
-  evaluation; the other between the two evaluations around ``t*``). This is how docs/moe-vs-dense.md compares per
-  second ("the MoE's loss interpolated at the time its twin finished"), made symmetric so that a faster variant is
-  read at its own end;
-- **speed**: the variant's median tokens/s over the baseline's.
-
-The seconds and the speed mean something only between runs that shared the machine alike: a row says so
-(``another wave``) when the two runs did not run in the same wave. A run that failed (non-zero exit status) gets no
-lead, whatever it logged before it stopped, and neither does a run without an evaluation after step 0.
+The per-second lead is read at ``t* = min(T_baseline, T_variant)``, each run's training-loop seconds at its last
+evaluation, each loss interpolated linearly between its run's evaluations around ``t*``. Seconds and speed compare
+only runs of the same wave (a row says ``another wave`` otherwise); a failed run, or one without an evaluation
+after step 0, gets no lead.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from moetrain.results import markdown_table
 
 
 def loss_at_seconds(evals: list[dict[str, Any]], seconds: float) -> float | None:
@@ -122,13 +113,11 @@ def leads_markdown(rows: list[dict[str, Any]]) -> str:
              "- per token: at the most tokens both runs were evaluated at;",
              "- at the same seconds: at the earlier of the two runs' last evaluations (training-loop seconds, "
              "evaluations and checkpoints included), the other run's loss interpolated between its evaluations;",
-             "- tokens/s ratio: the variant's median tokens/s over the baseline's.", "",
-             "| variant | seed | tokens | lead per token | at seconds | lead at the same seconds | tokens/s ratio | "
-             "note |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        seconds = "-" if r["seconds"] is None else _seconds(r["seconds"])
-        lines.append(f"| {r['variant']} | {r['seed']} | {'-' if r['tokens'] is None else r['tokens']} | "
-                     f"{num(r['lead_per_token'], '+.3f')} | {seconds} | {num(r['lead_same_seconds'], '+.3f')} | "
-                     f"{num(r['speed_ratio'], '.2f')} | {r['note'] or ''} |")
+             "- tokens/s ratio: the variant's median tokens/s over the baseline's.", ""]
+    columns = ["variant", "seed", "tokens", "lead per token", "at seconds", "lead at the same seconds",
+               "tokens/s ratio", "note"]
+    lines += markdown_table(columns, [
+        [r["variant"], r["seed"], num(r["tokens"], "d"), num(r["lead_per_token"], "+.3f"),
+         "-" if r["seconds"] is None else _seconds(r["seconds"]), num(r["lead_same_seconds"], "+.3f"),
+         num(r["speed_ratio"], ".2f"), r["note"] or ""] for r in rows])
     return "\n".join(lines)

@@ -1,21 +1,10 @@
 """``moetrain doctor [RUN_DIR]``: why is training slow here? Measured, with one recommendation per finding.
 
-It reports
-- the machine: CPU model, usable cores, load average, the intra-op threads a run would choose, native bf16 flags;
-- the hardware peak: calibrated GEMM rate (1024^3 products) in fp32 and bf16 with those threads, the best of
-  interleaved rounds before and after the profiled window, and a note when the figures are unreliable (other
-  processes busy, rounds that disagree);
-- a short profiled window of training steps of the run's model (RUN_DIR's ``config.json``; default: the default
-  job's ``cpu-small`` preset) on random tokens of the run's micro-batch shape, run by the trainer's own step function
-  with the run's routing monitor attached (:func:`profile_steps`): the median step time split into forward,
-  backward, optimizer and monitoring, and the achieved model FLOP/s and MFU (``moetrain.analysis`` FLOPs of one
-  step / the median step time / the calibrated peak in the run's compute dtype, never above 100%: where the steps
-  outran the measured peak, it says the MFU could not be measured);
-- from the run's own ``metrics.jsonl`` (when given a run): its logged tokens/s and MFU, the share of its wall time
-  it waited for data (``data_wait_s``) and spent monitoring (``monitor_s``), the peak its MFU was computed against,
-  and how its tokens/s compares with the profiled window's (:func:`compare_with_run`);
-- communication: 0% only where the run is one process (the profiled window is always one process; a torchrun
-  job's all-to-all and all-reduce are not measured here, :func:`run_processes`).
+It reports the machine (CPU, usable cores, load, threads, native bf16), the GEMM peak calibrated in interleaved
+rounds around a short profiled window of the run's training steps (:func:`profile_steps`), that window's step time
+split into forward, backward, optimizer and monitoring, its model FLOP/s and MFU, and, given a run directory, the
+run's own logged tokens/s, MFU and data / monitoring shares against the window's (:func:`compare_with_run`). What
+each figure means and how it is checked: docs/robustness.md.
 """
 
 from __future__ import annotations
@@ -26,6 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from moetrain.commands import check_at_least
 from moetrain.errors import MoetrainError
 
 
@@ -37,19 +27,10 @@ def add_parser(sub) -> None:
 
 
 def _config(run_dir: str | None):
+    from moetrain.commands.run_dir import read_run_config
     from moetrain.config import Config, build_config
 
-    if run_dir is None:
-        return build_config(None, None, {})
-    path = Path(run_dir) / "config.json"
-    if not path.is_file():
-        raise MoetrainError(f"{path} not found; is '{run_dir}' a moetrain run directory?")
-    try:
-        return Config.from_dict(json.loads(path.read_text()))
-    except ValueError as e:
-        if isinstance(e, MoetrainError):
-            raise
-        raise MoetrainError(f"{path}: cannot parse: {e}") from None
+    return build_config() if run_dir is None else Config.from_dict(read_run_config(run_dir))
 
 
 def batch_shape(config) -> tuple[int, int]:
@@ -236,12 +217,12 @@ def diagnose(config, run_dir: str | None, steps: int) -> dict:
     ran faster than every peak round (the peak was held down by load, so there is no MFU to report).
     """
     from moetrain.analysis.hardware import UNRELIABLE_BUSY_CORES, measure_peaks
-    from moetrain.runtime.cpu import bf16_flags, bf16_support, cpu_model
+    from moetrain.runtime.cpu import cpu_info
     from moetrain.runtime.threads import choose_threads
 
     threads = choose_threads(config.train.threads)
-    bf16 = bf16_support("cpu")
-    compute = "bf16" if config.train.dtype == "bf16" and bf16.fast else "fp32"
+    cpu = cpu_info()
+    compute = "bf16" if config.train.dtype == "bf16" and cpu["bf16_fast"] else "fp32"
     peaks = measure_peaks(rounds=2)
     times = profile_steps(config, steps)
     peaks = peaks.merged(measure_peaks(rounds=2))  # the load may change while the window runs
@@ -253,8 +234,7 @@ def diagnose(config, run_dir: str | None, steps: int) -> dict:
     rows, seq = batch_shape(config)
     tokens = rows * seq * config.train.grad_accum
     achieved = flops / times["step"]
-    return {"cpu": cpu_model(), "bf16_flags": bf16_flags(), "bf16_fast": bf16.fast, "bf16_reason": bf16.reason,
-            "threads": threads.threads, "usable_cores": threads.usable_cores, "load": threads.load,
+    return {**cpu, "threads": threads.threads, "usable_cores": threads.usable_cores, "load": threads.load,
             "busy": threads.busy, "threads_requested": threads.requested, "peak_flops": peak,
             "peak_rounds": peaks.rates, "bf16_ratios": peaks.ratios("bf16", "fp32"), "unreliable": unreliable,
             "compute_dtype": compute, "dtype": config.train.dtype, "step_flops": flops, "tokens_per_step": tokens,
@@ -318,13 +298,12 @@ def _communication(processes: int | None) -> str:
 
 
 def run(args) -> int:
-    if args.steps < 1:
-        raise MoetrainError(f"--steps: must be >= 1, got {args.steps}")
+    check_at_least(args, 1, "steps")
     config = _config(args.run_dir)
     d = diagnose(config, args.run_dir, args.steps)
     load = "unknown" if d["load"] is None else f"{d['load']:.1f}"
     busy = "" if d.get("busy") is None else f", {d['busy']:.1f} of them busy with other processes"
-    print(f"machine: {d['cpu']}; {d['usable_cores']} usable cores{busy}, load average {load}, {d['threads']} "
+    print(f"machine: {d['cpu_model']}; {d['usable_cores']} usable cores{busy}, load average {load}, {d['threads']} "
           f"intra-op threads")
     flags = ", ".join(d["bf16_flags"]) or "none"
     print(f"bf16: native flags {flags}; {'fast' if d['bf16_fast'] else 'slow'} ({d['bf16_reason']})")

@@ -7,10 +7,10 @@ By default it evaluates exactly what training's periodic evaluation did (the run
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
+from moetrain.commands import check_at_least
 from moetrain.commands.run_dir import load_run
 from moetrain.errors import MoetrainError
 
@@ -34,10 +34,7 @@ def logged_val_loss(run_dir: Path, step: int) -> float | None:
         records = load_run_log(run_dir).records
     except MoetrainError:  # neither metrics.jsonl nor config.json
         return None
-    found = None
-    for record in records:
-        if record["step"] == step and "val_loss" in record:
-            found = record["val_loss"]
+    found = next((r["val_loss"] for r in reversed(records) if r["step"] == step and "val_loss" in r), None)
     return float(found) if isinstance(found, (int, float)) and not isinstance(found, bool) else None
 
 
@@ -52,7 +49,7 @@ def evaluated_alike(saved: dict | None, config) -> bool:
             return None
         return c.get("data"), train.get("batch_size"), train.get("eval_batches"), train.get("dtype")
 
-    now = settings(json.loads(json.dumps(config.to_dict())))
+    now = settings(config.to_dict())  # plain JSON data, as the checkpoint's config.json reads
     return now is not None and settings(saved) == now
 
 
@@ -66,8 +63,7 @@ def run(args) -> int:
     from moetrain.train.progress import batches_fingerprint, logged_val_fingerprint
     from moetrain.train.trainer import TOKENIZER_FILE, evaluate
 
-    if args.batches is not None and args.batches < 1:
-        raise MoetrainError(f"--batches must be >= 1, got {args.batches}")
+    check_at_least(args, 1, "batches")
     if args.data is not None and not args.data.strip():
         raise MoetrainError(f"--data: is empty ({args.data!r}); give a file, directory or glob, or leave --data out "
                             "for the run's own data")

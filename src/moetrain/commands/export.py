@@ -10,9 +10,11 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import sys
 import uuid
 from pathlib import Path
 
+from moetrain.commands import check_output_path
 from moetrain.errors import ConfigError, MoetrainError
 
 # What an export writes (transformers' save_pretrained, the generation config and the tokenizer files).
@@ -67,17 +69,24 @@ def _check_previous_export(out: Path, entries: list[Path]) -> None:
                             "delete them: move them away or choose another OUT_DIR")
 
 
+def quiet_progress_unless_tty() -> None:
+    """Turn transformers' progress bars off when stderr is not a terminal: through a pipe or into a log file a bar
+    is a line of carriage-return redraws, not progress anyone sees."""
+    if not sys.stderr.isatty():
+        from transformers.utils.logging import disable_progress_bar
+
+        disable_progress_bar()
+
+
 def run(args) -> int:
     from moetrain.commands.run_dir import load_run
     from moetrain.interop.families import family_for
     from moetrain.interop.hf import to_hf
 
+    quiet_progress_unless_tty()
     out = Path(args.out_dir)
     shard_bytes = parse_shard_size(args.max_shard_size)
-    if out.exists() and not out.is_dir():
-        raise MoetrainError(f"{out}: exists and is not a directory; choose another OUT_DIR")
-    if any(p.exists() and not p.is_dir() for p in out.parents):
-        raise MoetrainError(f"{out}: a parent path is a file, not a directory")
+    check_output_path(out, "OUT_DIR")
     entries = list(out.iterdir()) if out.is_dir() else []
     if entries:
         if not args.overwrite:

@@ -26,7 +26,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from moetrain.serve.expert_usage import served_usage
+    from moetrain.commands.serve import calibration_usage, moe_blocks
     from moetrain.serve.loader import load_served_model
     from moetrain.serve.placement import LayerPlacement, place, placement_dict, sglang_json
     from moetrain.train.checkpoint import write_file_atomic
@@ -41,20 +41,11 @@ def run(args) -> int:
                                 "to write elsewhere")
     served = load_served_model(args.model_dir)
     model = served.model
-    blocks = [i for i, b in enumerate(model.blocks) if b.is_moe]
-    if not blocks:
-        raise MoetrainError(f"{args.model_dir}: the model has no MoE layers")
-    text = None
-    if args.calibration_text is not None:
-        try:
-            text = Path(args.calibration_text).read_text()
-        except OSError as err:
-            raise MoetrainError(f"--calibration-text: {err}") from None
-    usage = served_usage(served, text, name=f"--calibration-text {args.calibration_text}")
+    blocks, e = moe_blocks(served, args.model_dir)
+    usage = calibration_usage(args, served)
     if usage.source == "uniform":
         raise MoetrainError(f"{args.model_dir}: no routing statistics (metrics.jsonl with moe/layer*/tokens); "
                             "pass --calibration-text FILE")
-    e = model.blocks[blocks[0]].ffn.config.num_experts
     layers = place(usage.counts, args.ep, args.redundant)
     out.mkdir(parents=True, exist_ok=True)
     # Each file whole or not at all (temp file + rename): `serve --placement` never reads half a file.

@@ -33,11 +33,10 @@ def run(args) -> int:
     from moetrain.analysis.planner import plan
     from moetrain.analysis.shape import ModelShape
     from moetrain.config import build_config
+    from moetrain.commands import check_at_least
     from moetrain.configlib import load_file, parse_overrides
 
-    for name in ("devices", "seq", "global_batch"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
+    check_at_least(args, 1, "devices", "seq", "global_batch")
     file_data = load_file(args.config) if args.config else None
     config = build_config(args.preset, file_data, parse_overrides(args.overrides))
     model = config.model
@@ -117,7 +116,7 @@ def _rank_memory(args, config, candidate) -> None:
 
     try:
         run = build_config(file_data=_run_config(args, config, candidate))
-        lines = memory_lines(run, args.devices)
+        lines = memory_lines(run, args.devices, device="cpu" if args.device == "cpu" else "cuda")
     except ConfigError as e:  # a layout the planner counts but the trainer refuses: say why, keep the plan
         print(f"  per-rank memory: not available for this layout ({e})")
         return
@@ -129,8 +128,7 @@ def _rank_memory(args, config, candidate) -> None:
 
 
 def _emit(args, config, candidate) -> None:
-    """Write the recommendation as a TOML run config: the preset, the --config file's and the overrides' fields,
-    then the layout's trainer fields (:func:`moetrain.analysis.planner.trainer_fields`) on top."""
+    """Write the recommendation (:func:`_run_config`) as a TOML run config."""
     from pathlib import Path
 
     from moetrain.train.checkpoint import write_file_atomic
@@ -171,14 +169,8 @@ def _toml(data: dict, prefix: str = "") -> str:
 
 
 def _best_per_family(cands):
-    """The first few candidates of each family (already sorted: fitting and fastest first)."""
-    out, seen = [], {}
-    for c in cands:
-        n = seen.get(c.layout.family, 0)
-        if n < 4:
-            out.append(c)
-            seen[c.layout.family] = n + 1
-    return out
+    """The first four candidates of each family (already sorted: fitting and fastest first)."""
+    return [c for i, c in enumerate(cands) if sum(d.layout.family == c.layout.family for d in cands[:i]) < 4]
 
 
 def _ckpt(work) -> str:

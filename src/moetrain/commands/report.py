@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from moetrain.commands import check_output_path
 from moetrain.errors import MoetrainError
 
 
@@ -25,8 +26,7 @@ def run(args) -> int:
     refuse_hugging_face_dir(Path(args.run_dir), load_run_log(args.run_dir).config)
     if args.out is not None:  # the default RUN_DIR/report is the report's own: regenerated from the kept logs
         out = Path(args.out)
-        if out.exists() and not out.is_dir():
-            raise MoetrainError(f"--out {out}: exists and is not a directory")
+        check_output_path(out, "--out")
         if out.is_dir() and any(out.iterdir()) and not args.overwrite:
             raise MoetrainError(f"--out {out}: exists and is not empty; pass --overwrite to write the report into it "
                                 "(files named like the report's are replaced) or choose another --out")

@@ -41,6 +41,26 @@ def refuse_hugging_face_dir(root: Path, config: Any) -> None:
                             f"run directory; serve it with `moetrain serve {root}`")
 
 
+def read_run_config(run_dir: str | Path) -> dict:
+    """The parsed ``config.json`` of the run directory ``run_dir`` (plain data, old field paths not yet moved).
+
+    Raises:
+        MoetrainError: no ``config.json``, an unparsable one or not a JSON object, or a Hugging Face directory's.
+    """
+    root = Path(run_dir)
+    path = root / "config.json"
+    if not path.is_file():
+        raise MoetrainError(f"{path} not found; is '{root}' a moetrain run directory?")
+    try:
+        raw = json.loads(path.read_text())
+    except ValueError as e:
+        raise MoetrainError(f"{path}: cannot parse: {e}") from None
+    refuse_hugging_face_dir(root, raw)
+    if not isinstance(raw, dict):
+        raise MoetrainError(f"{path}: not a JSON object of config fields")
+    return raw
+
+
 def load_run(run_dir: str) -> Run:
     """Load a run directory (:class:`Run`).
 
@@ -56,17 +76,9 @@ def load_run(run_dir: str) -> Run:
     from moetrain.train.trainer import CONFIG_FILE, TOKENIZER_FILE
 
     root = Path(run_dir)
-    for name in (CONFIG_FILE, TOKENIZER_FILE):
-        if not (root / name).is_file():
-            raise MoetrainError(f"{root / name} not found; is '{root}' a moetrain run directory?")
-    try:
-        raw = json.loads((root / CONFIG_FILE).read_text())
-        refuse_hugging_face_dir(root, raw)
-        config = Config.from_dict(raw)
-    except ValueError as e:  # JSONDecodeError; ConfigError passes through (it names the field)
-        if isinstance(e, MoetrainError):
-            raise
-        raise MoetrainError(f"{root / CONFIG_FILE}: cannot parse: {e}") from None
+    config = Config.from_dict(read_run_config(root))
+    if not (root / TOKENIZER_FILE).is_file():
+        raise MoetrainError(f"{root / TOKENIZER_FILE} not found; is '{root}' a moetrain run directory?")
     tokenizer = load_tokenizer(root / TOKENIZER_FILE)
     model = MoETransformer(config.model)
     ckpt = load_latest_model(config.train.checkpoint_url or root / "checkpoints", model,

@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
+from moetrain.commands import check_at_least
 from moetrain.errors import MoetrainError
 
 
@@ -80,9 +82,7 @@ def policy_from_args(args):
     """
     from moetrain.serve.routing import RoutingPolicy, check_fields
 
-    given = {f: v for f, v in (("k", args.top_k), ("p", args.threshold), ("k_min", args.k_min),
-                               ("k_max", args.k_max), ("low", args.load_low), ("high", args.load_high))
-             if v is not None}
+    given = {f: v for f, flag in POLICY_FLAGS.items() if (v := getattr(args, flag[2:].replace("-", "_"))) is not None}
     try:
         check_fields(args.routing, given)  # a flag this policy does not read would do nothing
     except ValueError as e:
@@ -106,16 +106,14 @@ def build_app(args, mesh=None):
     from moetrain.serve.engine import Engine
     from moetrain.serve.loader import load_served_model
 
-    for name in ("slots", "max_queue", "max_body_bytes", "threads", "max_connections"):
-        if getattr(args, name, None) is not None and getattr(args, name) < 1:
-            raise MoetrainError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
+    check_at_least(args, 1, "slots", "max_queue", "max_body_bytes", "threads", "max_connections")
     for name in ("header_timeout", "read_timeout"):
-        value = getattr(args, name, None)
-        if value is not None and not 0 < value < float("inf"):
+        value = getattr(args, name)
+        if not 0 < value < float("inf"):
             raise MoetrainError(f"--{name.replace('_', '-')}: must be a positive number of seconds, got {value}")
     if not 0 <= args.port <= 65535:
         raise MoetrainError(f"--port: must be in [0, 65535] (0: any free port), got {args.port}")
-    if getattr(args, "expert_memory_budget", None) is None:
+    if args.expert_memory_budget is None:
         for flag, value in (("--hot-share", args.hot_share), ("--calibration-text", args.calibration_text)):
             if value is not None:
                 raise MoetrainError(f"{flag}: only with --expert-memory-budget (it ranks the experts kept resident)")
@@ -140,12 +138,12 @@ def build_app(args, mesh=None):
         engine.runner = engine.peers = BroadcastRunner(engine.runner, mesh)
         # a heartbeat well within the collectives' time-out, so idle followers never time out
         engine.idle_s = min(HEARTBEAT_S, parallel_config(list(args.overrides)).timeout_s / 4)
-        return create_app(engine, open_cache(args.cache), args.max_body_bytes, _read_timeout(args)), engine
-    if getattr(args, "placement", None) is not None:
+        return create_app(engine, open_cache(args.cache), args.max_body_bytes, args.read_timeout), engine
+    if args.placement is not None:
         raise MoetrainError(f"--placement: {args.placement} places experts over EP ranks; serve it with torchrun "
                             "--nproc_per_node N -m moetrain serve ... parallel.ep=N")
-    int8_experts = getattr(args, "int8_experts", False)
-    if int8_experts and getattr(args, "expert_memory_budget", None) is not None:
+    int8_experts = args.int8_experts
+    if int8_experts and args.expert_memory_budget is not None:
         raise MoetrainError("--int8-experts: not with --expert-memory-budget (choose one way to shrink the experts)")
     if int8_experts and not served.model.moe_layers():
         raise MoetrainError("--int8-experts: the model has no MoE layers")
@@ -157,20 +155,14 @@ def build_app(args, mesh=None):
         engine.int8_experts.release_fp32()
         print(f"moetrain serve: int8 experts, {engine.int8_experts.nbytes():,} bytes (fp32: "
               f"{engine.int8_experts.fp32_bytes:,})", file=sys.stderr)
-    return create_app(engine, cache, args.max_body_bytes, _read_timeout(args)), engine
-
-
-def _read_timeout(args) -> float:
-    return getattr(args, "read_timeout", None) or 30.0
+    return create_app(engine, cache, args.max_body_bytes, args.read_timeout), engine
 
 
 def limits_from_args(args):
-    """The server's connection :class:`~moetrain.serve.server.Limits` from the flags (defaults where absent)."""
+    """The server's connection :class:`~moetrain.serve.server.Limits` from the flags."""
     from moetrain.serve.server import Limits
 
-    d = Limits()
-    return Limits(getattr(args, "max_connections", None) or d.max_connections,
-                  getattr(args, "header_timeout", None) or d.header_timeout_s)
+    return Limits(args.max_connections, args.header_timeout)
 
 
 def expert_parallel_mesh(args):
@@ -208,41 +200,50 @@ def read_placement(args, served, ep: int):
     Raises:
         MoetrainError: the file's own errors (:func:`~moetrain.serve.placement.load_placement`), naming it.
     """
-    if getattr(args, "placement", None) is None:
+    if args.placement is None:
         return None
     from moetrain.serve.placement import load_placement
 
-    blocks = [i for i, b in enumerate(served.model.blocks) if b.is_moe]
-    if not blocks:
-        raise MoetrainError(f"--placement: {args.placement}: the model has no MoE layers")
-    e = served.model.blocks[blocks[0]].ffn.config.num_experts
+    blocks, e = moe_blocks(served, f"--placement: {args.placement}")
     return load_placement(args.placement, blocks, e, ep)
 
 
-def open_store(args, served):
-    """The hot/cold :class:`~moetrain.serve.expert_store.ExpertStore` asked for by ``--expert-memory-budget``, or
-    ``None``."""
-    budget = getattr(args, "expert_memory_budget", None)
-    if budget is None:
-        return None
-    from pathlib import Path
+def moe_blocks(served, flag: str) -> tuple[list[int], int]:
+    """The MoE blocks of a served model and their experts per layer E; a MoetrainError naming ``flag`` without."""
+    blocks = [i for i, b in enumerate(served.model.blocks) if b.is_moe]
+    if not blocks:
+        raise MoetrainError(f"{flag}: the model has no MoE layers")
+    return blocks, served.model.blocks[blocks[0]].ffn.config.num_experts
 
-    from moetrain.serve.expert_store import ExpertStore, parse_bytes, routed_expert_bytes
+
+def calibration_usage(args, served):
+    """The expert usage to rank or place experts by (:func:`moetrain.serve.expert_usage.served_usage`) from
+    ``--calibration-text FILE`` (a MoetrainError when unreadable), else from the run's routing statistics."""
     from moetrain.serve.expert_usage import served_usage
 
-    try:
-        n = parse_bytes(str(budget))
-    except ValueError as e:
-        raise MoetrainError(f"--expert-memory-budget: {e}") from None
-    if not served.model.moe_layers():
-        raise MoetrainError("--expert-memory-budget: the model has no MoE layers")
     text = None
     if args.calibration_text is not None:
         try:
             text = Path(args.calibration_text).read_text()
         except OSError as e:
             raise MoetrainError(f"--calibration-text: {e}") from None
-    usage = served_usage(served, text, name=f"--calibration-text {args.calibration_text}")
+    return served_usage(served, text, name=f"--calibration-text {args.calibration_text}")
+
+
+def open_store(args, served):
+    """The hot/cold :class:`~moetrain.serve.expert_store.ExpertStore` asked for by ``--expert-memory-budget``, or
+    ``None``."""
+    budget = args.expert_memory_budget
+    if budget is None:
+        return None
+    from moetrain.serve.expert_store import ExpertStore, parse_bytes, routed_expert_bytes
+
+    try:
+        n = parse_bytes(str(budget))
+    except ValueError as e:
+        raise MoetrainError(f"--expert-memory-budget: {e}") from None
+    moe_blocks(served, "--expert-memory-budget")
+    usage = calibration_usage(args, served)
     total = routed_expert_bytes(served.model)
     hot_share = 0.5 if args.hot_share is None else args.hot_share
     store = ExpertStore(served.model, n, usage, served.experts_file(), hot_share=hot_share)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from moetrain.errors import MoetrainError
+from moetrain.commands import check_at_least
 
 
 def add_parser(sub) -> None:
@@ -17,8 +17,7 @@ def run(args) -> int:
     from moetrain.report.runlog import load_run_log
     from moetrain.report.table import HEADER, format_table, layer_rows, monitor_enabled, run_summary
 
-    if args.alarms < 0:
-        raise MoetrainError(f"--alarms: must be >= 0 (0 lists none), got {args.alarms}")
+    check_at_least(args, 0, "alarms")
     log = load_run_log(args.run_dir)
     refuse_hugging_face_dir(log.run_dir, log.config)
     print(f"run: {log.run_dir}")

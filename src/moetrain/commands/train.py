@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import re
 import shlex
@@ -13,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+from moetrain.commands import check_at_least, check_output_path
 from moetrain.configlib import load_file, merge, parse_overrides
 from moetrain.errors import MoetrainError
 from moetrain.train.restart import RESTART_ENV, torchrun_restart
@@ -86,18 +86,11 @@ def _resumed_config(run_dir: Path, args, file_data: dict | None, overrides: dict
         MoetrainError: an unreadable config.json, a --preset other than the run's, or a change to a field fixed for
             the run (:mod:`moetrain.train.resume_config`).
     """
+    from moetrain.commands.run_dir import read_run_config
     from moetrain.config import Config, upgrade
     from moetrain.train.resume_config import resume_changes
-    from moetrain.train.trainer import CONFIG_FILE
 
-    saved_path = run_dir / CONFIG_FILE
-    try:
-        data = json.loads(saved_path.read_text())
-    except (OSError, ValueError) as e:
-        raise MoetrainError(f"--resume: cannot read {saved_path}: {e}") from None
-    if not isinstance(data, dict):
-        raise MoetrainError(f"--resume: {saved_path} is not a JSON object of config fields")
-    data = upgrade(data)  # a run written with older field paths: moved to the new ones (with a note each)
+    data = upgrade(read_run_config(run_dir))  # a run written with older field paths: moved to the new ones (with a note each)
     saved = Config.from_dict(data)
     if args.preset is not None and args.preset != saved.preset:
         raise MoetrainError(f"--preset {args.preset} cannot be combined with --resume of a run started from preset "
@@ -125,12 +118,13 @@ def check_data_path(path: str | None) -> None:
 def run(args) -> int:
     # Everything up to the config and data checks stays clear of torch (an import of seconds), so a mistyped field or
     # a missing --data file answers at once; tests/test_cli_fast_errors.py holds it.
-    from moetrain.config import build_config, check_router_trainable, upgrade
+    from moetrain.config import LEGACY_PATHS, Config, build_config, check_router_trainable, upgrade
+    from moetrain.configlib import check_types
     from moetrain.presets import SHAPE_ONLY
 
-    if args.stop_at_step is not None and args.stop_at_step < 1:
-        raise MoetrainError(f"--stop-at-step: must be >= 1, got {args.stop_at_step}")
+    check_at_least(args, 1, "stop_at_step")
     overrides = upgrade(parse_overrides(args.overrides))  # old field paths still work, with a note each
+    check_types(Config, overrides, legacy=LEGACY_PATHS)  # before --data / --steps replace a value of theirs
     if args.data is not None:
         overrides = merge(overrides, {"data": {"path": args.data}})
     if args.steps is not None:
@@ -149,10 +143,8 @@ def run(args) -> int:
 
         for flag, given in (("--resume", args.resume), ("--init-from", args.init_from), ("--dry-run", args.dry_run)):
             if given:
-                from moetrain.train.trainer import CONFIG_FILE
-
                 raise MoetrainError(f"--list-fields lists a preset's fields and does not combine with {flag} (a run's "
-                                    f"own fields are in its {CONFIG_FILE}; --dry-run checks a config)")
+                                    "own fields are in its config.json; --dry-run checks a config)")
         config = build_config(args.preset, file_data, overrides)
         print(f"config fields of preset {config.preset!r} (set one with FIELD=VALUE or in a --config file; "
               "each in full: docs/configuration.md)")
@@ -173,8 +165,6 @@ def run(args) -> int:
                      "checkpoint that verifies, as --resume does")
     init_notes: list[str] = []  # said after the run directory's own notes
     if resume:
-        from moetrain.train.trainer import CONFIG_FILE
-
         if not args.out:
             raise MoetrainError("--resume needs --out RUN_DIR (the run to continue)")
         run_dir = Path(args.out)
@@ -184,10 +174,10 @@ def run(args) -> int:
                          "(--resume continues it from its newest checkpoint next time)")
         elif _started_but_empty(run_dir):
             resume = False
-            notes.append(f"note: {run_dir} has no {CONFIG_FILE} (its first run stopped before writing it, so there is "
+            notes.append(f"note: {run_dir} has no config.json (its first run stopped before writing it, so there is "
                          "nothing to resume): starting it from step 0 with this command's settings")
-        elif not (run_dir / CONFIG_FILE).is_file():
-            raise MoetrainError(f"--resume: {run_dir / CONFIG_FILE} not found; is '{run_dir}' a moetrain run "
+        elif not (run_dir / "config.json").is_file():
+            raise MoetrainError(f"--resume: {run_dir / 'config.json'} not found; is '{run_dir}' a moetrain run "
                                 "directory?")
         else:
             config, changes = _resumed_config(run_dir, args, file_data, overrides)
@@ -237,10 +227,7 @@ def run(args) -> int:
             if why:
                 raise MoetrainError(why)
         run_dir = Path(args.out) if args.out else Path("runs") / f"{config.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
-        if run_dir.exists() and not run_dir.is_dir():
-            raise MoetrainError(f"--out {run_dir}: exists and is not a directory")
-        if any(p.exists() and not p.is_dir() for p in run_dir.parents):
-            raise MoetrainError(f"--out {run_dir}: a parent path is a file, not a directory")
+        check_output_path(run_dir, "--out")
     from moetrain.parallel.dry_run import check
     from moetrain.runtime.preflight import check_fits
     from moetrain.train.trainer import resolve_device

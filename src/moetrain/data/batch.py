@@ -10,6 +10,7 @@ arguments of :meth:`moetrain.model.transformer.MoETransformer.forward`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -49,23 +50,17 @@ class PackedBatch:
         """Rows with at least one real token (the sequences of the sequence-level aux loss)."""
         return int(self.padding_mask.any(dim=1).sum())
 
-    @property
-    def padding_fraction(self) -> float:
-        """Share of the b * s positions that are padding, in [0, 1)."""
-        return 1.0 - self.real_tokens / max(self.padding_mask.numel(), 1)
+    def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> PackedBatch:
+        ids = None if self.document_ids is None else fn(self.document_ids)
+        return PackedBatch(fn(self.inputs), fn(self.targets), fn(self.padding_mask), ids)
 
     def to(self, device: torch.device, non_blocking: bool = False) -> PackedBatch:
         """The same batch on ``device`` (``non_blocking`` pays off from pinned memory)."""
-        def move(t: torch.Tensor) -> torch.Tensor:
-            return t.to(device, non_blocking=non_blocking)
-
-        ids = None if self.document_ids is None else move(self.document_ids)
-        return PackedBatch(move(self.inputs), move(self.targets), move(self.padding_mask), ids)
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
 
     def pin_memory(self) -> PackedBatch:
         """Page-locked copies (``torch.utils.data.DataLoader(pin_memory=True)`` calls this)."""
-        ids = None if self.document_ids is None else self.document_ids.pin_memory()
-        return PackedBatch(self.inputs.pin_memory(), self.targets.pin_memory(), self.padding_mask.pin_memory(), ids)
+        return self._map(torch.Tensor.pin_memory)
 
 
 Batch = tuple[torch.Tensor, torch.Tensor] | PackedBatch
@@ -92,9 +87,3 @@ def model_inputs(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, dict[str, to
 def real_tokens(batch: Batch) -> int:
     """Tokens of ``batch`` that take a loss (all of them for a plain tuple)."""
     return batch.real_tokens if isinstance(batch, PackedBatch) else batch[1].numel()
-
-
-def padding_fraction(batches: list[Batch]) -> float:
-    """Share of padding positions over ``batches`` (0.0 for plain tuples)."""
-    positions = sum(b.padding_mask.numel() if isinstance(b, PackedBatch) else b[1].numel() for b in batches)
-    return 1.0 - sum(real_tokens(b) for b in batches) / max(positions, 1)

@@ -13,10 +13,11 @@ import sysconfig
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from moetrain.data.formats import Counts, is_datasets_folder, iter_text_documents
+from moetrain.data.formats import ReadStats, TokenDocument, is_datasets_folder, iter_text_documents
 from moetrain.errors import DataError
 
 _PACKAGE_DIRS = frozenset({"site-packages", "dist-packages"})
@@ -35,38 +36,6 @@ class Document:
 
     name: str
     text: str
-
-
-@dataclass(frozen=True)
-class ReadStats:
-    """What :func:`read_documents` did with its files.
-
-    Fields:
-        files: files given.
-        documents: documents kept.
-        binary: files skipped as binary (a NUL byte in the first 8 KiB) or not valid UTF-8.
-        unreadable: files skipped because they could not be read (permissions, vanished, a directory).
-        empty: files (or ``.jsonl`` lines) skipped because their text is empty.
-        bad_lines: records skipped: a JSON line that is invalid JSON or has no string text field, a null text.
-    """
-
-    files: int = 0
-    documents: int = 0
-    binary: int = 0
-    unreadable: int = 0
-    empty: int = 0
-    bad_lines: int = 0
-
-    @property
-    def skipped(self) -> int:
-        """Files and ``.jsonl`` lines skipped, for any reason."""
-        return self.binary + self.unreadable + self.empty + self.bad_lines
-
-    def describe(self) -> str:
-        """``'3 skipped (2 binary, 1 unreadable)'``; ``'0 skipped'`` when nothing was."""
-        parts = [f"{n} {what}" for n, what in ((self.binary, "binary"), (self.unreadable, "unreadable"),
-                                                (self.empty, "empty"), (self.bad_lines, "bad records")) if n]
-        return f"{self.skipped} skipped" + (f" ({', '.join(parts)})" if parts else "")
 
 
 def default_corpus_files() -> list[Path]:
@@ -140,7 +109,7 @@ def corpus_root(files: Sequence[Path]) -> Path:
 
 
 def iter_documents(files: Sequence[Path], text_field: str = "text",
-                   counts: Counts | None = None) -> Iterator[Document]:
+                   counts: ReadStats | None = None) -> Iterator[Document]:
     """Stream the documents of ``files`` in order (data/formats.py reads each format), skipping what is not
     usable text; at most one record batch (a parquet row group, a line) is in memory beyond the document yielded.
 
@@ -151,7 +120,7 @@ def iter_documents(files: Sequence[Path], text_field: str = "text",
     Raises:
         DataError: see :func:`~moetrain.data.formats.iter_text_documents` (a missing column, a truncated file).
     """
-    counts = counts if counts is not None else Counts()
+    counts = counts if counts is not None else ReadStats()
     root = corpus_root(files)
     for f in files:
         f = Path(os.path.abspath(f))
@@ -173,23 +142,22 @@ def read_documents(files: Sequence[Path], source: str | None = None,
         DataError: nothing usable remains (the message counts the skipped files by reason); or a record file
             without the text field.
     """
-    counts = Counts()
+    counts = ReadStats()
     docs = list(iter_documents(files, text_field, counts))
     return docs, read_stats(files, len(docs), counts, source)
 
 
-def read_stats(files: Sequence[Path], documents: int, counts: Counts, source: str | None = None) -> ReadStats:
-    """The :class:`ReadStats` of a finished read.
+def read_stats(files: Sequence[Path], documents: int, counts: ReadStats, source: str | None = None) -> ReadStats:
+    """``counts`` of a finished read, with its files and documents.
 
     Raises:
         DataError: no document was read (the message counts the skipped files by reason).
     """
-    stats = ReadStats(files=len(files), documents=documents, binary=counts.binary, unreadable=counts.unreadable,
-                      empty=counts.empty, bad_lines=counts.bad_lines)
+    counts.files, counts.documents = len(files), documents
     if not documents:
         where = source if source is not None else str(corpus_root(files))
-        raise DataError(f"no usable text in '{where}': {len(files)} files, {stats.describe()}")
-    return stats
+        raise DataError(f"no usable text in '{where}': {len(files)} files, {counts.describe()}")
+    return counts
 
 
 def _name(rel: Path) -> str:
@@ -241,26 +209,24 @@ def split_documents(docs: Sequence[Document], val_fraction: float) -> tuple[list
         ``(train_docs, val_docs)``, disjoint; ``val_docs`` is empty only for a single one-character document.
     """
     if len(docs) == 1:
-        return _split_text(docs[0], val_fraction)
+        train, val_part = split_only(docs[0], val_fraction)
+        return [train], [] if val_part is None else [val_part]
     val = held_out(digest_rows(b"".join(name_digest(d.name) for d in docs)), val_fraction)
     return [d for d, v in zip(docs, val) if not v], [d for d, v in zip(docs, val) if v]
 
 
-def _split_text(doc: Document, val_fraction: float) -> tuple[list[Document], list[Document]]:
-    cut = text_cut(doc.text, val_fraction)
-    if cut is None:
-        return [doc], []
-    return [Document(doc.name, doc.text[:cut])], [Document(f"{doc.name}#val", doc.text[cut:])]
-
-
-def text_cut(text: str, val_fraction: float) -> int | None:
-    """Where a one-document corpus's validation text starts (``None``: under 2 characters, no split)."""
-    if len(text) < 2:
-        return None
-    cut = len(text) - max(1, round(len(text) * val_fraction))
-    # Start validation on a line boundary if one lies within a 1/10 of the validation part of the exact cut.
-    slack = max(1, (len(text) - cut) // 10)
-    newline = text.rfind("\n", max(0, cut - slack), cut + slack)
-    if 0 < newline + 1 < len(text):
-        cut = newline + 1
-    return cut
+def split_only(doc: Document | TokenDocument, val_fraction: float) -> tuple[Any, Any]:
+    """A one-document corpus's (train, val) parts: the last ``val_fraction`` of its characters (starting after a
+    newline if one lies within a tenth of the validation part of the exact cut) or ids, at least one, named
+    ``<name>#val``; val is ``None`` when the document has under 2 characters (ids), too short to split."""
+    seq: Any = doc.text if isinstance(doc, Document) else doc.ids
+    n = len(seq)
+    if n < 2:
+        return doc, None
+    cut = n - max(1, round(n * val_fraction))
+    if isinstance(doc, Document):
+        slack = max(1, (n - cut) // 10)
+        newline = doc.text.rfind("\n", max(0, cut - slack), cut + slack)
+        if 0 < newline + 1 < n:
+            cut = newline + 1
+    return type(doc)(doc.name, seq[:cut]), type(doc)(f"{doc.name}#val", seq[cut:])

@@ -11,6 +11,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -21,12 +23,13 @@ import torch
 from tokenizers import Tokenizer
 
 from moetrain.data.config import DataConfig
-from moetrain.data.corpus import discover_files, held_out
+from moetrain.data.corpus import discover_files, held_out, split_only
 from moetrain.data.formats import find_pretokenized
-from moetrain.data.prepare import CACHE_VERSION, Corpus, atomic_write, scan, split_only, train_on_corpus, write_splits
+from moetrain.data.prepare import (
+    CACHE_VERSION, Corpus, Scan, scan, size_of, train_on_corpus, write_splits,
+)
 from moetrain.data.tokenizer import EOS_TOKEN, load_tokenizer, tokenizer_file
 from moetrain.errors import ConfigError, DataError
-
 
 
 @dataclass(frozen=True)
@@ -58,23 +61,16 @@ class PreparedData:
 
 def prepare_data(cfg: DataConfig, vocab_size: int, tokenizer_path: Path | None = None,
                  log: Callable[[str], None] = print) -> PreparedData:
-    """Discover, read, split, tokenize and cache the corpus described by ``cfg``, in bounded memory.
-
-    Documents are streamed (data/formats.py reads each format) in three passes: a scan (document names and sizes,
-    for the validation split), a pass collecting the tokenizer's sample (only when one is trained) and the
-    tokenization, on all cores (HF tokenizers' batch encoding) while a thread reads ahead, with a progress bar
-    (MB/s, ETA) on a terminal. Memory holds a 16-byte digest and a size per document, the tokenizer sample and a
-    few batches of ~4M characters, whatever the corpus size. Pre-tokenized input (a Megatron indexed dataset, a
-    flat binary of ids) is split and copied the same way without tokenizing.
+    """Discover, read, split, tokenize and cache the corpus described by ``cfg``, in bounded memory (the passes:
+    data/prepare.py; pre-tokenized input is split and copied the same way without tokenizing).
 
     The tokenizer is, in order of precedence: ``tokenizer_path`` (resuming or evaluating a run), ``cfg.tokenizer``
     (a pretrained one), else a byte-level BPE tokenizer trained on at most ``cfg.tokenizer_max_bytes`` of the
     training split (documents in a fixed pseudo-random order). Results are cached under ``cfg.cache_dir`` /
     ``$MOETRAIN_CACHE`` / ``~/.cache/moetrain``, keyed by the file list with sizes, mtimes and ctimes (not contents),
     ``val_fraction``, ``vocab_size``, ``tokenizer_max_bytes``, a non-default ``text_field`` / ``token_dtype`` and
-    the tokenizer; a cache hit reads no corpus file and trains nothing. Every cache file is written to a temporary
-    name and renamed, and ``meta.json`` is written last, so an interrupted run leaves no entry that is later
-    trusted.
+    the tokenizer; a cache hit reads no corpus file and trains nothing. An entry is built in a temporary directory,
+    renamed into place once complete: an interrupted run, or a corpus refused as too short, leaves no entry.
 
     Args:
         cfg: the data config.
@@ -124,7 +120,8 @@ def prepare_data(cfg: DataConfig, vocab_size: int, tokenizer_path: Path | None =
     log(f"data: {source}: train {data.num_train_docs} docs / {len(data.train_tokens):,} tokens, "
         f"val {data.num_val_docs} docs / {len(data.val_tokens):,} tokens, {data.skipped} skipped, "
         f"vocab {data.tokenizer.get_vocab_size()}")
-    _check_long_enough(data, cfg, source)
+    # seq_len is not in the cache key: a cached entry may be too short for this one
+    _check_long_enough(len(data.train_tokens), len(data.val_tokens), cfg, source)
     return data
 
 
@@ -140,15 +137,26 @@ def _check_pretokenized_tokenizer(cfg: DataConfig, given: Tokenizer | None, toke
                         f"uses: the pre-tokenized ids of '{source}' were made with one of them only")
 
 
-def _check_long_enough(data: PreparedData, cfg: DataConfig, source: str) -> None:
+def _check_long_enough(train: int, val: int, cfg: DataConfig, source: str, bound: str = "") -> None:
+    """Refuse splits of ``train`` / ``val`` tokens (``bound="at most "``: upper bounds) shorter than a sequence."""
     need = cfg.seq_len + 1
-    if len(data.train_tokens) < need:
+    if train < need:
         raise DataError(f"corpus '{source}' is shorter than one sequence of data.seq_len={cfg.seq_len} tokens "
-                        f"({len(data.train_tokens)} training tokens, need {need}); lower data.seq_len or add text")
-    if len(data.val_tokens) < need:
+                        f"({bound}{train} training tokens, need {need}); lower data.seq_len or add text")
+    if val < need:
         raise DataError(f"validation split of '{source}' is shorter than one sequence of "
-                        f"data.seq_len={cfg.seq_len} tokens ({len(data.val_tokens)} tokens, need {need}); lower "
+                        f"data.seq_len={cfg.seq_len} tokens ({bound}{val} tokens, need {need}); lower "
                         f"data.seq_len or raise data.val_fraction")
+
+
+def _most_tokens(found: Scan, val: np.ndarray | None, val_fraction: float) -> tuple[int, int]:
+    """Upper bounds of the (train, val) tokens, EOS included, from the scan: exact for pre-tokenized documents, and
+    a byte-level BPE tokenizer makes at most one token per UTF-8 byte."""
+    if found.only is not None:
+        train, val_part = split_only(found.only, val_fraction)
+        return size_of(train) + 1, 0 if val_part is None else size_of(val_part) + 1
+    assert val is not None
+    return int(found.sizes[~val].sum() + (~val).sum()), int(found.sizes[val].sum() + val.sum())
 
 
 def _cache_root(cfg: DataConfig) -> Path:
@@ -199,10 +207,16 @@ def _load_entry(entry: Path, dtype: np.dtype) -> dict | None:
 
 def _build_entry(entry: Path, corpus: Corpus, source: str, cfg: DataConfig, vocab_size: int,
                  given: Tokenizer | None, dtype: np.dtype, log: Callable[[str], None]) -> dict:
-    """Scan, split, (train a tokenizer,) tokenize and write ``entry`` (data/prepare.py); returns its meta."""
+    """Scan, split, (train a tokenizer,) tokenize and write ``entry`` (data/prepare.py); returns its meta.
+
+    A corpus too short for one sequence per split is refused before its split when the scan proves it (text for a
+    trained tokenizer, pre-tokenized ids), else after tokenizing; either way nothing is left in the cache.
+    """
     t0 = time.perf_counter()
     found = scan(corpus, source)
     val = held_out(found.digests, cfg.val_fraction) if found.only is None else None
+    if given is None or corpus.pretokenized is not None:
+        _check_long_enough(*_most_tokens(found, val, cfg.val_fraction), cfg, source, "at most ")
     if found.only is not None:
         n_train, n_val = 1, int(split_only(found.only, cfg.val_fraction)[1] is not None)
     else:
@@ -214,19 +228,41 @@ def _build_entry(entry: Path, corpus: Corpus, source: str, cfg: DataConfig, voca
     eos_id = tok.token_to_id(EOS_TOKEN)
     assert eos_id is not None  # train_tokenizer puts EOS_TOKEN at id 0; load_tokenizer rejects a tokenizer without it
 
-    entry.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    written = write_splits(entry, corpus, found, val, tok, eos_id, dtype, cfg.val_fraction)
-    seconds = time.perf_counter() - t0
-    rate = "" if corpus.pretokenized is not None else \
-        f" ({int(found.sizes.sum()) / 1e6 / max(seconds, 1e-9):.1f} MB/s)"
-    log(f"data: tokenized {written['train'][1] + written['val'][1]:,} tokens in {seconds:.1f} s{rate} -> {entry}")
-    atomic_write(entry / "tokenizer.json", tok.to_str().encode())
-    meta = {"version": CACHE_VERSION, "eos_id": eos_id, "num_train_docs": written["train"][0],
-            "num_val_docs": written["val"][0], "skipped": found.stats.skipped, "num_train_tokens": written["train"][1],
-            "num_val_tokens": written["val"][1]}
-    atomic_write(entry / "meta.json", json.dumps(meta, indent=1).encode())  # last: marks the entry complete
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(dir=entry.parent, prefix=f".{entry.name}.", suffix=".tmp"))
+    try:
+        t0 = time.perf_counter()
+        written = write_splits(stage, corpus, found, val, tok, eos_id, dtype, cfg.val_fraction)
+        seconds = time.perf_counter() - t0
+        rate = "" if corpus.pretokenized is not None else \
+            f" ({int(found.sizes.sum()) / 1e6 / max(seconds, 1e-9):.1f} MB/s)"
+        log(f"data: tokenized {written['train'][1] + written['val'][1]:,} tokens in {seconds:.1f} s{rate} -> {entry}")
+        _check_long_enough(written["train"][1], written["val"][1], cfg, source)
+        meta = {"version": CACHE_VERSION, "eos_id": eos_id, "num_train_docs": written["train"][0],
+                "num_val_docs": written["val"][0], "skipped": found.stats.skipped,
+                "num_train_tokens": written["train"][1], "num_val_tokens": written["val"][1]}
+        (stage / "tokenizer.json").write_text(tok.to_str())
+        (stage / "meta.json").write_text(json.dumps(meta, indent=1))
+        _publish(stage, entry)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
     return meta
+
+
+def _publish(stage: Path, entry: Path) -> None:
+    """Rename the complete directory ``stage`` to ``entry`` (its files fsynced first, so a crash leaves the whole
+    entry or none), replacing a stale entry or a concurrent build's identical one."""
+    for f in stage.iterdir():
+        with open(f, "rb") as h:
+            os.fsync(h.fileno())
+    os.chmod(stage, 0o755)  # mkdtemp makes it 0700; a shared cache should be readable like any directory
+    try:
+        os.rename(stage, entry)
+    except OSError:  # an entry is there (a non-empty directory or an alias symlink): move it aside, then replace it
+        old = Path(tempfile.mkdtemp(dir=entry.parent, prefix=f".{entry.name}.", suffix=".old"))
+        os.rename(entry, old / "entry")
+        os.rename(stage, entry)
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _open_tokens(path: Path, dtype: np.dtype) -> np.ndarray:
@@ -297,7 +333,8 @@ class BatchSampler:
     Epoch e visits the windows in the order ``numpy.random.default_rng([seed, e]).permutation(W)``; samples are
     drawn from the concatenation of epochs 0, 1, 2, ..., so a batch may span an epoch boundary. ``position`` (samples
     drawn so far) and ``seed`` are the whole state: two samplers over the same windows at the same position draw
-    the same batches.
+    the same batches. ``sampler[position]`` is the batch drawn at ``position`` (a map-style dataset keyed by sample
+    position, for data/loader.py).
 
     Args:
         windows: the :class:`TokenWindows` to draw from.
@@ -312,28 +349,27 @@ class BatchSampler:
         self.batch_size = batch_size
         self.seed = seed
         self.position = 0
-        self._perm_epoch, self._perm = -1, np.zeros(0, dtype=np.int64)  # cache of one derived permutation
+        self._perm_key, self._perm = (seed, -1), np.zeros(0, dtype=np.int64)  # cache of one derived permutation
 
-    @property
-    def epoch(self) -> float:
-        """Epochs drawn so far (fractional)."""
-        return self.position / len(self.windows)
-
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next ``(inputs, targets)``, [B, S] int64 each; advances ``position`` by B."""
+    def __getitem__(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``(inputs, targets)``, [B, S] int64 each, drawn at sample ``position``."""
         n = len(self.windows)
-        positions = np.arange(self.position, self.position + self.batch_size)
+        positions = np.arange(position, position + self.batch_size)
         indices = np.empty(self.batch_size, dtype=np.int64)
         for epoch in np.unique(positions // n):
             mask = positions // n == epoch
             indices[mask] = self._permutation(int(epoch))[positions[mask] % n]
-        self.position += self.batch_size
         return self.windows.get(indices)
 
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next ``(inputs, targets)``, [B, S] int64 each; advances ``position`` by B."""
+        self.position += self.batch_size
+        return self[self.position - self.batch_size]
+
     def _permutation(self, epoch: int) -> np.ndarray:
-        if epoch != self._perm_epoch:
-            self._perm_epoch, self._perm = epoch, np.random.default_rng([self.seed, epoch]).permutation(
-                len(self.windows))
+        if (self.seed, epoch) != self._perm_key:
+            self._perm_key = (self.seed, epoch)
+            self._perm = np.random.default_rng([self.seed, epoch]).permutation(len(self.windows))
         return self._perm
 
     def state_dict(self) -> dict[str, int]:
@@ -344,7 +380,6 @@ class BatchSampler:
         """Resume from :meth:`state_dict` (the seed is restored too)."""
         self.position = int(state["position"])
         self.seed = int(state["seed"])
-        self._perm_epoch = -1
 
 
 def eval_batches(windows: TokenWindows, batch_size: int, n_batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

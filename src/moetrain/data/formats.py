@@ -1,29 +1,16 @@
-"""Corpus formats: each file (or folder) of a corpus read as a stream of documents, in bounded memory.
+"""Corpus formats: each file (or folder) of a corpus read as a stream of documents, in bounded memory (the formats,
+their document names and their errors: docs/data.md, "Corpus formats").
 
-Text formats give :class:`~moetrain.data.corpus.Document` (name, text):
+Text formats give ``(name, text)`` documents: a plain file (one document) and JSON lines (one per line; a ``.json``
+file only when its first line is a JSON object with the text field), either ``.gz`` / ``.zst`` compressed or not
+(decompressed as a stream); parquet / Arrow IPC files and ``datasets`` folders (one per row, one row group or record
+batch in memory at a time). A record's document is named ``<path without its format and compression
+suffixes>:<record number>`` (1-based), so the same rows in any format are the same documents.
 
-* a plain file: one document (UTF-8; binary or non-UTF-8 files are skipped and counted);
-* JSON lines (``.jsonl``; ``.json`` when its first line is a JSON object with the text field, else the file is a
-  plain document, as a ``package.json`` in a source tree is): one document per line, its ``data.text_field``;
-* parquet (``.parquet``, read one row group at a time with pyarrow) and Arrow IPC files (``.arrow``, as
-  ``datasets`` writes them): one document per row of the ``data.text_field`` column;
-* a Hugging Face ``datasets`` folder (``Dataset.save_to_disk``; a ``DatasetDict`` folder gives its ``train``
-  split), read with ``datasets.load_from_disk`` (local, no network).
-
-Any file may be compressed: ``.gz`` (gzip) or ``.zst`` / ``.zstd`` (zstandard), decompressed as a stream. A record's
-document is named ``<path without its format and compression suffixes>:<record number>`` (1-based line number for
-JSON lines, row number otherwise), so the same rows stored as ``rows.parquet``, ``rows.jsonl.zst`` or a ``rows``
-``datasets`` folder have the same names, the same validation split and the same token stream.
-
-Pre-tokenized formats give :class:`TokenDocument` (name, ids) and need the tokenizer the ids were made with:
-
-* Megatron-Core's indexed dataset (``prefix.bin`` + ``prefix.idx``, as ``tools/preprocess_data.py`` writes it):
-  document d is the tokens of its sequences ``document_indices[d] .. document_indices[d + 1]``, a trailing
-  end-of-text token (``--append-eod``) dropped, since the stream puts one after every document. Read with numpy
-  from the layout of ``megatron.core.datasets.indexed_dataset`` (``_IndexWriter``), tested against its own
-  ``IndexedDatasetBuilder`` and ``IndexedDataset`` (tests/test_data_formats.py).
-* a flat binary of token ids (nanoGPT's ``train.bin``) of a stated ``data.token_dtype``: documents are the spans
-  between end-of-text tokens.
+Pre-tokenized formats give :class:`TokenDocument` (name, ids): Megatron-Core's indexed dataset (``prefix.bin`` +
+``prefix.idx``), read with numpy from the layout of ``megatron.core.datasets.indexed_dataset`` (``_IndexWriter``) and
+tested against its own ``IndexedDatasetBuilder`` and ``IndexedDataset`` (tests/test_data_formats.py), a trailing
+end-of-text token dropped; and a flat binary of token ids (nanoGPT's ``train.bin``) cut at its end-of-text tokens.
 """
 
 from __future__ import annotations
@@ -34,6 +21,7 @@ import json
 import os
 import struct
 from collections.abc import Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -73,13 +61,35 @@ class TokenDocument:
 
 
 @dataclass
-class Counts:
-    """What reading skipped (mutable; :class:`~moetrain.data.corpus.ReadStats` is its frozen summary)."""
+class ReadStats:
+    """What reading a corpus kept and skipped, counted while its documents stream.
 
+    Fields:
+        files: files given.
+        documents: documents kept.
+        binary: files skipped as binary (a NUL byte in the first 8 KiB) or not valid UTF-8.
+        unreadable: files skipped because they could not be read (permissions, vanished, a directory).
+        empty: files (or records) skipped because their text is empty.
+        bad_lines: records skipped: a JSON line that is invalid JSON or has no string text field, a null text.
+    """
+
+    files: int = 0
+    documents: int = 0
     binary: int = 0
     unreadable: int = 0
     empty: int = 0
     bad_lines: int = 0
+
+    @property
+    def skipped(self) -> int:
+        """Files and records skipped, for any reason."""
+        return self.binary + self.unreadable + self.empty + self.bad_lines
+
+    def describe(self) -> str:
+        """``'3 skipped (2 binary, 1 unreadable)'``; ``'0 skipped'`` when nothing was."""
+        parts = [f"{n} {what}" for n, what in ((self.binary, "binary"), (self.unreadable, "unreadable"),
+                                                (self.empty, "empty"), (self.bad_lines, "bad records")) if n]
+        return f"{self.skipped} skipped" + (f" ({', '.join(parts)})" if parts else "")
 
 
 # -- names and compression ------------------------------------------------------------------------------------------
@@ -166,21 +176,12 @@ def corrupt(path: Path, e: BaseException) -> DataError:
 
 
 def _read_errors() -> tuple[type[BaseException], ...]:
-    """Exceptions that mean a file's bytes are damaged (truncated gzip / zstd stream, bad parquet / Arrow)."""
-    errors: list[type[BaseException]] = [EOFError, gzip.BadGzipFile, OSError]
-    try:
-        import zstandard
+    """Exceptions that mean a file's bytes are damaged (truncated gzip / zstd stream, bad parquet / Arrow); imported
+    only when an exception is being matched."""
+    import pyarrow as pa
+    import zstandard
 
-        errors.append(zstandard.ZstdError)
-    except ImportError:  # pragma: no cover -- zstandard is a dependency
-        pass
-    try:
-        import pyarrow as pa
-
-        errors.append(pa.ArrowException)
-    except ImportError:  # pragma: no cover -- pyarrow is a dependency
-        pass
-    return tuple(errors)
+    return EOFError, gzip.BadGzipFile, OSError, zstandard.ZstdError, pa.ArrowException
 
 
 # -- text documents -------------------------------------------------------------------------------------------------
@@ -191,7 +192,7 @@ def is_datasets_folder(path: Path) -> bool:
                               or (path / "dataset_dict.json").is_file())
 
 
-def iter_text_documents(path: Path, name: str, text_field: str, counts: Counts) -> Iterator[tuple[str, str]]:
+def iter_text_documents(path: Path, name: str, text_field: str, counts: ReadStats) -> Iterator[tuple[str, str]]:
     """The ``(name, text)`` documents of one corpus file (or ``datasets`` folder), in order; skips are counted.
 
     Args:
@@ -205,14 +206,9 @@ def iter_text_documents(path: Path, name: str, text_field: str, counts: Counts) 
             that is not text, or a file that is truncated or corrupt.
     """
     try:
-        if path.is_dir():
-            yield from _datasets_folder(path, record_stem(name), text_field, counts)
-            return
         suffix = inner_suffix(path)
-        if suffix == ".parquet":
-            yield from _parquet(path, record_stem(name), text_field, counts)
-        elif suffix == ".arrow":
-            yield from _arrow(path, record_stem(name), text_field, counts)
+        if path.is_dir() or suffix in (".parquet", ".arrow"):
+            yield from _columns(path, record_stem(name), text_field, counts)
         elif suffix == ".jsonl" or (suffix == ".json" and _first_line_is_record(path, text_field)):
             yield from _json_lines(path, record_stem(name), text_field, counts)
         else:
@@ -238,7 +234,7 @@ def decode(raw: bytes) -> str | None:
         return None
 
 
-def _whole_file(path: Path, name: str, counts: Counts) -> Iterator[tuple[str, str]]:
+def _whole_file(path: Path, name: str, counts: ReadStats) -> Iterator[tuple[str, str]]:
     with open_stream(path) as f:
         raw = f.read()
     text = decode(raw)
@@ -261,7 +257,7 @@ def _first_line_is_record(path: Path, text_field: str) -> bool:
     return isinstance(record, dict) and isinstance(record.get(text_field), str)
 
 
-def _json_lines(path: Path, stem: str, text_field: str, counts: Counts) -> Iterator[tuple[str, str]]:
+def _json_lines(path: Path, stem: str, text_field: str, counts: ReadStats) -> Iterator[tuple[str, str]]:
     """One document per line with a non-empty string field; lines split at ``\\n`` only (JSON keeps U+2028 raw)."""
     lines = bad = kept = 0
     with open_stream(path) as f:
@@ -307,49 +303,44 @@ def _text_column(path: Path, schema: Any, text_field: str) -> None:
                         f"the column that holds the text")
 
 
-def _rows(texts: list[Any], stem: str, first_row: int, counts: Counts) -> Iterator[tuple[str, str]]:
-    """Documents of consecutive rows ``first_row, first_row + 1, ...`` (1-based); null texts count as bad."""
-    for i, text in enumerate(texts):
-        if text is None:
-            counts.bad_lines += 1
-        elif not text:
-            counts.empty += 1
-        else:
-            yield f"{stem}:{first_row + i}", text
-
-
-def _parquet(path: Path, stem: str, text_field: str, counts: Counts) -> Iterator[tuple[str, str]]:
+def _columns(path: Path, stem: str, text_field: str, counts: ReadStats) -> Iterator[tuple[str, str]]:
+    """One document per row of the ``text_field`` column of a parquet or Arrow file or a ``datasets`` folder, one
+    record batch in memory at a time; a null text counts as a bad record."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    with pq.ParquetFile(path) as pf:
-        _text_column(path, pf.schema_arrow, text_field)
-        row = 1
-        for g in range(pf.num_row_groups):  # one row group in memory at a time
-            texts = pf.read_row_group(g, columns=[text_field]).column(0).to_pylist()
-            yield from _rows(texts, stem, row, counts)
-            row += len(texts)
-
-
-def _arrow(path: Path, stem: str, text_field: str, counts: Counts) -> Iterator[tuple[str, str]]:
-    import pyarrow as pa
-
-    with pa.memory_map(str(path)) as source:
-        try:
-            reader: Any = pa.ipc.open_stream(source)  # what datasets writes
-        except pa.ArrowInvalid:
-            source.seek(0)
-            reader = pa.ipc.open_file(source)
-        _text_column(path, reader.schema, text_field)
-        batches = (reader.get_batch(i) for i in range(reader.num_record_batches)) \
-            if isinstance(reader, pa.ipc.RecordBatchFileReader) else reader
+    with ExitStack() as files:
+        if path.is_dir():
+            ds = _datasets_split(path)
+            schema, batches = ds.data.schema, ds.with_format("arrow").iter(batch_size=_DATASETS_BATCH_ROWS)
+        elif inner_suffix(path) == ".parquet":
+            pf = files.enter_context(pq.ParquetFile(path))
+            schema = pf.schema_arrow
+            batches = (pf.read_row_group(g, columns=[text_field]) for g in range(pf.num_row_groups))
+        else:
+            source = files.enter_context(pa.memory_map(str(path)))
+            try:
+                reader: Any = pa.ipc.open_stream(source)  # what datasets writes
+            except pa.ArrowInvalid:
+                source.seek(0)
+                reader = pa.ipc.open_file(source)
+            schema, batches = reader.schema, reader if isinstance(reader, pa.ipc.RecordBatchStreamReader) else \
+                (reader.get_batch(i) for i in range(reader.num_record_batches))
+        _text_column(path, schema, text_field)
         row = 1
         for batch in batches:
-            texts = batch.column(text_field).to_pylist()
-            yield from _rows(texts, stem, row, counts)
-            row += len(texts)
+            for text in batch.column(text_field).to_pylist():
+                if text is None:
+                    counts.bad_lines += 1
+                elif not text:
+                    counts.empty += 1
+                else:
+                    yield f"{stem}:{row}", text
+                row += 1
 
 
-def _datasets_folder(path: Path, stem: str, text_field: str, counts: Counts) -> Iterator[tuple[str, str]]:
+def _datasets_split(path: Path) -> Any:
+    """The ``datasets.Dataset`` saved at ``path`` (a ``DatasetDict``'s ``train`` split)."""
     try:
         import datasets
     except ImportError:
@@ -361,12 +352,7 @@ def _datasets_folder(path: Path, stem: str, text_field: str, counts: Counts) -> 
             raise DataError(f"'{path}' is a DatasetDict without a 'train' split (splits: {', '.join(ds)}); point "
                             f"data.path at the split's folder")
         ds = ds["train"]
-    _text_column(path, ds.data.schema, text_field)
-    row = 1
-    for batch in ds.with_format("arrow").iter(batch_size=_DATASETS_BATCH_ROWS):
-        texts = batch.column(text_field).to_pylist()
-        yield from _rows(texts, stem, row, counts)
-        row += len(texts)
+    return ds
 
 
 # -- pre-tokenized documents ----------------------------------------------------------------------------------------
@@ -463,7 +449,7 @@ def check_dtype(given: str | None, actual: np.dtype, where: Path) -> None:
 
 
 def iter_token_documents(corpus: Pretokenized, token_dtype: str | None, eos_id: int, vocab_size: int,
-                         counts: Counts) -> Iterator[TokenDocument]:
+                         counts: ReadStats) -> Iterator[TokenDocument]:
     """The documents of a pre-tokenized corpus, in order; empty ones are counted in ``counts.empty``.
 
     Args:

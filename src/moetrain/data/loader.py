@@ -1,21 +1,10 @@
-"""Training batches in a fixed, resumable order, built in the background by ``torch.utils.data.DataLoader`` workers.
+"""Training batches in a fixed, resumable order, built in the background by ``torch.utils.data.DataLoader`` workers
+(the design and its tests: docs/data.md, "Background loading").
 
-Every micro-batch has a key: the sample position for ``data.packing=windows`` (the :class:`BatchSampler`
-position before it), ``(epoch, index)`` for ``documents``. A batch is a pure function of its key (and the seed), so
-it does not matter which process builds it: with ``data.workers = N > 0`` a DataLoader runs the dataset in N
-worker processes, keys handed out round-robin and batches returned in key order; with 0 the training process
-builds each batch when asked. The state saved in a checkpoint is the key of the next batch the training loop has
-not consumed yet (batches prefetched but not consumed are built again after a resume), so a resumed run sees the
-same batches as an uninterrupted one, bit for bit, whatever ``data.workers`` is.
-
-Workers never outlive the training process, however it ends (SIGKILL included): each one watches it
-(:func:`_exit_with`). PyTorch's own watchdog watches only a worker's parent, which is the training process under
-the ``fork`` start method but a forkserver under ``forkserver`` (Python 3.14's default on Linux); the workers keep
-that forkserver alive, so after a SIGKILL of the trainer they would run on, each holding its shared memory.
-
-On CUDA the DataLoader pins batches in page-locked memory (``pin_memory=True``) so the host-to-device copy can run
-asynchronously. The time the step spends waiting in :meth:`BatchLoader.next_batch` is logged as ``data_wait_s`` by
-the trainer (train/console.py).
+Every micro-batch is a pure function of its key: the sample position (``data.packing=windows``) or ``(epoch,
+index)`` (``documents``), so it does not matter which process builds it. The checkpoint state is the key of the next
+batch the training loop has not consumed (prefetched batches are built again after a resume). Workers never outlive
+the training process, SIGKILL included (:func:`_exit_with`).
 """
 
 from __future__ import annotations
@@ -40,18 +29,6 @@ from moetrain.data.val_coverage import small_split_warning, val_coverage_note
 from moetrain.errors import ConfigError
 
 
-class WindowBatches:
-    """Map-style dataset of window micro-batches keyed by sample position: ``[position]`` is what a
-    :class:`BatchSampler` at that position draws next ([B, S] inputs and targets)."""
-
-    def __init__(self, windows: TokenWindows, batch_size: int, seed: int):
-        self.sampler = BatchSampler(windows, batch_size, seed)
-
-    def __getitem__(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
-        self.sampler.position = int(position)
-        return self.sampler.next_batch()
-
-
 class _Keys:
     """The infinite key sequence from a start state (DataLoader's ``sampler``)."""
 
@@ -67,18 +44,18 @@ class BatchLoader:
     checkpoints (the trainer's ``sampler``).
 
     Args:
-        dataset: :class:`WindowBatches` or :class:`~moetrain.data.packing.DocumentBatches`.
+        dataset: :class:`~moetrain.data.dataset.BatchSampler` or :class:`~moetrain.data.packing.DocumentBatches`.
         seed: the order's seed (saved with the position).
         workers: DataLoader worker processes (0: build batches in this process).
         prefetch: batches each worker keeps ready.
         pin_memory: page-locked batches (for an asynchronous copy to CUDA).
     """
 
-    def __init__(self, dataset: WindowBatches | DocumentBatches, seed: int, workers: int = 0, prefetch: int = 2,
+    def __init__(self, dataset: BatchSampler | DocumentBatches, seed: int, workers: int = 0, prefetch: int = 2,
                  pin_memory: bool = False):
         self.dataset, self.seed = dataset, seed
         self.workers, self.prefetch, self.pin_memory = workers, prefetch, pin_memory
-        self._state = {"position": 0} if isinstance(dataset, WindowBatches) else {"epoch": 0, "index": 0}
+        self._state = {"position": 0} if isinstance(dataset, BatchSampler) else {"epoch": 0, "index": 0}
         self._it: Iterator[tuple[Any, Batch]] | None = None
         self.padding_tokens = 0  # positions that were padding, over the batches returned since the last take
         self.positions = 0  # all positions of those batches
@@ -86,7 +63,7 @@ class BatchLoader:
     # -- keys ----------------------------------------------------------------------------------------------------
     def _keys_from(self, state: dict[str, int]) -> Iterator[Any]:
         if "position" in state:
-            b = cast(WindowBatches, self.dataset).sampler.batch_size  # a "position" state: windows
+            b = cast(BatchSampler, self.dataset).batch_size  # a "position" state: windows
             return (state["position"] + i * b for i in itertools.count())
         return self._document_keys(state["epoch"], state["index"])
 
@@ -105,7 +82,7 @@ class BatchLoader:
             if index + 1 >= cast(DocumentBatches, self.dataset).num_batches(epoch):
                 return {"epoch": epoch + 1, "index": 0}
             return {"epoch": epoch, "index": index + 1}
-        return {"position": int(key) + cast(WindowBatches, self.dataset).sampler.batch_size}  # an int key: windows
+        return {"position": int(key) + cast(BatchSampler, self.dataset).batch_size}  # an int key: windows
 
     # -- batches -------------------------------------------------------------------------------------------------
     def _start(self) -> Iterator[tuple[Any, Batch]]:
@@ -164,10 +141,8 @@ class BatchLoader:
         keys = ("position",) if "position" in self._state else ("epoch", "index")
         self._state = {k: int(state[k]) for k in keys}
         self.seed = int(state["seed"])
-        if isinstance(self.dataset, WindowBatches):
-            self.dataset.sampler.seed = self.seed
-        else:
-            self.dataset.seed = self.seed
+        self.dataset.seed = self.seed
+        if isinstance(self.dataset, DocumentBatches):
             self.dataset._plans.clear()
         self._it = None
 
@@ -203,7 +178,7 @@ def _exists(pid: int) -> bool:
 class _Keyed(torch.utils.data.Dataset):
     """Yields ``(key, batch)``, so the consumer knows which batch it got (the resume position)."""
 
-    def __init__(self, dataset: WindowBatches | DocumentBatches):
+    def __init__(self, dataset: BatchSampler | DocumentBatches):
         self.dataset = dataset
 
     def __getitem__(self, key):
@@ -285,7 +260,7 @@ def build_pipeline(data: PreparedData, seq_len: int, packing: str, batch_size: i
     val, note = validation_batches(data, seq_len, packing, batch_size, eval_batch_count, seed)
     if packing == "windows":
         train = TokenWindows(data.train_tokens, seq_len)
-        return DataPipeline(BatchLoader(WindowBatches(train, batch_size, seed), seed, workers, prefetch, pin_memory),
+        return DataPipeline(BatchLoader(BatchSampler(train, batch_size, seed), seed, workers, prefetch, pin_memory),
                             val, f"{len(train)} training windows of {seq_len} tokens", note)
     chunks = DocumentChunks(data.train_tokens, data.eos_id, seq_len)
     budget = f"micro-batches of <= {tokens_per_batch} tokens" if tokens_per_batch else f"rows of {seq_len} tokens"

@@ -1,25 +1,15 @@
 """Whole documents as training examples (``data.packing=documents``): chunks, packed rows and token-budget
-micro-batches, each a deterministic function of (seed, epoch).
+micro-batches, each a deterministic function of (seed, epoch) (the design and its measurements: docs/data.md,
+"data.packing" and "Dynamic batching").
 
 Legend: N = tokens in the split, C = chunks, S = data.seq_len, B = train.batch_size, T = train.tokens_per_batch.
 
 A split is one stream ``doc_0 EOS doc_1 EOS ...`` (data/dataset.py). Document i with n tokens gives n + 1
-(input, target) pairs: the inputs are the EOS before it (its "beginning of sequence") and its n tokens, the
-targets its n tokens and its EOS, i.e. the same predictions as the windows of ``data.packing=windows``, which see
-the previous document instead of a boundary. (The first document of a split has no EOS before it: it gives n
-pairs.) A document of more than S pairs is cut into chunks of S pairs (the last one shorter); every chunk is a
-document of its own to the model (positions restart, no attention to the previous chunk).
-
-Two ways to batch the chunks of an epoch (visited in the order ``default_rng([seed, epoch]).permutation(C)``):
-
-* fixed shape (``train.tokens_per_batch=0``): :func:`pack_rows` fills rows of S positions with whole chunks
-  (best fit among a window of open rows), B rows per micro-batch, padding at the end of a row; attention is
-  document-masked.
-* token budget (``train.tokens_per_batch=T``): :func:`budget_batches` sorts pools of chunks by length and cuts
-  them into micro-batches of ``rows * longest row <= T`` positions: long chunks one per row, rows of like length
-  (no document mask needed); short chunks several per row, filled best-fit, rows at least ``ROW_FILL`` times as
-  wide as the shortest chunk left, so that little room stays empty in any micro-batch; a micro-batch of short
-  documents has many rows, one of long documents few.
+(input, target) pairs: the inputs are the EOS before it and its n tokens, the targets its n tokens and its EOS (the
+first document of a split has no EOS before it: n pairs). A document of more than S pairs is cut into chunks of S
+pairs (the last one shorter), each a document of its own to the model. An epoch visits the chunks in the order
+``default_rng([seed, epoch]).permutation(C)`` and batches them with :func:`pack_rows` (fixed shape,
+``train.tokens_per_batch=0``) or :func:`budget_batches` (a token budget).
 """
 
 from __future__ import annotations

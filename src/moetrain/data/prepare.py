@@ -19,13 +19,12 @@ Pre-tokenized documents skip the encoding: their ids are copied (each followed b
 
 from __future__ import annotations
 
-import os
-import queue
-import tempfile
-import threading
 import time
 from array import array
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,9 +42,9 @@ from moetrain.data.corpus import (
     iter_documents,
     name_digest,
     read_stats,
-    text_cut,
+    split_only,
 )
-from moetrain.data.formats import Counts, Pretokenized, TokenDocument, iter_token_documents
+from moetrain.data.formats import Pretokenized, TokenDocument, iter_token_documents
 from moetrain.data.tokenizer import EOS_TOKEN, train_tokenizer
 
 # Bump when the cache layout or the tokenization changes, so old entries are never trusted.
@@ -73,7 +72,7 @@ class Corpus:
                  tokenizer: Tokenizer | None):
         self.files, self.cfg, self.pretokenized, self.tokenizer = list(files), cfg, pretokenized, tokenizer
 
-    def documents(self, counts: Counts) -> Iterator[Document | TokenDocument]:
+    def documents(self, counts: ReadStats) -> Iterator[Document | TokenDocument]:
         """The documents in corpus order; skipped ones counted in ``counts``."""
         if self.pretokenized is None:
             yield from iter_documents(self.files, self.cfg.text_field, counts)
@@ -109,7 +108,7 @@ class Scan:
 
 def scan(corpus: Corpus, source: str) -> Scan:
     """Pass 1. Raises ``DataError`` when no document is usable (see :func:`~moetrain.data.corpus.read_stats`)."""
-    counts, digests, sizes = Counts(), bytearray(), array("q")
+    counts, digests, sizes = ReadStats(), bytearray(), array("q")
     first = None
     with tqdm(desc="data: scanning", unit="B", unit_scale=True, disable=None, mininterval=1.0) as bar:
         for doc in corpus.documents(counts):
@@ -121,20 +120,6 @@ def scan(corpus: Corpus, source: str) -> Scan:
     stats = read_stats(corpus.files, len(sizes), counts, source)
     return Scan(digest_rows(bytes(digests)), np.frombuffer(sizes, dtype=np.int64) if sizes else
                 np.zeros(0, np.int64), stats, first if len(sizes) == 1 else None)
-
-
-def split_only(doc: Document | TokenDocument, val_fraction: float) -> tuple[Any, Any]:
-    """A one-document corpus's (train, val) parts: text split at :func:`~moetrain.data.corpus.text_cut`, ids at
-    their last ``val_fraction`` (at least one id); val is ``None`` when the document is too short to split."""
-    if isinstance(doc, Document):
-        cut = text_cut(doc.text, val_fraction)
-        return (doc, None) if cut is None else \
-            (Document(doc.name, doc.text[:cut]), Document(f"{doc.name}#val", doc.text[cut:]))
-    n = len(doc.ids)
-    if n < 2:
-        return doc, None
-    cut = n - max(1, round(n * val_fraction))
-    return TokenDocument(doc.name, doc.ids[:cut]), TokenDocument(f"{doc.name}#val", doc.ids[cut:])
 
 
 def sample_plan(sizes: np.ndarray, max_bytes: int) -> list[tuple[int, int | None]]:
@@ -176,7 +161,7 @@ def collect_sample(corpus: Corpus, found: Scan, val: np.ndarray, max_bytes: int)
     plan = sample_plan(found.sizes[train], max_bytes)
     wanted = {int(train[pos]): cut for pos, cut in plan}
     texts: dict[int, str] = {}
-    for i, doc in enumerate(corpus.documents(Counts())):
+    for i, doc in enumerate(corpus.documents(ReadStats())):
         if i in wanted:
             assert isinstance(doc, Document)  # a tokenizer is trained for text input only
             texts[i] = _cut_text(doc.text, wanted[i])
@@ -202,13 +187,12 @@ def train_on_corpus(corpus: Corpus, found: Scan, val: np.ndarray | None, cfg: Da
 
 
 class _SplitWriter:
-    """The token file and document index of one split, written atomically."""
+    """The token file and document index of one split (in a staging directory: see ``dataset._build_entry``)."""
 
-    def __init__(self, entry: Path, split: str, dtype: np.dtype):
+    def __init__(self, entry: Path, split: str, dtype: np.dtype, files: ExitStack):
         self.dtype = dtype
-        self._tokens = AtomicFile(entry / f"{split}.bin")
-        self._index = AtomicFile(entry / f"{split}.idx")
-        self.file, self.index = self._tokens.__enter__(), self._index.__enter__()
+        self.file = files.enter_context(open(entry / f"{split}.bin", "wb"))
+        self.index = files.enter_context(open(entry / f"{split}.idx", "wb"))
         self.tokens = 0
         self.documents = 0
 
@@ -219,45 +203,19 @@ class _SplitWriter:
         self.tokens += int(len(ids))
         self.documents += len(lengths)
 
-    def close(self, failed: BaseException | None) -> None:
-        kind = type(failed) if failed is not None else None
-        self._tokens.__exit__(kind, failed, None)
-        self._index.__exit__(kind, failed, None)
-
 
 def _read_ahead(items: Iterator[Any], depth: int) -> Iterator[Any]:
     """``items`` produced by a background thread, up to ``depth`` ahead (the reader parses JSON and decompresses
     while the encoder, which releases the GIL, runs); its exception is raised here."""
-    q: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=depth)
-    stop = threading.Event()
-
-    def produce() -> None:
-        try:
-            for item in items:
-                while not stop.is_set():
-                    try:
-                        q.put(("item", item), timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
-                    return
-            q.put(("done", None))
-        except BaseException as e:  # noqa: BLE001 -- handed to the consumer, which raises it
-            q.put(("error", e))
-
-    thread = threading.Thread(target=produce, name="moetrain-data-reader", daemon=True)
-    thread.start()
+    end = object()
+    pool = ThreadPoolExecutor(1, thread_name_prefix="moetrain-data-reader")  # one thread: next() calls in order
     try:
-        while True:
-            kind, item = q.get()
-            if kind == "done":
-                return
-            if kind == "error":
-                raise item
+        ahead = deque(pool.submit(next, items, end) for _ in range(depth))
+        while (item := ahead.popleft().result()) is not end:
+            ahead.append(pool.submit(next, items, end))
             yield item
     finally:
-        stop.set()
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _batches(docs: Iterator[Document | TokenDocument], val: np.ndarray | None, sizes: np.ndarray, only: bool,
@@ -298,64 +256,23 @@ def write_splits(entry: Path, corpus: Corpus, found: Scan, val: np.ndarray | Non
     # encode_batch_fast (tokenizers >= 0.20) gives the same ids as encode_batch without computing offsets: ~1.5x
     # faster on 2 cores.
     encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
-    writers = {split: _SplitWriter(entry, split, dtype) for split in ("train", "val")}
-    failed: BaseException | None = None
-    total = int(found.sizes.sum())
-    try:
-        with tqdm(total=total, desc="data: copying" if pretokenized else "data: tokenizing", disable=None,
-                  unit="tok" if pretokenized else "B", unit_scale=True, mininterval=1.0, smoothing=0.1) as bar:
-            stream = _batches(corpus.documents(Counts()), val, found.sizes, found.only is not None, val_fraction,
-                              limit)
-            for split, batch, nbytes in _read_ahead(stream, _READ_AHEAD):
-                pieces: list[Any]  # [documents] id arrays or lists
-                if pretokenized:
-                    pieces = [np.asarray(d.ids) for d in batch]
-                else:
-                    pieces = [e.ids for e in encode([d.text for d in batch], add_special_tokens=False)]
-                lengths = np.fromiter((len(p) + 1 for p in pieces), dtype=np.int64, count=len(pieces))
-                ids = np.empty(int(lengths.sum()), dtype=dtype)  # [tokens] documents, each followed by EOS
-                ends = np.cumsum(lengths)
-                ids[ends - 1] = eos_id
-                for p, end, n in zip(pieces, ends.tolist(), lengths.tolist()):
-                    ids[end - n : end - 1] = p
-                writers[split].write(ids, lengths)
-                bar.update(nbytes)
-    except BaseException as e:
-        failed = e
-        raise
-    finally:
-        for w in writers.values():
-            w.close(failed)
+    desc, unit = ("data: copying", "tok") if pretokenized else ("data: tokenizing", "B")
+    with ExitStack() as files, tqdm(total=int(found.sizes.sum()), desc=desc, unit=unit, disable=None,
+                                    unit_scale=True, mininterval=1.0, smoothing=0.1) as bar:
+        writers = {split: _SplitWriter(entry, split, dtype, files) for split in ("train", "val")}
+        stream = _batches(corpus.documents(ReadStats()), val, found.sizes, found.only is not None, val_fraction, limit)
+        for split, batch, nbytes in _read_ahead(stream, _READ_AHEAD):
+            pieces: list[Any]  # [documents] id arrays or lists
+            if pretokenized:
+                pieces = [np.asarray(d.ids) for d in batch]
+            else:
+                pieces = [e.ids for e in encode([d.text for d in batch], add_special_tokens=False)]
+            lengths = np.fromiter((len(p) + 1 for p in pieces), dtype=np.int64, count=len(pieces))
+            ids = np.empty(int(lengths.sum()), dtype=dtype)  # [tokens] documents, each followed by EOS
+            ends = np.cumsum(lengths)
+            ids[ends - 1] = eos_id
+            for p, end, n in zip(pieces, ends.tolist(), lengths.tolist()):
+                ids[end - n : end - 1] = p
+            writers[split].write(ids, lengths)
+            bar.update(nbytes)
     return {split: (w.documents, w.tokens) for split, w in writers.items()}
-
-
-class AtomicFile:
-    """A binary file written under a temporary name in the same directory and renamed into place on success
-    (fsync first, so a crash leaves either the old file or the complete new one, never a partial one)."""
-
-    def __init__(self, path: Path):
-        self.path = path
-
-    def __enter__(self) -> Any:
-        fd, self.tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
-        os.chmod(self.tmp, 0o644)  # mkstemp makes it 0600; a shared cache should be readable like any file
-        self.file = os.fdopen(fd, "wb")
-        return self.file
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        try:
-            with self.file:
-                if exc_type is None:
-                    self.file.flush()
-                    os.fsync(self.file.fileno())
-            if exc_type is None:
-                os.replace(self.tmp, self.path)
-        finally:
-            if os.path.exists(self.tmp):
-                os.unlink(self.tmp)
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically (:class:`AtomicFile`)."""
-    with AtomicFile(path) as f:
-        f.write(data)

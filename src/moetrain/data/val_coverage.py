@@ -1,12 +1,9 @@
-"""What the validation loss measures: how much of the evaluated tokens one held-out document makes up.
+"""What the validation loss measures: how much of the evaluated tokens one held-out document makes up (why it
+matters, with the Pygments example: docs/data.md, "The validation split and what val_loss measures").
 
 Training evaluates the first ``train.eval_batches`` batches of the validation split, in stream order, not a sample
-of it. Where one held-out document is most of those tokens, the validation loss is mostly that document's loss. This
-is how Pygments' split once misled an MoE-vs-dense comparison (docs/moe-vs-dense.md): one generated file,
-``lexers/_mapping.py``, was 25,346 of the 32,768 evaluated tokens (77%), and an MoE that led its twin on every
-other held-out file trailed it on the run's validation loss. :func:`val_coverage_note` says so at the start of a run
-with ``data.packing=windows`` (the default); with ``documents`` packing the rows are chunks of documents padded to
-the row length, and no note is computed.
+of it. :func:`val_coverage_note` says so when one held-out document is most of those tokens, with
+``data.packing=windows`` (the default); with ``documents`` packing no note is computed.
 """
 
 from __future__ import annotations

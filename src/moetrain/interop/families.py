@@ -5,12 +5,9 @@ A family is chosen from the model's configuration (:func:`family_for`). What has
 other side is refused with a :class:`ConfigError` naming the feature, never approximated: an exported model must
 give the same logits in transformers, and an imported one the same logits here.
 
-Field correspondences (ours -> HF) shared by all families: vocab_size, hidden -> hidden_size, n_layers ->
-num_hidden_layers, n_heads -> num_attention_heads, n_kv_heads -> num_key_value_heads, head_size -> head_dim,
-max_seq_len -> max_position_embeddings, norm_eps -> rms_norm_eps, rope_theta -> rope_parameters.rope_theta,
-tie_embeddings -> tie_word_embeddings, init_std -> initializer_range, moe.top_k -> num_experts_per_tok,
-moe.losses.aux_loss_coeff -> router_aux_loss_coef * top_k (transformers' load-balancing loss counts each token K times,
-see moe/losses.py). Training-only fields with no HF field travel in the ``moetrain`` key of ``config.json``
+The field correspondences are :func:`hf_config_dict` (ours -> HF) and :func:`model_config_from_hf` (back);
+``moe.losses.aux_loss_coeff`` is ``router_aux_loss_coef * top_k`` (transformers' load-balancing loss counts each token
+K times, see moe/losses.py). Training-only fields with no HF field travel in the ``moetrain`` key of ``config.json``
 (transformers keeps unknown keys and ignores them).
 
 ``moe.router.routed_scaling_factor`` multiplies every routed expert's output (the gating weight ``w`` of
@@ -27,7 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from moetrain.configlib import from_dict
@@ -88,6 +86,7 @@ class Family:
         disk_layouts: expert layouts its checkpoints may use, in the order they are probed (names decide).
         legacy_moe_name: the MoE block's name in checkpoints of the ``w123`` layout (Mixtral: ``block_sparse_moe``).
         shared_name: the family's name of the shared expert module (ours: ``shared_expert``).
+        fixed: ``config.json`` keys an export always writes with these values (features we do not have, off).
     """
 
     model_type: str
@@ -100,16 +99,19 @@ class Family:
     disk_layouts: tuple[ExpertLayout, ...] = (FUSED, PER_EXPERT)
     legacy_moe_name: str | None = None
     shared_name: str = "shared_expert"
+    fixed: Mapping[str, Any] = field(default_factory=dict)
 
 
 MIXTRAL = Family("mixtral", "MixtralForCausalLM", num_experts_key="num_local_experts",
                  expert_ffn_key="intermediate_size", dense_ffn_key=None, disk_layouts=(FUSED, W123),
-                 legacy_moe_name="block_sparse_moe")
-QWEN2_MOE = Family("qwen2_moe", "Qwen2MoeForCausalLM")
-QWEN3_MOE = Family("qwen3_moe", "Qwen3MoeForCausalLM", qk_norm="head")
-OLMOE = Family("olmoe", "OlmoeForCausalLM", expert_ffn_key="intermediate_size", dense_ffn_key=None, qk_norm="full")
+                 legacy_moe_name="block_sparse_moe", fixed={"sliding_window": None, "router_jitter_noise": 0.0})
+QWEN2_MOE = Family("qwen2_moe", "Qwen2MoeForCausalLM", fixed={"use_sliding_window": False})
+QWEN3_MOE = Family("qwen3_moe", "Qwen3MoeForCausalLM", qk_norm="head",
+                   fixed={"attention_bias": False, "use_sliding_window": False})
+OLMOE = Family("olmoe", "OlmoeForCausalLM", expert_ffn_key="intermediate_size", dense_ffn_key=None, qk_norm="full",
+               fixed={"attention_bias": False, "clip_qkv": None})
 DOTS1 = Family("dots1", "Dots1ForCausalLM", num_experts_key="n_routed_experts", qk_norm="head",
-               shared_name="shared_experts")
+               shared_name="shared_experts", fixed={"attention_bias": False, "sliding_window": None})
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMOE, DOTS1)}
 
 LLAMA = Family("llama", "LlamaForCausalLM", moe=False)
@@ -229,34 +231,30 @@ def hf_config_dict(cfg: ModelConfig, family: Family) -> dict[str, Any]:
         "tie_word_embeddings": cfg.tie_embeddings, "initializer_range": cfg.init_std, "attention_dropout": 0.0,
         "num_experts_per_tok": moe.top_k, "router_aux_loss_coef": moe.losses.aux_loss_coeff / moe.top_k,
         family.num_experts_key: moe.num_experts, family.expert_ffn_key: moe.experts.ffn_hidden,
-        "moetrain": {key: _get_path(moe, path) for key, path in CARRIED.items()},
+        "moetrain": {key: _get_path(moe, path) for key, path in CARRIED.items()}, **family.fixed,
     }
     if family.dense_ffn_key is not None:
         out[family.dense_ffn_key] = cfg.ffn_hidden
     else:  # unused by an all-MoE model; carried so that a round trip gives back the same config
         out["moetrain"]["ffn_hidden"] = cfg.ffn_hidden
-    plan = {"decoder_sparse_step": cfg.moe_every, "mlp_only_layers": list(range(min(cfg.first_k_dense, cfg.n_layers)))}
-    if family is QWEN3_MOE:
-        out.update(plan, norm_topk_prob=router.norm_topk_prob, attention_bias=False, use_sliding_window=False)
-    elif family is QWEN2_MOE:
-        out.update(plan, norm_topk_prob=router.norm_topk_prob, qkv_bias=cfg.attention_bias, use_sliding_window=False,
-                   shared_expert_intermediate_size=moe.shared_expert.ffn_hidden)
+    if family is not MIXTRAL:  # Mixtral always renormalises
+        out["norm_topk_prob"] = router.norm_topk_prob
+    if family in (QWEN2_MOE, QWEN3_MOE):
+        out.update(decoder_sparse_step=cfg.moe_every, mlp_only_layers=list(range(min(cfg.first_k_dense, cfg.n_layers))))
+    if family is QWEN2_MOE:
+        out.update(qkv_bias=cfg.attention_bias, shared_expert_intermediate_size=moe.shared_expert.ffn_hidden)
     elif family is OLMOE:
-        out.update(norm_topk_prob=router.norm_topk_prob, attention_bias=False, clip_qkv=None)
         del out["head_dim"]  # OLMoE derives it from hidden_size // num_attention_heads (checked equal)
-    elif family is MIXTRAL:
-        out.update(sliding_window=None, router_jitter_noise=0.0)
-    if family is not DOTS1 and router.routed_scaling_factor != 1.0:  # folded into down_proj (fold_routed_scale)
-        out["moetrain"]["routed_scaling_factor"] = router.routed_scaling_factor
-    elif family is DOTS1:
-        out.update(first_k_dense_replace=min(cfg.first_k_dense, cfg.n_layers), norm_topk_prob=router.norm_topk_prob,
+    if family is DOTS1:
+        out.update(first_k_dense_replace=min(cfg.first_k_dense, cfg.n_layers),
                    n_shared_experts=moe.shared_expert.ffn_hidden // moe.experts.ffn_hidden,
                    routed_scaling_factor=router.routed_scaling_factor, n_group=router.num_groups,
-                   topk_group=router.groups_per_token, attention_bias=False, sliding_window=None,
-                   layer_types=["full_attention"] * cfg.n_layers)
+                   topk_group=router.groups_per_token, layer_types=["full_attention"] * cfg.n_layers)
         # dots.llm1 always has e_score_correction_bias (zeros without one): say whether ours has the bias, so that
         # an import gives back the same config (and the bias updates only where they were on).
         out["moetrain"]["expert_bias"] = router.expert_bias
+    elif router.routed_scaling_factor != 1.0:  # folded into down_proj (fold_routed_scale)
+        out["moetrain"]["routed_scaling_factor"] = router.routed_scaling_factor
     return out
 
 
@@ -290,31 +288,33 @@ def _layer_plan(hf: Any, n_layers: int) -> tuple[int, int]:
     return step, k
 
 
+# HF config keys that map only at these values (a missing or null key is the value), with why.
+_ONLY_VALUES = {
+    "hidden_act": ("silu", "moetrain FFNs and experts are SwiGLU (silu)"),
+    "attention_dropout": (0.0, "moetrain attention has no dropout"),
+    "router_jitter_noise": (0.0, "transformers jitters the hidden states in place (moetrain's router.jitter_eps "
+                                 "scales the router input only)"),
+    "clip_qkv": (None, "moetrain attention does not clip q/k/v"),
+    "mlp_bias": (False, "moetrain FFNs have no biases"),
+}
+
+
 def _refuse_common(hf: Any, family: Family) -> None:
     rope = _get(hf, "rope_parameters", {})
     if rope.get("rope_type", "default") != "default":
         raise _err("rope_parameters.rope_type", rope.get("rope_type"), "moetrain implements plain RoPE only")
-    if _get(hf, "hidden_act", "silu") != "silu":
-        raise _err("hidden_act", _get(hf, "hidden_act"), "moetrain FFNs and experts are SwiGLU (silu)")
-    if float(_get(hf, "attention_dropout", 0.0)) != 0.0:
-        raise _err("attention_dropout", _get(hf, "attention_dropout"), "moetrain attention has no dropout")
+    for key, (only, why) in _ONLY_VALUES.items():
+        if _get(hf, key, only) != only:
+            raise _err(key, _get(hf, key), why)
     # Families with per-layer ``layer_types`` slide only on "sliding_attention" layers; the others slide
     # everywhere once ``sliding_window`` is set.
     layer_types = getattr(hf, "layer_types", None)
     window = getattr(hf, "sliding_window", None)
     if ("sliding_attention" in layer_types) if layer_types is not None else window is not None:
         raise _err("sliding_window", window, "moetrain attention is full causal attention (no sliding window)")
-    t = family.model_type
-    if t == "mixtral" and float(_get(hf, "router_jitter_noise", 0.0)) > 0:
-        raise _err("router_jitter_noise", hf.router_jitter_noise, "transformers jitters the hidden states in place "
-                   "(moetrain's router.jitter_eps scales the router input only)")
-    if t == "olmoe" and getattr(hf, "clip_qkv", None) is not None:
-        raise _err("clip_qkv", hf.clip_qkv, "moetrain attention does not clip q/k/v")
-    if t in ("llama", "mistral", "qwen3", "qwen3_moe", "olmoe", "dots1") and _get(hf, "attention_bias", False):
+    if family.model_type not in ("mixtral", "qwen2", "qwen2_moe") and _get(hf, "attention_bias", False):
         raise _err("attention_bias", True, f"{family.architecture} adds a bias to o_proj too; moetrain has q/k/v "
                    "biases only")
-    if _get(hf, "mlp_bias", False):
-        raise _err("mlp_bias", True, "moetrain FFNs have no biases")
 
 
 def _moe_from_hf(hf: Any, family: Family, carried: dict[str, Any]) -> MoEConfig:

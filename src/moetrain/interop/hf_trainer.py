@@ -32,6 +32,7 @@ from moetrain.errors import ConfigError
 from moetrain.moe.dispatch import LocalDispatcher
 from moetrain.moe.experts import BACKENDS
 from moetrain.moe.losses import expert_counts, router_z_loss, switch_load_balancing_loss
+from moetrain.moe.router import route
 
 # Block class name -> (router score function, shared expert attribute or None, whether the shared expert is gated).
 SUPPORTED_BLOCKS = {
@@ -75,11 +76,7 @@ class HFRoutingSums:
         """Add one forward pass of ``layer``: logits [T, E], topk_ids [T, K] int64."""
         e = logits.shape[-1]
         logits = logits.detach().float()
-        if score_func == "softmax":
-            probs = torch.softmax(logits, dim=-1)
-        else:  # sigmoid scores normalised per token, the probabilities of DeepSeek-V3's balance loss (eq. 20)
-            scores = torch.sigmoid(logits)
-            probs = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+        probs = route(logits, topk_ids.shape[-1], score_func=score_func).probs  # [T, E] as our router's
         s = self._sums.get(layer)
         if s is None:
             s = self._sums[layer] = _LayerSums(torch.zeros(e, device=logits.device))

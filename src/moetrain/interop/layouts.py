@@ -118,15 +118,3 @@ def detect_layout(keys: Mapping[str, object] | set[str], prefix: str, allowed: t
         if f"{prefix}.{layout.probe}" in keys:
             return layout
     return None
-
-
-def check_shape(name: str, tensor: torch.Tensor, expected: tuple[int, ...], source: str) -> torch.Tensor:
-    """Return ``tensor`` if its shape is ``expected``.
-
-    Raises:
-        CheckpointError: naming ``source``, the tensor and both shapes.
-    """
-    if tuple(tensor.shape) != tuple(expected):
-        raise CheckpointError(f"{source}: tensor '{name}' has shape {tuple(tensor.shape)}, but the config implies "
-                              f"{tuple(expected)}")
-    return tensor

@@ -24,11 +24,12 @@ import torch
 
 from moetrain.configlib import FieldError
 from moetrain.errors import ConfigError, MoetrainError
-from moetrain.interop.hf import CONFIG_FILE, from_hf, read_hf_config, to_hf
+from moetrain.interop.hf import CONFIG_FILE, build_model, from_hf, read_hf_config, to_hf
 from moetrain.model.config import ModelConfig
 from moetrain.model.ffn import SwiGLU
 from moetrain.model.transformer import MoETransformer
 from moetrain.moe.config import ExpertsConfig, MoEConfig, RouterConfig, SharedExpertConfig
+from moetrain.train.checkpoint import model_tensors
 
 # Copied verbatim from the dense directory: the tokenizer and the generation defaults stay the dense model's.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
@@ -76,35 +77,21 @@ def upcycle_model(dense: MoETransformer, num_experts: int, top_k: int, router_st
     cfg = upcycled_config(dense.config, num_experts, top_k,
                           dense.config.attention_bias if shared_expert is None else shared_expert)
     gen = torch.Generator().manual_seed(seed)
-    out: dict[str, torch.Tensor] = {}
-    for name, t in dense.state_dict().items():
-        if cfg.tie_embeddings and name == "lm_head.weight":
-            continue
-        if ".ffn." not in name:
-            out[name] = t.detach().cpu().clone()
+    out = {name: t.clone() for name, t in model_tensors(dense).items() if ".ffn." not in name}  # tied ones once
     e, d = num_experts, cfg.hidden
     for i, block in enumerate(dense.blocks):
         ffn = cast(SwiGLU, block.ffn)  # a dense model (upcycled_config checked): every block's FFN is a SwiGLU
-        gate, up, down = ffn.gate_proj.weight, ffn.up_proj.weight, ffn.down_proj.weight
+        gate, up, down = ffn.gate_proj.weight.cpu(), ffn.up_proj.weight.cpu(), ffn.down_proj.weight.cpu()
         p = f"blocks.{i}.ffn"
-        out[f"{p}.experts.gate_up_proj"] = torch.cat([gate, up]).cpu().expand(e, -1, -1).clone()  # [E, 2F, D]
-        out[f"{p}.experts.down_proj"] = down.cpu().expand(e, -1, -1).clone()  # [E, D, F]
+        out[f"{p}.experts.gate_up_proj"] = torch.cat([gate, up]).expand(e, -1, -1).clone()  # [E, 2F, D]
+        out[f"{p}.experts.down_proj"] = down.expand(e, -1, -1).clone()  # [E, D, F]
         out[f"{p}.router.weight"] = (torch.randn(e, d, generator=gen) * router_std).to(gate.dtype)
         if cfg.moe.shared_expert.ffn_hidden > 0:
-            out[f"{p}.shared_expert.gate_proj.weight"] = gate.detach().cpu().clone()
-            out[f"{p}.shared_expert.up_proj.weight"] = up.detach().cpu().clone()
-            out[f"{p}.shared_expert.down_proj.weight"] = torch.zeros_like(down, device="cpu")
+            out[f"{p}.shared_expert.gate_proj.weight"] = gate.clone()
+            out[f"{p}.shared_expert.up_proj.weight"] = up.clone()
+            out[f"{p}.shared_expert.down_proj.weight"] = torch.zeros_like(down)
             out[f"{p}.shared_expert_gate.weight"] = torch.zeros(1, d, dtype=gate.dtype)
-    with torch.device("meta"):
-        model = MoETransformer(cfg)
-    if cfg.tie_embeddings:
-        out["lm_head.weight"] = out["embed_tokens.weight"]
-    for name, buf in model.named_buffers():  # e.g. an expert-bias buffer: starts at zero
-        out.setdefault(name, torch.zeros(buf.shape, dtype=buf.dtype))
-    model.load_state_dict(out, strict=True, assign=True)
-    if cfg.tie_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
-    return model
+    return build_model(cfg, out, dtype=None)
 
 
 def upcycle_hf(dense_dir: str | Path, out_dir: str | Path, num_experts: int, top_k: int, router_std: float = 0.02,

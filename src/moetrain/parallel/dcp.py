@@ -1,4 +1,4 @@
-"""Distributed checkpoints with ``torch.distributed.checkpoint`` (DCP): each rank writes its own shards,
+"""The sharded checkpoint format with ``torch.distributed.checkpoint`` (DCP): each rank writes its own shards,
 replicated tensors are written once, and loading reshards to any layout, one process included.
 
 Legend: E = experts, E_l = E / ep local experts.
@@ -6,16 +6,14 @@ Legend: E = experts, E_l = E / ep local experts.
 An expert shard [E_l, ...] is presented to DCP as a ``DTensor`` of global shape [E, ...] placed ``(Replicate(),
 Shard(0))`` on the ``(dp, ep)`` mesh, sharing storage with the parameter (no copy); every other tensor is a plain
 tensor, which DCP treats as replicated. The checkpoint's metadata thus describes global tensors and chunk offsets
-only, so any process count can read it: an EP=4 checkpoint loads at EP=2 or in one process (whole [E, ...]
-tensors), and an EP=1 checkpoint loads at EP=4. The AdamW moments of an expert shard are sharded the same way.
+only, so an EP=4 checkpoint loads at EP=2 or in one process (whole [E, ...] tensors). The AdamW moments of an expert
+shard are sharded the same way.
 
-Layout of one checkpoint directory: DCP's ``.metadata`` (written by rank 0, DCP's coordinator) and
-``__<rank>_0.distcp`` files (each written by its rank), plus ``moetrain.json`` (world size, ep, dp) written by rank
-0 last, so its presence marks a complete checkpoint. Inside the trainer's checkpoints these files sit beside
-``train_state.pt`` and the manifest of :class:`~moetrain.train.checkpoint.CheckpointStore`;
-:class:`~moetrain.train.checkpointer.Checkpointer` decides which format to write and reads both: every rank writes
-its shards straight into the checkpoint's staging directory (:func:`write_shards`), and reads through
-:class:`VerifiedReader`, which verifies only the shard files whose chunks it reads.
+Files: DCP's ``.metadata`` (rank 0, DCP's coordinator), ``__<rank>_0.distcp`` (each rank) and ``moetrain.json``
+(world size, ep, dp), beside the ``train_state.pt`` and manifest of
+:class:`~moetrain.train.checkpoint.CheckpointStore`. :class:`~moetrain.train.checkpointer.Checkpointer` writes them
+(:func:`write_shards`) and reads them back through :class:`VerifiedReader`, which verifies only the shard files
+whose chunks this rank reads (:func:`load_checkpoint`).
 """
 
 from __future__ import annotations
@@ -29,10 +27,9 @@ import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Container, Iterator
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -63,11 +60,6 @@ METADATA = ".metadata"
 SHARD_SUFFIX = ".distcp"
 
 
-def is_dcp_checkpoint(path: Path) -> bool:
-    """Whether ``path`` holds a complete checkpoint written by :func:`save`."""
-    return (path / MARKER).is_file() and (path / METADATA).is_file()
-
-
 def is_shard_file(name: str) -> bool:
     """Whether ``name`` is a DCP shard file (``__<rank>_<i>.distcp``): the files a rank verifies when it reads one."""
     return name.endswith(SHARD_SUFFIX)
@@ -86,14 +78,6 @@ def _quiet(mesh: ParallelMesh) -> Iterator[None]:
         if not mesh.distributed:
             warnings.filterwarnings("ignore", message=".*single process.*")
         yield
-
-
-def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for size in reversed(shape):
-        stride.append(acc)
-        acc *= size
-    return tuple(reversed(stride))
 
 
 @dataclass(frozen=True)
@@ -134,7 +118,7 @@ class ShardLayout:
             return tensor  # a DTensor (an FSDP2 parameter) already carries its placement
         shape = shard.global_shape(tensor.shape)
         return DTensor.from_local(tensor, self.mesh.mesh, [Replicate(), Shard(0)], run_check=False, shape=shape,
-                                  stride=_contiguous_stride(shape))
+                                  stride=torch.empty(shape, device="meta").stride())
 
 
 def _param_names(model: nn.Module) -> dict[torch.Tensor, str]:
@@ -193,13 +177,6 @@ def _state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None, layou
     return state
 
 
-def _pickled(obj: Any) -> io.BytesIO:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    buf.seek(0)
-    return buf
-
-
 def param_groups(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> list[dict[str, Any]] | None:
     """The optimizer's groups as saved: hyperparameters, and ``params`` as FQNs (this rank's parameters). Loading
     takes the hyperparameters only (a pipeline rank's own parameters go with them); ``None`` without optimizer."""
@@ -210,25 +187,13 @@ def param_groups(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> l
              "params": [names[p] for p in g["params"]]} for g in optimizer.param_groups]
 
 
-def _save_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, layout: ShardLayout,
-                extra: dict[str, Any] | None, meta: bool = True) -> dict[str, Any]:
-    state = _state_dict(model, optimizer, layout)
-    if meta:  # one opaque blob, so DCP does not flatten (and split) nested Python data
-        state["meta"] = _pickled({"param_groups": param_groups(model, optimizer), "extra": extra or {}})
-    return state
-
-
 def write_shards(checkpoint_id: str, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                 layout: ShardLayout, extra: dict[str, Any] | None = None, remote: bool = False,
-                 meta: bool = True) -> None:
-    """``dcp.save`` of the model, its optimizer and ``extra`` into ``checkpoint_id``, a directory all ranks share
-    (DCP's ``FileSystemWriter``, files fsynced) or an fsspec URL (``remote``: DCP's ``FsspecWriter``): this rank
-    writes its own ``__<rank>_0.distcp``, rank 0 also ``.metadata``; what crosses the network is DCP's plans and
-    write results (tensor names, offsets, sizes), never tensor bytes. A collective: every rank calls it.
-
-    ``meta=False`` leaves out the blob of :func:`param_groups` and ``extra`` (the ``Checkpointer`` keeps the groups
-    in ``train_state.pt``, which every rank reads anyway: in DCP the blob would sit in rank 0's file, which every
-    rank, of every pipeline stage, would then have to verify).
+                 layout: ShardLayout, remote: bool = False) -> None:
+    """``dcp.save`` of the model and its optimizer into ``checkpoint_id``, a directory all ranks share (DCP's
+    ``FileSystemWriter``, files fsynced) or an fsspec URL (``remote``: DCP's ``FsspecWriter``): this rank writes its
+    own ``__<rank>_0.distcp``, rank 0 also ``.metadata``; what crosses the network is DCP's plans and write results
+    (tensor names, offsets, sizes), never tensor bytes. A collective: every rank calls it. The optimizer's groups
+    go in ``train_state.pt`` (:func:`param_groups`), which every rank reads anyway.
 
     Raises:
         MachineError: a rank's write failed (full or read-only disk), raised on every rank, naming the rank.
@@ -237,7 +202,7 @@ def write_shards(checkpoint_id: str, model: nn.Module, optimizer: torch.optim.Op
     """
     from moetrain.runtime.oserrors import MachineError, os_error_line
 
-    state = _save_state(model, optimizer, layout, extra, meta)
+    state = _state_dict(model, optimizer, layout)
     if remote:
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
@@ -265,33 +230,6 @@ def marker(layout: ShardLayout) -> bytes:
     mesh = layout.mesh
     return json.dumps({"format": "torch.distributed.checkpoint", "world_size": mesh.world_size, "ep": mesh.ep,
                        "dp": mesh.dp, "experts_sharded": sorted(layout.plan)}, indent=1).encode()
-
-
-def save(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, plan: dict[str, ExpertShard],
-         mesh: ParallelMesh, extra: dict[str, Any] | None = None, layout: ShardLayout | None = None) -> None:
-    """Write a checkpoint of the (sharded) model, its optimizer and ``extra`` (any picklable data: step,
-    scheduler, sampler, RNG) into the directory ``path`` (:func:`write_shards`, then :data:`MARKER` by rank 0).
-    A collective: every rank calls it.
-
-    Args:
-        path: the checkpoint directory (created; shared by all ranks, e.g. on a shared file system).
-        model: this rank's model.
-        optimizer: this rank's optimizer, or ``None``.
-        plan: the expert shards (:func:`moetrain.parallel.sharding.shard_experts`).
-        mesh: this rank's mesh position.
-        extra: replicated training state (one rank's copy is kept: it must be the same on every rank).
-        layout: overrides ``ShardLayout(mesh, plan)`` (the FSDP2 engine's layout: ``moetrain.parallel.engine``).
-    Raises:
-        CollectiveError: a peer failed while the checkpoint was written.
-    """
-    path = Path(path)
-    layout = layout or ShardLayout(mesh, plan)
-    write_shards(str(path), model, optimizer, layout, extra)
-    if mesh.is_main:
-        (path / MARKER).write_bytes(marker(layout))
-    if mesh.distributed:
-        with named_collective("barrier (checkpoint written)"):
-            dist.barrier()
 
 
 class VerifiedReader(FileSystemReader):
@@ -342,12 +280,10 @@ def _load_error(e: CheckpointException, where: str) -> CheckpointError:
 
 
 def _read(model: nn.Module, optimizer: torch.optim.Optimizer | None, layout: ShardLayout, where: str,
-          reader: StorageReader | None = None, path: Path | None = None, state: dict[str, Any] | None = None,
-          groups: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """``dcp.load`` into ``model`` and ``optimizer`` (in place) through ``reader`` or from the directory ``path``
-    (``state``: the tensors to load, default :func:`_state_dict`); returns the ``extra`` data. The optimizer's
-    groups come from ``groups`` when given (a checkpoint written with ``meta=False``), else from the checkpoint's
-    blob."""
+          reader: StorageReader, groups: list[dict[str, Any]] | None, state: dict[str, Any] | None = None) -> None:
+    """``dcp.load`` into ``model`` and ``optimizer`` (in place) through ``reader`` (``state``: the tensors to load,
+    default :func:`_state_dict`). The optimizer's groups are ``groups``, or ``None``: those of the pickled blob
+    ``meta`` that checkpoints written before ``train_state.pt`` held them carry in DCP."""
     if optimizer is not None:
         materialise_optimizer_state(optimizer)
     if state is None:
@@ -356,17 +292,15 @@ def _read(model: nn.Module, optimizer: torch.optim.Optimizer | None, layout: Sha
         state["meta"] = io.BytesIO()
     try:
         with named_collective("torch.distributed.checkpoint.load (read shards)"), _quiet(layout.mesh):
-            dcp.load(state, checkpoint_id=None if path is None else str(path), storage_reader=reader)
+            dcp.load(state, storage_reader=reader)
     except CheckpointException as e:  # DCP's report of every rank's failure: missing keys, shapes, a corrupt shard
         raise _load_error(e, where) from None
-    meta: dict[str, Any] = {"param_groups": groups, "extra": {}}
     if groups is None:
         state["meta"].seek(0)
-        meta = torch.load(state["meta"], weights_only=False)
+        groups = torch.load(state["meta"], weights_only=False)["param_groups"]
     if optimizer is not None and "optim" in state:
-        _restore_optimizer(model, optimizer, state["optim"], meta["param_groups"])
-    extra: dict[str, Any] = meta["extra"]  # what save() stored (meta comes from torch.load: Any)
-    return extra
+        assert groups is not None  # a checkpoint with optimizer state names its groups
+        _restore_optimizer(model, optimizer, state["optim"], groups)
 
 
 # How AdamW runs (one fused kernel, a foreach or a per-tensor loop), not what it computes: this run's own choice
@@ -400,24 +334,8 @@ def _restore_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, loade
     optimizer.load_state_dict({"state": local, "param_groups": groups})
 
 
-def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, plan: dict[str, ExpertShard],
-         mesh: ParallelMesh, layout: ShardLayout | None = None) -> dict[str, Any]:
-    """Load a checkpoint written by :func:`save` at any layout / world size into this rank's (sharded) model and
-    optimizer, in place; return the ``extra`` data. Nothing is verified here (no manifest): the
-    :class:`~moetrain.train.checkpointer.Checkpointer` goes through :func:`load_checkpoint`.
-
-    Raises:
-        CheckpointError: not a complete checkpoint, or a tensor missing or of another shape (a different model).
-        CollectiveError: a peer failed while loading.
-    """
-    path = Path(path)
-    if not is_dcp_checkpoint(path):
-        raise CheckpointError(f"{path}: not a complete distributed checkpoint (no {MARKER} or .metadata)")
-    return _read(model, optimizer, layout or ShardLayout(mesh, plan), str(path), path=path)
-
-
-def is_dcp_files(files: dict[str, bytes]) -> bool:
-    """Whether a checkpoint's files (as read from the checkpoint store) are a sharded checkpoint."""
+def is_dcp_files(files: Container[str]) -> bool:
+    """Whether a checkpoint's file names (as its manifest lists them) are a sharded checkpoint's."""
     return METADATA in files and MARKER in files
 
 
@@ -430,8 +348,8 @@ def load_checkpoint(ckpt: LoadedCheckpoint, model: nn.Module, optimizer: torch.o
     shard files this rank read.
 
     Args:
-        groups: the optimizer's :func:`param_groups` as saved beside the shards (``train_state.pt``), for a
-            checkpoint written with ``meta=False``; older checkpoints carry them in DCP (then ignored).
+        groups: the optimizer's :func:`param_groups` as saved beside the shards (``train_state.pt``); older
+            checkpoints carry them in DCP (then ignored).
 
     Raises:
         CorruptCheckpoint: a shard file this rank or another reads is missing, truncated or altered; every rank
@@ -461,7 +379,7 @@ def load_checkpoint(ckpt: LoadedCheckpoint, model: nn.Module, optimizer: torch.o
                 raise CheckpointError(f"{ckpt.location}: the optimizer's groups are missing (train_state.pt)")
             groups = []  # weights only: none needed
         try:
-            _read(model, optimizer, layout, ckpt.location, reader=reader, groups=groups)
+            _read(model, optimizer, layout, ckpt.location, reader, groups)
         except CheckpointError as e:
             raise type(e)(str(e).replace(tmp, ckpt.location)) from None
         return reader.files_read
@@ -490,7 +408,9 @@ class MemoryReader(StorageReader):
                 self._flat[key] = value
             else:
                 entries[key] = BytesStorageMetadata()
-                self._flat[key] = _pickled(value).getvalue()
+                buf = io.BytesIO()
+                torch.save(value, buf)
+                self._flat[key] = buf.getvalue()
         self._metadata = Metadata(state_dict_metadata=entries, storage_data={})
 
     def reset(self, checkpoint_id: str | os.PathLike[Any] | None = None) -> None:
@@ -556,21 +476,20 @@ def load_full(tensors: dict[str, torch.Tensor], optimizer_state: dict[str, Any] 
     first = {id(v): k for k, v in reversed(held.items())}  # a tied tensor: the name it is saved under
     for name in [k for k in state["model"] if k not in tensors and first[id(held[k])] != k]:
         del state["model"][name]  # the second name of a tied tensor: loaded through the first
+    groups: list[dict[str, Any]] = []
     if optimizer is None or optimizer_state is None:
         state.pop("optim", None)
-        flat["meta"] = _pickled({"param_groups": None, "extra": {}})
     else:
-        groups = optimizer_state["param_groups"]
-        names = [n for g in groups for n in g.get("param_names", [])]
+        saved = optimizer_state["param_groups"]
+        names = [n for g in saved for n in g.get("param_names", [])]
         if not names:  # written before param_names: the order of this rank's optimizer, if it holds them all
             by_param = _param_names(model)
             names = [by_param[p] for g in optimizer.param_groups for p in g["params"]]
-            if len(names) != sum(len(g["params"]) for g in groups):
+            if len(names) != sum(len(g["params"]) for g in saved):
                 raise CheckpointError(f"{where}: its optimizer state does not name its parameters (written before "
                                       "param_names): it loads only into a layout holding every parameter")
         for index, entry in optimizer_state["state"].items():
             flat.update({f"optim.{names[int(index)]}.{k}": v for k, v in entry.items()})
-        flat["meta"] = _pickled({"param_groups": [{**{k: v for k, v in g.items() if k != "params"},
-                                                   "params": [names[int(i)] for i in g["params"]]} for g in groups],
-                                 "extra": {}})
-    _read(model, optimizer if "optim" in state else None, layout, where, reader=MemoryReader(flat), state=state)
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[int(i)] for i in g["params"]]}
+                  for g in saved]
+    _read(model, optimizer if "optim" in state else None, layout, where, MemoryReader(flat), groups, state)

@@ -1,27 +1,56 @@
-"""Per-rank memory of a layout, before anything is allocated: parameters, gradients, AdamW state, the parameters
-FSDP2 gathers, and activations, for each pipeline rank (the ranks of one stage hold the same).
+"""Per-rank memory of a layout, before anything is allocated: the peak of what a training step holds on each
+pipeline rank (the ranks of one stage hold the same), term by term.
 
 Legend: P = pp, S = dp_shard, X = ep, M = micro-batches per step (``train.grad_accum``), b = rows per rank and
-micro-batch (``train.batch_size / (R * S * X)``), L = sequence length.
+micro-batch (``train.batch_size / (R * S * X)``), L = sequence length, U = one FSDP2 unit's unsharded bytes on this
+rank, c = bytes of the compute dtype (``train.dtype``).
 
-What each rank holds (counted from the meta model's shapes, so FSDP2's padding of dim 0 to a multiple of the shards
-is included):
+Counted from the meta model's shapes (so FSDP2's padding of dim 0 to a multiple of the shards is included):
 
 - **parameters, gradients** (fp32, 4 bytes each) and **AdamW state** (two fp32 moments, 8 bytes): this rank's
   shards: non-expert tensors over ``S * X``, each expert shard (``E / X`` experts) over ``S`` (on dim 1 when fewer
-  experts than shards), as :mod:`moetrain.parallel.fsdp` shards them; plain data parallel (``S * X == 1``, and one process)
-  holds every non-expert tensor whole.
-- **gathered**: the unsharded copies FSDP2 all-gathers for compute (in the compute dtype: ``train.dtype``) and the
-  unsharded gradient of one unit before its reduce-scatter (fp32). ZeRO-3 (``reshard_after_forward``): the final
-  norm + LM head (one unit that stays gathered from forward to backward), the block being computed and the one
-  prefetched, and one block's gradient. ZeRO-2: every unit of the rank, gathered from forward until backward, and
-  one block's gradient. None when nothing is sharded (``S * X == 1``).
-- **activations**: what one micro-batch saves for backward (:func:`moetrain.analysis.activations.model_activations`,
-  b rows, the rank's blocks), times the micro-batches in flight: 1 without a pipeline; with one, 1F1B-type schedules
-  hold ``min(M, P - p)`` on pipeline rank p (``P`` per virtual stage for interleaved / V schedules), GPipe all M.
+  experts than shards), as :mod:`moetrain.parallel.fsdp` shards them. ``params + grads + optimizer`` is the
+  state sharding divides (:attr:`RankMemory.state`); at the peak only the gradients reduced so far exist
+  (:attr:`RankMemory.grads_at_peak`: sharded ones of the units already reduced, plus unsharded ones not yet).
+- **gathered**: the unsharded parameter copies FSDP2 holds (compute dtype). It holds them even where a unit has
+  one shard (``S * X == 1`` in a distributed run, e.g. a pipeline stage without data parallelism, or the experts'
+  unit at ``X > 1, S = 1``): with one rank FSDP2 copies the shard instead of all-gathering it
+  (``torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py``, ``wait_for_unshard``). ZeRO-3
+  (``reshard_after_forward``): the unit whose backward runs; ZeRO-2, and the single unit of a stage without data
+  parallelism (``fsdp.py`` keeps it gathered): every unit from its forward until its own backward has run.
+- **communication** buffers of the collectives (FSDP2's ``foreach_reduce`` / ``foreach_all_gather`` in
+  ``_fsdp_collectives.py``, and gloo's on CPU): the reduce-scatter's flat fp32 input (U), kept after the
+  collective until the next unit's reduce-scatter starts (``reduce_scatter_max_input_buffers = 1`` in
+  ``_fsdp_param_group.py`` ``post_backward``); under ZeRO-3 the next unit's all-gather, prefetched during this
+  unit's backward (its flat output, U in the compute dtype); and on gloo (CPU) a second U for each collective:
+  ``ProcessGroupGloo::reduce_scatter_tensor_coalesced`` reduces a full clone of its input, and its all-gather
+  writes a flat output before copying it into the chunks (``torch/csrc/distributed/c10d/ProcessGroupGloo.cpp``).
+  NCCL has neither copy.
+- **activations**: what the micro-batches still to be run backward have saved
+  (:func:`moetrain.analysis.activations.model_activations`, b rows, the rank's blocks): in the last micro-batch's
+  backward one micro-batch's, of the units not yet run backward; in the first backward of a pipeline rank the
+  micro-batches in flight: 1F1B-type schedules ``min(M, P - p)`` on pipeline rank p (``P`` per virtual stage for
+  interleaved / V schedules), GPipe all M.
+- **MoE scratch** (CPU, the fused experts path): moe/kernels/cpu/workspace.py keeps each buffer at the largest size
+  a call asked for, between calls: forward ``[N, D]`` outputs and a block's ``[n, D]`` inputs and ``[n, F]``
+  activation; backward ``[N, D]`` input-gradient rows and a block's ``[n, D]`` x 2, ``[n, F]`` x 2 and ``[n, I]``
+  (moe/fast_moe.py), with N = n = the rows of the largest call (the evaluation's forward runs
+  ``train.batch_size`` rows on every rank without a pipeline).
+- **runtime** (CPU): what a training process's resident memory grows by besides its tensors, a constant per
+  process: the code pages of the libraries training runs first, the Python modules it imports (rank 0 also the
+  metrics writer) and the C heap (:data:`RUNTIME_CPU_BYTES`, measured). On CUDA the measured peak is the caching
+  allocator's tensors (``torch.cuda.max_memory_allocated``), so neither this nor the scratch counts there.
 
-Not counted: the interpreter, libraries, the data set and the allocator's slack (a measured peak therefore reads
-against the memory a process had before building its model: benchmarks/memory_by_layout.py).
+The peak is the largest of the moments that matter: each unit's backward (its gradient being produced, the next
+unit's all-gather in flight), each unit's reduce-scatter (the copy into the flat input, then the collective), the
+first backward of a pipeline rank (all its in-flight micro-batches' activations) and the optimizer step (all
+gradients). With ``M > 1`` the unsharded gradients accumulate until the last micro-batch reduces them
+(``set_requires_gradient_sync``), and each micro-batch's backward adds a fresh gradient of one unit's routed experts
+(moe/fast_moe.py allocates it) into the accumulated one.
+
+Not counted: the data set and the model's batches (preflight.py adds them), a checkpoint being written, gloo's
+all-reduce of replicated gradients (``dp_replicate``), and the allocator's slack (benchmarks/memory_by_layout.py
+measures peak resident memory against the memory a process had before building its model).
 """
 
 from __future__ import annotations
@@ -35,14 +64,39 @@ from moetrain.parallel.pipeline import rank_stages
 if TYPE_CHECKING:
     from torch import nn
 
+    from moetrain.analysis.shape import ModelShape
     from moetrain.config import Config
 
 PARAM_BYTES, GRAD_BYTES, ADAMW_BYTES = 4, 4, 8  # fp32 weight, fp32 gradient, AdamW's two fp32 moments
+# A CPU training process's resident memory grows by this besides its tensors from the model's build to its peak:
+# ~15 MB of library code pages touched first by training, Python modules imported then (rank 0 also imports the
+# metrics writer: TensorBoard), the C heap and interpreter arenas. Measured 2026-12-07 (AMD EPYC, torch 2.13, Python
+# 3.11, glibc with benchmarks/memory_by_layout.py's ALLOCATOR) as the peak resident memory minus the peak of
+# malloc's mmapped chunks (every tensor from 64 KB): rank 0 36-41 MB, the other ranks 22-28 MB, one process 39 MB.
+RUNTIME_CPU_BYTES = 40e6
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One FSDP2 unit (:mod:`moetrain.parallel.fsdp`) as one rank holds it: elements of its parameters unsharded
+    (``full``: routed experts only this rank's ``E / X``) and in this rank's shard (``shard``, padded), the most
+    routed-expert elements of one of its blocks (``experts``: the gradient one fused MoE backward allocates), and
+    whether a collective gathers it (``collective``: its mesh has more than one rank; with one, FSDP2 copies the
+    shard)."""
+
+    name: str
+    full: int = 0
+    shard: int = 0
+    experts: int = 0
+    collective: bool = False
 
 
 @dataclass(frozen=True)
 class RankMemory:
-    """Bytes one rank of pipeline rank ``pp_rank`` holds at its peak (see the module docstring)."""
+    """Bytes one rank of pipeline rank ``pp_rank`` holds (see the module docstring): its sharded state
+    (``params``, ``grads``, ``optimizer``) and, at its peak (``moment``), the gradients alive then
+    (``grads_at_peak``), the gathered parameters, collective buffers, activations, kept MoE scratch and the
+    runtime."""
 
     pp_rank: int
     params: float
@@ -50,6 +104,11 @@ class RankMemory:
     optimizer: float
     gathered: float
     activations: float
+    grads_at_peak: float = 0.0
+    comm: float = 0.0
+    scratch: float = 0.0
+    runtime: float = 0.0
+    moment: str = "the optimizer step"
 
     @property
     def state(self) -> float:
@@ -58,13 +117,17 @@ class RankMemory:
 
     @property
     def total(self) -> float:
-        return self.state + self.gathered + self.activations
+        """The peak: every term at the moment ``moment``."""
+        return (self.params + self.grads_at_peak + self.optimizer + self.gathered + self.comm + self.activations
+                + self.scratch + self.runtime)
 
     def line(self, ranks: str) -> str:
         mb = 1e6
         return (f"  {ranks}: parameters {self.params / mb:.1f} MB, gradients {self.grads / mb:.1f} MB, AdamW state "
-                f"{self.optimizer / mb:.1f} MB, gathered {self.gathered / mb:.1f} MB, activations "
-                f"{self.activations / mb:.1f} MB; peak {self.total / mb:.1f} MB")
+                f"{self.optimizer / mb:.1f} MB; at the peak ({self.moment}): gradients {self.grads_at_peak / mb:.1f} "
+                f"MB, gathered {self.gathered / mb:.1f} MB, communication {self.comm / mb:.1f} MB, activations "
+                f"{self.activations / mb:.1f} MB, MoE scratch {self.scratch / mb:.1f} MB, runtime "
+                f"{self.runtime / mb:.1f} MB; peak {self.total / mb:.1f} MB")
 
 
 def _ceil_rows(shape: tuple[int, ...], shards: int) -> int:
@@ -75,43 +138,58 @@ def _ceil_rows(shape: tuple[int, ...], shards: int) -> int:
     return -(-shape[0] // shards) * rest if len(shape) else 1
 
 
-def _unit(name: str) -> str:
-    """The FSDP2 unit a parameter belongs to: ``blocks.<i>``, ``embed`` or ``tail`` (final norm + LM head)."""
+def _unit(name: str, layout: Layout) -> str:
+    """The FSDP2 unit a parameter belongs to (fsdp.py): ``blocks.<i>``, ``blocks.<i>.experts`` (their own unit
+    under expert parallelism), ``embed`` or ``tail`` (final norm + LM head); everything is one ``stage`` unit when
+    nothing is sharded (``S * X == 1``)."""
+    if layout.dp_shard * layout.ep == 1:
+        return "stage"
     if name.startswith("blocks."):
-        return ".".join(name.split(".")[:2])
+        block = ".".join(name.split(".")[:2])
+        return block + ".experts" if layout.ep > 1 and ".experts." in name else block
     return "embed" if name.startswith("embed_tokens.") else "tail"
 
 
 def stage_elements(model: nn.Module, config: Config, layout: Layout, stages: list[range]
-                   ) -> list[tuple[int, dict[str, int]]]:
-    """Per pipeline stage: this rank's sharded parameter elements, and each FSDP2 unit's unsharded elements on
-    this rank (experts: its ``E / X`` only)."""
+                   ) -> list[tuple[int, list[Unit]]]:
+    """Per pipeline stage: this rank's sharded parameter elements, and its FSDP2 units in forward order."""
     dense_shards = layout.dp_shard * layout.ep
     out = []
     for i, blocks in enumerate(stages):
         names = {f"blocks.{b}." for b in blocks}
-        sharded, full = 0, dict[str, int]()
+        sharded, units, experts = 0, dict[str, Unit](), dict[tuple[str, str], int]()
         for name, p in model.named_parameters():
             first = i == 0 and name.startswith("embed_tokens.")
             last = i == len(stages) - 1 and name.startswith(("norm.", "lm_head."))
             if not (first or last or any(name.startswith(n) for n in names)):
                 continue
             shape = tuple(p.shape)
-            if ".experts." in name:  # E / ep experts, sharded over dp_shard (on dim 1 when fewer: fsdp.py)
+            expert = ".experts." in name
+            if expert:  # E / ep experts, sharded over dp_shard (on dim 1 when fewer: fsdp.py)
                 local = shape[0] // layout.ep
                 local_shape = (local, *shape[1:])
-                if local >= layout.dp_shard:
-                    sharded += _ceil_rows(local_shape, layout.dp_shard)
-                else:
-                    sharded += local * _ceil_rows(shape[1:], layout.dp_shard)
+                mesh = layout.dp_shard if layout.ep > 1 else dense_shards
+                shard = (_ceil_rows(local_shape, mesh) if local >= mesh else local * _ceil_rows(shape[1:], mesh))
             else:
-                local_shape = shape
-                sharded += _ceil_rows(shape, dense_shards)
+                local_shape, mesh = shape, dense_shards
+                shard = _ceil_rows(shape, mesh)
             n = 1
             for d in local_shape:
                 n *= d
-            full[_unit(name)] = full.get(_unit(name), 0) + n
-        out.append((sharded, full))
+            sharded += shard
+            key = _unit(name, layout)
+            u = units.get(key, Unit(key))
+            most = u.experts
+            if expert:  # per block: one fused MoE backward allocates its experts' gradient
+                block = (key, ".".join(name.split(".")[:2]))
+                experts[block] = experts.get(block, 0) + n
+                most = max(most, experts[block])
+            units[key] = Unit(key, u.full + n, u.shard + shard, most, u.collective or mesh > 1)
+        # forward order: embedding, then each block (its experts' unit inside it), the tail
+        order = sorted(units.values(), key=lambda u: (u.name != "embed", u.name == "tail",
+                                                      int(u.name.split(".")[1]) if u.name.startswith("blocks.")
+                                                      else 0, u.name))
+        out.append((sharded, order))
     return out
 
 
@@ -125,9 +203,91 @@ def in_flight(config: Config, pp_rank: int) -> int:
     return min(m, p.pp * p.pp_stages_per_rank - pp_rank)
 
 
-def rank_memory(config: Config, world: int, model: nn.Module | None = None) -> list[RankMemory]:
+def moe_scratch(shape: ModelShape, train_rows: int, eval_rows: int, seq: int, act_bytes: int, ep: int = 1) -> float:
+    """Bytes of the fused MoE path's scratch kept between calls on CPU (module docstring): forward buffers for
+    the larger of ``train_rows`` and ``eval_rows`` sequences of ``seq`` tokens, backward ones for ``train_rows``;
+    0 where the experts do not run fused. Under expert parallelism a rank computes the rows routed to its
+    ``E / X`` experts from all ``X`` ranks: as many as its own tokens route, with balanced routing."""
+    if not shape.fused_experts or not shape.num_experts:
+        return 0.0
+    d, f = shape.hidden, shape.expert_ffn
+    i = (2 if shape.expert_mats == 3 else 1) * f  # the pre-activation's width (SwiGLU: gate and up)
+    fwd_rows = shape.expert_rows(max(train_rows, eval_rows) * seq)
+    bwd_rows = shape.expert_rows(train_rows * seq)
+    recompute = i if shape.recompute_experts else 0  # fwd.h / bwd.h when the pre-activation is not saved
+    forward = fwd_rows * (2 * d + f + recompute)  # fwd.y, fwd.xs, fwd.a
+    backward = bwd_rows * (3 * d + 2 * f + i + recompute)  # bwd.dx, bwd.g, bwd.xs; bwd.dz, bwd.a; bwd.dh
+    return float((forward + backward) * act_bytes)
+
+
+@dataclass
+class _Moment:
+    """What is alive at one moment of a step, besides the parameters, AdamW state, scratch and runtime."""
+
+    name: str
+    grads: float = 0.0
+    gathered: float = 0.0
+    comm: float = 0.0
+    activations: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.grads + self.gathered + self.comm + self.activations
+
+
+def step_moments(units: list[Unit], acts: list[float], transient: float, c: int, zero3: bool, gloo: bool,
+                 accumulate: bool, first_acts: float) -> list[_Moment]:
+    """The moments of a step on one rank whose FSDP2 units are ``units`` (forward order; ``acts[i]``: unit i's
+    saved activations for one micro-batch; ``transient``: a recomputed region's; ``c``: compute-dtype bytes;
+    ``zero3``: units resharded after forward; ``gloo``: the collectives copy their buffers;
+    ``accumulate``: ``M > 1``; ``first_acts``: the activations the first backward finds, all in-flight
+    micro-batches'). Gradients here are fp32 (``GRAD_BYTES``)."""
+    g = GRAD_BYTES
+    n = len(units)
+    moments = [_Moment("the optimizer step", grads=sum(u.shard for u in units) * g)]
+    for i in range(n - 1, -1, -1):
+        u = units[i]
+        reduced = sum(v.shard for v in units[i + 1:]) * g  # sharded gradients of the units already run backward
+        pending = sum(v.full for v in units[:i]) * g if accumulate else 0.0  # earlier micro-batches' unsharded
+        held = sum(v.full for v in units[:i + 1]) * c  # ZeRO-2 / one unit: gathered from forward until backward
+        gathered = u.full * c if zero3 else held
+        # ZeRO-3: the next unit's all-gather, prefetched (a one-shard unit is copied at its own backward instead)
+        nxt = units[i - 1] if zero3 and i > 0 and units[i - 1].collective else None
+        prefetch = nxt.full * c * (2 if gloo else 1) if nxt is not None else 0.0
+        kept = units[i + 1].full * g if i + 1 < n else 0.0  # the previous reduce-scatter's flat input
+        left = sum(acts[:i + 1]) + transient
+        fresh = u.experts * g if accumulate else 0.0  # this micro-batch's expert gradients, added to the pending
+        moments.append(_Moment(f"backward of {u.name}", grads=reduced + pending + u.full * g + fresh,
+                               gathered=gathered, comm=prefetch + kept, activations=left))
+        after = held - u.full * c if not zero3 else 0.0  # resharded before its reduce-scatter
+        rest = left - acts[i]
+        moments.append(_Moment(f"reduce-scatter copy-in of {u.name}", grads=reduced + pending + u.full * g,
+                               gathered=after, comm=u.full * g + prefetch, activations=rest))
+        clone = u.full * g if gloo and u.collective else 0.0
+        moments.append(_Moment(f"reduce-scatter of {u.name}", grads=reduced + pending + u.shard * g,
+                               gathered=after, comm=u.full * g + clone + prefetch, activations=rest))
+    if first_acts > sum(acts) and n:  # a pipeline's first backward: in-flight micro-batches, no gradient yet
+        last = units[-1]
+        held = sum(v.full for v in units) * c
+        moments.append(_Moment(f"first backward of {last.name}", grads=last.full * g,
+                               gathered=last.full * c if zero3 else held, activations=first_acts + transient))
+    return moments
+
+
+def _device(config: Config, device: str | None) -> str:
+    if device is not None:
+        return "cpu" if device == "cpu" else "cuda"
+    if config.train.device != "auto":
+        return config.train.device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def rank_memory(config: Config, world: int, model: nn.Module | None = None, device: str | None = None
+                ) -> list[RankMemory]:
     """One :class:`RankMemory` per pipeline rank of ``config`` on ``world`` ranks (``model``: the meta model, built
-    here when not given).
+    here when not given; ``device``: ``cpu`` or ``cuda``, default ``train.device``, ``auto`` resolved here).
 
     Raises:
         ConfigError: an impossible layout (:func:`moetrain.parallel.dry_run.check`).
@@ -141,42 +301,51 @@ def rank_memory(config: Config, world: int, model: nn.Module | None = None) -> l
     model = build_meta(config.model) if model is None else model
     p, m, t = config.parallel, config.model, config.train
     per_stage = stage_elements(model, config, layout, stages)
-    sharded_path = layout.dp_shard * layout.ep > 1
+    cpu = _device(config, device) == "cpu"
+    gloo = p.backend == "gloo" or (p.backend == "auto" and cpu)
     compute_bytes = 2 if t.dtype == "bf16" else 4
     shape = ModelShape.from_config(m)
     rows = t.batch_size // layout.data_parallel
+    eval_rows = t.batch_size if layout.pp == 1 else rows  # without a pipeline each rank evaluates the whole batch
+    scratch = moe_scratch(shape, rows, eval_rows, config.data.seq_len, compute_bytes, layout.ep) if cpu else 0.0
+    runtime = RUNTIME_CPU_BYTES if cpu else 0.0
     out = []
     for pp_rank in range(layout.pp):
         mine = rank_stages(pp_rank, layout.pp, p.pp_stages_per_rank, p.pp_schedule)
         elems = sum(per_stage[s][0] for s in mine)
-        units: dict[str, int] = {}
-        for s in mine:
-            units.update(per_stage[s][1])
-        blocks = [n for k, n in units.items() if k.startswith("blocks.")]
-        biggest = max(blocks, default=0)
-        if not sharded_path:
-            gathered = 0.0
-        elif p.reshard_after_forward:  # ZeRO-3: tail, the block computed and the one prefetched, one gradient
-            gathered = (units.get("tail", 0) + 2 * max(biggest, units.get("embed", 0))) * compute_bytes \
-                + biggest * GRAD_BYTES
-        else:  # ZeRO-2: every unit gathered from forward to backward, one gradient
-            gathered = sum(units.values()) * compute_bytes + biggest * GRAD_BYTES
+        units = [u for s in mine for u in per_stage[s][1]]
         flags = [m.is_moe_layer(b) for s in mine for b in stages[s]]
         last = any(s == len(stages) - 1 for s in mine)
         act = model_activations(shape, flags, rows, config.data.seq_len, m.execution.bta_tiles,
                                 p.activation_checkpoint == "full", compute_bytes, lm_head=last, fused_loss=True,
-                                ep=layout.ep).peak
-        out.append(RankMemory(pp_rank, elems * PARAM_BYTES, elems * GRAD_BYTES, elems * ADAMW_BYTES, gathered,
-                              act * in_flight(config, pp_rank)))
+                                ep=layout.ep)
+        state = _Moment("the optimizer step", grads=elems * GRAD_BYTES)
+        if world == 1:  # one process, no FSDP2: gradients and activations at the end of backward
+            peak = _Moment("the end of backward", grads=elems * GRAD_BYTES, activations=act.peak)
+            moments = [state, peak]
+        else:
+            blocks = iter(act.blocks)
+            acts = [next(blocks, 0.0) if u.name.startswith("blocks.") and not u.name.endswith(".experts")
+                    else act.other if u.name == "tail" else 0.0 for u in units]
+            if len(units) == 1:  # one unit of the whole stage (S * X == 1): every activation in it
+                acts = [act.peak - act.transient]
+            zero3 = p.reshard_after_forward and len(units) > 1
+            moments = step_moments(units, acts, act.transient, compute_bytes, zero3, gloo, t.grad_accum > 1,
+                                   (act.peak - act.transient) * in_flight(config, pp_rank))
+        top = max(moments, key=lambda x: x.total)
+        out.append(RankMemory(pp_rank, elems * PARAM_BYTES, elems * GRAD_BYTES, elems * ADAMW_BYTES, top.gathered,
+                              top.activations, grads_at_peak=top.grads, comm=top.comm, scratch=scratch,
+                              runtime=runtime, moment=top.name))
     return out
 
 
-def memory_lines(config: Config, world: int, model: nn.Module | None = None) -> list[str]:
+def memory_lines(config: Config, world: int, model: nn.Module | None = None, device: str | None = None
+                 ) -> list[str]:
     """``--dry-run``'s and ``plan``'s per-rank lines: a header and one line per pipeline rank."""
     layout = Layout.from_config(config.parallel, world)
     per = layout.world // layout.pp
     lines = ["per-rank memory (fp32 state; model: moetrain.parallel.memory):"]
-    for r in rank_memory(config, world, model):
+    for r in rank_memory(config, world, model, device):
         first = r.pp_rank * per
         ranks = f"rank {first}" if per == 1 else f"ranks {first}-{first + per - 1}"
         lines.append(r.line(ranks + (f" (pipeline rank {r.pp_rank})" if layout.pp > 1 else "")))

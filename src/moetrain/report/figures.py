@@ -9,7 +9,6 @@ only ever be zero: it is not written (:func:`figures_for`).
 from __future__ import annotations
 
 import math
-
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +49,20 @@ def _empty(ax, text: str) -> None:
     ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="gray")
 
 
+def _legend(ax, **kwargs) -> None:
+    """A legend only where something is labelled (an empty one is a warning and a box)."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(**kwargs)
+
+
+def _save(plt, fig, path: Path, tight: bool = True) -> Path:
+    if tight:
+        fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def loss_lr_figure(log: RunLog, path: Path) -> Path:
     """Train / validation loss (left axis) and learning rate (right axis) over steps."""
     plt = _pyplot()
@@ -74,10 +87,7 @@ def loss_lr_figure(log: RunLog, path: Path) -> Path:
     h, lab = ax.get_legend_handles_labels()
     if h or handles:
         ax.legend(h + handles, lab + labels, loc="upper right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def expert_load_figure(log: RunLog, path: Path) -> Path:
@@ -113,8 +123,7 @@ def expert_load_figure(log: RunLog, path: Path) -> Path:
         if n_experts <= 16:
             ax.set_yticks(range(n_experts))
         _mark_alarms(ax, log.alerts, layer)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(loc="upper right", fontsize=7)
+        _legend(ax, loc="upper right", fontsize=7)
     if not layers:
         _empty(axes[0, 0], "no routing statistics logged")
     axes[-1, 0].set_xlabel("step")
@@ -128,9 +137,7 @@ def expert_load_figure(log: RunLog, path: Path) -> Path:
         # The balanced reference is a tick of its own, labelled in place (a separate text overlapped the tick 1.0).
         ticks = sorted({float(t) for t in bar.get_ticks() if 0.0 <= t <= top and abs(t - 1.0) > 0.15 * top} | {1.0})
         bar.set_ticks(ticks, labels=["1 balanced" if t == 1.0 else f"{t:g}" for t in ticks])
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path, tight=False)  # constrained layout
 
 
 def drop_figure(log: RunLog, path: Path) -> Path:
@@ -155,12 +162,8 @@ def drop_figure(log: RunLog, path: Path) -> Path:
     ax.set_xlabel("step")
     ax.set_ylabel("dropped assignments (%)")
     ax.set_title("Dropped-token fraction")
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    _legend(ax, fontsize=8)
+    return _save(plt, fig, path)
 
 
 def routing_health_figure(log: RunLog, path: Path) -> Path:
@@ -182,14 +185,10 @@ def routing_health_figure(log: RunLog, path: Path) -> Path:
                        label=f"uniform: ln {n_experts} = {math.log(n_experts):.2f}")
         _mark_alarms(ax, log.alerts)
         ax.set_title(title, fontsize=10)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
+        _legend(ax, fontsize=7)
     for ax in axes[1]:
         ax.set_xlabel("step")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 FIGURES = {

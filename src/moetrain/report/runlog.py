@@ -39,23 +39,12 @@ class RunLog:
 
     def layers(self) -> list[int]:
         """Transformer-block indices of the MoE layers that have routing statistics, ascending."""
-        found = set()
-        for rec in self.records:
-            for key in rec:
-                m = _LAYER_KEY.match(key)
-                if m:
-                    found.add(int(m.group(1)))
-        return sorted(found)
+        return sorted({int(m.group(1)) for rec in self.records for key in rec if (m := _LAYER_KEY.match(key))})
 
     def series(self, key: str) -> tuple[list[int], list[Any]]:
         """(steps, values) of every record holding a non-null ``key``."""
-        steps, values = [], []
-        for rec in self.records:
-            value = rec.get(key)
-            if value is not None:
-                steps.append(rec["step"])
-                values.append(value)
-        return steps, values
+        held = [rec for rec in self.records if rec.get(key) is not None]
+        return [rec["step"] for rec in held], [rec[key] for rec in held]
 
     def latest(self, key: str) -> tuple[int, Any] | tuple[None, None]:
         """(step, value) of the newest record holding a non-null ``key``."""
@@ -100,8 +89,8 @@ class RunLog:
     def top_k(self) -> int:
         """The run's top-k (1 when the config is unknown)."""
         try:
-            return int(self.config["model"]["moe"]["top_k"])  # type: ignore[index]
-        except (TypeError, KeyError, ValueError):
+            return int((self._moe_config() or {})["top_k"])
+        except (KeyError, TypeError, ValueError):
             return 1
 
 

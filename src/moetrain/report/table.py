@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 from moetrain.report.runlog import RunLog
@@ -75,9 +76,7 @@ def run_summary(log: RunLog) -> list[tuple[str, str]]:
     _, tps = log.series("tokens_per_s")
     if tps:
         out.append(("tokens/s (median)", f"{sorted(tps)[len(tps) // 2]:.0f}"))
-    kinds: dict[str, int] = {}
-    for a in log.alerts:
-        kinds[a.get("kind", "?")] = kinds.get(a.get("kind", "?"), 0) + 1
+    kinds = Counter(a.get("kind", "?") for a in log.alerts)
     alarms = ", ".join(f"{k} x{n}" for k, n in sorted(kinds.items())) if kinds else "none"
     if not kinds and not monitor_enabled(log):
         alarms = "not evaluated (monitor.enabled=false)"

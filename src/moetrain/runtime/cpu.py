@@ -70,21 +70,34 @@ def bf16_flags() -> list[str]:
     return sorted(cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
 
+def best_seconds(fn, repeats: int, device: torch.device = torch.device("cpu")) -> float:
+    """The fastest of ``repeats`` timed calls of ``fn`` in seconds, after one untimed warm-up call (thread pool,
+    packing buffers); a CUDA ``device`` is synchronised around each call."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda _device: None)
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def cpu_info() -> dict[str, object]:
+    """This CPU as a benchmark or ``moetrain doctor`` records it: ``cpu_model``, ``bf16_flags`` (its native-bf16
+    features), ``bf16_fast`` and ``bf16_reason`` (whether bf16 autocast computes in bf16 here, and why)."""
+    support = bf16_support("cpu")
+    return {"cpu_model": cpu_model(), "bf16_flags": bf16_flags(), "bf16_fast": support.fast,
+            "bf16_reason": support.reason}
+
+
 def _gemm_rate(dtype: torch.dtype, device: torch.device, size: int, repeats: int) -> float:
     gen = torch.Generator(device=device).manual_seed(0)  # never the global RNG: a run's random stream stays as is
     a = torch.randn(size, size, device=device, generator=gen).to(dtype)
     b = torch.randn(size, size, device=device, generator=gen).to(dtype)
-    a @ b  # warm-up: thread pool, packing buffers
-    best = float("inf")
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        a @ b
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * size**3 / best
+    return 2 * size**3 / best_seconds(lambda: a @ b, repeats, device)
 
 
 @functools.lru_cache(maxsize=None)

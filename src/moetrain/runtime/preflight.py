@@ -82,7 +82,7 @@ def sharded_suggestion(config, free: float, device_type: str = "cpu") -> str:
         try:
             layout = replace(config, parallel=ParallelConfig(dp_shard=n), train=replace(config.train,
                              batch_size=max(config.train.batch_size, n) // n * n))
-            need = max(r.total for r in rank_memory(layout, n)) + _batch_bytes(layout)
+            need = max(r.total for r in rank_memory(layout, n, device=device_type)) + _batch_bytes(layout)
         except (MoetrainError, RuntimeError):  # a layout this model cannot take (e.g. experts over shards)
             continue
         if need <= free:
@@ -130,8 +130,7 @@ def estimate_memory(config) -> MemoryEstimate:
     seq = config.data.seq_len
     act = model_activations(shape, flags, t.batch_size, seq, act_bytes=2 if t.dtype == "bf16" else 4,
                             fused_loss=True).peak
-    batches = 2 * 8 * t.batch_size * seq * (1 + t.eval_batches)
-    return MemoryEstimate(state=float(state), activations=float(act), batches=float(batches))
+    return MemoryEstimate(state=float(state), activations=float(act), batches=_batch_bytes(config))
 
 
 def check_fits(config, device_type: str = "cpu", free: float | None = None, world: int = 1) -> MemoryEstimate:
@@ -150,8 +149,10 @@ def check_fits(config, device_type: str = "cpu", free: float | None = None, worl
     if world > 1:
         from moetrain.parallel.memory import rank_memory
 
-        busiest = max(rank_memory(config, world), key=lambda r: r.total)
-        est = MemoryEstimate(state=busiest.state + busiest.gathered, activations=busiest.activations,
+        busiest = max(rank_memory(config, world, device=device_type), key=lambda r: r.total)
+        # everything at the busiest rank's peak but its activations counts as state (shards, gathered copies,
+        # collective buffers, MoE scratch, the runtime)
+        est = MemoryEstimate(state=busiest.total - busiest.activations, activations=busiest.activations,
                              batches=est.batches)
     limit = process_limit() if free is None and device_type == "cpu" else None
     free = available_memory(device_type) if free is None else free

@@ -2,25 +2,17 @@
 
 PyTorch's default is one thread per core of the machine. On a machine busy with other jobs that oversubscribes
 the cores: OpenMP threads spin-wait for each other at every parallel region, and one descheduled thread stalls
-them all; the issue that introduced this module measured a 200-step ``tiny`` run at 100 s with the default and
-19 s with one thread under a load of 4-6 on 2 cores. So the default is
+them all (a 200-step ``tiny`` run took 100 s with the default and 19 s with one thread under a load of 4-6 on 2
+cores). So the default is
 
     threads = max(1, min(current threads, usable cores - round(busy)))
 
-where the current threads are PyTorch's (one per core, or what ``OMP_NUM_THREADS`` or an embedding program's
-``torch.set_num_threads`` set: an explicit lower setting is kept), the usable cores are ``os.sched_getaffinity(0)``
-(a cpuset's or ``taskset``'s limit, not the machine's core count; a CPU quota such as ``docker --cpus`` is not
-seen), ``busy`` is how many of those cores *other* processes kept busy over the last 0.1 s (:func:`others_busy_cores`:
-Linux's per-CPU counters in ``/proc/stat`` less this process's own CPU time from ``/proc/self/stat``), and a half is
-rounded up. Where those counters cannot be read (not Linux; a ``/proc/stat`` without the affinity's CPUs) ``busy``
-is the 1-minute load average (``os.getloadavg()[0]``). A 0.1 s sample can miss a neighbour that is momentarily
-idle; the choice then holds for the whole run. The load average used to be the only input, and it
-counts the past minute of everything: on an idle 2-core machine, right after ``pip install`` or after an earlier run
-had ended, it read 0.8-1.5, and the default job trained at one thread in 5 min 15 s instead of 3 min 57 s
-at two (2026-12-03, AMD EPYC). ``train.threads`` > 0 overrides it.
-
-The choice depends on the machine at start, so a resumed run may get another count than its first part, and GEMM
-reductions split over another number of threads round differently: for bit-exact resumes set ``train.threads``.
+where the current threads are PyTorch's (an explicit lower ``OMP_NUM_THREADS`` / ``torch.set_num_threads`` is
+kept), the usable cores are ``os.sched_getaffinity(0)`` (a CPU quota such as ``docker --cpus`` is not seen), and
+``busy`` is how many of those cores *other* processes kept busy over the last 0.1 s (:func:`others_busy_cores`),
+or the 1-minute load average where Linux's counters cannot be read. The load average alone misleads: it counts the
+past minute of everything, and read 0.8-1.5 on an idle 2-core machine (docs/robustness.md). ``train.threads`` > 0
+overrides the choice; since it depends on the machine at start, set it for bit-exact resumes.
 """
 
 from __future__ import annotations

@@ -12,9 +12,6 @@ Each ``alerts.jsonl`` line is a JSON object: ``step``, ``kind``, ``layer`` (tran
 
 from __future__ import annotations
 
-import json
-import math
-import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -22,6 +19,7 @@ from typing import Any
 
 from moetrain.errors import MoetrainError
 from moetrain.runtime.oserrors import writing
+from moetrain.train.metrics import json_line, read_jsonl
 from moetrain.train.monitor_config import MonitorConfig
 from moetrain.train.routing_stats import Snapshot
 
@@ -79,14 +77,18 @@ def _experts(ids: list[int]) -> str:
     return ("expert " if len(ids) == 1 else "experts ") + ", ".join(str(i) for i in ids)
 
 
+def _alert(config: MonitorConfig, step: int, kind: str, layer: int | None, experts: list[int], value: float,
+           threshold: float, message: str) -> Alert:
+    return Alert(step=step, kind=kind, layer=layer, experts=tuple(experts), value=float(value),
+                 threshold=float(threshold), message=message, remedy=REMEDIES[kind], fatal=kind in config.fatal)
+
+
 def dead_alert(step: int, layer: int, experts: list[int], idle: int, n_experts: int,
                config: MonitorConfig) -> Alert:
     """The dead-expert alarm for ``experts`` of ``layer``, idle for at least ``idle`` steps."""
-    return Alert(step=step, kind="dead_expert", layer=layer, experts=tuple(experts), value=float(idle),
-                 threshold=float(config.dead_steps), remedy=REMEDIES["dead_expert"],
-                 fatal="dead_expert" in config.fatal,
-                 message=f"layer {layer}: {_experts(experts)} of {n_experts} received no tokens for {idle}+ "
-                         f"consecutive steps (threshold monitor.dead_steps={config.dead_steps})")
+    return _alert(config, step, "dead_expert", layer, experts, idle, config.dead_steps,
+                  f"layer {layer}: {_experts(experts)} of {n_experts} received no tokens for {idle}+ consecutive "
+                  f"steps (threshold monitor.dead_steps={config.dead_steps})")
 
 
 # An alarm episode's key: (kind,) or (kind, layer) or (kind, layer, expert).
@@ -106,9 +108,7 @@ def evaluate_alarms(snap: Snapshot, config: MonitorConfig, top_k: int) -> dict[A
 
     def add(key: AlertKey, kind: str, layer: int | None, experts: list[int], value: float, threshold: float,
             message: str) -> None:
-        out[key] = Alert(step=snap.step, kind=kind, layer=layer, experts=tuple(experts), value=float(value),
-                         threshold=float(threshold), message=message, remedy=REMEDIES[kind],
-                         fatal=kind in config.fatal)
+        out[key] = _alert(config, snap.step, kind, layer, experts, value, threshold, message)
 
     for ls in snap.layers:
         n_experts = len(ls.tokens)
@@ -188,7 +188,7 @@ class AlertTracker:
             # a full disk fails the buffered write with an errno but no file name: name the file here
             with writing("the alarm log", self.path), open(self.path, "a") as f:
                 for alert in new:
-                    f.write(json.dumps(_json_safe(alert.to_json())) + "\n")
+                    f.write(json_line(alert.to_json()))
         for alert in new:
             self.log(alert.line())
             if alert.fatal and self.fatal is None:
@@ -204,32 +204,6 @@ class AlertTracker:
         self.active = {tuple(k) for k in state.get("active", []) if k[0] not in self.config.fatal}
 
 
-def _json_safe(d: dict[str, Any]) -> dict[str, Any]:
-    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in d.items()}
-
-
-def truncate_alerts(path: Path, last_step: int) -> None:
-    """Drop the alarms of steps after ``last_step`` (a resumed run recomputes those steps and re-raises them); the
-    file is replaced atomically."""
-    if not path.is_file():
-        return
-    kept = [a for a in read_alerts(path.parent) if isinstance(a.get("step"), int) and a["step"] <= last_step]
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(json.dumps(a) + "\n" for a in kept))
-    os.replace(tmp, path)
-
-
 def read_alerts(run_dir: Path) -> list[dict[str, Any]]:
     """The alarms of a run (``[]`` if none), skipping a partial last line of a run in progress."""
-    path = Path(run_dir) / ALERTS_FILE
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(item, dict):
-            out.append(item)
-    return out
+    return read_jsonl(Path(run_dir) / ALERTS_FILE)

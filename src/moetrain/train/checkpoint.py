@@ -1,37 +1,16 @@
 """Atomic, verified checkpoints on a local disk or any fsspec URL (``s3://bucket/prefix`` via s3fs, ...).
 
-Layout: ``ROOT/step_00000100/`` (ROOT is ``RUN_DIR/checkpoints`` unless ``train.checkpoint_url`` says otherwise):
+Layout of ``ROOT/step_00000100/`` and who writes what: docs/train-state.md. ``manifest.json``, written last, holds
+the size and SHA-256 of every file and of its own content; a checkpoint is trusted only after every file read
+matches it, and each file is read once (the verified bytes are what gets deserialised).
 
-- ``model.safetensors``: ``model.state_dict()`` (parameters and persistent buffers, e.g. routing biases; a tensor
-  shared by two names, such as tied embeddings, is stored once).
-- ``train_state.pt``: optimizer, LR schedule, step, RNG states, data position, monitor state (``torch.save``; read
-  back with ``weights_only=True``, so it holds tensors and plain Python data only).
-- ``tokenizer.json`` / ``config.json``: copies of the run's, so a checkpoint is self-contained.
-- ``manifest.json``: size and SHA-256 of every file above, plus a SHA-256 of the manifest's own content (so a
-  flipped byte anywhere, the manifest included, is detected). Written last.
-
-Crash safety. Locally a checkpoint is written into a hidden ``.tmp-step_...`` directory, each file and the
-directory fsynced, renamed into place, and the parent fsynced: a crash at any moment leaves the complete
-checkpoint or none (a stale temporary directory, removed by the next save). Object stores have no atomic rename, so
-there the files are uploaded into ``step_.../`` and the manifest last: a checkpoint whose manifest is missing or
-does not verify is never used. Either way a checkpoint is trusted only after every file's size and SHA-256 match
-its manifest, and each file is read once (verified bytes are what gets deserialised, so nothing changes between
-check and use).
-
-Sharded checkpoints (torchrun, :mod:`moetrain.parallel.dcp`) are written by every rank at once
-(:meth:`CheckpointStore.begin`, :meth:`CheckpointStore.digest`, :meth:`CheckpointStore.commit`): rank 0 opens the
-same temporary directory (remotely: the checkpoint's prefix, its old manifest removed first), every rank writes and
-hashes its own shard files there, and rank 0 writes the small files and the manifest (the digests gathered as
-strings, never file bytes) and renames the directory into place: the same crash safety. Reading one back
-(:meth:`CheckpointStore.read_verified` with ``defer``) verifies the manifest and the small files at once and leaves
-each shard file to be verified by the rank that reads it (:meth:`LoadedCheckpoint.verify_file`).
-
-Replacing files of a checkpoint (:meth:`CheckpointStore.replace_files`, used to drop the optimizer state of older
-checkpoints, ``train.optimizer_state=newest``): locally only. The new version is built beside it in a hidden
-``.tmp-step_...-replace-...`` directory (unchanged files hard-linked, or copied where links fail; new files and a new
-manifest written and fsynced), then swapped in by two renames. A crash leaves the old verified checkpoint, or the new
-one, or (between the two renames) neither under its name but the complete new version in the temporary directory,
-which the next save renames into place once it verifies.
+Crash safety (docs/checkpoints.md). Locally a checkpoint is built in a hidden ``.tmp-step_...`` directory, every
+file and the directory fsynced, then renamed into place: a crash leaves the complete checkpoint or none (a stale
+temporary directory, removed by the next save). Object stores have no atomic rename: the files are uploaded into
+``step_.../`` and the manifest last, so an incomplete checkpoint never verifies. A sharded save
+(:mod:`moetrain.train.checkpointer`) goes through the same staging: :meth:`CheckpointStore.begin`, every rank's
+:meth:`CheckpointStore.digest`, rank 0's :meth:`CheckpointStore.commit`. :meth:`CheckpointStore.replace_files`
+rewrites some files of a local checkpoint the same way, swapping the new version in by two renames.
 
 Fault injection (tests only): ``MOETRAIN_CKPT_WRITE_DELAY=SECONDS`` sleeps after each file written, so a test can
 kill the process in the middle of a checkpoint write; :func:`_replace_stage` is called between the steps of a file
@@ -63,6 +42,12 @@ MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 WRITE_DELAY_ENV = "MOETRAIN_CKPT_WRITE_DELAY"
 _NAME = re.compile(r"^step_(\d{8})$")
+_STALE_PREFIXES = (".tmp-step_", ".trash-step_")
+_REPLACE = re.compile(r"^\.tmp-(step_\d{8})-replace-\d+$")  # CheckpointStore.replace_files' new version
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step_{step:08d}"
 
 
 def step_of(name: str) -> int:
@@ -70,12 +55,6 @@ def step_of(name: str) -> int:
     match = _NAME.match(name)
     assert match is not None, name
     return int(match.group(1))
-_STALE_PREFIXES = (".tmp-step_", ".trash-step_")
-_REPLACE = re.compile(r"^\.tmp-(step_\d{8})-replace-\d+$")  # CheckpointStore.replace_files' new version
-
-
-def checkpoint_name(step: int) -> str:
-    return f"step_{step:08d}"
 
 
 def _sha256(data: bytes) -> str:
@@ -120,10 +99,7 @@ def write_file_atomic(path: Path, data: bytes) -> None:
     directory. A crash leaves the old file or the new one, never a mix (used for the run's config and tokenizer)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    _write_synced(tmp, data)
     os.replace(tmp, path)
     _fsync_dir(path.parent)
 
@@ -149,6 +125,15 @@ def _write_synced(path: Path, raw: bytes) -> None:
         f.write(raw)
         f.flush()
         os.fsync(f.fileno())
+
+
+def _check(loc: str, info: dict[str, Any], size: int, sha256: str | None = None) -> None:
+    """Raise :class:`CorruptCheckpoint` naming ``loc`` unless ``size`` (and ``sha256``, if given) match ``info``, the
+    file's manifest entry."""
+    if size != info["bytes"]:
+        raise CorruptCheckpoint(f"{loc}: {size} bytes, the manifest says {info['bytes']} (truncated?)")
+    if sha256 is not None and sha256 != info["sha256"]:
+        raise CorruptCheckpoint(f"{loc}: SHA-256 does not match the manifest (corrupt)")
 
 
 def _link(src: Path, dst: Path) -> bool:
@@ -224,7 +209,7 @@ class LoadedCheckpoint:
         assert self.store is not None, "deferred files come from a store"
         loc = self.store.location(self.name, file)
         try:
-            with self.store.open(self.name, file) as stream:
+            with self.store.fs.open(self.store.path(self.name, file), "rb") as stream:
                 if copy_to is None:
                     got = stream_digest(stream)
                 else:
@@ -232,10 +217,7 @@ class LoadedCheckpoint:
                         got = stream_digest(stream, out)
         except (FileNotFoundError, IsADirectoryError):
             raise CorruptCheckpoint(f"{loc}: missing") from None
-        if got["bytes"] != info["bytes"]:
-            raise CorruptCheckpoint(f"{loc}: {got['bytes']} bytes, the manifest says {info['bytes']} (truncated?)")
-        if got["sha256"] != info["sha256"]:
-            raise CorruptCheckpoint(f"{loc}: SHA-256 does not match the manifest (corrupt)")
+        _check(loc, info, got["bytes"], got["sha256"])
 
     def model_tensors(self) -> dict[str, torch.Tensor]:
         return safetensors_load(self.files[MODEL_FILE])
@@ -306,43 +288,25 @@ class CheckpointStore:
         base = self.url.rstrip("/") + "/" + name
         return f"{base}/{file}" if file else base
 
-    def _remote(self, *parts: str) -> str:
-        return "/".join([str(self.root), *parts])  # remote: root is already a str
+    def path(self, *parts: str) -> str:
+        """The path of ``ROOT/part/...`` as ``self.fs`` names it (local or remote)."""
+        return "/".join([str(self.root), *parts])
 
     # -- listing and reading -----------------------------------------------------------------------------------
     def names(self) -> list[str]:
         """Names of the checkpoint directories (complete or not), oldest first."""
-        if self.local:
-            if not self.root.is_dir():
-                return []
-            entries = [p.name for p in self.root.iterdir() if p.is_dir()]
-        else:
-            self.fs.invalidate_cache(self.root)  # s3fs caches listings; another process may have written since
-            try:
-                entries = [e.rstrip("/").rsplit("/", 1)[-1] for e in self.fs.ls(self.root, detail=False)]
-            except FileNotFoundError:
-                return []
+        self.fs.invalidate_cache(self.root)  # s3fs caches listings; another process may have written since
+        try:
+            entries = [e["name"].rstrip("/").rsplit("/", 1)[-1] for e in self.fs.ls(str(self.root), detail=True)
+                       if e["type"] == "directory"]
+        except (FileNotFoundError, NotADirectoryError):
+            return []
         return sorted(n for n in entries if _NAME.match(n))
 
     def _read(self, name: str, file: str) -> bytes:
         """Raises FileNotFoundError when missing; other I/O errors propagate."""
-        if self.local:
-            return (self.root / name / file).read_bytes()
-        data: bytes = self.fs.cat_file(self._remote(name, file))
+        data: bytes = self.fs.cat_file(self.path(name, file))
         return data
-
-    def open(self, name: str, file: str) -> IO[bytes]:
-        """``file`` of checkpoint ``name`` opened for reading (binary). Raises FileNotFoundError when missing."""
-        if self.local:
-            return open(self.root / name / file, "rb")
-        stream: IO[bytes] = self.fs.open(self._remote(name, file), "rb")
-        return stream
-
-    def _size(self, name: str, file: str) -> int:
-        """Bytes of ``file`` (a stat, nothing read). Raises FileNotFoundError when missing."""
-        if self.local:
-            return (self.root / name / file).stat().st_size
-        return int(self.fs.size(self._remote(name, file)))
 
     def read_verified(self, name: str, defer: Callable[[str], bool] | None = None) -> LoadedCheckpoint:
         """Read every file of checkpoint ``name`` once and check it against the manifest; files for which
@@ -372,21 +336,15 @@ class CheckpointStore:
             loc = self.location(name, file)
             later = defer is not None and defer(file)
             try:
-                if later:
-                    size = self._size(name, file)
-                else:
-                    raw = self._read(name, file)
-                    size = len(raw)
+                raw = None if later else self._read(name, file)
+                size = int(self.fs.size(self.path(name, file))) if raw is None else len(raw)
             except (FileNotFoundError, IsADirectoryError):
                 raise CorruptCheckpoint(f"{loc}: missing") from None
-            if size != info["bytes"]:
-                raise CorruptCheckpoint(f"{loc}: {size} bytes, the manifest says {info['bytes']} (truncated?)")
-            if later:
+            _check(loc, info, size, None if raw is None else _sha256(raw))
+            if raw is None:
                 deferred[file] = info
-                continue
-            if _sha256(raw) != info["sha256"]:
-                raise CorruptCheckpoint(f"{loc}: SHA-256 does not match the manifest (corrupt)")
-            data[file] = raw
+            else:
+                data[file] = raw
         return LoadedCheckpoint(name=name, step=body["step"], location=self.location(name), files=data,
                                 deferred=deferred, store=self)
 
@@ -443,10 +401,10 @@ class CheckpointStore:
 
         name = checkpoint_name(step)
         if not self.local:
-            manifest_path = self._remote(name, MANIFEST)
+            manifest_path = self.path(name, MANIFEST)
             if self.fs.exists(manifest_path):  # invalidate the old checkpoint before touching its files
                 self.fs.rm_file(manifest_path)
-            return Staging(name, self._remote(name), self.url.rstrip("/") + "/" + name)
+            return Staging(name, self.path(name), self.url.rstrip("/") + "/" + name)
         tmp = self.root / f".tmp-{name}-{os.getpid()}"
         with writing(f"checkpoint {name}", tmp):
             try:
@@ -460,10 +418,9 @@ class CheckpointStore:
 
     def staged_files(self, staging: "Staging") -> list[str]:
         """The names of the files in ``staging`` so far, sorted."""
-        if self.local:
-            return sorted(p.name for p in Path(staging.path).iterdir() if p.is_file())
-        self.fs.invalidate_cache(staging.path)
-        return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in self.fs.ls(staging.path, detail=False))
+        self.fs.invalidate_cache(staging.path)  # s3fs caches listings; other ranks have written since
+        return sorted(e["name"].rstrip("/").rsplit("/", 1)[-1] for e in self.fs.ls(staging.path, detail=True)
+                      if e["type"] == "file")
 
     def digest(self, staging: "Staging", file: str) -> dict[str, Any]:
         """Size and SHA-256 of ``file`` as it is stored in ``staging`` (read back in 8 MiB pieces): a rank's
@@ -472,9 +429,6 @@ class CheckpointStore:
         Raises:
             OSError: the file cannot be read.
         """
-        if self.local:
-            with open(Path(staging.path) / file, "rb") as f:
-                return stream_digest(f)
         with self.fs.open(f"{staging.path}/{file}", "rb") as f:
             return stream_digest(f)
 
@@ -491,12 +445,13 @@ class CheckpointStore:
         name = checkpoint_name(step)
         manifest = _manifest(step, files, digests=digests)
         if self.local:
-            self._commit_local(name, Path(staging.path), files, manifest)
+            self._build_local(name, Path(staging.path), files, manifest)
+            self._swap_in(name, Path(staging.path))
         else:
             for file, raw in files.items():
-                self.fs.pipe_file(self._remote(name, file), raw)
+                self.fs.pipe_file(self.path(name, file), raw)
                 _write_delay()
-            self.fs.pipe_file(self._remote(name, MANIFEST), manifest)  # last: commits the checkpoint
+            self.fs.pipe_file(self.path(name, MANIFEST), manifest)  # last: commits the checkpoint
             self.fs.invalidate_cache(self.root)
         return self.location(name)
 
@@ -506,28 +461,43 @@ class CheckpointStore:
         if self.local:
             shutil.rmtree(staging.path, ignore_errors=True)
 
-    def _commit_local(self, name: str, tmp: Path, files: dict[str, bytes], manifest: bytes) -> None:
+    def _build_local(self, name: str, tmp: Path, files: dict[str, bytes], manifest: bytes,
+                     link: dict[str, Path] | None = None) -> None:
+        """Write ``files`` and then ``manifest`` into ``tmp`` (created if needed), each fsynced, and fsync ``tmp``;
+        a file of ``link`` is hard-linked from there instead (its bytes written where the link fails).
+
+        Raises:
+            MachineError: a write failed (full or read-only disk: one line naming the checkpoint); ``tmp`` is
+                removed, nothing else touched.
+        """
         from moetrain.runtime.oserrors import writing
 
-        # A full or read-only disk: one line naming the checkpoint (MachineError), the partial copy removed, every
-        # earlier checkpoint untouched (nothing below renames or deletes before the new one is complete).
         with writing(f"checkpoint {name}", tmp):
             try:
+                tmp.mkdir(exist_ok=True)
                 for file, raw in [*files.items(), (MANIFEST, manifest)]:
-                    _write_synced(tmp / file, raw)
-                    _write_delay()
+                    if file not in (link or {}) or not _link((link or {})[file], tmp / file):
+                        _write_synced(tmp / file, raw)
+                        _write_delay()
                 _fsync_dir(tmp)
             except OSError:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
-        final = self.root / name
-        trash = None
-        if final.exists():
-            trash = self.root / f".trash-{name}-{os.getpid()}"
+
+    def _swap_in(self, name: str, tmp: Path, stage: Callable[[str], None] | None = None) -> None:
+        """Rename the complete ``tmp`` to ``name``; a directory already there is renamed away first and removed
+        last. ``stage`` is called after each step (``built``, ``old_moved``, ``new_in``)."""
+        final, trash = self.root / name, self.root / f".trash-{name}-{os.getpid()}"
+        stage = stage or (lambda where: None)
+        stage("built")
+        replaced = final.exists()
+        if replaced:
             os.rename(final, trash)
+        stage("old_moved")
         os.rename(tmp, final)
         _fsync_dir(self.root)
-        if trash is not None:
+        stage("new_in")
+        if replaced:
             shutil.rmtree(trash, ignore_errors=True)
 
     def manifest(self, name: str) -> dict[str, Any] | None:
@@ -556,30 +526,12 @@ class CheckpointStore:
         """
         if not self.local or ckpt.deferred:  # deferred: a sharded checkpoint read without its shards' bytes
             return False
-        from moetrain.runtime.oserrors import writing
-
         files = {**ckpt.files, **new}
-        final, tmp = self.root / ckpt.name, self.root / f".tmp-{ckpt.name}-replace-{os.getpid()}"
-        with writing(f"checkpoint {ckpt.name}", tmp):
-            try:
-                shutil.rmtree(tmp, ignore_errors=True)
-                tmp.mkdir()
-                for file, raw in files.items():
-                    if file in new or not _link(final / file, tmp / file):
-                        _write_synced(tmp / file, raw)
-                _write_synced(tmp / MANIFEST, _manifest(ckpt.step, files, meta))
-                _fsync_dir(tmp)
-            except OSError:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
-        _replace_stage("built")
-        trash = self.root / f".trash-{ckpt.name}-{os.getpid()}"
-        os.rename(final, trash)
-        _replace_stage("old_moved")
-        os.rename(tmp, final)
-        _fsync_dir(self.root)
-        _replace_stage("new_in")
-        shutil.rmtree(trash, ignore_errors=True)
+        tmp = self.root / f".tmp-{ckpt.name}-replace-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        unchanged = {f: self.root / ckpt.name / f for f in ckpt.files if f not in new}
+        self._build_local(ckpt.name, tmp, files, _manifest(ckpt.step, files, meta), link=unchanged)
+        self._swap_in(ckpt.name, tmp, _replace_stage)
         return True
 
     def _remove_stale(self) -> None:
@@ -606,10 +558,10 @@ class CheckpointStore:
             shutil.rmtree(trash, ignore_errors=True)
         else:
             try:
-                self.fs.rm_file(self._remote(name, MANIFEST))
+                self.fs.rm_file(self.path(name, MANIFEST))
             except FileNotFoundError:  # an incomplete upload
                 pass
-            self.fs.rm(self._remote(name), recursive=True)
+            self.fs.rm(self.path(name), recursive=True)
 
     def prune(self, keep: int, milestone_every: int = 0) -> list[str]:
         """Delete all but the newest ``keep`` checkpoints, sparing milestones (steps that are multiples of
@@ -631,9 +583,9 @@ class CheckpointStore:
             os.rename(self.root / name, self.root / new)
             _fsync_dir(self.root)
             return str(self.root / new)
-        src = self._remote(name)
+        src = self.path(name)
         for obj in self.fs.find(src):  # object by object: prefix "directories" do not move as a whole everywhere
-            self.fs.copy(obj, self._remote(new) + obj[len(src):])
+            self.fs.copy(obj, self.path(new) + obj[len(src):])
         self.fs.rm(src, recursive=True)
         self.fs.invalidate_cache(self.root)
         return self.url.rstrip("/") + "/" + new

@@ -1,40 +1,21 @@
 """``Checkpointer``: the one way a :class:`~moetrain.train.state.TrainState` is saved and loaded, by the trainer
-(one process or a torchrun job), by the parallel launcher, and by eval / generate / export.
+(one process or a torchrun job), by the parallel launcher, and by eval / generate / export (docs/train-state.md).
 
-Two formats, one store. Either way the files go through :class:`~moetrain.train.checkpoint.CheckpointStore`
-(manifest with the size and SHA-256 of every file, atomic write locally, manifest-last on object stores) and are
-read back only after every byte verifies.
+Two formats, one :class:`~moetrain.train.checkpoint.CheckpointStore` (manifest, atomic write, every byte verified
+before use), both with the run's ``tokenizer.json`` and ``config.json``:
 
-- **single** (a single process): ``model.safetensors`` (the model's tensors, tied ones once) and
-  ``train_state.pt`` (:meth:`TrainState.replicated_state_dict` plus ``optimizer``: the optimizer's own
-  ``state_dict()``).
-- **sharded** (a torchrun job): ``torch.distributed.checkpoint`` files (``.metadata``, ``__<rank>_0.distcp``,
-  ``moetrain.json``: :mod:`moetrain.parallel.dcp`) holding the model and the optimizer keyed by FQN, expert shards
-  as global-shape DTensors; and ``train_state.pt`` without ``optimizer`` but with its groups' hyperparameters
-  (``optimizer_groups``). Written by every rank at once (:func:`save_sharded`): each rank writes its own
-  ``__<rank>_0.distcp`` into the checkpoint's staging directory and hashes it there; rank 0 gathers the digests
-  (strings), writes ``.metadata`` (DCP's coordinator), the small files and the manifest, and publishes. Read back
-  by every rank verifying only the shard files it reads (:func:`moetrain.parallel.dcp.load_checkpoint`).
+- **single** (one process): ``model.safetensors`` and ``train_state.pt``
+  (:meth:`TrainState.replicated_state_dict` plus ``optimizer``, the optimizer's own ``state_dict()``).
+- **sharded** (a torchrun job): DCP files (:mod:`moetrain.parallel.dcp`) holding the model and the optimizer keyed
+  by FQN, and ``train_state.pt`` with the optimizer groups' hyperparameters (``optimizer_groups``) instead of
+  ``optimizer``. Every rank writes and hashes its own shard file in the staging directory, rank 0 publishes
+  (:func:`save_sharded`); on load every rank verifies only the shard files it reads.
 
-Both add ``tokenizer.json`` and ``config.json`` (the run's, so a checkpoint is self-contained).
-
-Optimizer state (``optimizer_state``, the trainer's ``train.optimizer_state``): with ``"newest"`` (the default), once
-a checkpoint is committed, the older ones kept beside it (single format, local storage) lose the ``optimizer`` entry
-of their ``train_state.pt`` (AdamW's two moments per parameter: twice the fp32 weights' size), through
-:meth:`~moetrain.train.checkpoint.CheckpointStore.replace_files` (crash-safe; their manifest's ``meta`` then says
-``"optimizer_state": false``). Sharded checkpoints keep theirs (the moments sit in the same DCP shards as the
-weights, so dropping them would mean rewriting every shard), as do checkpoints on object stores (no atomic rename).
-Loading a checkpoint without optimizer state restores everything else and starts the moments afresh, with a one-line
-warning naming the checkpoint.
-
-Loading reads either
-format into any layout: sharded into one process or another EP size (DCP reshards), single into a sharded model
-(expert rows and their AdamW moments sliced to this rank). The on-disk layout is that of format 1, unchanged since
-before the ``Checkpointer`` existed (tests/data/legacy_checkpoints holds checkpoints written by that code).
-
-A local checkpoint location of a sharded run must be a file system every rank sees (as DCP's ``FileSystemWriter``
-assumes); a rank whose shards rank 0 cannot see makes the save fail with a line saying so. An object store
-(``s3://...``) needs nothing shared.
+Either format loads into any layout (DCP reshards). With ``optimizer_state="newest"`` the older kept checkpoints of
+the single format on local storage lose their ``optimizer`` entry (docs/checkpoints.md); a checkpoint without it
+loads with fresh AdamW moments and a one-line warning. The on-disk layout is format 1, unchanged since before the
+``Checkpointer`` existed (tests/data/legacy_checkpoints). A sharded run's local checkpoint location must be a file
+system every rank sees (as DCP's ``FileSystemWriter`` assumes); an object store (``s3://...``) needs nothing shared.
 """
 
 from __future__ import annotations
@@ -112,19 +93,6 @@ class Checkpointer:
         return self.store.latest_valid(warn=warn, defer=dcp.is_shard_file, before=before)
 
     # -- saving ------------------------------------------------------------------------------------------------
-    def encode(self, state: TrainState) -> dict[str, bytes]:
-        """The single format's weight and state files of ``state`` (one process; a sharded layout writes its files
-        in place through :func:`save_sharded` instead).
-
-        Raises:
-            CheckpointError: the layout is distributed.
-        """
-        if self.layout.distributed:
-            raise CheckpointError(f"{self.store.url}: a sharded checkpoint is written by every rank "
-                                  "(Checkpointer.save), not encoded on one")
-        return {MODEL_FILE: encode_model(state.model),
-                STATE_FILE: encode_state(state.replicated_state_dict(include_optimizer=True))}
-
     def save(self, state: TrainState, run_files: dict[str, bytes] | None = None) -> str:
         """Write checkpoint ``step_{state.step:08d}`` (every rank must call: a collective when distributed, each rank
         writing its own shards), then prune old ones (rank 0); returns its location.
@@ -142,9 +110,9 @@ class Checkpointer:
             if not self.layout.is_main:
                 return where
         else:
-            files = self.encode(state)
-            files.update(run_files or {})
-            where = self.store.save(state.step, files)
+            where = self.store.save(state.step, {
+                MODEL_FILE: encode_model(state.model),
+                STATE_FILE: encode_state(state.replicated_state_dict(include_optimizer=True)), **(run_files or {})})
         if self.keep > 0:
             self.store.prune(self.keep, self.milestone_every)
         if self.optimizer_state == "newest":
@@ -165,7 +133,7 @@ class Checkpointer:
             manifest = self.store.manifest(name)
             if manifest is None or manifest.get("meta", {}).get("optimizer_state") is False:
                 continue
-            if STATE_FILE not in manifest.get("files", {}) or dcp.is_dcp_files(dict.fromkeys(manifest["files"], b"")):
+            if STATE_FILE not in manifest.get("files", {}) or dcp.is_dcp_files(manifest["files"]):
                 continue
             try:
                 ckpt = self.store.read_verified(name)
@@ -192,19 +160,13 @@ class Checkpointer:
                 other parameters): the message names the file.
         """
         saved = ckpt.train_state()
-        self.load_weights(ckpt, state.model, state.optimizer, saved, warn)
+        load_weights(ckpt, state.model, state.optimizer, self.layout, saved, warn)
         state.load_replicated(saved, f"{ckpt.location}/{STATE_FILE}")
         if "optimizer" not in saved and state.optimizer is not None and state.scheduler is not None:
             # the next step's LR lives in the optimizer's param groups, which were not restored: take the schedule's
             for group, lr in zip(state.optimizer.param_groups, state.scheduler.get_last_lr()):
                 group["lr"] = lr
         return saved
-
-    def load_weights(self, ckpt: LoadedCheckpoint, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                     saved: dict[str, Any] | None = None, warn: Callable[[str], None] = print) -> None:
-        """Load the model (and, given one, the optimizer) of ``ckpt`` into this layout
-        (:func:`load_weights`)."""
-        load_weights(ckpt, model, optimizer, self.layout, saved, warn)
 
 
 def load_weights(ckpt: LoadedCheckpoint, model: nn.Module, optimizer: torch.optim.Optimizer | None,
@@ -266,7 +228,7 @@ def load_latest_model(url: str | os.PathLike[str], model: nn.Module,
     if ckpt is None:
         why = f" ({len(skipped)} failed verification, see the warnings)" if skipped else ""
         raise CheckpointError(f"no usable checkpoint in {checkpointer.store.url}{why}")
-    checkpointer.load_weights(ckpt, model)
+    load_weights(ckpt, model, None, checkpointer.layout)
     return ckpt
 
 
@@ -330,19 +292,13 @@ def _publish(store: CheckpointStore, step: int, staging: Staging, parts: list[di
 
 
 def save_sharded(store: CheckpointStore, state: TrainState, layout: ShardLayout, run_files: dict[str, bytes]) -> str:
-    """Write checkpoint ``state.step`` of a distributed layout, every rank in parallel (a collective):
-
-    1. rank 0 opens the staging location (:meth:`CheckpointStore.begin`) and broadcasts it (a path);
-    2. every rank writes its shards there with DCP (:func:`moetrain.parallel.dcp.write_shards`; rank 0 also
-       ``.metadata``);
-    3. every rank hashes its own shard files as stored (its verification of them) and rank 0 gathers the
-       ``{file: {bytes, sha256}}`` entries (strings, never file bytes);
-    4. rank 0 writes ``train_state.pt``, ``moetrain.json`` and ``run_files``, the manifest of everything, and
-       publishes (:meth:`CheckpointStore.commit`: rename into place, or the manifest last on an object store),
-       then tells every rank the outcome.
-
-    A kill at any moment leaves the earlier checkpoints and either the new complete one or an unpublished staging
-    directory (removed by the next save). Returns the checkpoint's location on every rank.
+    """Write checkpoint ``state.step`` of a distributed layout, every rank in parallel (a collective): rank 0 opens
+    the staging location (:meth:`CheckpointStore.begin`) and broadcasts it; every rank writes its shards there
+    (:func:`moetrain.parallel.dcp.write_shards`) and hashes them as stored; rank 0 gathers the digests (strings,
+    never file bytes), writes ``train_state.pt``, ``moetrain.json``, ``run_files`` and the manifest, publishes
+    (:meth:`CheckpointStore.commit`) and tells every rank the outcome. A kill at any moment leaves the earlier
+    checkpoints and either the new complete one or an unpublished staging directory. Returns the checkpoint's
+    location on every rank.
 
     Raises:
         MachineError: a write failed on some rank (every rank raises).
@@ -351,8 +307,7 @@ def save_sharded(store: CheckpointStore, state: TrainState, layout: ShardLayout,
     mesh, main = layout.mesh, layout.is_main
     staging = _from_rank0((lambda: store.begin(state.step)) if main else None, "checkpoint staging location")
     try:
-        dcp.write_shards(staging.checkpoint_id, state.model, state.optimizer, layout, remote=not store.local,
-                         meta=False)
+        dcp.write_shards(staging.checkpoint_id, state.model, state.optimizer, layout, remote=not store.local)
     except BaseException:
         if main:
             store.abort(staging)

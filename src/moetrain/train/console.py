@@ -1,26 +1,16 @@
-"""What a training run prints while it runs, readable in a terminal and in a log file, and the rates it logs
-(:class:`~moetrain.train.progress.StepLog` drives it).
+"""What a training run prints while it runs, and the rates it logs (:class:`~moetrain.train.progress.StepLog`
+drives it; docs/robustness.md shows the output).
 
-- On a terminal (stderr is a TTY, progress on): a tqdm bar; every other line (evaluations, warnings) is printed
-  above it with ``tqdm.write``, so nothing is overwritten.
-- Without a TTY (``> log.txt 2>&1``, a batch scheduler) or with ``--no-progress``: no bar (a bar writes one long
-  line of carriage returns into a file) but one plain line per logging step::
+On a terminal (stderr a TTY, progress on) a tqdm bar, every other line printed above it with ``tqdm.write``;
+otherwise (a log file, ``--no-progress``) one plain line per logging step::
 
       step 20/300 | loss 5.1234 | lr 2.00e-03 | 5120 tokens/s | ETA 4m10s
 
-- At the end, :meth:`Console.summary`: wall time, mean tokens/s and MFU.
-
-Rates (the trainer logs them in ``metrics.jsonl``):
-    ``tokens_per_s``: tokens of the steps since the last logging step / their wall time: the real (non-padding)
-    tokens of the micro-batches read where they are packed documents (``PackedBatch.real_tokens``), else
-    ``tokens_per_step`` per step.
-    ``mfu``: model FLOPs utilisation = ``model_flops_per_token`` (moetrain.analysis: forward + backward, no
-    recomputation) x tokens/s / the calibrated GEMM peak of this device in the compute dtype
-    (:func:`moetrain.runtime.cpu.gemm_peak`); a fraction in [0, 1].
-    ``data_wait_s``: seconds spent waiting for batches (inside ``next_batch``) since the last logging step.
-    ``monitor_s``: seconds spent in the trainer's :meth:`Console.monitoring` blocks since the last logging step:
-    the routing monitor's ``end_step`` of every step, and the previous logging step's monitor ``flush`` and
-    metrics writes (a record is written after its own value is taken, so its write counts in the next one).
+Rates logged in ``metrics.jsonl``: ``tokens_per_s`` since the last logging step (real tokens for packed
+documents), ``mfu`` (model FLOPs per token, ``moetrain.analysis``, x tokens/s / the calibrated GEMM peak in the
+compute dtype, :func:`moetrain.runtime.cpu.gemm_peak`; in [0, 1]), ``data_wait_s`` (seconds inside ``next_batch``)
+and ``monitor_s`` (seconds in :meth:`Console.monitoring` blocks: the monitor's ``end_step`` of every step and the
+previous logging step's ``flush`` and metrics writes).
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
-"""Each rank's measured memory, for ``metrics.jsonl``: what :mod:`moetrain.parallel.memory` predicts, measured.
+"""Each rank's measured memory, for ``metrics.jsonl``: what :mod:`moetrain.parallel.memory` predicts, measured
+(docs/scale-out.md, "Per-rank memory"), gathered from all ranks (one ``all_gather_object`` per logging step):
 
-Fields of every logging record, one set per rank R (gathered from all ranks, one ``all_gather_object`` per logging
-step when distributed):
-
-- ``mem/rank{R}/peak_bytes``: CUDA: ``torch.cuda.max_memory_allocated`` (the caching allocator's peak of live
-  tensors). CPU: the process's peak resident memory (``VmHWM`` of ``/proc/self/status``), reset to the current
-  resident memory when training starts (writing ``5`` to ``/proc/self/clear_refs``), so the data preparation before
-  does not count; where that file is missing, ``ru_maxrss``.
-- ``mem/rank{R}/baseline_bytes``: the same measure just before the model is built (interpreter, libraries, data):
-  ``peak_bytes - baseline_bytes`` is what training added, the figure the prediction describes.
-- ``mem/rank{R}/tensor_bytes``: the bytes of this rank's parameters, gradients and optimizer state alive when the
-  record is written (local shards of DTensors; after the step, so the gradients, freed by ``zero_grad``, are not
-  among them).
+- ``mem/rank{R}/peak_bytes``: CUDA ``torch.cuda.max_memory_allocated``; CPU the peak resident memory (``VmHWM``,
+  reset to the current resident memory when training starts through ``/proc/self/clear_refs``; else ``ru_maxrss``).
+- ``mem/rank{R}/baseline_bytes``: the same just before the model is built (``peak - baseline``: what training
+  added).
+- ``mem/rank{R}/tensor_bytes``: this rank's parameters, live gradients and optimizer state (local shards).
 """
 
 from __future__ import annotations

@@ -1,32 +1,16 @@
 """Routing-health monitor: attaches to a model's MoE layers, turns their per-micro-batch records into per-layer
-statistics, alarms, ``metrics.jsonl`` fields and TensorBoard histograms / heatmaps.
+statistics, alarms, ``metrics.jsonl`` fields and TensorBoard histograms / heatmaps (docs/routing-health.md).
 
-The monitor is attached from outside (forward hooks on each MoE layer, active only in training mode), so the model
-and the optimizer step stay unaware of it. The trainer calls three things:
+The monitor is attached from outside (forward hooks on each MoE layer, active only in training mode and not in an
+activation-checkpointing recompute), so the model and the optimizer step stay unaware of it. The trainer calls:
 
     monitor = RoutingMonitor(model, config.monitor, run_dir, log, start_step)
     monitor.end_step(step, result.lm_loss)              # every optimizer step: queues, no kernel, no host sync
     record.update(monitor.flush(step, metrics.writer))  # logging steps: one host read, alarms, TensorBoard
 
-``metrics.jsonl`` keys (flat, so TensorBoard groups the scalars by layer; ``L`` is the transformer-block index of
-the MoE layer; statistics over the logging interval, defined in :mod:`moetrain.train.routing_stats`):
-
-    moe/layerL/tokens         [E] assignments per expert (list)      moe/layerL/cv, overload, max_share
-    moe/layerL/max_share_window  max share over the last monitor.collapse_window steps (the collapse alarm's value)
-    moe/layerL/dead           [ids] experts idle >= dead_steps        moe/layerL/n_dead
-    moe/layerL/entropy        router entropy (nats)                   moe/layerL/router_z   mean logsumexp
-    moe/layerL/<name>         each ``*loss`` field of the layer record (aux_loss, z_loss, ...), unweighted
-    moe/layerL/drop_fraction  when the layer reports drops            moe/layerL/bias  [E] aux-loss-free biases
-    moe/interval_steps        steps in the interval                   moe/loss_spike_ratio, moe/nonfinite_steps
-
-A layer recomputed in backward by activation checkpointing (``parallel.activation_checkpoint``) runs its hook
-again inside backward; the hook ignores those calls (``moetrain.parallel.ac.in_recompute``).
-
-Pipeline parallelism (:class:`StageRouting`): each rank of rank 0's pipeline observes its own stages' MoE layers;
-after every optimizer step the other stages' per-layer sums (:class:`~moetrain.train.routing_stats.StepSummary`)
-are reduced to rank 0 (one small collective over the pipeline), whose statistics then cover every MoE layer under
-its global block index, exactly as one rank observing them all would (the alarms, ``metrics.jsonl``, TensorBoard
-and the checkpointed state included). As without pipelining, rank 0 sees its own data-parallel rows.
+``metrics.jsonl`` keys: :func:`snapshot_record`. Under pipeline parallelism (:class:`StageRouting`) the other
+stages' per-layer sums (:class:`~moetrain.train.routing_stats.StepSummary`) reach rank 0 after every optimizer step
+(one small collective), whose statistics then cover every MoE layer as one rank observing them all would.
 """
 
 from __future__ import annotations
@@ -42,7 +26,8 @@ import torch
 from tensorboard.compat.proto.summary_pb2 import Summary
 
 from moetrain.parallel.ac import in_recompute
-from moetrain.train.alerts import ALERTS_FILE, AlertTracker, TrainingAlarm, truncate_alerts
+from moetrain.train.alerts import ALERTS_FILE, AlertTracker, TrainingAlarm
+from moetrain.train.metrics import truncate_records
 from moetrain.train.monitor_config import MonitorConfig
 from moetrain.train.routing_stats import RoutingStats, Snapshot, StepSummary
 
@@ -140,7 +125,7 @@ class RoutingMonitor:
                                   config.spike_window, config.spike_warmup, start_step, config.collapse_window)
         self.alerts = AlertTracker(config, self.run_dir / ALERTS_FILE, self.top_k, log)
         if start_step > 0 and self.main:  # resumed: the steps after the checkpoint run again, so do their alarms
-            truncate_alerts(self.run_dir / ALERTS_FILE, start_step)
+            truncate_records(self.run_dir / ALERTS_FILE, start_step)
         # per layer, the last heatmap_history logging steps' token shares [E]
         self.history: list[deque[list[float]]] = [deque(maxlen=config.heatmap_history) for _ in layer_ids]
         self.flushes = 0
@@ -195,10 +180,7 @@ class RoutingMonitor:
         """The pipeline's per-step reduce: this rank's :class:`StepSummary` rows (with its routers' biases) to
         rank 0, which adds the other stages' layers to its statistics."""
         assert self.routing is not None and self.summary is not None
-        biases: list[torch.Tensor | None] = [None] * len(self.stats.layer_ids)
-        if not self.main and self.routing.expert_bias:
-            for pos, (_, layer) in zip(self.positions, self.layers):
-                biases[pos] = _router_bias(layer, self.num_experts)
+        biases = self._biases() if not self.main and self.routing.expert_bias else None  # this rank's layers only
         reduced = self.routing.reduce(self.summary.take(biases))
         if self.main and reduced is not None:
             self.stats.observe_summaries(reduced, self.remote, self.summary)
@@ -324,8 +306,17 @@ class RoutingMonitor:
 
 
 def snapshot_record(snap: Snapshot, dead_steps: int, top_k: int) -> dict[str, Any]:
-    """The flat ``metrics.jsonl`` fields of one snapshot (keys in the module docstring); experts idle for
-    ``dead_steps`` or more steps are listed as dead."""
+    """The flat ``metrics.jsonl`` fields of one snapshot (``L`` is the transformer-block index of the MoE layer;
+    statistics over the logging interval, defined in :mod:`moetrain.train.routing_stats`):
+
+        moe/layerL/tokens         [E] assignments per expert (list)      moe/layerL/cv, overload, max_share
+        moe/layerL/max_share_window  max share over the last monitor.collapse_window steps (the collapse alarm's)
+        moe/layerL/dead           [ids] experts idle >= dead_steps        moe/layerL/n_dead
+        moe/layerL/entropy        router entropy (nats)                   moe/layerL/router_z   mean logsumexp
+        moe/layerL/<name>         each ``*loss`` field of the layer record (aux_loss, z_loss, ...), unweighted
+        moe/layerL/drop_fraction  when the layer reports drops            moe/layerL/bias  [E] aux-loss-free biases
+        moe/interval_steps        steps in the interval                   moe/loss_spike_ratio, moe/nonfinite_steps
+    """
     rec: dict[str, Any] = {"moe/interval_steps": snap.steps, "moe/nonfinite_steps": snap.nonfinite_steps}
     if snap.spike_ratio is not None:
         rec["moe/loss_spike_ratio"] = snap.spike_ratio

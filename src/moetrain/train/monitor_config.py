@@ -75,20 +75,18 @@ class MonitorConfig:
     heatmap_history: int = 200
 
     def __post_init__(self) -> None:
-        require(self.dead_steps >= 1, "dead_steps", f"must be >= 1, got {self.dead_steps}")
+        for name in ("dead_steps", "collapse_window", "spike_window", "tb_heatmap_every", "heatmap_history"):
+            value = getattr(self, name)
+            require(value >= 1, name, f"must be >= 1, got {value}")
         require(0 < self.collapse_fraction <= 1, "collapse_fraction",
                 f"must be in (0, 1], got {self.collapse_fraction}")
-        require(self.collapse_window >= 1, "collapse_window", f"must be >= 1, got {self.collapse_window}")
         require(self.collapse_from_step is None or self.collapse_from_step >= 0, "collapse_from_step",
                 f"must be >= 0 (or null: the end of train.warmup_steps), got {self.collapse_from_step}")
         require(0 <= self.drop_fraction <= 1, "drop_fraction", f"must be in [0, 1], got {self.drop_fraction}")
         require(self.spike_factor == 0 or self.spike_factor > 1, "spike_factor",
                 f"must be > 1 (or 0 to disable), got {self.spike_factor}")
-        require(self.spike_window >= 1, "spike_window", f"must be >= 1, got {self.spike_window}")
         require(1 <= self.spike_warmup <= self.spike_window, "spike_warmup",
                 f"must be in [1, spike_window={self.spike_window}], got {self.spike_warmup}")
-        require(self.tb_heatmap_every >= 1, "tb_heatmap_every", f"must be >= 1, got {self.tb_heatmap_every}")
-        require(self.heatmap_history >= 1, "heatmap_history", f"must be >= 1, got {self.heatmap_history}")
         for kind in self.fatal:
             require(kind in ALARM_KINDS, "fatal", f"unknown alarm {kind!r}; choose from {list(ALARM_KINDS)}")
         require(self.enabled or not self.fatal, "fatal",

@@ -1,21 +1,15 @@
 """What the training loop reports: the progress bar, tokens/s, the ``metrics.jsonl`` records and the log lines of
-a step. Kept apart from the loop (``train/trainer.py``) so that the output can change without touching it.
+a step, apart from the loop (``train/trainer.py``). The records (docs/getting-started.md):
 
-Records written (one JSON object per line, see :class:`~moetrain.train.metrics.MetricsLogger`):
-
-- at a logging step: ``step``, ``train_loss``, ``lr``, ``tokens_per_s`` (since the previous logging step),
-  ``aux_loss``, ``z_loss``, ``grad_norm``, ``mfu``, ``data_wait_s``, ``monitor_s`` (see
-  :mod:`moetrain.train.console`), ``elapsed_s``, ``val_loss`` when evaluated at that step, then the routing
-  monitor's and the parallel hooks' fields; the first one of a run (not of a resume) also ``first_batch_sha256``;
-- before the first step of a run (not of a resume): ``step`` 0, ``val_loss``, ``val_sha256``
-  (:func:`batches_fingerprint` of the validation batches);
+- at a logging step: ``step``, ``train_loss``, ``lr``, the rates of :mod:`moetrain.train.console`, ``aux_loss``,
+  ``z_loss``, ``grad_norm``, ``elapsed_s``, ``val_loss`` when evaluated, then the routing monitor's and the parallel
+  hooks' fields; the first of a run (not of a resume) also ``first_batch_sha256`` (:func:`batch_fingerprint`);
+- before the first step of a run: ``step`` 0, ``val_loss``, ``val_sha256`` (:func:`batches_fingerprint`);
 - at an evaluation step that is not a logging step: ``step``, ``val_loss``, ``elapsed_s``;
 - at a skipped (non-finite) step: ``step``, ``skipped_nonfinite``, ``nonfinite_skips``.
 
-``elapsed_s`` is the wall-clock seconds from the start of this process's training loop (after the evaluation
-before training) to the end of that step, the evaluations and checkpoints before it included (the clock of
-``train.time_budget_s``; a resumed run starts it again). ``first_batch_sha256`` (:func:`batch_fingerprint`) names the
-tokens of the first micro-batch the run trained on, so two runs can show that they started on the same data.
+``elapsed_s``: wall seconds from the start of this process's training loop to the end of that step, evaluations and
+checkpoints included (the clock of ``train.time_budget_s``).
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
-"""Which config fields a resumed run may change (``moetrain train --out RUN --resume FIELD=VALUE``).
+"""Which config fields a resumed run may change (``moetrain train --out RUN --resume FIELD=VALUE``; the rules and
+why: docs/checkpoints.md, "Resuming: what may change").
 
-A checkpoint fixes what it was trained with: the model (its tensors' shapes and the function they compute), the
-data (the tokenizer, the token stream and the sampler's position in it) and the optimizer's AdamW settings and
-batching (restored from the checkpoint's state, so a new value would be ignored while ``config.json`` claimed it).
-Changing one of those on resume is refused, naming the field, the run's value and the new one. The rest may change
-and takes effect: ``train.steps`` (not below the checkpoint's step, checked by the trainer), the schedule
-(``lr``, ``warmup_steps``, ``min_lr_ratio``: the LR continues on the schedule the new values describe),
-logging / evaluation / checkpoint cadence, precision, device, threads, ``model.execution.*`` (the MoE backend,
-recomputed experts, BTA tiles: every choice computes the same function with the same weights), ``monitor.*`` and
-``parallel.*`` (checkpoints reshard to another expert-parallel size).
+A checkpoint fixes the model, the data and the optimizer's AdamW settings and batching: a change to one of those is
+refused, naming the field, the run's value and the new one. The rest may change and takes effect.
 """
 
 from __future__ import annotations

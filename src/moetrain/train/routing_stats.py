@@ -2,12 +2,9 @@
 
 Legend: L = MoE layers, T = tokens, E = experts, K = top-k, P = queued steps, W = window (steps).
 
-Every micro-batch adds about five tiny kernels per layer (router entropy and z from one ``log_softmax`` of the
-[T, E] logits) and queues its scalars and counts; the queue is folded into the accumulators in one vectorised batch
-of about 20 small kernels per logging interval, however many layers, micro-batches and steps. Nothing is read
-back, so the GPU never waits on the host between logging steps. At a logging step :meth:`RoutingStats.snapshot`
-concatenates every accumulator into one float64 vector and copies it to the host once (one sync per logging
-interval, on top of the trainer's own).
+Every micro-batch adds about five tiny kernels per layer and queues its scalars and counts; the queue is folded
+into the accumulators in one vectorised batch of about 20 kernels per logging interval. Nothing is read back
+between logging steps: :meth:`RoutingStats.snapshot` copies every accumulator to the host at once.
 
 Definitions (per MoE layer, over one logging interval unless noted):
 
@@ -90,18 +87,6 @@ class Snapshot:
     window_steps: int = 0
 
 
-def routing_entropy_and_z(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean router entropy and mean z of one batch of router logits.
-
-    Args:
-        logits: [T, E] router logits (any float dtype; computed in fp32).
-    Returns:
-        (entropy, z): scalar fp32 tensors, the means over T of ``H(softmax(l))`` (nats) and ``logsumexp(l)``.
-    """
-    entropy_sum, z_sum = entropy_and_z_sums(logits)
-    return entropy_sum / logits.shape[0], z_sum / logits.shape[0]
-
-
 def entropy_and_z_sums(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Sums over the T tokens of the router entropy and of ``logsumexp(l)``, in about five kernels (this runs for
     every layer of every micro-batch): ``log_softmax``, ``exp``, one dot product ``sum p log p`` over all T * E
@@ -145,13 +130,9 @@ class RoutingStats:
     """Device-side accumulators for L MoE layers of E experts each (top-K routing).
 
     Feed it with :meth:`observe` (every training micro-batch, every MoE layer) and :meth:`end_step` (after each
-    optimizer step); read it with :meth:`snapshot` at logging steps, which also starts a new interval.
-
-    Per-step values are queued and folded into the accumulators in one batch of about 20 small kernels (at each
-    snapshot, or every ``FOLD_EVERY`` steps), so a step costs five kernels per layer and micro-batch and nothing
-    else, and no host sync; the per-step quantities (idle experts, the collapse window) are still computed step by
-    step, vectorised over the queued steps. The LM losses are read with the snapshot, and the non-finite and
-    loss-spike checks run on the host over every step.
+    optimizer step); read it with :meth:`snapshot` at logging steps, which also starts a new interval. The queue is
+    folded at each snapshot or every ``FOLD_EVERY`` steps, the per-step quantities (idle experts, the collapse
+    window) vectorised over the queued steps; the non-finite and loss-spike checks run on the host over every step.
 
     Args:
         layer_ids: [L] transformer-block index of each MoE layer (names the layer in every output).

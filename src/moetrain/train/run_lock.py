@@ -80,15 +80,10 @@ class RunLock:
         self._remove_created()
 
     def _remove_created(self) -> None:
-        if self._created and not self.run_dir.exists():  # the run directory itself could not be made
-            for d in reversed(self._created):
-                try:
-                    d.rmdir()
-                except OSError:
-                    break
-            self._created = []
-            return
-        if not self._created or not self.run_dir.is_dir() or set(os.listdir(self.run_dir)) - {LOCK_FILE}:
+        """Remove the directories this lock created, unless the run wrote into them (the run directory itself may
+        not have been made)."""
+        if not self._created or self.run_dir.exists() and (
+                not self.run_dir.is_dir() or set(os.listdir(self.run_dir)) - {LOCK_FILE}):
             return
         self.path.unlink(missing_ok=True)
         for d in reversed(self._created):

@@ -1,23 +1,11 @@
-"""``TrainState``: everything a resume restores, with a state-dict API shaped for sharded checkpoints.
+"""``TrainState``: everything a resume restores, with a state-dict API shaped for sharded checkpoints
+(docs/train-state.md).
 
-What is in it: the model's parameters and persistent buffers (the aux-loss-free expert biases are router buffers,
-so they travel with the model), the optimizer, the LR schedule, the step, every global RNG, the data position
-(the batch sampler), the routing monitor's windows and alarm episodes, the LM loss before training, and the
-non-finite-step counters.
-
-The API follows ``torch.distributed.checkpoint.state_dict`` (``get_model_state_dict`` / ``get_optimizer_state_dict``)
-and torchtitan's ``CheckpointManager`` (one ``Stateful`` per component), split by how each part is distributed:
-
-- :meth:`TrainState.model_state_dict` / :meth:`TrainState.optimizer_state_dict` (sharded): this rank's tensors,
-  keyed by parameter name (FQN), as a sharded checkpoint writes them; :class:`moetrain.train.checkpointer.Checkpointer`
-  presents expert shards to DCP as DTensors of the global shape (``moetrain.parallel.dcp``), so any world size can
-  read them back.
-- :meth:`TrainState.replicated_state_dict` (replicated): tensors and plain Python data, identical on every rank;
-  one rank's copy is written (``train_state.pt``) and every rank loads it.
-
-FSDP2 and pipeline parallelism plug in here: with DTensor parameters ``model_state_dict`` already holds the
-global view (``get_model_state_dict`` may replace the plain ``state_dict`` call), and a pipeline stage's model holds
-only its own blocks, so its FQNs are a subset (DCP matches them by name across any stage split).
+Split by how each part is distributed, as ``torch.distributed.checkpoint.state_dict`` and torchtitan's
+``CheckpointManager`` split theirs: :meth:`TrainState.model_state_dict` / :meth:`TrainState.optimizer_state_dict`
+(sharded: this rank's tensors keyed by FQN; a sharded checkpoint presents expert shards to DCP as global-shape
+DTensors, ``moetrain.parallel.dcp``) and :meth:`TrainState.replicated_state_dict` (identical on every rank: one
+rank's copy is written to ``train_state.pt`` and every rank loads it).
 """
 
 from __future__ import annotations

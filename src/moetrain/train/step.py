@@ -164,19 +164,6 @@ def accumulate_gradients(
                        global_counts=global_counts)
 
 
-@torch.no_grad()
-def update_expert_biases(layers: Sequence[MoELayer], counts: torch.Tensor) -> None:
-    """Apply the aux-loss-free bias update to every MoE layer that has an expert bias.
-
-    Args:
-        layers: the MoE layers, in model order (a pipeline rank: its stages' layers).
-        counts: [L, E] the step's counts per MoE layer (all micro-batches, all data-parallel ranks).
-    """
-    for i, layer in enumerate(layers):
-        if layer.router.e_score_correction_bias is not None:
-            layer.router.update_expert_bias(counts[i])
-
-
 def finish_step(
     acc: Accumulated,
     layers: Sequence[MoELayer],
@@ -228,7 +215,9 @@ def finish_step(
             step_counts = acc.tokens_per_expert
             if count_reducer is not None:
                 step_counts = count_reducer(step_counts.clone())
-        update_expert_biases(layers, step_counts)
+        for layer, counts in zip(layers, step_counts):  # [E] of each layer, all micro-batches and ranks
+            if layer.router.e_score_correction_bias is not None:
+                layer.router.update_expert_bias(counts)
     return result
 
 
