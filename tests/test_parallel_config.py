@@ -38,7 +38,7 @@ def test_ep_without_torchrun(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(ConfigError, match=r"parallel.ep: ep=2 needs 2 processes; launch with `torchrun"):
         start(build_config("tiny", overrides={"parallel": {"ep": 2}}), "cpu")
-    assert not start(build_config("tiny"), "cpu").distributed
+    assert not start(build_config("tiny"), "cpu").mesh.distributed
     mesh, owns = init_layout_mesh(ParallelConfig(), "cpu")
     assert not mesh.distributed and not mesh.ep_mesh.distributed and not owns
 
