@@ -3,6 +3,7 @@
     python benchmarks/before_after.py --base REV [--rounds 5] train [bench train options]
     python benchmarks/before_after.py --base REV moe [bench moe options]
     python benchmarks/before_after.py --base REV serve RUN_DIR [serve_load.py options]
+    python benchmarks/before_after.py --base REV dp [dp_steps.py options]
 
 ``REV`` (a commit, branch or tag) is checked out into a temporary git worktree; the working tree this script lives
 in is the other version. Each round runs the benchmark once per version, as a subprocess whose ``PYTHONPATH`` points
@@ -13,7 +14,10 @@ both alike). Figures read from each run:
   candidates are left out: ``--hf`` is set to none unless given);
 - ``moe``: ``moetrain bench moe --json``: 1 / median seconds of every moetrain candidate per shape and dtype;
 - ``serve``: ``benchmarks/serve_load.py RUN_DIR --no-record`` (this tree's script, the server from each version):
-  tokens/s of each server configuration.
+  tokens/s of each server configuration;
+- ``dp``: ``torchrun --standalone --nproc_per_node 2 benchmarks/dp_steps.py`` (this tree's script, the trainer's
+  hooks from each version): tokens/s and optimizer steps per CPU-second (both ranks) of plain data parallelism
+  (``train.grad_accum`` 1 and 4) and FSDP2 ZeRO-3 (``parallel.dp_shard=2``).
 
 Printed: each figure's per-round ratio head / base and the median over rounds; the CPU model and load average. With
 ``--record``, appended as a record to ``results/`` (``moetrain.results.write_record``). Nothing is asserted (speed
@@ -56,6 +60,12 @@ def _figures(kind: str, src: Path, extra: list[str], tmp: Path) -> dict[str, flo
                 for group, servers in record["figures"].items() for server, row in servers.items()
                 if isinstance(row, dict) and "tokens_per_s" in row}
     out_json = tmp / f"{kind}.json"
+    if kind == "dp":
+        _run(src, [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                   str(ROOT / "benchmarks" / "dp_steps.py"), "--out", str(out_json), *extra])
+        steps = json.loads(out_json.read_text())
+        return {**{f"{v} tokens/s": r["tokens_per_s"] for v, r in steps.items()},
+                **{f"{v} steps per CPU-s": 1e3 / r["cpu_ms_per_step"] for v, r in steps.items()}}
     hf = [] if kind != "train" or any(a.startswith("--hf") for a in extra) else ["--hf", ""]
     _run(src, [sys.executable, "-m", "moetrain", "bench", kind, *extra, *hf, "--json", str(out_json), "--overwrite"])
     report = json.loads(out_json.read_text())
@@ -71,7 +81,7 @@ def main() -> int:
     p.add_argument("--base", required=True, help="the commit to compare against (checked out in a temporary worktree)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--record", action="store_true", help="append the figures to results/")
-    p.add_argument("kind", choices=["train", "moe", "serve"])
+    p.add_argument("kind", choices=["train", "moe", "serve", "dp"])
     args, extra = p.parse_known_args()
     with tempfile.TemporaryDirectory(prefix="moetrain-before-after-") as tmp_name:
         tmp = Path(tmp_name)
@@ -101,7 +111,8 @@ def main() -> int:
         from moetrain.results import write_record
 
         path = write_record({"title": f"{args.kind} benchmark: this tree vs {args.base}, interleaved",
-                             "section": {"train": "Training speed", "moe": "MoE layer speed", "serve": "Serving"}[args.kind], "cpu": _cpu_model(),
+                             "section": {"train": "Training speed", "moe": "MoE layer speed", "serve": "Serving",
+                                         "dp": "Scale-out"}[args.kind], "cpu": _cpu_model(),
                              "command": " ".join(["python", "benchmarks/before_after.py", *sys.argv[1:]]),
                              "table": {"columns": ["figure", "base (median)", "head (median)",
                                                    "head / base per round", "median ratio"], "rows": rows}},

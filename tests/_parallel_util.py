@@ -44,3 +44,13 @@ def spawn(fn, world: int, out_dir: Path, *args, timeout_s: float = 120.0) -> lis
     mp.start_processes(_entry, args=(fn, world, free_port(), str(out_dir), timeout_s, args), nprocs=world,
                        join=True, start_method="fork")
     return [torch.load(out_dir / f"result_rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def ep_mesh(ep: int, timeout_s: float = 60.0):
+    """This rank's expert-parallel view (:class:`moetrain.parallel.layout.ParallelMesh`) of the engine's mesh with
+    ``ep`` ranks per EP group and the rest of the world as replicas (a collective: every rank calls it)."""
+    from moetrain.parallel.config import ParallelConfig
+    from moetrain.parallel.layout import Layout, build_layout_mesh
+
+    layout = Layout.from_config(ParallelConfig(ep=ep), dist.get_world_size())
+    return build_layout_mesh(layout, timeout_s, torch.device("cpu")).ep_mesh

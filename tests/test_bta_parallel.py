@@ -5,17 +5,16 @@ from __future__ import annotations
 
 import torch
 
-from _parallel_util import spawn
+from _parallel_util import ep_mesh, spawn
 from moetrain.model.config import ModelConfig
 from moetrain.model.transformer import MoETransformer
 from moetrain.execution import ExecutionConfig
 from moetrain.moe.config import ExpertsConfig, MoEConfig
 from moetrain.parallel.launch import ParallelHooks
-from moetrain.parallel.mesh import build_mesh
 
 
 def _worker(rank: int, world: int, out_dir) -> dict:
-    mesh = build_mesh(world, timeout_s=60)
+    mesh = ep_mesh(world)
     models = []
     for tiles in (1, 2):
         cfg = ModelConfig(vocab_size=64, hidden=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_hidden=48,

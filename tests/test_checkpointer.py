@@ -28,8 +28,7 @@ from moetrain.errors import CheckpointError
 from moetrain.model.transformer import MoETransformer
 from moetrain.parallel.engine import ShardedHooks
 from moetrain.parallel.fsdp import full_tensor
-from moetrain.parallel.layout import Layout, build_layout_mesh
-from moetrain.parallel.sharding import gather_full
+from moetrain.parallel.layout import Layout, build_layout_mesh, gather_full
 from moetrain.train.checkpoint import MANIFEST, MODEL_FILE, STATE_FILE, CheckpointStore, model_tensors
 from moetrain.train.checkpointer import Checkpointer, checkpoint_format, load_latest_model
 from moetrain.train.schedule import build_scheduler

@@ -113,9 +113,9 @@ def _run(make, activation: str, dtype: torch.dtype, case: str, reference: bool):
 
 def _all_results(rank: int, world: int, out_dir):
     """In a forked one-rank gloo group: every dispatcher on every case, and the loop reference."""
-    from moetrain.parallel.mesh import build_mesh
+    from _parallel_util import ep_mesh
 
-    mesh = build_mesh(1, 60.0)
+    mesh = ep_mesh(1)
     makers = {
         "local": lambda: LocalDispatcher(E),
         "fused_local": lambda: FusedLocalDispatcher(E),

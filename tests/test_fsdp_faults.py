@@ -252,18 +252,19 @@ def _check_wrapping(CollectiveError, fsdp_collectives) -> None:
                 raise RuntimeError("Failed to run stage backward:") from e
 
 
-@pytest.mark.parametrize("engine", ["plain", "fsdp2"])
+@pytest.mark.parametrize("engine", ["ep", "train"])
 def test_nccl_groups_raise_instead_of_tearing_down(monkeypatch, engine):
-    """Both process-group starts (plain DP x EP, FSDP2 / pipeline) set ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` before
-    the NCCL group exists, unless the environment sets it, and give the group ``parallel.timeout_s`` (the
-    watchdog's time-out). Runs without a GPU: ``init_process_group`` is replaced by a recorder."""
+    """The one process-group start (``init_layout_mesh``: the trainer's through ``start_sharded``, expert-parallel
+    serving's directly; layouts ``dp_shard=2`` and ``ep=2``) sets ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` before the NCCL group exists, unless the
+    environment sets it, and gives the group ``parallel.timeout_s`` (the watchdog's time-out). Runs without a GPU:
+    ``init_process_group`` is replaced by a recorder."""
     import datetime
 
     import torch
     import torch.distributed as dist
 
     from moetrain.parallel.engine import start_sharded
-    from moetrain.parallel.mesh import NCCL_ERROR_HANDLING, init_distributed
+    from moetrain.parallel.layout import NCCL_ERROR_HANDLING, init_layout_mesh
 
     class Recorded(Exception):
         pass
@@ -278,7 +279,7 @@ def test_nccl_groups_raise_instead_of_tearing_down(monkeypatch, engine):
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_RANK", "0")
-    parallel = {"backend": "nccl", "timeout_s": 7, **({"dp_shard": 2} if engine == "fsdp2" else {})}
+    parallel = {"backend": "nccl", "timeout_s": 7, **({"dp_shard": 2} if engine == "train" else {"ep": 2})}
     cfg = build_config("tiny", overrides={"parallel": parallel})
     for preset in (None, "3"):
         if preset is None:
@@ -286,7 +287,7 @@ def test_nccl_groups_raise_instead_of_tearing_down(monkeypatch, engine):
         else:
             monkeypatch.setenv(NCCL_ERROR_HANDLING, preset)
         with pytest.raises(Recorded):
-            start_sharded(cfg, "cuda") if engine == "fsdp2" else init_distributed(cfg.parallel, "cuda")
+            start_sharded(cfg, "cuda") if engine == "train" else init_layout_mesh(cfg.parallel, "cuda")
     assert seen == [("nccl", "2", datetime.timedelta(seconds=7)), ("nccl", "3", datetime.timedelta(seconds=7))]
 
 

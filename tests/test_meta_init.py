@@ -9,8 +9,7 @@ import torch
 from moetrain.config import build_config
 from moetrain.model.transformer import MoETransformer
 from moetrain.parallel.meta_init import BLOCK_ROWS, build_meta, init_parameters, materialise, normal_rows
-from moetrain.parallel.mesh import ParallelMesh
-from moetrain.parallel.sharding import shard_experts
+from moetrain.parallel.layout import ParallelMesh, shard_experts
 
 
 def _cfg():

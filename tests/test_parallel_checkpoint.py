@@ -27,9 +27,7 @@ from moetrain.parallel.dcp import MARKER, ShardLayout
 from moetrain.parallel.engine import ShardedHooks
 from moetrain.parallel.fsdp import full_tensor
 from moetrain.parallel.launch import ParallelHooks
-from moetrain.parallel.layout import Layout, build_layout_mesh
-from moetrain.parallel.mesh import single_process
-from moetrain.parallel.sharding import gather_full
+from moetrain.parallel.layout import Layout, build_layout_mesh, gather_full, single_process
 from moetrain.train.checkpoint import MODEL_FILE, STATE_FILE, LoadedCheckpoint, encode_model, encode_state
 from moetrain.train.checkpointer import Checkpointer, checkpoint_format, load_latest_model, load_weights
 from moetrain.train.schedule import build_scheduler
@@ -119,10 +117,10 @@ def _load_and_step(world: int, path, step: int):
 
 
 def _legacy_load_and_step(world: int, files: dict[str, bytes], step: int):
-    """Load the single-file format through the trainer's hook, then take the next step."""
+    """Load the single-file format as the trainer resumes (``load_weights``), then take the next step."""
     cfg, model, hooks, opt, sched = _setup(world, seed=99)
     ckpt = LoadedCheckpoint(name="step_00000001", step=1, location="legacy", files=files)
-    assert hooks.load_checkpoint(ckpt, model, opt)
+    load_weights(ckpt, model, opt, hooks.layout)  # the trainer's resume path
     sched.load_state_dict(ckpt.train_state()["scheduler"])
     loaded = _full_params(model, hooks)
     loss = _step(cfg, model, hooks, opt, sched, step)

@@ -12,8 +12,8 @@ from moetrain.parallel.config import ParallelConfig
 from moetrain.parallel import ac
 from moetrain.parallel.engine import ShardedHooks
 from moetrain.parallel.launch import start
-from moetrain.parallel.layout import Layout, build_layout_mesh
-from moetrain.parallel.mesh import build_mesh, init_distributed
+from moetrain.parallel.meta_init import build_meta
+from moetrain.parallel.layout import Layout, build_layout_mesh, init_layout_mesh
 
 
 def test_defaults_and_round_trip():
@@ -37,14 +37,16 @@ def test_bad_values_name_the_field(overrides, field, words):
 def test_ep_without_torchrun(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(ConfigError, match=r"parallel.ep: ep=2 needs 2 processes; launch with `torchrun"):
-        init_distributed(ParallelConfig(ep=2))
-    assert not init_distributed(ParallelConfig()).distributed
+        start(build_config("tiny", overrides={"parallel": {"ep": 2}}), "cpu")
+    assert not start(build_config("tiny"), "cpu").mesh.distributed
+    mesh, owns = init_layout_mesh(ParallelConfig(), "cpu")
+    assert not mesh.distributed and not mesh.ep_mesh.distributed and not owns
 
 
 def _checks_worker(rank: int, world: int, out_dir) -> dict:
     out = {}
     try:
-        build_mesh(4, timeout_s=30)
+        init_layout_mesh(ParallelConfig(ep=4), "cpu")  # joins the existing group: the sizes are checked first
     except ConfigError as e:
         out["mesh"] = str(e)
     cfg = ParallelConfig(ep=2)
@@ -53,12 +55,19 @@ def _checks_worker(rank: int, world: int, out_dir) -> dict:
         hooks.local_batch(lambda: (torch.zeros(3, 4), torch.zeros(3, 4)))()
     except ConfigError as e:
         out["batch"] = str(e)
+    plain = ParallelConfig(cpu_offload=True)  # 2 replicas: replicate, which has no shards to offload
+    hooks = ShardedHooks(build_layout_mesh(Layout.from_config(plain, world), 30, torch.device("cpu")), plain)
+    try:
+        hooks.prepare_model(build_meta(build_config("tiny").model))
+    except ConfigError as e:
+        out["offload"] = str(e)
     return out
 
 
 def test_world_size_and_batch_checks(tmp_path):
     for r in spawn(_checks_worker, 2, tmp_path):
-        assert r["mesh"].startswith("parallel.ep: world size 2") and "not divisible by ep=4" in r["mesh"], r
+        assert r["mesh"].startswith("parallel: world size 2") and "* 1 * 4; change parallel" in r["mesh"], r
+        assert r["offload"].startswith("parallel.cpu_offload: ") and "set it to false" in r["offload"], r
         assert r["batch"].startswith("train.batch_size: 3 sequences") and "over the 2 data-parallel ranks" in r["batch"], r
 
 

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from _parallel_util import spawn
+from _parallel_util import ep_mesh, spawn
 from moetrain.moe.capacity import capacity_keep, expert_capacity
 from moetrain.execution import ExecutionConfig
 from moetrain.moe.config import CapacityConfig, ExpertsConfig, MoEConfig
@@ -29,8 +29,7 @@ from moetrain.moe.layer import MoELayer
 from moetrain.parallel.all_gather import AllGatherDispatcher
 from moetrain.parallel.all_to_all import AllToAllDispatcher
 from moetrain.parallel.comm import CommStats
-from moetrain.parallel.mesh import build_mesh
-from moetrain.parallel.sharding import shard_experts
+from moetrain.parallel.layout import shard_experts
 
 D, F_HIDDEN, T_PER_RANK, K = 8, 16, 6, 2
 DISPATCHERS = {"all_to_all": AllToAllDispatcher, "all_gather": AllGatherDispatcher}
@@ -116,7 +115,7 @@ def _layer_worker(rank: int, world: int, out_dir, cases: list[dict]) -> dict:
     for case in cases:
         ep = case["ep"]
         if ep not in meshes:
-            meshes[ep] = build_mesh(ep, timeout_s=60)
+            meshes[ep] = ep_mesh(ep)
         mesh = meshes[ep]
         layer, x, c = _setup(case, world)
         # Reference: the whole global batch through the unsharded layer with the local dispatcher.

@@ -1,9 +1,9 @@
-"""Expert + data parallelism on the engine (FSDP2 on the DeviceMesh, ``dp_shard=1``: plain data parallelism is its
-replicas, expert parallelism its ep ranks), model level: optimizer steps of a small MoE transformer on N gloo ranks
-(2 and 4 processes) equal one process on the same global batch: losses, gradient norm (with clipping engaged) and every
-parameter after the steps, with the global-batch aux loss, the sequence aux loss, the z-loss, the aux-loss-free
-expert bias and gradient accumulation all on; plain data parallelism all-reduces the gradients once per step, with
-two micro-batches too.
+"""Expert + data parallelism on the engine (the DeviceMesh with ``dp_shard=1``: plain data parallelism is its
+replicas under ``replicate``, expert parallelism its ep ranks under FSDP2), model level: optimizer steps of a small
+MoE transformer on N gloo ranks (2 and 4 processes) equal one process on the same global batch: losses, gradient
+norm (with clipping engaged) and every parameter after the steps, with the global-batch aux loss, the sequence aux
+loss, the z-loss, the aux-loss-free expert bias and gradient accumulation all on; plain data parallelism all-reduces
+the gradients once per step (one bucket), with two micro-batches too.
 
 The reference is the unsharded model trained by ``train_step`` in the same process on the whole global batch.
 fp32 weights, as the trainer's (FSDP2 on gloo in torch 2.13 halves the gradients of expert units on a one-rank
@@ -19,14 +19,14 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from _parallel_util import spawn
 from moetrain.config import build_config
 from moetrain.model.transformer import MoETransformer
 from moetrain.parallel.engine import ShardedHooks
 from moetrain.parallel.fsdp import full_tensor
-from moetrain.parallel.layout import Layout, build_layout_mesh
-from moetrain.parallel.sharding import gather_full
+from moetrain.parallel.layout import Layout, build_layout_mesh, gather_full
 from moetrain.train.schedule import build_scheduler
 from moetrain.train.step import train_step
 from moetrain.train.trainer import build_optimizer
@@ -72,26 +72,21 @@ def _train_worker(rank: int, world: int, out_dir, cases: list[dict]) -> dict:
         hooks = ShardedHooks(mesh, cfg.parallel)
         hooks.prepare_model(model)
         runs = []
-        # The gradient all-reduces of the engine's steps: every all-reduce of more elements than a loss or
-        # count vector ([L, E] = 2 x 4) holds gradients (FSDP2 calls torch.distributed.all_reduce).
-        grad_reduces, all_reduce = [], dist.all_reduce
+        # Plain data parallelism's gradient all-reduces, one per bucket: replicate's default communication hook
+        # (DDP's allreduce_hook: divide by the replicas, all-reduce), counted.
+        grad_reduces: list[int] = []
+        if hooks.replicas_only:
+            def counting(group, bucket):  # unannotated: DDP checks the annotations' values (strings here)
+                grad_reduces.append(bucket.buffer().numel())
+                return default_hooks.allreduce_hook(group, bucket)
 
-        def counting(tensor: torch.Tensor, *args, **kwargs):
-            if tensor.numel() > 64:
-                grad_reduces.append(tensor.numel())
-            return all_reduce(tensor, *args, **kwargs)
-
+            model.register_comm_hook(mesh.replicate_mesh.get_group(), counting)
         for m, kwargs in ((model, hooks.step_kwargs()), (ref, {})):
             opt = build_optimizer(m, cfg)
             sched = build_scheduler(opt, cfg.train)
             next_batch = hooks.local_batch(sampler()) if m is model else sampler()
-            dist.all_reduce = counting if m is model else all_reduce
-            try:
-                out = [train_step(m, next_batch, opt, sched, cfg.train, torch.device("cpu"), **kwargs)
-                       for _ in range(STEPS)]
-            finally:
-                dist.all_reduce = all_reduce
-            runs.append(out)
+            runs.append([train_step(m, next_batch, opt, sched, cfg.train, torch.device("cpu"), **kwargs)
+                         for _ in range(STEPS)])
         diffs = {}
         for key in ("lm_loss", "grad_norm"):
             diffs[key] = max(abs(float(getattr(a, key)) - float(getattr(b, key))) for a, b in zip(*runs))
@@ -151,5 +146,5 @@ def test_steps_match_single_process(results, name):
         # The trainer accumulates the reported losses in fp32 (values ~6): compare them relatively.
         for key in ("lm_loss", "global_aux_loss", "seq_aux_loss", "z_loss"):
             assert r[key] <= 1e-6 * max(1.0, r["ref_" + key]), (name, rank, key, r[key])
-        if name.startswith("dp2_ep1"):  # plain data parallel: one gradient all-reduce per step, whatever grad_accum
+        if name.startswith("dp2_ep1"):  # plain data parallel: one all-reduce (one bucket) per step, whatever grad_accum
             assert r["grad_all_reduces"] == STEPS, (name, rank, r["grad_all_reduces"])

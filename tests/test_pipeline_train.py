@@ -20,10 +20,9 @@ from _parallel_util import spawn
 from moetrain.model.transformer import MoETransformer
 from moetrain.parallel.engine import ShardedHooks
 from moetrain.parallel.fsdp import full_tensor, local_bytes
-from moetrain.parallel.layout import Layout, build_layout_mesh
+from moetrain.parallel.layout import Layout, build_layout_mesh, gather_full
 from moetrain.parallel.meta_init import build_meta, init_parameters
 from moetrain.parallel.pipeline_runner import PipelineRunner
-from moetrain.parallel.sharding import gather_full
 from moetrain.train.schedule import build_scheduler
 from moetrain.train.step import accumulate_gradients, train_step
 from moetrain.train.trainer import build_optimizer, evaluate

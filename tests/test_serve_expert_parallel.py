@@ -136,12 +136,12 @@ POLICIES = [RoutingPolicy(), RoutingPolicy(policy="threshold", p=0.6, k_min=1, k
 
 
 def _placed_rank(rank, world, out_dir, run: str, placement_file: str | None):
-    from moetrain.parallel.mesh import build_mesh
+    from _parallel_util import ep_mesh
     from moetrain.serve.expert_parallel import shard_for_serving
     from moetrain.serve.placement import load_placement
 
     torch.set_grad_enabled(False)
-    mesh = build_mesh(world, timeout_s=60)
+    mesh = ep_mesh(world)
     served = load_served_model(run)
     placement = None if placement_file is None else load_placement(placement_file, [0, 1], 4, world)
     shard_for_serving(served.model, mesh, placement)

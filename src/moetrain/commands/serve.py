@@ -188,9 +188,9 @@ def expert_parallel_mesh(args):
                             "only its E / ep experts)")
     if getattr(args, "int8_experts", False):
         raise MoetrainError("--int8-experts: not available with parallel.ep > 1 yet")
-    from moetrain.parallel.mesh import init_distributed
+    from moetrain.parallel.layout import init_layout_mesh
 
-    return init_distributed(cfg)
+    return init_layout_mesh(cfg, "cpu")[0].ep_mesh
 
 
 def read_placement(args, served, ep: int):

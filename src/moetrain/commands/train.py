@@ -323,7 +323,7 @@ def _train(args, config, run_dir: Path, resume: bool, init, notes: list[str], ch
         return 1
     finally:
         hooks.close()
-    again = resume_hint(run_dir, hooks.distributed)
+    again = resume_hint(run_dir, hooks.mesh.distributed)
     if result.preempted:
         say(f"stopped by {result.preempted} after step {result.steps} with a checkpoint; continue with: {again}")
         return 0

@@ -122,7 +122,7 @@ class MoELayer(nn.Module):
     def set_dispatcher(self, dispatcher: Dispatcher) -> None:
         """Attach a token dispatcher from outside (expert parallelism: ``moetrain.parallel``), keeping model code
         single-device. ``self.experts`` must then hold exactly the experts it routes rows to
-        (``moetrain.parallel.sharding``).
+        (``moetrain.parallel.layout.shard_experts``).
 
         Raises:
             TypeError: ``dispatcher`` is not a :class:`~moetrain.moe.dispatcher.Dispatcher`.

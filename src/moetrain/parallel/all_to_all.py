@@ -60,12 +60,12 @@ class AllToAllMeta:
 
 class AllToAllDispatcher(EPDispatcher):
     """All-to-all dispatch over the EP group of ``mesh``: ``dispatch`` returns the rows of this rank's ``E / ep``
-    experts only (so the layer's ``experts`` must be sharded: :mod:`moetrain.parallel.sharding`). Dropless,
+    experts only (so the layer's ``experts`` must be sharded: :func:`moetrain.parallel.layout.shard_experts`). Dropless,
     dropping (``keep``) and the capacity layout (``capacity``) are all supported.
 
     Args:
         num_experts: E (all experts of the layer, over the EP group).
-        mesh: this rank's :class:`~moetrain.parallel.mesh.ParallelMesh`.
+        mesh: this rank's :class:`~moetrain.parallel.layout.ParallelMesh`.
         stats: optional counters of rows and bytes moved, by passes with gradients only (training; the launcher
             resets them when it logs).
         name: label used in error messages (e.g. the layer's module name).

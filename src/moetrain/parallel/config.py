@@ -31,7 +31,7 @@ class ParallelConfig:
             collective (``init_process_group(timeout=...)`` and every sub-group's; honoured by gloo, and by NCCL's
             watchdog, which moetrain sets to raise in the training thread instead of tearing the process down:
             ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` unless the environment sets it, see
-            :func:`moetrain.parallel.mesh.nccl_error_handling`).
+            :func:`moetrain.parallel.layout.nccl_error_handling`).
         backend: ``auto`` (NCCL on CUDA, gloo on CPU), ``gloo`` or ``nccl``.
         pp: pipeline-parallel size (stages of the block stack, ``torch.distributed.pipelining``).
         dp_shard: FSDP2 sharding degree: non-expert parameters, gradients and AdamW state are sharded over the
@@ -43,7 +43,8 @@ class ParallelConfig:
         reshard_after_forward: FSDP2 ZeRO-3 (``True``: parameters freed after forward and all-gathered again in
             backward) or ZeRO-2 (``False``: only gradients and optimizer state stay sharded).
         cpu_offload: FSDP2 ``CPUOffloadPolicy`` (parameters, gradients and optimizer state in host memory; needs
-            CUDA: on a CPU run the parameters are already in host memory).
+            CUDA: on a CPU run the parameters are already in host memory; refused for plain data parallelism,
+            which has no shards).
         activation_checkpoint: ``none``, ``full`` (every block recomputed in backward) or ``selective`` (each
             block's attention branch and routed experts recomputed; router, norms and dispatch kept).
         pp_schedule: ``1f1b``, ``interleaved_1f1b`` (needs ``pp_stages_per_rank >= 2``), ``gpipe``, or the

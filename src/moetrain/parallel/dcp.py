@@ -51,9 +51,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from moetrain.errors import CheckpointError
 from moetrain.model.config import ModelConfig
 from moetrain.parallel.comm import named_collective
-from moetrain.parallel.mesh import ParallelMesh, single_process
+from moetrain.parallel.layout import ExpertShard, ParallelMesh, single_process
 from moetrain.parallel.meta_init import saved_name
-from moetrain.parallel.sharding import ExpertShard
 from moetrain.train.checkpoint import CorruptCheckpoint, LoadedCheckpoint
 
 MARKER = "moetrain.json"

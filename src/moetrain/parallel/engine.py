@@ -2,9 +2,9 @@
 expert slicing and dispatchers, activation checkpointing (:mod:`.ac`), FSDP2 (:mod:`.fsdp`), pipeline stages
 (:mod:`.pipeline_runner`); the interface of :class:`~.launch.ParallelHooks`, the one-process hooks.
 
-- gradients are reduced by FSDP2 during backward (reduce-scattered over the shards, all-reduced over the
-  replicas: plain data parallelism is ``dp_replicate`` with one shard); ``sync_grads`` only clips
-  (:func:`.fsdp.clip_grad_norm`);
+- gradients are reduced during backward: by FSDP2 (reduce-scattered over the shards, all-reduced over the
+  replicas), or with one shard per replica and no pipeline (plain data parallelism) by ``replicate`` over the
+  replicas (:func:`.fsdp.apply_replicate`); ``sync_grads`` only clips (:func:`.fsdp.clip_grad_norm`);
 - counts and losses are reduced over the data-parallel ranks of a pipeline stage (``stage_group``), not the world:
   the stages hold different layers;
 - a rank reads rows ``[d * B / D, (d + 1) * B / D)`` of each global micro-batch, d its data-parallel index within
@@ -17,24 +17,22 @@ import dataclasses
 from contextlib import contextmanager
 from dataclasses import dataclass
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from moetrain.errors import ConfigError
-from moetrain.parallel import ac as activation_checkpointing, rendezvous
+from moetrain.parallel import ac as activation_checkpointing
 from moetrain.parallel.comm import CollectiveError, collective_error, named_collective
 from moetrain.parallel.config import ParallelConfig
 from moetrain.parallel.dcp import ShardLayout
-from moetrain.parallel.fsdp import apply_fsdp, clip_grad_norm, init_root, local_bytes
+from moetrain.parallel.fsdp import apply_fsdp, apply_replicate, clip_grad_norm, init_root, local_bytes
 from moetrain.parallel.launch import ParallelHooks, parallelize
-from moetrain.parallel.layout import Layout, LayoutMesh, build_layout_mesh
-from moetrain.parallel.mesh import nccl_error_handling
+from moetrain.parallel.layout import Layout, LayoutMesh, init_layout_mesh
 from moetrain.parallel.meta_init import build_meta, materialise
 from moetrain.parallel.pipeline_runner import PipelineRunner
 
@@ -121,6 +119,12 @@ def fsdp_collectives(name: str, group: dist.ProcessGroup | None = None) -> Itera
         raise collective_error(name, group, cause) from e
 
 
+class _GradientSync(Protocol):
+    """A module under ``replicate`` (or FSDP2): its gradient reduction can be turned off for a backward."""
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None: ...
+
+
 class ShardedHooks(ParallelHooks):
     """One rank of an FSDP2 (and EP) job.
 
@@ -162,19 +166,30 @@ class ShardedHooks(ParallelHooks):
             return self.runner.local
         self.plan = parallelize(model, lm.ep_mesh, self.dispatcher, self.stats)
         activation_checkpointing.apply(model, self.parallel.activation_checkpoint)
-        apply_fsdp(model, lm, self.dtype, self.parallel.reshard_after_forward, self.parallel.cpu_offload)
-        if any(p.is_meta for p in model.parameters()):  # built by meta_init.build_meta: this rank's shards only
-            materialise(model, cast("ModelConfig", model.config), lm.device, self.seed, self.plan)
-        init_root(model)
+        if self.replicas_only:
+            if any(p.is_meta for p in model.parameters()):
+                materialise(model, cast("ModelConfig", model.config), lm.device, self.seed, self.plan)
+            apply_replicate(model, lm, self.parallel.cpu_offload)
+            how = "replicate (plain data parallel: gradients all-reduced in buckets during backward)"
+        else:
+            apply_fsdp(model, lm, self.dtype, self.parallel.reshard_after_forward, self.parallel.cpu_offload)
+            if any(p.is_meta for p in model.parameters()):  # built by meta_init.build_meta: this rank's shards only
+                materialise(model, cast("ModelConfig", model.config), lm.device, self.seed, self.plan)
+            init_root(model)
+            how = "FSDP2 " + ("ZeRO-3" if self.parallel.reshard_after_forward else "ZeRO-2")
         self.model = model
         if log is not None:
             held = local_bytes(model)["params"]
-            zero = "ZeRO-3" if self.parallel.reshard_after_forward else "ZeRO-2"
-            if lm.layout.dp_shard * lm.layout.ep == 1:
-                zero = "replicas only (plain data parallel: one unit, gradients all-reduced in backward)"
-            log(f"parallel: {lm.layout.describe()}; FSDP2 {zero}, activation checkpointing "
+            log(f"parallel: {lm.layout.describe()}; {how}, activation checkpointing "
                 f"{self.parallel.activation_checkpoint}; rank 0 holds {held / 1e6:.2f} MB of parameters")
         return model
+
+    @property
+    def replicas_only(self) -> bool:
+        """Plain data parallelism: one shard per replica (``dp_shard * ep == 1``) and no pipeline; the model is
+        whole on every rank (:func:`~moetrain.parallel.fsdp.apply_replicate`)."""
+        layout = self.layout_mesh.layout
+        return layout.dp_shard * layout.ep == 1 and layout.pp == 1
 
     def local_batch(self, next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]]
                     ) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
@@ -243,14 +258,13 @@ class ShardedHooks(ParallelHooks):
                 "grad_sync": self.grad_sync}
 
     def grad_sync(self, last: bool) -> None:
-        """Before each micro-batch of a step: with one shard per replica (plain data parallelism) FSDP2 all-reduces
-        the gradients in the last micro-batch's backward only (``set_requires_gradient_sync``; the earlier ones
-        accumulate locally, as DDP's ``no_sync``), so a step costs one all-reduce whatever ``train.grad_accum``.
-        Sharded layouts keep reducing every micro-batch: an unreduced gradient would be the whole, unsharded one."""
-        lm = self.layout_mesh
-        if lm.layout.dp_shard * lm.layout.ep == 1:
+        """Before each micro-batch of a step: plain data parallelism all-reduces the gradients in the last
+        micro-batch's backward only (``replicate``'s ``set_requires_gradient_sync``, DDP's ``no_sync``; the earlier
+        ones accumulate locally), so a step costs one reduction whatever ``train.grad_accum``. Sharded layouts keep
+        reducing every micro-batch: an unreduced gradient would be the whole, unsharded one."""
+        if self.replicas_only:
             assert self.model is not None, "grad_sync before prepare_model"
-            cast(FSDPModule, self.model).set_requires_gradient_sync(last)
+            cast(_GradientSync, self.model).set_requires_gradient_sync(last)
 
     def sync_grads(self, max_norm: float) -> torch.Tensor:
         """FSDP2 reduced the gradients during backward; clip them by the global norm and return it."""
@@ -301,38 +315,21 @@ class ShardedHooks(ParallelHooks):
 
 
 def start_sharded(config: Config, device_type: str) -> ShardedHooks:
-    """Join the ``torchrun`` job (or stay one process) and build the FSDP2 engine's mesh; the mesh line is
+    """Join the ``torchrun`` job and build the engine's mesh (:func:`~.layout.init_layout_mesh`); the mesh line is
     rank 0's, once (:meth:`ShardedHooks.prepare_model`'s log).
 
     Raises:
-        ConfigError: the world size does not fit ``pp * dp_replicate * dp_shard * ep``, NCCL on a CPU run.
+        ConfigError: the world size does not fit ``pp * dp_replicate * dp_shard * ep``, NCCL on a CPU run, or one
+            process (the message says how to launch with ``torchrun``).
     """
-    import datetime
     import os
 
     p = config.parallel
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    layout = Layout.from_config(p, world)
-    backend = p.backend if p.backend != "auto" else ("nccl" if device_type == "cuda" else "gloo")
-    if backend == "nccl" and device_type != "cuda":
-        raise ConfigError("parallel.backend: 'nccl' needs train.device=cuda; use 'gloo' (or 'auto') on CPU")
-    device = torch.device("cpu")
-    if device_type == "cuda":
-        device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}")
-        torch.cuda.set_device(device)
-    if world == 1:
+    layout = Layout.from_config(p, int(os.environ.get("WORLD_SIZE", "1")))
+    if layout.world == 1:
         raise ConfigError(f"parallel: pp={p.pp}, dp_shard={p.dp_shard} need {layout.world} processes; launch with "
                           f"`torchrun --nproc_per_node {layout.world} -m moetrain train ...`")
-    owns = False
-    if not dist.is_initialized():
-        nccl_error_handling(backend)  # NCCL's watchdog raises in this thread instead of tearing the process down
-        with named_collective("init_process_group (rendezvous at MASTER_ADDR:MASTER_PORT)"):
-            # The time-out of every collective (gloo's, and NCCL's watchdog); sub-groups get it in build_layout_mesh.
-            timeout = datetime.timedelta(seconds=p.timeout_s)
-            dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None,
-                                    **rendezvous.init_kwargs(timeout))
-        owns = True
-    mesh = build_layout_mesh(layout, p.timeout_s, device)  # the mesh line is prepare_model's log (rank 0's)
+    mesh, owns = init_layout_mesh(p, device_type)
     micro = (config.train.batch_size // layout.data_parallel, config.data.seq_len)
     return ShardedHooks(mesh, p, config.train.dtype, config.train.seed, owns_group=owns,
                         grad_accum=config.train.grad_accum, micro_shape=micro)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from moetrain.moe.dispatch import LocalDispatcher
 from moetrain.moe.dispatcher import Dispatcher
 from moetrain.parallel.comm import CommStats
-from moetrain.parallel.mesh import ParallelMesh
+from moetrain.parallel.layout import ParallelMesh
 
 
 class EPDispatcher(Dispatcher):
@@ -14,7 +14,7 @@ class EPDispatcher(Dispatcher):
 
     Args:
         num_experts: E (global).
-        mesh: this rank's :class:`~moetrain.parallel.mesh.ParallelMesh` (``ep``, ``ep_rank``, ``ep_group``).
+        mesh: this rank's :class:`~moetrain.parallel.layout.ParallelMesh` (``ep``, ``ep_rank``, ``ep_group``).
         stats: optional counters of rows and bytes moved, by passes with gradients only (training; the launcher
             resets them when it logs).
         name: label used in error messages (e.g. the layer's module name).

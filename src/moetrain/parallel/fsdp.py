@@ -5,8 +5,9 @@ Legend: E = experts, X = ep, S = dp_shard, R = dp_replicate.
 
 Units, innermost first (each ``fully_shard`` call is one all-gather / reduce-scatter unit):
 
-- the routed experts of each MoE block, already sliced to this rank's E / X experts (:mod:`.sharding`), sharded
-  over the expert mesh (the S ranks holding the same experts, replicated over R). Their reduce-scatter divides by
+- the routed experts of each MoE block, already sliced to this rank's E / X experts
+  (:func:`.layout.shard_experts`), sharded over the expert mesh (the S ranks holding the same experts, replicated
+  over R). Their reduce-scatter divides by
   all R * S * X data-parallel ranks of the stage, not the R * S of its mesh: every rank's loss is the mean over its
   own rows, and an expert's gradient already sums the contributions of the X ranks of its EP group
   (torchtitan sets the same ``gradient_divide_factor``);
@@ -16,9 +17,14 @@ Units, innermost first (each ``fully_shard`` call is one all-gather / reduce-sca
   of a replica);
 - the embedding, the final norm + LM head (one unit; one unit with the embedding when they are tied), the root.
 
-With one shard per replica (``dp_shard * ep == 1``: plain data parallelism, or a pipeline stage without data
-parallelism) nothing is gathered: the embedding, every block, the norm and the head form one unit (the routers
-apart under bf16), so the gradients are all-reduced over the replicas once per step.
+With one shard per replica (``dp_shard * ep == 1``) nothing is gathered. Plain data parallelism (no pipeline) is
+:func:`apply_replicate`: ``torch.distributed``'s composable ``replicate`` (DDP's C++ reducer) on the replicas'
+1-D ``DeviceMesh``, as torchtitan's ``apply_ddp`` (FSDP2 on a one-shard mesh copies every parameter into its
+unsharded buffer before forward and every gradient through a one-rank reduce-scatter, and its parameters are
+DTensors: measured 1.22-1.25x the CPU time per step of one flat all-reduce on the tiny model, 2 gloo ranks;
+``replicate`` 1.00x). A pipeline stage with one shard stays on FSDP2 (``torch.distributed.pipelining`` drives
+its gradient reduction): the embedding, every block, the norm and the head form one unit (the routers apart under
+bf16), so the gradients are all-reduced over the replicas once per step.
 
 ``reshard_after_forward=True`` is ZeRO-3 (parameters all-gathered again in backward); ``False`` is ZeRO-2
 (parameters stay gathered between forward and backward; gradients and AdamW state sharded). With bf16, parameters
@@ -86,10 +92,11 @@ def apply_fsdp(model: nn.Module, mesh: LayoutMesh, dtype: str = "fp32", reshard_
                     shard_placement_fn=placement)
 
     dense, ep, expert_units = mesh.dense_mesh, mesh.layout.ep, set()
-    # Plain data parallelism (one shard per replica): nothing is gathered, so per-block units would only split the
-    # gradient all-reduce into many small ones (measured 0.58x the tokens/s of one all-reduce on the tiny model,
-    # 2 gloo ranks): one unit of every module (its hooks on each, so the routing pre-pass, which skips the root's
-    # forward, still finds the weights), the routers apart for their fp32 policy under bf16.
+    # One shard per replica (a pipeline stage without sharding; without a pipeline that is apply_replicate):
+    # nothing is gathered, so per-block units would only split the gradient all-reduce into many small ones
+    # (measured 0.58x the tokens/s of one all-reduce on the tiny model, 2 gloo ranks): one unit of every module (its
+    # hooks on each, so the routing pre-pass, which skips the root's forward, still finds the weights), the routers
+    # apart for their fp32 policy under bf16.
     replicate_only = mesh.layout.dp_shard * ep == 1
     for block in stage_blocks(model):
         placement = None
@@ -128,6 +135,37 @@ def apply_fsdp(model: nn.Module, mesh: LayoutMesh, dtype: str = "fp32", reshard_
             # came out halved at ep=2. Without forcing, that path divides once and all-reduces replicas with SUM.
             if isinstance(module, FSDPModule) and not (module in expert_units and mesh.layout.dp_shard == 1):
                 module.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def apply_replicate(model: nn.Module, mesh: LayoutMesh, cpu_offload: bool = False) -> nn.Module:
+    """Plain data parallelism (``dp_shard * ep == 1``, no pipeline): ``torch.distributed._composable.replicate``
+    (DDP's reducer, composable, on a ``DeviceMesh``; torchtitan's ``apply_ddp``) of ``model`` in place over the
+    ``dp_replicate`` ranks. Parameters stay whole, plain tensors; DDP averages every gradient over the replicas
+    in buckets of up to 100 MiB (torchtitan's size) during backward, the gradients being views into the buckets
+    (no copy out), and :meth:`set_requires_gradient_sync` turns that off for the first micro-batches of a step.
+
+    No initial broadcast (``init_sync=False``): every rank materialised the same weights from global indices, or
+    loads the same checkpoint. No buffer broadcast before each forward (``forward_sync_buffers=False``): the
+    buffers are the rotary tables and the expert biases, which every rank updates from the same all-reduced counts.
+
+    Args:
+        model: the whole model (an ``MoETransformer``), materialised on ``mesh.device``.
+        mesh: this rank's :class:`LayoutMesh` (``dp_replicate`` ranks, nothing else).
+        cpu_offload: ``parallel.cpu_offload`` (refused: there are no shards to offload).
+    Returns:
+        ``model``, its forward wrapped by the replicate hooks.
+    Raises:
+        ConfigError: ``cpu_offload`` (``parallel.cpu_offload``).
+    """
+    from torch.distributed._composable.replicate import replicate
+
+    if cpu_offload:
+        raise ConfigError("parallel.cpu_offload: offloads FSDP2 shards, but plain data parallelism (dp_shard=1, "
+                          "ep=1) keeps the whole weights on every rank; set it to false")
+    assert mesh.replicate_mesh is not None, "apply_replicate on one process"
+    replicate(model, device_mesh=mesh.replicate_mesh, bucket_cap_mb=100, gradient_as_bucket_view=True,
+              init_sync=False, forward_sync_buffers=False)
     return model
 
 

@@ -4,7 +4,7 @@
 
 Every ``torchrun`` job (``WORLD_SIZE > 1``) runs on one engine, FSDP2 on a ``pp x dp_replicate x dp_shard x ep``
 ``DeviceMesh`` (:class:`moetrain.parallel.engine.ShardedHooks`): plain data parallelism is its ``dp_replicate``
-dimension (FSDP2 with one shard: gradients all-reduced during backward), ZeRO its ``dp_shard``, expert parallelism
+dimension (``replicate``: gradients all-reduced in buckets during backward), ZeRO its ``dp_shard``, expert parallelism
 its ``ep`` (expert slices and an all-to-all dispatcher), pipelining on top. One process runs the
 :class:`ParallelHooks` here, whose hooks are the identity; they are also the engine's base (data preparation on
 rank 0, the shared stop and alarm decisions, the token-exchange counters).
@@ -12,7 +12,8 @@ rank 0, the shared stop and alarm decisions, the token-exchange counters).
 What the hooks do (each is a collective where it says so; every rank calls it at the same point):
 
 - ``build_model``: the model, initialised from global indices (the same weights in every layout);
-- ``prepare_model``: shard the experts and attach the dispatchers, activation checkpointing, FSDP2;
+- ``prepare_model``: slice the experts and attach the dispatchers, activation checkpointing, then ``replicate``
+  (plain data parallel) or FSDP2;
 - ``local_batch``: every rank draws the same global micro-batch and keeps its own rows, so the data order (and a
   resumed sampler) is that of one process;
 - ``train_step`` / ``evaluate``: one optimizer step (:func:`moetrain.train.step.train_step`, or the pipeline
@@ -42,16 +43,13 @@ from moetrain.parallel.all_gather import AllGatherDispatcher
 from moetrain.parallel.all_to_all import AllToAllDispatcher
 from moetrain.parallel.comm import CommStats, named_collective
 from moetrain.parallel.dcp import ShardLayout
-from moetrain.parallel.layout import Layout
-from moetrain.parallel.mesh import ParallelMesh, single_process
-from moetrain.parallel.sharding import ExpertShard, moe_layers, shard_experts
+from moetrain.parallel.layout import ExpertShard, Layout, ParallelMesh, moe_layers, shard_experts, single_process
 
 if TYPE_CHECKING:  # imported where used at run time (train/ imports this module)
     from moetrain.config import Config
     from moetrain.data.batch import Batch
     from moetrain.data.config import DataConfig
     from moetrain.model.config import ModelConfig
-    from moetrain.train.checkpoint import LoadedCheckpoint
     from moetrain.train.config import TrainConfig
     from moetrain.train.monitor import RoutingMonitor, StageRouting
     from moetrain.train.monitor_config import MonitorConfig
@@ -97,12 +95,13 @@ class NullMetrics:
 
 
 class ParallelHooks:
-    """The trainer's view of one rank of a DP x EP job (see the module docstring); for a single process
-    (:meth:`local`) every hook is the identity and checkpoints keep the single-file format, but a sharded
-    checkpoint can still be loaded (resharded to one process).
+    """The trainer's view of one rank (see the module docstring): for a single process
+    (``ParallelHooks(single_process(device))``) every hook is the identity and checkpoints keep the single-file
+    format, but a sharded checkpoint can still be loaded (resharded to one process); the base of the engine's
+    :class:`~moetrain.parallel.engine.ShardedHooks`.
 
     Args:
-        mesh: this rank's mesh position.
+        mesh: this rank's expert-parallel view (:class:`~moetrain.parallel.layout.ParallelMesh`).
         dispatcher: ``parallel.dispatcher``.
         owns_group: destroy the default process group in :meth:`close` (it was created by :func:`start`).
         activation_checkpoint: ``parallel.activation_checkpoint``, attached in :meth:`prepare_model`
@@ -120,18 +119,9 @@ class ParallelHooks:
         self.model: nn.Module | None = None
         self._steps = 0  # optimizer steps since the last step_metrics()
 
-    @classmethod
-    def local(cls, device: torch.device | str = "cpu") -> "ParallelHooks":
-        """Hooks of a plain single-process run."""
-        return cls(single_process(device))
-
     @property
     def is_main(self) -> bool:
         return self.mesh.is_main
-
-    @property
-    def distributed(self) -> bool:
-        return self.mesh.distributed
 
     # -- model and data ---------------------------------------------------------------------------------------
     def build_model(self, config: ModelConfig, device: torch.device, seed: int = 0) -> nn.Module:
@@ -169,7 +159,7 @@ class ParallelHooks:
         Raises:
             MoetrainError: rank 0's data preparation failed (its message).
         """
-        if not self.distributed:
+        if not self.mesh.distributed:
             return prepare()
         from moetrain.data.dataset import prepare_data
 
@@ -222,17 +212,12 @@ class ParallelHooks:
         """Extra arguments of :func:`moetrain.train.step.train_step` (none for a single process)."""
         return {}
 
-    @property
-    def count_reducer(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
-        """Sums [L, E] expert counts over the data-parallel ranks; ``None`` for one process."""
-        return None
-
     def step_metrics(self) -> dict[str, float]:
         """Per-rank communication per optimizer step since the last call (a collective: an all-gather of six
         counters), as metrics fields ``ep/rank{R}/tokens_received``, ``ep/rank{R}/a2a_bytes_sent`` (rows put into
         the dispatch exchange x D x element size), ``ep/rank{R}/a2a_bytes_sent_remote`` (the part bound for other
         ranks) and ``ep/rank{R}/combine_bytes_sent``. Counters cover training forward passes only."""
-        if not self.distributed or self.mesh.ep == 1:
+        if not self.mesh.distributed or self.mesh.ep == 1:
             return {}
         local = self.stats.as_tensor().to(self.mesh.device)
         everyone = [torch.empty_like(local) for _ in range(self.mesh.world_size)]
@@ -258,19 +243,6 @@ class ParallelHooks:
         :class:`~moetrain.train.checkpointer.Checkpointer` saves and loads through."""
         return ShardLayout(self.mesh, self.plan)
 
-    def load_checkpoint(self, ckpt: LoadedCheckpoint, model: nn.Module, optimizer: torch.optim.Optimizer) -> bool:
-        """Load the weights and optimizer state of ``ckpt`` (a verified ``LoadedCheckpoint``, either format) into
-        this rank's model and optimizer through :func:`moetrain.train.checkpointer.load_weights` (resharded to this
-        layout). Returns ``True``.
-
-        Raises:
-            CheckpointError: the checkpoint does not fit the model.
-        """
-        from moetrain.train.checkpointer import load_weights
-
-        load_weights(ckpt, model, optimizer, self.layout)
-        return True
-
     def monitor_config(self, config: MonitorConfig) -> MonitorConfig:
         """The routing monitor's config for this rank: rank 0's only (it sees rank 0's tokens and writes the
         alerts); disabled on the others."""
@@ -281,10 +253,6 @@ class ParallelHooks:
         (:class:`~moetrain.train.monitor.StageRouting`); ``None`` here: every rank holds every layer."""
         return None
 
-    def metrics_logger(self, make: Callable[[], Any]) -> Any:
-        """``make()`` (the metrics writer) on rank 0, a :class:`NullMetrics` on the other ranks."""
-        return make() if self.is_main else NullMetrics()
-
     def raise_if_fatal(self, monitor: RoutingMonitor, checkpoint: Callable[[], Any]) -> None:
         """``monitor.raise_if_fatal(checkpoint)`` with the decision made on rank 0 and shared (one broadcast),
         so that every rank writes the checkpoint (a collective) and stops together.
@@ -292,7 +260,7 @@ class ParallelHooks:
         Raises:
             TrainingAlarm: on rank 0.  MoetrainError: on the other ranks, naming rank 0's alarm.
         """
-        if not self.distributed:
+        if not self.mesh.distributed:
             monitor.raise_if_fatal(checkpoint)
             return
         alert = monitor.alerts.fatal if self.is_main else None
@@ -310,7 +278,7 @@ class ParallelHooks:
     def agree_stop(self, received: str | None) -> str | None:
         """The stop signal if any rank received one (one all-reduce per step), so all ranks stop after the same
         step; ``None`` otherwise."""
-        if not self.distributed:
+        if not self.mesh.distributed:
             return received
         flag = torch.tensor([1 if received else 0], device=self.mesh.device)
         with named_collective("all_reduce (stop signal)"):

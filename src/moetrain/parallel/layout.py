@@ -12,23 +12,30 @@ replica and replicates over R); an expert shard (E / X experts) is replicated by
 ``x``, over which FSDP2 shards it (over S) and replicates it (over R).
 
 Every process group is created with ``new_group(timeout=parallel.timeout_s)`` and wrapped by
-``DeviceMesh.from_group`` (as :mod:`moetrain.parallel.mesh` does): ``init_device_mesh`` would give sub-groups the
-backend default time-out.
+``DeviceMesh.from_group``: ``init_device_mesh`` would give sub-groups the backend default time-out (30 min).
+
+Expert parallelism's view of a rank (:class:`ParallelMesh`: ``ep``, ``ep_rank``, its EP group) is what the
+dispatchers and the expert slicing (:func:`shard_experts`: E / X consecutive experts of every MoE layer per EP
+rank, :class:`ExpertShard`) read; the trainer and ``moetrain serve parallel.ep=N`` both join the job and build
+the mesh through :func:`init_layout_mesh`.
 """
 
 from __future__ import annotations
 
 import datetime
+import os
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from moetrain.errors import ConfigError
+from moetrain.moe.layer import MoELayer
+from moetrain.parallel import rendezvous
 from moetrain.parallel.comm import named_collective
 from moetrain.parallel.config import ParallelConfig
-from moetrain.parallel.mesh import ParallelMesh
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "ep")
 
@@ -91,6 +98,122 @@ class Layout:
                 f"{self.data_parallel} data-parallel ranks per stage")
 
 
+@dataclass(frozen=True)
+class ParallelMesh:
+    """Expert parallelism's view of this rank (:attr:`LayoutMesh.ep_mesh`): what the EP dispatchers, the expert
+    slicing and checkpoints read. One process is the trivial view (:func:`single_process`), with no groups.
+
+    Attributes:
+        world_size / rank: all ranks, this rank.
+        ep / ep_rank: expert-parallel size X and this rank's index x in its EP group.
+        dp / dp_rank: the R * S ranks of the stage holding the same experts (the replicas of this rank's expert
+            shard) and this rank's index r * S + s among them.
+        device: the rank's device (``cuda:LOCAL_RANK`` under NCCL).
+        mesh: ``("dp", "ep")`` DeviceMesh of this pipeline stage's R * S * X ranks (``None`` for one process).
+        ep_group / dp_group: process groups of this rank's EP group and of the replicas of its experts.
+    """
+
+    world_size: int
+    rank: int
+    ep: int
+    ep_rank: int
+    dp: int
+    dp_rank: int
+    device: torch.device
+    mesh: DeviceMesh | None = None
+    ep_group: dist.ProcessGroup | None = None
+    dp_group: dist.ProcessGroup | None = None
+
+    @property
+    def distributed(self) -> bool:
+        return self.mesh is not None
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the only rank that writes logs, metrics and run files."""
+        return self.rank == 0
+
+    def local_experts(self, num_experts: int) -> range:
+        """Global ids of the experts this rank holds: ``[ep_rank * E/ep, (ep_rank + 1) * E/ep)``.
+
+        Raises:
+            ConfigError: ``ep`` does not divide ``num_experts``.
+        """
+        if num_experts % self.ep:
+            raise ConfigError(f"parallel.ep: {self.ep} does not divide model.moe.num_experts={num_experts}")
+        per = num_experts // self.ep
+        return range(self.ep_rank * per, (self.ep_rank + 1) * per)
+
+
+def single_process(device: torch.device | str = "cpu") -> ParallelMesh:
+    """The trivial view of one process: no process group, every expert local."""
+    return ParallelMesh(world_size=1, rank=0, ep=1, ep_rank=0, dp=1, dp_rank=0, device=torch.device(device))
+
+
+@dataclass(frozen=True)
+class ExpertShard:
+    """One sliced expert tensor: this rank holds rows ``[offset, offset + local_rows)`` of ``global_rows`` along
+    dim 0 (the expert dimension)."""
+
+    offset: int
+    local_rows: int
+    global_rows: int
+
+    def global_shape(self, local_shape: torch.Size) -> torch.Size:
+        return torch.Size((self.global_rows, *local_shape[1:]))
+
+
+def moe_layers(model: nn.Module) -> list[tuple[str, MoELayer]]:
+    """(qualified name, module) of every :class:`~moetrain.moe.layer.MoELayer` in ``model``."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, MoELayer)]
+
+
+@torch.no_grad()
+def shard_experts(model: nn.Module, mesh: ParallelMesh) -> dict[str, ExpertShard]:
+    """Keep this rank's E / ep consecutive experts of every MoE layer: every routed-expert parameter ``[E, ...]``
+    becomes its slice ``[E_l, ...]`` (E_l = E / ep); shared experts are not routed and stay whole. On a
+    meta-device model (the trainer's) the slice is a meta tensor too, materialised afterwards from global indices
+    (:func:`moetrain.parallel.meta_init.materialise` with the returned plan); on a materialised one (serving) it
+    is a copy, which drops the full tensor's storage.
+
+    Args:
+        model: a model whose experts are whole.
+        mesh: this rank's EP view (``ep``, ``ep_rank``).
+    Returns:
+        ``{parameter name: ExpertShard}`` for every sliced parameter (empty when ``ep == 1``: nothing to slice).
+    Raises:
+        ConfigError: ``ep`` does not divide a layer's expert count, or an expert tensor lacks one row per expert.
+    """
+    plan: dict[str, ExpertShard] = {}
+    if mesh.ep == 1:
+        return plan
+    for layer_name, layer in moe_layers(model):
+        num_experts = layer.config.num_experts
+        local = mesh.local_experts(num_experts)
+        for pname, param in list(layer.experts.named_parameters(recurse=False)):
+            if param.shape[0] != num_experts:
+                raise ConfigError(
+                    f"parallel.ep: {layer_name}.experts.{pname} has {param.shape[0]} rows, expected one per expert "
+                    f"({num_experts}); cannot shard it"
+                )
+            piece = param.detach()[local.start : local.stop].clone()
+            setattr(layer.experts, pname, nn.Parameter(piece, requires_grad=param.requires_grad))
+            prefix = f"{layer_name}." if layer_name else ""
+            plan[f"{prefix}experts.{pname}"] = ExpertShard(local.start, len(local), num_experts)
+    return plan
+
+
+def gather_full(local: torch.Tensor, shard: ExpertShard, mesh: ParallelMesh) -> torch.Tensor:
+    """The full ``[E, ...]`` tensor from every EP rank's ``[E_l, ...]`` slice (an all-gather over the EP group;
+    for checks and exports, not the training path)."""
+    if mesh.ep == 1:
+        return local.detach().clone()
+    pieces = [torch.empty_like(local) for _ in range(mesh.ep)]
+    with named_collective("all_gather (expert weights)", mesh.ep_group):
+        dist.all_gather(pieces, local.detach().contiguous(), group=mesh.ep_group)
+    return torch.cat(pieces, dim=0)
+
+
 @dataclass
 class LayoutMesh:
     """This rank's place in the mesh, with its process groups (all ``None`` for one process).
@@ -109,6 +232,8 @@ class LayoutMesh:
             split over ep, then each slice over dp_shard (how a checkpoint sees the global [E, ...] tensor).
         embed_group: the first and the last rank of this rank's pipeline (Megatron-Core's embedding group: a tied
             embedding's gradient is summed over it); ``None`` without pipelining or on a middle stage's rank.
+        replicate_mesh: ``("dp_replicate",)`` mesh of the R replicas of this rank's shard (plain data parallelism's
+            ``replicate``, :func:`moetrain.parallel.fsdp.apply_replicate`).
     """
 
     layout: Layout
@@ -123,6 +248,7 @@ class LayoutMesh:
     pp_ranks: list[int] = field(default_factory=list)
     expert_global_mesh: DeviceMesh | None = None
     embed_group: dist.ProcessGroup | None = None
+    replicate_mesh: DeviceMesh | None = None
 
     @property
     def distributed(self) -> bool:
@@ -171,8 +297,7 @@ def build_layout_mesh(layout: Layout, timeout_s: float, device: torch.device) ->
         ConfigError: the default group's world size differs from ``layout.world``.
     """
     if layout.world == 1:
-        return LayoutMesh(layout, 0, (0, 0, 0, 0), device,
-                          ParallelMesh(world_size=1, rank=0, ep=1, ep_rank=0, dp=1, dp_rank=0, device=device))
+        return LayoutMesh(layout, 0, (0, 0, 0, 0), device, single_process(device))
     world, rank = dist.get_world_size(), dist.get_rank()
     if world != layout.world:
         raise ConfigError(f"parallel: the mesh needs {layout.world} ranks, the job has {world}")
@@ -206,9 +331,64 @@ def build_layout_mesh(layout: Layout, timeout_s: float, device: torch.device) ->
         expert = _mesh([shard_group], stage[0, :, x], ("dp_shard",), dtype)
     # Experts as checkpoints see them: rows split over ep, then each EP slice over dp_shard (moetrain.parallel.engine).
     expert_global = _mesh([ep_group, shard_group], grid[p, r].T, ("ep", "dp_shard"), dtype)
+    ep_view = _mesh([edp_group, ep_group], stage.reshape(-1, layout.ep), ("dp", "ep"), dtype)
     ep_mesh = ParallelMesh(world_size=world, rank=rank, ep=layout.ep, ep_rank=x,
                            dp=layout.dp_replicate * layout.dp_shard, dp_rank=r * layout.dp_shard + s,
-                           device=device, mesh=dense, ep_group=ep_group, dp_group=edp_group)
+                           device=device, mesh=ep_view, ep_group=ep_group, dp_group=edp_group)
+    replicas = _mesh([rep_group], stage[:, s, x], ("dp_replicate",), dtype)
     return LayoutMesh(layout, rank, (p, r, s, x), device, ep_mesh, dense, expert, stage_group, pp_group, pp_ranks,
-                      expert_global, embed_group)
+                      expert_global, embed_group, replicas)
 
+
+
+NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+
+
+def nccl_error_handling(backend: str) -> None:
+    """Before an NCCL process group is created: ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` unless the environment sets
+    it (``os.environ.setdefault``: a user's value wins).
+
+    NCCL collectives run asynchronously; ProcessGroupNCCL's watchdog thread finds their errors and time-outs (the
+    process group's ``timeout``, here ``parallel.timeout_s``). With PyTorch's default, 3, the watchdog tears the
+    process down without a Python error, so no rank could print the line naming the collective; 2 (CleanUpOnly)
+    aborts the communicator instead, which ends the hung collective and lets the error surface in the training
+    thread (``wait()`` or the next collective) as a ``DistBackendError``, which :func:`.comm.named_collective` and
+    the engine turn into one line. Sources: https://pytorch.org/docs/stable/torch_nccl_environment_variables.html
+    and ``ErrorHandlingMode`` in ``torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp`` (see docs/robustness.md).
+    """
+    if backend == "nccl":
+        os.environ.setdefault(NCCL_ERROR_HANDLING, "2")
+
+
+def init_layout_mesh(config: ParallelConfig, device_type: str) -> tuple[LayoutMesh, bool]:
+    """Join the job ``torchrun`` started (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``,
+    ``LOCAL_RANK`` in the environment; the default process group is created unless it exists) and build this
+    rank's :class:`LayoutMesh` (a collective). The trainer's and ``moetrain serve``'s expert-parallel start.
+
+    Args:
+        config: the ``parallel`` section (sizes, ``backend``, ``timeout_s``: the time-out of every collective,
+            gloo's and NCCL's watchdog's).
+        device_type: ``cpu`` or ``cuda`` (the run's resolved device type); CUDA ranks use ``cuda:LOCAL_RANK``.
+    Returns:
+        (the mesh, whether this call created the default process group).
+    Raises:
+        ConfigError: the world size does not fit ``pp * dp_replicate * dp_shard * ep``, or NCCL on a CPU run.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    layout = Layout.from_config(config, world)
+    backend = config.backend if config.backend != "auto" else ("nccl" if device_type == "cuda" else "gloo")
+    if backend == "nccl" and device_type != "cuda":
+        raise ConfigError("parallel.backend: 'nccl' needs train.device=cuda; use 'gloo' (or 'auto') on CPU")
+    device = torch.device("cpu")
+    if device_type == "cuda":
+        device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}")
+        torch.cuda.set_device(device)
+    owns = False
+    if world > 1 and not dist.is_initialized():
+        nccl_error_handling(backend)  # NCCL's watchdog raises in this thread instead of tearing the process down
+        with named_collective("init_process_group (rendezvous at MASTER_ADDR:MASTER_PORT)"):
+            timeout = datetime.timedelta(seconds=config.timeout_s)  # sub-groups get it in build_layout_mesh
+            dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None,
+                                    **rendezvous.init_kwargs(timeout))
+        owns = True
+    return build_layout_mesh(layout, config.timeout_s, device), owns

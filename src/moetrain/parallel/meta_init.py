@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from moetrain.model.config import ModelConfig
-from moetrain.parallel.sharding import ExpertShard
+from moetrain.parallel.layout import ExpertShard
 
 BLOCK_ROWS = 256  # rows of a matrix per generator: a shard wastes < 2 blocks; smaller blocks cost more reseeds
 

@@ -36,10 +36,9 @@ from moetrain.parallel.comm import CommStats, named_collective
 from moetrain.parallel.config import ParallelConfig
 from moetrain.parallel.fsdp import apply_fsdp, clip_grad_norm, init_root
 from moetrain.parallel.launch import parallelize
-from moetrain.parallel.layout import LayoutMesh
+from moetrain.parallel.layout import ExpertShard, LayoutMesh
 from moetrain.parallel.meta_init import materialise
 from moetrain.parallel.pipeline import StageModule, rank_stages, stage_blocks, stage_rank
-from moetrain.parallel.sharding import ExpertShard
 from moetrain.model.transformer import MOE_LOSS_TERMS
 from moetrain.train.config import TrainConfig
 from moetrain.train.step import Accumulated, StepResult, finish_step

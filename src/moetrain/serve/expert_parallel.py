@@ -3,7 +3,7 @@
 Legend: T = tokens of an engine step, D = hidden, E = experts, P = ep (ranks), T_r = this rank's share of T.
 
 Every rank holds the whole model except the routed experts, of which it keeps ``E / P`` per layer (the training
-sharding, :func:`moetrain.parallel.sharding.shard_experts`), and each MoE layer's dispatcher is the training
+sharding, :func:`moetrain.parallel.layout.shard_experts`), and each MoE layer's dispatcher is the training
 all-to-all dispatcher (:class:`moetrain.parallel.all_to_all.AllToAllDispatcher`). Rank 0 runs the HTTP front and
 the engine; before each engine step it broadcasts the step (its :class:`~moetrain.serve.forward.StepBatch` and
 routing policies) to the other ranks, which run the same step (:func:`follow`). So attention, norms, routers and
@@ -76,13 +76,13 @@ def shard_for_serving(model, mesh, placement: dict | None = None) -> dict[int, t
         ``id(layer)`` -> (physical ids [E, Rmax] int64 of each logical expert's replicas, padded with its first;
         replicas [E] int64) for every placed layer (empty without ``placement``).
     Raises:
-        ConfigError: ``ep`` does not divide the experts (from :func:`~moetrain.parallel.sharding.shard_experts`).
+        ConfigError: ``ep`` does not divide the experts (from :func:`~moetrain.parallel.layout.shard_experts`).
         MoetrainError: ``placement`` misses a MoE block, or its P is not divisible by ``ep``.
     """
     from torch import nn
 
     from moetrain.parallel.all_to_all import AllToAllDispatcher
-    from moetrain.parallel.sharding import moe_layers, shard_experts
+    from moetrain.parallel.layout import moe_layers, shard_experts
 
     if placement is None:
         shard_experts(model, mesh)

@@ -30,7 +30,8 @@ from moetrain.data.dataset import PreparedData, prepare_data
 from moetrain.data.loader import DataPipeline, build_pipeline, check_packing
 from moetrain.errors import CheckpointError, ConfigError, MoetrainError
 from moetrain.model.transformer import MoETransformer, count_parameters
-from moetrain.parallel.launch import ParallelHooks
+from moetrain.parallel.launch import NullMetrics, ParallelHooks
+from moetrain.parallel.layout import single_process
 from moetrain.train.checkpoint import (CheckpointStore, CorruptCheckpoint, LoadedCheckpoint, load_model_weights,
                                        write_file_atomic)
 from moetrain.train.checkpointer import Checkpointer
@@ -180,7 +181,7 @@ class Trainer:
         self.config, self.run_dir, self.resume, self.log, self.progress = config, run_dir, resume, log, progress
         self.init_weights, self.init_tokenizer = init_weights, init_tokenizer
         self.device = resolve_device(config.train.device)
-        self.hooks = hooks if hooks is not None else ParallelHooks.local(self.device)
+        self.hooks = hooks if hooks is not None else ParallelHooks(single_process(self.device))
         self._memory_baseline = 0  # bytes in use before the model was built (train/memory_stats.py)
 
     # -- the loop ----------------------------------------------------------------------------------------------
@@ -328,7 +329,7 @@ class Trainer:
         if signal:
             where = self._save(s)
             self.log(f"{signal}: stopped after step {s.state.step} with checkpoint {where}; continue with: "
-                     f"{resume_hint(self.run_dir, self.hooks.distributed)}")
+                     f"{resume_hint(self.run_dir, self.hooks.mesh.distributed)}")
         return signal
 
     # -- setup -------------------------------------------------------------------------------------------------
@@ -360,7 +361,7 @@ class Trainer:
         for line in (threads.line(), bf16_policy_line(t.dtype, self.device)):
             if line:
                 self.log(line)
-        metrics = self.hooks.metrics_logger(lambda: self._open_metrics(state.step if ckpt is not None else -1))
+        metrics = self._open_metrics(state.step if ckpt is not None else -1) if self.hooks.is_main else NullMetrics()
         if ckpt is not None:
             self.log(f"resumed from {ckpt.location} at step {state.step}")
             before = logged_val_fingerprint(self.run_dir) if self.hooks.is_main else None

@@ -1,17 +1,16 @@
 import json, sys
 from pathlib import Path
 sys.path.insert(0, "tests")
-from _parallel_util import spawn
+from _parallel_util import ep_mesh, spawn
 from moetrain.config import Config
 from moetrain.parallel.launch import ParallelHooks
-from moetrain.parallel.mesh import build_mesh
 from moetrain.train.trainer import Trainer
 
 root = Path(sys.argv[1])
 
 def worker(rank, world, out_dir, cfg_dict):
     cfg = Config.from_dict(cfg_dict)
-    hooks = ParallelHooks(build_mesh(world, timeout_s=60))
+    hooks = ParallelHooks(ep_mesh(world))
     r = Trainer(cfg, root / "ep2", hooks=hooks, progress=False, log=print if rank == 0 else (lambda m: None)).run(stop_at_step=3)
     return r.losses
 
