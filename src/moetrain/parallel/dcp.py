@@ -90,7 +90,7 @@ class ShardLayout:
 
     Attributes:
         mesh: this rank's mesh position.
-        plan: ``{parameter name: ExpertShard}`` (:func:`moetrain.parallel.sharding.shard_experts`); empty: no
+        plan: ``{parameter name: ExpertShard}`` (:func:`moetrain.parallel.layout.shard_experts`); empty: no
             sharding.
     """
 
