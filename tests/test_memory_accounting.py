@@ -16,7 +16,7 @@ from moetrain.config import build_config
 from moetrain.errors import ConfigError
 from moetrain.parallel.dry_run import dry_run
 from moetrain.parallel.memory import GRAD_BYTES, RUNTIME_CPU_BYTES, Unit, moe_scratch, rank_memory, step_moments
-from moetrain.runtime.preflight import check_fits
+from moetrain.runtime.preflight import check_fits, human_bytes
 
 PIPE = {"model": {"tie_embeddings": False}}
 
@@ -58,6 +58,17 @@ def test_dry_run_prints_each_ranks_parts(capsys):
         line = next(x for x in out.splitlines() if x.strip().startswith(f"rank {rank} (pipeline rank {rank})"))
         for part in ("parameters", "gradients", "AdamW state", "gathered", "activations", "peak"):
             assert part in line, line
+
+
+def test_dry_run_states_a_small_models_per_rank_state_in_units_that_read(capsys):
+    """tiny over 4 shards: the state line gives the rank's exact parameter count and its bytes in KB (it read
+    "0.00 GB ... (0.0M parameters; planner: 0.00 GB)")."""
+    assert main(["train", "--preset", "tiny", "--dry-run", "--world-size", "4", "parallel.dp_shard=4"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("per rank: "))
+    r = rank_memory(build_config("tiny", overrides={"parallel": {"dp_shard": 4}}), 4)[0]
+    state = human_bytes(r.params + r.grads + r.optimizer)
+    assert line.startswith(f"per rank: {state} of fp32 parameters") and state.endswith(" KB"), line
+    assert f"({int(r.params) // 4:,} parameters; planner: {state})" in line, line
 
 
 def test_a_model_over_the_free_memory_names_the_layout_that_fits():
