@@ -16,7 +16,7 @@ from moetrain.config import build_config
 from moetrain.errors import ConfigError
 from moetrain.parallel.dry_run import dry_run
 from moetrain.parallel.memory import GRAD_BYTES, RUNTIME_CPU_BYTES, Unit, moe_scratch, rank_memory, step_moments
-from moetrain.runtime.preflight import check_fits
+from moetrain.runtime.preflight import check_fits, human_bytes
 
 PIPE = {"model": {"tie_embeddings": False}}
 
@@ -60,6 +60,17 @@ def test_dry_run_prints_each_ranks_parts(capsys):
             assert part in line, line
 
 
+def test_dry_run_states_a_small_models_per_rank_state_in_units_that_read(capsys):
+    """tiny over 4 shards: the state line gives the rank's exact parameter count and its bytes in KB (it read
+    "0.00 GB ... (0.0M parameters; planner: 0.00 GB)")."""
+    assert main(["train", "--preset", "tiny", "--dry-run", "--world-size", "4", "parallel.dp_shard=4"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("per rank: "))
+    r = rank_memory(build_config("tiny", overrides={"parallel": {"dp_shard": 4}}), 4)[0]
+    state = human_bytes(r.params + r.grads + r.optimizer)
+    assert line.startswith(f"per rank: {state} of fp32 parameters") and state.endswith(" KB"), line
+    assert f"({int(r.params) // 4:,} parameters; planner: {state})" in line, line
+
+
 def test_a_model_over_the_free_memory_names_the_layout_that_fits():
     # 0.42 GB of state: large enough that sharding's gains outweigh each process's runtime (RUNTIME_CPU_BYTES)
     cfg = build_config("tiny", overrides={"model": {"hidden": 256, "n_layers": 4, "moe": {
@@ -90,6 +101,27 @@ def test_metrics_record_each_ranks_measured_memory(tmp_path, code_corpus):
     # parameters + AdamW moments alive after the step (gradients freed; AdamW's step counter per tensor on top)
     held = predicted.params + predicted.optimizer
     assert held <= last["mem/rank0/tensor_bytes"] <= held + 8 * 64
+
+
+def test_an_allocation_that_fails_in_a_step_is_one_line_naming_the_layouts_to_try(tmp_path, code_corpus, capsys,
+                                                                                    monkeypatch):
+    """A step that needs more than the estimate let through (as ``parallel.dp_shard=2`` under the capacity
+    demonstration's ``RLIMIT_DATA``: FSDP2's 78.6 MB all-gather in step 2) ends with one line and exit 1, not the
+    allocator's traceback. The failure here is the CPU allocator's own, asked for 1 PB inside the first step."""
+    import torch
+
+    from moetrain.parallel.launch import ParallelHooks
+
+    def step(*args, **kwargs):
+        torch.empty(2**50, dtype=torch.uint8)
+
+    monkeypatch.setattr(ParallelHooks, "train_step", step)
+    assert main(["train", "--preset", "tiny", "--data", str(code_corpus), "--out", str(tmp_path / "run"),
+                 "--no-progress", f"data.cache_dir={tmp_path / 'cache'}", "train.steps=1"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith("moetrain: error: rank 0: out of memory: allocating 1.1 PB failed in this process")
+    assert "parallel.dp_shard=2 on 2 processes" in err[0] and "train.batch_size" in err[0]
 
 
 def test_plan_prints_the_recommended_layouts_ranks(capsys):

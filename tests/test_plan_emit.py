@@ -36,6 +36,21 @@ def test_emitted_config_passes_the_dry_run(tmp_path, capsys, preset, devices, de
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.parametrize("device,on", [("h100", "cuda"), ("cpu", "cpu")])
+def test_dry_run_of_the_emitted_config_prints_the_plans_per_rank_memory(tmp_path, capsys, device, on):
+    """The emitted config names the device the plan is for, so its dry run on any machine (this one has no GPU)
+    prints the plan's per-rank lines: without it a GPU plan's check here added the CPU-only MoE scratch and
+    runtime (tiny, 2 x h100: 587.1 MB per rank instead of the plan's 328.9 MB)."""
+    path = tmp_path / "t.toml"
+    assert main(["plan", "--preset", "tiny", "--devices", "2", "--device", device, "--emit", str(path)]) == 0
+    planned = [line.strip() for line in capsys.readouterr().out.splitlines() if line.strip().startswith("rank")]
+    assert tomllib.loads(path.read_text())["train"]["device"] == on
+    assert main(["train", "--config", str(path), "--dry-run", "--world-size", "2"]) == 0
+    checked = [line.strip() for line in capsys.readouterr().out.splitlines() if line.strip().startswith("rank")]
+    assert planned and checked == planned
+    assert ("runtime 0.0 MB" in planned[0]) == (on == "cuda")
+
+
 @pytest.mark.parametrize("preset,devices,device", RECOMMENDATIONS + [("olmoe-1b-7b", 64, "trn1")])
 def test_every_fitting_candidate_maps_to_trainer_fields(preset, devices, device):
     cfg = build_config(preset)

@@ -99,12 +99,15 @@ def run(args) -> int:
 
 def _run_config(args, config, candidate) -> dict:
     """The recommendation as run-config data: the preset, the --config file's and the overrides' fields, then the
-    layout's trainer fields (:func:`moetrain.analysis.planner.trainer_fields`) on top."""
+    layout's trainer fields (:func:`moetrain.analysis.planner.trainer_fields`) and ``train.device`` (``cpu`` for
+    ``--device cpu``, else ``cuda``) on top."""
     from moetrain.analysis.planner import trainer_fields
     from moetrain.configlib import load_file, merge, parse_overrides
 
     data = merge(load_file(args.config) if args.config else {}, parse_overrides(args.overrides))
     data = merge(data, trainer_fields(candidate, args.seq, args.dtype))
+    # the device the plan is for: its per-rank memory (CPU-only terms, gloo's copies) is the dry run's only with it
+    data = merge(data, {"train": {"device": "cpu" if args.device == "cpu" else "cuda"}})
     return {"preset": config.preset, **{k: v for k, v in data.items() if k != "preset"}}
 
 
@@ -116,7 +119,7 @@ def _rank_memory(args, config, candidate) -> None:
 
     try:
         run = build_config(file_data=_run_config(args, config, candidate))
-        lines = memory_lines(run, args.devices, device="cpu" if args.device == "cpu" else "cuda")
+        lines = memory_lines(run, args.devices)
     except ConfigError as e:  # a layout the planner counts but the trainer refuses: say why, keep the plan
         print(f"  per-rank memory: not available for this layout ({e})")
         return

@@ -321,6 +321,14 @@ def _train(args, config, run_dir: Path, resume: bool, init, notes: list[str], ch
     except CollectiveError as e:  # a peer died or hung: every surviving rank says which collective, exit 1
         print(f"moetrain: error: rank {hooks.mesh.rank}: {e}", file=sys.stderr, flush=True)
         return 1
+    except RuntimeError as e:  # the allocator's failure in a step: one line with the layouts to try, exit 1
+        from moetrain.runtime.preflight import out_of_memory
+
+        line = out_of_memory(e, config, hooks.mesh.world_size)
+        if line is None:
+            raise
+        print(f"moetrain: error: rank {hooks.mesh.rank}: {line}", file=sys.stderr, flush=True)
+        return 1
     finally:
         hooks.close()
     again = resume_hint(run_dir, hooks.mesh.distributed)

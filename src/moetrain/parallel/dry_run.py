@@ -81,6 +81,7 @@ def dry_run(config: Config, world: int) -> DryRun:
     from moetrain.analysis.params import count_params, placements, sharded_params
     from moetrain.analysis.shape import ModelShape
     from moetrain.parallel.meta_init import build_meta
+    from moetrain.runtime.preflight import human_bytes
 
     layout, stages = check(config, world)
     from moetrain.parallel.memory import memory_lines, stage_elements
@@ -97,9 +98,8 @@ def dry_run(config: Config, world: int) -> DryRun:
              "stages: " + ", ".join(f"{i}: blocks {b.start}-{b.stop - 1}" + (" + embedding" if i == 0 else "")
                                     + (" + norm + LM head" if i == len(stages) - 1 else "")
                                     for i, b in enumerate(stages)),
-             f"per rank: {per_rank * STATE_BYTES / 1e9:.2f} GB of fp32 parameters + gradients + AdamW state "
-             f"({per_rank / 1e6:.1f}M parameters; planner: "
-             f"{planner * STATE_BYTES / 1e9:.2f} GB)",
+             f"per rank: {human_bytes(per_rank * STATE_BYTES)} of fp32 parameters + gradients + AdamW state "
+             f"({per_rank:,} parameters; planner: {human_bytes(planner * STATE_BYTES)})",
              *memory_lines(config, world, model),
              *optimizer_lines(model, config)]
     return DryRun(layout, stages, per_rank * STATE_BYTES, planner * STATE_BYTES, lines)

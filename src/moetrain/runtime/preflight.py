@@ -91,6 +91,31 @@ def sharded_suggestion(config, free: float, device_type: str = "cpu") -> str:
     return "no dp_shard of up to 64 processes fits either; see `moetrain plan`"
 
 
+def out_of_memory(error: BaseException, config, world: int) -> str | None:
+    """``error`` as one line when it is an allocator's out-of-memory failure during training (CPU:
+    ``DefaultCPUAllocator: can't allocate memory: you tried to allocate N bytes``; CUDA: ``torch.OutOfMemoryError``),
+    naming the request, the memory this process had (and the per-process limit that set it) and the layouts to try;
+    ``None`` for any other error. Raised where the estimate (:func:`check_fits`) let the run start but a step needed
+    more than it: an address-space limit (``RLIMIT_DATA`` / ``RLIMIT_AS``) also counts reserved, untouched mappings
+    such as thread stacks, and the allocator's slack is not in the estimate."""
+    import re
+
+    import torch
+
+    text = str(error)
+    cpu = re.search(r"can't allocate memory: you tried to allocate (\d+) bytes", text)
+    if cpu is None and not isinstance(error, torch.OutOfMemoryError):
+        return None
+    asked = f"allocating {human_bytes(float(cpu.group(1)))}" if cpu else "a CUDA allocation"
+    limit = process_limit() if cpu else None
+    have = f" under its {limit[0]} limit" if limit is not None else ""
+    shards = config.parallel.dp_shard * 2
+    return (f"out of memory: {asked} failed in this process{have} (a step needed more than the estimate that let the "
+            f"run start, `moetrain train --dry-run --world-size {world}`); give each process less: "
+            f"parallel.dp_shard={shards} on {world * 2} processes, parallel.activation_checkpoint=full or a smaller "
+            "train.batch_size (train.grad_accum keeps the global batch)")
+
+
 def _batch_bytes(config) -> float:
     t, seq = config.train, config.data.seq_len
     return float(2 * 8 * t.batch_size * seq * (1 + t.eval_batches))
