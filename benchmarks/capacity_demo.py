@@ -1,20 +1,22 @@
 """A model that does not fit one process trains when sharded over four, under the same per-process memory cap.
 
-    python benchmarks/capacity_demo.py [--cap-gb 1.4] [--data DIR]
+    python benchmarks/capacity_demo.py [--cap-gb 1.4] [--data DIR] [--steps 3]
 
 Every process this script starts (``moetrain train``, and ``torchrun`` with its 4 workers) runs under
 ``RLIMIT_DATA = --cap-gb`` (``resource.setrlimit`` in the child before it starts: the kernel refuses heap and
 anonymous mappings beyond it, which PyTorch reports as an allocation failure instead of the OOM killer's SIGKILL).
 The model (hidden 512, 4 MoE blocks of 8 experts of width 1536: 80M parameters, 1.28 GB of fp32 weights +
-gradients + AdamW state) does not fit next to the ~0.3 GB the interpreter and PyTorch hold. The corpus is tokenized
-first, without the cap (the tokenizer's worker threads reserve address space that is not the model's):
+gradients + AdamW state) does not fit next to the ~0.3 GB the interpreter and PyTorch hold. The corpus (default: the
+standard library's ``email`` package, ~0.5 MB of Python) is tokenized first, without the cap (the tokenizer's worker
+threads reserve address space that is not the model's), into the usual token cache, so a rerun reuses it:
 
 1. one process: ``moetrain train`` refuses before allocating, in one line that names the limit and the layout to
    try (exit status 2);
 2. ``torchrun --nproc_per_node 4 ... parallel.dp_shard=4`` (FSDP2 ZeRO-3: each process holds a quarter of the state)
    trains ``--steps`` steps under the same cap, and the loss falls.
 
-Passes on 2 CPU cores (the 4 workers share them; a few minutes). Exit status 0 when both happen.
+Passes on 2 CPU cores (the 4 workers share them; a few minutes). Exit status 0 when both happen. The runs' directories
+are removed at the end.
 """
 
 from __future__ import annotations
@@ -48,14 +50,18 @@ def _port() -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cap-gb", type=float, default=1.4, help="RLIMIT_DATA of every process, GB (default 1.4)")
-    ap.add_argument("--data", default=None, help="a text corpus (default: the Python standard library)")
+    ap.add_argument("--data", default=None, help="a text corpus (default: the standard library's email package)")
     ap.add_argument("--steps", type=int, default=3)
     args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="capacity_demo-") as tmp_name:
+        return _demo(args, Path(tmp_name))
+
+
+def _demo(args: argparse.Namespace, tmp: Path) -> int:
     cap = int(args.cap_gb * 1e9)
-    tmp = Path(tempfile.mkdtemp(prefix="capacity_demo-"))
-    data = args.data or os.path.dirname(os.__file__)
+    data = args.data or os.path.join(os.path.dirname(os.__file__), "email")
     train = ["-m", "moetrain", "train", "--preset", "tiny", "--data", data, "--no-progress",
-             f"data.cache_dir={tmp / 'cache'}", f"train.steps={args.steps}", "train.log_every=1", "train.eval_every=0",
+             f"train.steps={args.steps}", "train.log_every=1", "train.eval_every=0",
              "train.eval_batches=1", "train.batch_size=4", "data.seq_len=32", *MODEL]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     from moetrain.config import build_config

@@ -104,7 +104,7 @@ CASES = [
     ("data-schema", [*T[:4], "{root}/schema.jsonl", *T[5:]],
      "no usable text in '{root}/schema.jsonl': 3 of 3 lines are not JSON objects with a string 'text' field"),
     ("data-too-short", [*T[:4], "{root}/short.txt", *T[5:]],
-     "corpus '{root}/short.txt' is shorter than one sequence of data.seq_len=64 tokens (5 training tokens, need 65)"),
+     "corpus '{root}/short.txt' is shorter than one sequence of data.seq_len=64 tokens (at most 14 training tokens, need 65)"),
     ("run-exists", [*T[:6], "{run}", *T[7:]], "run directory '{run}' already exists; pass --resume to continue it"),
     ("resume-no-out", ["train", "--resume"], "--resume needs --out RUN_DIR"),
     ("resume-not-a-run", ["train", "--out", "{root}/notrun", "--resume"],
