@@ -11,8 +11,9 @@ from conftest import sample_text
 from moetrain.cli import main
 
 
-# the session's intra-op thread count as conftest set it (torch's default, at most 2): what `moetrain serve` runs at
-# unless --threads is given; read at collection, before any in-process training sets its own
+# the session's intra-op thread count as conftest set it (torch's default, at most 2): what an Engine built in-process
+# runs at (`moetrain serve` keeps a core for its HTTP front: runtime.threads.serving_threads); read at collection,
+# before any in-process training sets its own
 DEFAULT_THREADS = torch.get_num_threads()
 
 

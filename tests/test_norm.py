@@ -85,3 +85,20 @@ def test_rmsnorm_backward_leaves_the_incoming_gradient_alone(dtype):
     kept = up.clone()
     norm(x).backward(up)
     assert torch.equal(up, kept)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rmsnorm_without_gradients_equals_the_autograd_forward(dtype):
+    """Generation and serving (no gradients) skip the autograd Function: the same values, bit for bit, also under
+    bf16 autocast (where the norm still computes in fp32)."""
+    norm = _pair(64)[0]
+    x = (torch.randn(16, 64, generator=torch.Generator().manual_seed(3)) * 3).to(dtype)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        with_grad = norm(x.clone().requires_grad_())
+        with torch.no_grad():
+            plain = norm(x)
+        with torch.inference_mode():
+            inference = norm(x)
+    assert with_grad.grad_fn is not None and plain.grad_fn is None
+    assert with_grad.dtype == plain.dtype == inference.dtype == dtype
+    assert torch.equal(with_grad.detach(), plain) and torch.equal(plain, inference)

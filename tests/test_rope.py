@@ -45,3 +45,14 @@ def test_rope_tables_are_cached_and_usable_for_training_after_inference_mode():
     x = torch.randn(1, 1, 6, 8, requires_grad=True)
     apply_rope(x, cos, sin).sum().backward()  # an inference tensor could not be saved for backward
     assert x.grad is not None
+
+
+def test_apply_rope_without_gradients_equals_the_autograd_forward():
+    """Generation and serving skip the autograd Function: the same values, bit for bit."""
+    x = torch.randn(16, 4, 16, generator=torch.Generator().manual_seed(0))
+    cos, sin = rope_cos_sin(torch.arange(30, 46), 16, 10000.0)
+    cos, sin = cos[:, None], sin[:, None]  # [N, 1, Hd]: a ragged batch's per-token positions
+    with_grad = apply_rope(x.clone().requires_grad_(), cos, sin)
+    with torch.inference_mode():
+        plain = apply_rope(x, cos, sin)
+    assert with_grad.grad_fn is not None and torch.equal(with_grad.detach(), plain)

@@ -14,13 +14,22 @@ import torch
 
 from moetrain.runtime import cpu
 from moetrain.runtime import threads as threads_mod
-from moetrain.runtime.threads import choose_threads, default_threads, others_busy_cores
+from moetrain.runtime.threads import choose_threads, default_threads, others_busy_cores, serving_threads
 
 
 @pytest.mark.parametrize("cores, load, want", [(2, 0.0, 2), (2, 1.2, 1), (2, 2.0, 1), (2, 6.0, 1), (16, 3.4, 13),
                                                (4, None, 4), (2, 0.5, 1), (4, 2.5, 1), (4, 2.49, 2)])
 def test_default_threads_leave_the_loaded_cores(cores, load, want):
     assert default_threads(cores, load) == want
+
+
+@pytest.mark.parametrize("cores, current, want", [(1, 1, 1), (2, 2, 1), (4, 4, 3), (16, 16, 15), (16, 4, 4),
+                                                  (8, 1, 1)])
+def test_serving_keeps_a_core_for_the_http_front(monkeypatch, cores, current, want):
+    """``moetrain serve``'s default: the usable cores less one, at least 1, never more than PyTorch has now."""
+    monkeypatch.setattr(threads_mod, "usable_cores", lambda: cores)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: current)
+    assert serving_threads() == want
 
 
 def test_an_explicit_setting_wins_and_a_lower_current_count_is_kept():

@@ -32,18 +32,25 @@ def run_dir(tmp_path_factory):
     return run
 
 
-def test_sixty_four_clients_at_default_settings(run_dir):
+@pytest.mark.parametrize("threads", [None, DEFAULT_THREADS], ids=["default", "torch-default"])
+def test_sixty_four_clients_at_default_settings(run_dir, threads):
+    """At the CLI's defaults, and at PyTorch's own thread count (several where the machine has them: the fused MoE
+    path's multi-threaded branch, which the serving default leaves on a 2-core machine)."""
     import argparse
 
     from moetrain.commands import serve as serve_cmd
+    from moetrain.runtime.threads import serving_threads
     from moetrain.serve.server import BackgroundServer
 
+    if threads is not None and threads == serving_threads():
+        pytest.skip(f"PyTorch's default of {threads} threads is the serving default here")
     parser = argparse.ArgumentParser()
     serve_cmd.add_parser(parser.add_subparsers())
-    args = parser.parse_args(["serve", str(run_dir), "--port", "0"])
-    assert torch.get_num_threads() == DEFAULT_THREADS  # the fused MoE path's workers run only with several
+    flags = [] if threads is None else ["--threads", str(threads)]
+    args = parser.parse_args(["serve", str(run_dir), "--port", "0", *flags])
+    want = serving_threads() if threads is None else threads
     app, engine = serve_cmd.build_app(args)
-    assert torch.get_num_threads() == DEFAULT_THREADS and engine.num_slots == 16 and engine.max_queue == 64
+    assert torch.get_num_threads() == want and engine.num_slots == 16 and engine.max_queue == 64
     srv = BackgroundServer(app, limits=serve_cmd.limits_from_args(args)).start()
     sm = engine.served
 
@@ -92,3 +99,4 @@ def test_sixty_four_clients_at_default_settings(run_dir):
         assert "moetrain_cache_hits_total 0.0" in metrics
     finally:
         srv.stop()
+        at_default_threads()

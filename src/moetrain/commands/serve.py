@@ -57,7 +57,8 @@ def add_parser(sub) -> None:
                    help="seconds a request's headers may take to arrive (408 and closed beyond)")
     p.add_argument("--read-timeout", type=float, default=30.0, metavar="S",
                    help="seconds a request's body may take to arrive (408 beyond)")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: the usable cores "
+                   "less one, kept for the HTTP front; at least 1)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (info logs every request; the bound address is printed at any level)")
     p.set_defaults(func=run)
@@ -117,8 +118,9 @@ def build_app(args, mesh=None):
         for flag, value in (("--hot-share", args.hot_share), ("--calibration-text", args.calibration_text)):
             if value is not None:
                 raise MoetrainError(f"{flag}: only with --expert-memory-budget (it ranks the experts kept resident)")
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    from moetrain.runtime.threads import serving_threads
+
+    torch.set_num_threads(args.threads if args.threads is not None else serving_threads())
     policy = policy_from_args(args)
     served = load_served_model(args.model_dir)
     if served.model.moe_layers():
@@ -266,8 +268,11 @@ def run(args) -> int:
     ep = f", experts over {mesh.ep} processes (parallel.ep)" if mesh is not None else ""
     if mesh is not None and args.placement is not None:
         ep += f" placed by {args.placement}"
+    import torch
+
     print(f"moetrain serve: {engine.served.name} ({engine.served.source}), {args.slots} slots, routing "
-          f"{engine.policy.policy}, cache {args.cache}{ep}", file=sys.stderr)
+          f"{engine.policy.policy}, cache {args.cache}, {torch.get_num_threads()} intra-op threads{ep}",
+          file=sys.stderr)
     server = BackgroundServer(app, args.host, args.port, log_level=args.log_level,
                               limits=limits_from_args(args))
     try:

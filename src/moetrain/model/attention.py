@@ -165,6 +165,9 @@ class RaggedBatch:
     def build(chunks: Sequence[tuple[int, int, int]]) -> RaggedBatch:
         """From (slot, start position, new tokens) per sequence, in token order (no two in one slot).
 
+        Built on the host from Python lists (a serving step builds one for every decoding token): the only tensor
+        work is each list's conversion and the masks.
+
         Raises:
             ValueError: no sequence, or a sequence with no new token.
         """
@@ -173,28 +176,31 @@ class RaggedBatch:
         offsets = [0]
         for _, _, n in chunks:
             offsets.append(offsets[-1] + n)
-        pos = [p for _, start, n in chunks for p in range(start, start + n)]
-        slot_of = [slot for slot, _, n in chunks for _ in range(n)]
+        if len(offsets) - 1 == offsets[-1]:  # one new token per sequence (every decoding step)
+            pos = [start for _, start, _ in chunks]
+            slot_of = [slot for slot, _, _ in chunks]
+        else:
+            pos = [p for _, start, n in chunks for p in range(start, start + n)]
+            slot_of = [slot for slot, _, n in chunks for _ in range(n)]
         by_len: dict[int, list[int]] = {}
         for j, (_, _, n) in enumerate(chunks):
             by_len.setdefault(n, []).append(j)
         groups = []
         for s, members in by_len.items():
-            starts = torch.tensor([chunks[j][1] for j in members])  # [b]
+            starts = [chunks[j][1] for j in members]
             rows: slice | torch.Tensor = slice(offsets[members[0]], offsets[members[-1] + 1])
-            if members != list(range(members[0], members[-1] + 1)):
+            if members[-1] - members[0] + 1 != len(members):  # not consecutive
                 rows = torch.cat([torch.arange(offsets[j], offsets[j + 1]) for j in members])
             slot_list = [chunks[j][0] for j in members]
             slots: slice | torch.Tensor = torch.tensor(slot_list)
             if slot_list == list(range(slot_list[0], slot_list[0] + len(slot_list))):
                 slots = slice(slot_list[0], slot_list[0] + len(slot_list))
-            keys = int(starts.max()) + s
+            keys = max(starts) + s
             mask = None
-            if bool((starts != 0).any()):
-                if bool((starts == starts[0]).all()):
-                    starts = starts[:1]
-                last = starts[:, None] + torch.arange(s)[None, :]  # [b, s] position of each query
-                mask = (torch.arange(keys)[None, None, :] <= last[:, :, None])[:, None]  # [b, 1, s, keys]
+            if any(starts):
+                first = torch.tensor(starts[:1] if starts.count(starts[0]) == len(starts) else starts)  # [b or 1]
+                last = first[:, None] + torch.arange(s)[None, :]  # [b or 1, s] position of each query
+                mask = (torch.arange(keys)[None, None, :] <= last[:, :, None])[:, None]  # [b or 1, 1, s, keys]
             groups.append(AttentionGroup(rows, slots, len(members), s, keys, mask))
         return RaggedBatch(torch.tensor(pos, dtype=torch.int64), torch.tensor(slot_of, dtype=torch.int64),
                            torch.tensor(offsets, dtype=torch.int64), tuple(groups))
@@ -296,13 +302,21 @@ class Attention(nn.Module):
         cos, sin = batch.rope(hd, self.rope_theta, x.device)  # [N, 1, Hd]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cache.write(self.layer_index, batch, k, v)
-        out = q.new_empty(n, hq, hd)
-        for g in batch.groups:
-            keys, values = cache.read(self.layer_index, g.slots, g.keys)  # [b, Hkv, P, Hd]
-            qg = q[g.rows].view(g.b, g.s, hq, hd).transpose(1, 2)  # [b, H, s, Hd]
-            mask = None if g.mask is None else g.mask.to(q.device)  # built on the host, once per batch
-            o = F.scaled_dot_product_attention(qg, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask,
-                                               is_causal=mask is None, enable_gqa=True)  # [b, H, s, Hd]
-            out[g.rows] = o.transpose(1, 2).reshape(g.b * g.s, hq, hd)
+        if len(batch.groups) == 1:  # one SDPA call over all N tokens in order (a decoding step): no scatter
+            out = self._attend_group(q, cache, batch.groups[0])
+        else:
+            out = q.new_empty(n, hq, hd)
+            for g in batch.groups:
+                out[g.rows] = self._attend_group(q[g.rows], cache, g)
         y: torch.Tensor = self.o_proj(out.view(n, hq * hd))
         return y.view(shape)
+
+    def _attend_group(self, q: torch.Tensor, cache: KVCache, g: AttentionGroup) -> torch.Tensor:
+        """q [b * s, H, Hd] of one :class:`AttentionGroup`'s tokens -> attention output [b * s, H, Hd]."""
+        hq, hd = q.shape[1], q.shape[2]
+        keys, values = cache.read(self.layer_index, g.slots, g.keys)  # [b, Hkv, P, Hd]
+        qg = q.view(g.b, g.s, hq, hd).transpose(1, 2)  # [b, H, s, Hd]
+        mask = None if g.mask is None else g.mask.to(q.device)  # built on the host, once per batch
+        o = F.scaled_dot_product_attention(qg, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask,
+                                           is_causal=mask is None, enable_gqa=True)  # [b, H, s, Hd]
+        return o.transpose(1, 2).reshape(g.b * g.s, hq, hd)

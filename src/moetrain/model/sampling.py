@@ -115,6 +115,8 @@ def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
         B entries: a token id, or the row's :class:`SamplingError` (the other rows are still sampled).
     """
     b = logits.shape[0]
+    if all(p.greedy and not p.adjusts_logits for p in params):  # every row greedy as is: one argmax
+        return list(logits.argmax(dim=-1).tolist())
     out: list[int | SamplingError] = [0] * b
     rows_logits = logits
     adjusted = [i for i, p in enumerate(params) if p.adjusts_logits]

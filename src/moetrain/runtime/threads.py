@@ -143,3 +143,17 @@ def choose_threads(requested: int = 0) -> ThreadChoice:
     threads = requested if requested > 0 else min(current, default_threads(cores, load if busy is None else busy))
     torch.set_num_threads(threads)
     return ThreadChoice(threads, cores, load, requested, busy)
+
+
+def serving_threads() -> int:
+    """The intra-op threads of ``moetrain serve`` when ``--threads`` is not given: the usable cores less one, kept
+    for the HTTP front (the event loop, JSON, tokenization: Python that needs the GIL and a core of its own), at
+    least 1 and never more than PyTorch has now (``OMP_NUM_THREADS``, torchrun's one per process, is kept).
+
+    Why: the engine thread's step is hundreds of small ops over a few tokens, most too small to split, while every
+    one that does start an OpenMP parallel region waits at its barrier for a worker that shares its core with the
+    event loop and the clients. Measured on an AMD EPYC with 2 cores shared with other jobs (load average 15-20,
+    ``tiny``, 16 concurrent greedy clients, 2026-12-07): 2 threads completed no request within 6-20 s rounds
+    (a first request took over 20 s), one thread served 600-1,800 tokens/s.
+    """
+    return max(1, min(torch.get_num_threads(), usable_cores() - 1))

@@ -145,6 +145,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._seeds = random.Random()
         self._pending: list = []
+        self._load_counters: dict[tuple[int, int], object] = {}
         # expert-parallel serving (serve/expert_parallel.py): the other ranks follow this engine's steps; this
         # thread sends them a heartbeat when idle for idle_s seconds and a stop when it ends (the only thread
         # that talks to them, so messages keep their order)
@@ -342,6 +343,15 @@ class Engine:
                 for req, _ in items:
                     req.cancelled = True
 
+    def _expert_load(self, block: int, expert: int):
+        """The ``expert_load`` counter of (block, expert), looked up once (a label lookup per expert per step cost
+        more than the count)."""
+        key = (block, expert)
+        child = self._load_counters.get(key)
+        if child is None:
+            child = self._load_counters[key] = self.metrics.expert_load.labels(str(block), str(expert))
+        return child
+
     def _record(self, plan, batch, stats, depth: int, seconds: float) -> None:
         m = self.metrics
         m.batch_size.observe(len(plan))
@@ -352,10 +362,11 @@ class Engine:
             m.assignments.inc(active)
             m.routed_tokens.inc(n * len(stats))
             m.active_experts.set(active / (n * len(stats)))
-            for block, s in zip(self.moe_blocks, stats):
-                for e, c in enumerate(s.counts.tolist()):
+            counts = torch.stack([s.counts for s in stats]).tolist()  # [L][E]: one host copy for all layers
+            for block, row in zip(self.moe_blocks, counts):
+                for e, c in enumerate(row):
                     if c:
-                        m.expert_load.labels(str(block), str(e)).inc(c)
+                        self._expert_load(block, e).inc(c)
         if self.expert_store is not None:
             st = self.expert_store.stats
             m.expert_pageins.inc(st.misses - self._pageins)

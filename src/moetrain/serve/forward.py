@@ -88,17 +88,18 @@ class StepRunner:
         """Run the step's N tokens; returns (logits [B, V] fp32 at each sequence's last new token, or [N, V] at
         every token with ``all_logits`` (evaluation), and one :class:`MoEStepStats` per MoE block)."""
         model, routing = self.model, StepRouting(policies, self._int8_by_layer)
-        layers = model.moe_layers()
-        before = [layer.expert_provider for layer in layers]
-        for layer in layers:  # this runner's experts for this step only (the model may serve other runners)
+        # this runner's experts for this step only (the model may serve other runners)
+        swapped = [(layer, layer.expert_provider) for layer in model.moe_layers()
+                   if layer.expert_provider is not self.experts_fn]
+        for layer, _ in swapped:
             layer.set_expert_provider(self.experts_fn)
         try:
             x = model.embed_tokens(batch.input_ids)  # [N, D]
             for block in model.blocks:
                 x, _ = block(x, kv_cache=self.cache, batch=batch.layout, routing=routing)
         finally:
-            for layer, provider in zip(layers, before):
+            for layer, provider in swapped:
                 layer.set_expert_provider(provider)
-        if not all_logits:
+        if not all_logits and len(batch.chunks) < x.shape[0]:  # else every token is its sequence's last
             x = x[batch.layout.last_tokens()]  # [B, D] last token of each sequence
         return model.lm_head(model.norm(x)).float(), routing.stats
