@@ -204,8 +204,9 @@ def test_second_signal_exits_at_once_and_leaves_no_partial_checkpoint(setup, tmp
 
 
 def test_sigkill_while_building_the_data_cache_leaves_nothing_trusted(tmp_path):
-    """A kill in the middle of tokenizing: the cache entry is not marked complete, the run directory holds nothing
-    but its lock (data comes first), and the next run rebuilds exactly what an undisturbed build produces."""
+    """A kill in the middle of tokenizing: no cache entry exists (it is built in a staging directory and renamed into
+    place only when complete), the run directory holds nothing but its lock (data comes first), and the next run
+    rebuilds exactly what an undisturbed build produces."""
     big = tmp_path / "big.txt"
     big.write_bytes(sample_text(1_115_394))  # ~1 MB: a few seconds of tokenizer training and tokenizing
 
@@ -216,15 +217,15 @@ def test_sigkill_while_building_the_data_cache_leaves_nothing_trusted(tmp_path):
     cache, run = tmp_path / "cache", tmp_path / "run"
     log = tmp_path / "killed.log"
     proc = start_cli(args(cache, run), log)
-    assert wait_for(lambda: any(cache.glob("tokens-*")), 120, proc), _read(log)  # tokenizing has begun
+    assert wait_for(lambda: any(cache.glob(".tokens-*.tmp")), 120, proc), _read(log)  # tokenizing has begun
     wait_for(lambda: False, 0.2, proc)
     assert proc.is_alive(), _read(log)
     proc.kill()
     proc.join()
-    entry = next(cache.glob("tokens-*"))
-    assert not (entry / "meta.json").exists() and sorted(p.name for p in run.iterdir()) == ["train.lock"]
+    assert not any(cache.glob("tokens-*")) and sorted(p.name for p in run.iterdir()) == ["train.lock"]
     assert run_cli(args(cache, run), tmp_path / "rerun.log") == 0, _read(tmp_path / "rerun.log")
     assert "reused cached" not in _read(tmp_path / "rerun.log")
+    entry = next(cache.glob("tokens-*"))
     assert run_cli(args(tmp_path / "clean", tmp_path / "clean-run"), tmp_path / "clean.log") == 0
     clean = next((tmp_path / "clean").glob("tokens-*"))
     for name in ("train.bin", "val.bin", "tokenizer.json", "meta.json"):
