@@ -384,3 +384,26 @@ def test_eval_batches_are_fixed_and_at_least_one():
     assert torch.equal(batches[0][0][0], torch.arange(4))
     small = eval_batches(windows, batch_size=16, n_batches=2)
     assert len(small) == 1 and small[0][0].shape == (10, 4)
+
+
+def test_abandoned_cache_stages_are_removed_live_ones_kept(tmp_path):
+    """A killed preparation's staging directory (its builder, on this host, is gone) is deleted by the next build;
+    a live builder's and another host's are left alone."""
+    import socket
+    import subprocess
+    import sys
+
+    from moetrain.data.dataset import _remove_abandoned_stages
+
+    entry = tmp_path / "tokens-abc"
+    host = socket.gethostname()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    names = [f".tokens-abc.{host}-{dead}.x1.tmp", f".tokens-abc.{host}-{os.getpid()}.x2.tmp",
+             ".tokens-abc.other-host-1.x3.tmp", f".tokens-abcd.{host}-{dead}.x4.tmp"]
+    stages = {name: tmp_path / name for name in names}
+    for path in stages.values():
+        path.mkdir()
+        (path / "train.bin").write_bytes(b"\0" * 8)
+    _remove_abandoned_stages(entry)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(list(stages)[1:])

@@ -222,9 +222,11 @@ def test_sigkill_while_building_the_data_cache_leaves_nothing_trusted(tmp_path):
     assert proc.is_alive(), _read(log)
     proc.kill()
     proc.join()
+    assert any(cache.glob(".tokens-*.tmp"))
     assert not any(cache.glob("tokens-*")) and sorted(p.name for p in run.iterdir()) == ["train.lock"]
     assert run_cli(args(cache, run), tmp_path / "rerun.log") == 0, _read(tmp_path / "rerun.log")
     assert "reused cached" not in _read(tmp_path / "rerun.log")
+    assert not any(cache.glob(".tokens-*.tmp"))  # the killed build's staging directory was removed
     entry = next(cache.glob("tokens-*"))
     assert run_cli(args(tmp_path / "clean", tmp_path / "clean-run"), tmp_path / "clean.log") == 0
     clean = next((tmp_path / "clean").glob("tokens-*"))

@@ -8,10 +8,12 @@ example is a window of S + 1 consecutive tokens: inputs are its first S, targets
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
 import shutil
+import socket
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -229,7 +231,8 @@ def _build_entry(entry: Path, corpus: Corpus, source: str, cfg: DataConfig, voca
     assert eos_id is not None  # train_tokenizer puts EOS_TOKEN at id 0; load_tokenizer rejects a tokenizer without it
 
     entry.parent.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(dir=entry.parent, prefix=f".{entry.name}.", suffix=".tmp"))
+    _remove_abandoned_stages(entry)
+    stage = Path(tempfile.mkdtemp(dir=entry.parent, prefix=f".{entry.name}.{_builder_id()}.", suffix=".tmp"))
     try:
         t0 = time.perf_counter()
         written = write_splits(stage, corpus, found, val, tok, eos_id, dtype, cfg.val_fraction)
@@ -247,6 +250,31 @@ def _build_entry(entry: Path, corpus: Corpus, source: str, cfg: DataConfig, voca
     finally:
         shutil.rmtree(stage, ignore_errors=True)
     return meta
+
+
+def _builder_id() -> str:
+    """``host-pid`` of this process: a staging directory's owner, so a later build can tell an abandoned one."""
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def _remove_abandoned_stages(entry: Path) -> None:
+    """Delete the staging directories of ``entry`` whose builder on this host is gone (a killed preparation leaves
+    one behind, as large as the token files it had written); another host's, or a live process's, are left alone."""
+    host = socket.gethostname()
+    for stage in entry.parent.glob(f".{glob.escape(entry.name)}.{glob.escape(host)}-*.tmp"):
+        pid = stage.name[len(f".{entry.name}.{host}-"):].split(".", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(stage, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
 
 
 def _publish(stage: Path, entry: Path) -> None:
