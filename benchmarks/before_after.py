@@ -82,7 +82,10 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--record", action="store_true", help="append the figures to results/")
     p.add_argument("kind", choices=["train", "moe", "serve", "dp"])
-    args, extra = p.parse_known_args()
+    argv = sys.argv[1:]
+    at = next((i for i, a in enumerate(argv) if a in ("train", "moe", "serve", "dp")), len(argv))
+    args = p.parse_args(argv[:at + 1])  # what follows the kind is the benchmark's own (its --rounds too)
+    extra = argv[at + 1:]
     with tempfile.TemporaryDirectory(prefix="moetrain-before-after-") as tmp_name:
         tmp = Path(tmp_name)
         base = tmp / "base"
