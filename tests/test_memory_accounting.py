@@ -5,6 +5,7 @@ agree with, the measured figures in metrics.jsonl, and the refusal of a model th
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -101,6 +102,26 @@ def test_a_ranks_threads_stacks_are_three_per_gloo_group_and_the_writers(monkeyp
     pp4 = build_config("tiny", overrides={"parallel": {"pp": 4}, "model": {"n_layers": 4}})
     assert reserved_bytes(pp4, 4) == (3 * 9 + 1) * 8 * 2**20  # + the embedding's first-and-last-stage group
     assert reserved_bytes(cfg, 1) == 0.0 and reserved_bytes(cfg, 2, "cuda") == 0.0
+
+
+def _gloo_threads(rank, world, out_dir, parallel):
+    import torch
+
+    from moetrain.parallel.config import ParallelConfig
+    from moetrain.parallel.layout import Layout, build_layout_mesh, process_groups
+
+    layout = Layout.from_config(ParallelConfig(**parallel), world)
+    build_layout_mesh(layout, 30, torch.device("cpu"))
+    names = [Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in os.listdir("/proc/self/task")]
+    return sum(n in ("pt_gloo_runloop", "gloo_tcp_loop") for n in names), process_groups(layout)
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in Linux's /proc")
+def test_a_rank_runs_the_gloo_threads_counted_for_its_stacks(tmp_path):
+    from _parallel_util import spawn
+
+    for threads, groups in spawn(_gloo_threads, 2, tmp_path, {"dp_shard": 2}):
+        assert groups == 8 and threads == preflight.GLOO_THREADS_PER_GROUP * groups == 24
 
 
 def test_an_address_space_limit_counts_each_ranks_thread_stacks(monkeypatch):
