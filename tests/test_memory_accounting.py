@@ -5,6 +5,7 @@ agree with, the measured figures in metrics.jsonl, and the refusal of a model th
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,8 @@ from moetrain.config import build_config
 from moetrain.errors import ConfigError
 from moetrain.parallel.dry_run import dry_run
 from moetrain.parallel.memory import GRAD_BYTES, RUNTIME_CPU_BYTES, Unit, moe_scratch, rank_memory, step_moments
-from moetrain.runtime.preflight import check_fits, human_bytes
+from moetrain.runtime import preflight
+from moetrain.runtime.preflight import check_fits, human_bytes, reserved_bytes
 
 PIPE = {"model": {"tie_embeddings": False}}
 
@@ -88,6 +90,62 @@ def test_a_process_limit_is_the_free_memory():
             "name, free = process_limit(); assert name == 'RLIMIT_DATA' and 1e9 < free < 2e9, free; "
             "assert available_memory() <= free")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_ranks_threads_stacks_are_three_per_gloo_group_and_the_writers(monkeypatch):
+    import resource
+
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (8 * 2**20, resource.RLIM_INFINITY))
+    cfg = build_config("tiny")
+    # 8 groups (default + 7 of the mesh) x (2 gloo workers + 1 TCP loop) + rank 0's metrics writer, 8 MiB each
+    assert reserved_bytes(cfg, 2) == 25 * 8 * 2**20 == 209_715_200
+    pp4 = build_config("tiny", overrides={"parallel": {"pp": 4}, "model": {"n_layers": 4}})
+    assert reserved_bytes(pp4, 4) == (3 * 9 + 1) * 8 * 2**20  # + the embedding's first-and-last-stage group
+    assert reserved_bytes(cfg, 1) == 0.0 and reserved_bytes(cfg, 2, "cuda") == 0.0
+
+
+def _gloo_threads(rank, world, out_dir, parallel):
+    import torch
+
+    from moetrain.parallel.config import ParallelConfig
+    from moetrain.parallel.layout import Layout, build_layout_mesh, process_groups
+
+    layout = Layout.from_config(ParallelConfig(**parallel), world)
+    build_layout_mesh(layout, 30, torch.device("cpu"))
+    names = [Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in os.listdir("/proc/self/task")]
+    return sum(n in ("pt_gloo_runloop", "gloo_tcp_loop") for n in names), process_groups(layout)
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in Linux's /proc")
+def test_a_rank_runs_the_gloo_threads_counted_for_its_stacks(tmp_path):
+    from _parallel_util import spawn
+
+    for threads, groups in spawn(_gloo_threads, 2, tmp_path, {"dp_shard": 2}):
+        assert groups == 8 and threads == preflight.GLOO_THREADS_PER_GROUP * groups == 24
+
+
+def test_an_address_space_limit_counts_each_ranks_thread_stacks(monkeypatch):
+    # The capacity demonstration's model (80M parameters); this process may map 1.1 GB more under RLIMIT_DATA.
+    # dp_shard=2's rank: 999.2 MB resident at its peak + 209.7 MB of stacks > 1.1 GB; dp_shard=4's: 717.6 + 209.7.
+    import resource
+
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (8 * 2**20, resource.RLIM_INFINITY))
+    model = {"hidden": 512, "n_layers": 4, "n_heads": 8, "n_kv_heads": 4, "ffn_hidden": 1024, "tie_embeddings": False,
+             "moe": {"num_experts": 8, "experts": {"ffn_hidden": 1536}}}
+    run = {"model": model, "train": {"batch_size": 4}, "data": {"seq_len": 32}}
+    cfg, sharded = build_config("tiny", overrides=run), build_config("tiny", overrides={**run, "parallel": {
+        "dp_shard": 2}})
+    free = 1.1e9
+    monkeypatch.setattr(preflight, "process_limit", lambda: ("RLIMIT_DATA", free))
+    monkeypatch.setattr(preflight, "available_memory", lambda device_type="cpu": free)
+    two = max(r.total for r in rank_memory(sharded, 2, device="cpu"))
+    assert round(two / 1e5) == 9992 and two < free < two + 25 * 8 * 2**20  # the stacks decide
+    with pytest.raises(ConfigError, match=r"under its RLIMIT_DATA limit.*try parallel.dp_shard=4 on 4 processes"
+                                          r".*\(about 927.3 MB per process\)"):
+        check_fits(cfg)
+    with pytest.raises(ConfigError, match=r"per rank for weights.*try parallel.dp_shard=4"):
+        check_fits(sharded, world=2)  # a rank refuses before allocating, not in its second step
+    check_fits(sharded, world=2, free=free)  # the free memory given, not a limit: no stacks counted
 
 
 def test_metrics_record_each_ranks_measured_memory(tmp_path, code_corpus):

@@ -289,6 +289,16 @@ def _mesh(groups: list[dist.ProcessGroup], ranks: torch.Tensor, names: tuple[str
     return DeviceMesh.from_group(groups, device_type, mesh=ranks, mesh_dim_names=names)
 
 
+def process_groups(layout: Layout) -> int:
+    """Process groups one rank of ``layout`` belongs to: the default group and the seven
+    :func:`build_layout_mesh` creates holding it (ep, dp_replicate, dp_shard, dp_shard x ep, dp_replicate x dp_shard,
+    the stage's, the pipeline's; each even where it has one rank), plus the embedding's first-and-last-stage group
+    when ``pp > 2``; 0 for one process (no group)."""
+    if layout.world == 1:
+        return 0
+    return 8 + (layout.pp > 2)
+
+
 def build_layout_mesh(layout: Layout, timeout_s: float, device: torch.device) -> LayoutMesh:
     """Create the process groups and meshes of ``layout`` over the initialised default group (a collective: every
     rank calls it). For ``layout.world == 1`` no group is created.

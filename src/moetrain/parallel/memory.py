@@ -49,8 +49,10 @@ gradients). With ``M > 1`` the unsharded gradients accumulate until the last mic
 (moe/fast_moe.py allocates it) into the accumulated one.
 
 Not counted: the data set and the model's batches (preflight.py adds them), a checkpoint being written, gloo's
-all-reduce of replicated gradients (``dp_replicate``), and the allocator's slack (benchmarks/memory_by_layout.py
-measures peak resident memory against the memory a process had before building its model).
+all-reduce of replicated gradients (``dp_replicate``), the allocator's slack (benchmarks/memory_by_layout.py
+measures peak resident memory against the memory a process had before building its model), and address space that
+is mapped but barely resident, such as the threads' stacks (under an address-space limit preflight.py adds them:
+``reserved_bytes``).
 """
 
 from __future__ import annotations

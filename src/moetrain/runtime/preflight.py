@@ -16,6 +16,11 @@ from moetrain.errors import ConfigError
 # The estimate leaves out the allocator's slack, temporary buffers and the data set itself, so a run needs more
 # than it; refusing only above 100% of free memory never refuses a run that would fit.
 _UNITS = (("PB", 1e15), ("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3))
+# Threads a CPU rank of a distributed run starts: gloo's ProcessGroupGloo runs two workers ("pt_gloo_runloop", its
+# default Options threads) and its TCP device one event loop ("gloo_tcp_loop") per process group; rank 0 one more,
+# the metrics writer's. Counted in /proc/<pid>/task/*/comm of dp_shard=2 and 4 ranks (8 groups: 24 + 1 on rank 0;
+# torch 2.13, 2026-12-07).
+GLOO_THREADS_PER_GROUP, RANK0_THREADS = 3, 1
 
 
 def human_bytes(n: float) -> str:
@@ -67,9 +72,37 @@ def process_limit() -> tuple[str, float] | None:
     return min(found, key=lambda f: f[1]) if found else None
 
 
-def sharded_suggestion(config, free: float, device_type: str = "cpu") -> str:
+def thread_stack_bytes() -> int:
+    """Address space one new thread maps for its stack (bytes): glibc's default, the ``RLIMIT_STACK`` soft limit
+    (8 MiB on most systems; 2 MiB when unlimited), which a thread keeps mapped, though barely resident, while it
+    runs."""
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_STACK)[0]
+    return 2 * 2**20 if soft == resource.RLIM_INFINITY else int(soft)
+
+
+def reserved_bytes(config, world: int, device_type: str = "cpu") -> float:
+    """Address space the busiest CPU rank of ``config`` on ``world`` ranks maps beyond the resident memory that
+    :func:`moetrain.parallel.memory.rank_memory` predicts, which an address-space limit (``RLIMIT_DATA`` /
+    ``RLIMIT_AS``) counts: the stacks of the threads gloo starts per process group
+    (:func:`moetrain.parallel.layout.process_groups`, :data:`GLOO_THREADS_PER_GROUP`) and rank 0's metrics writer
+    (:func:`thread_stack_bytes` each); 0 for one process or on CUDA (the limit is the GPU's memory there).
+    The processes' own memory before training (interpreter, PyTorch) is the ``VmData`` / ``VmSize`` this check
+    subtracts from the limit (:func:`process_limit`): a rank has the same when it runs the check."""
+    from moetrain.parallel.layout import Layout, process_groups
+
+    if world == 1 or device_type != "cpu":
+        return 0.0
+    groups = process_groups(Layout.from_config(config.parallel, world))
+    return float((GLOO_THREADS_PER_GROUP * groups + RANK0_THREADS) * thread_stack_bytes())
+
+
+def sharded_suggestion(config, free: float, device_type: str = "cpu", address_space: bool = False) -> str:
     """The smallest FSDP2 layout (``parallel.dp_shard = N``, N = 2, 4, ... 64) whose busiest rank's estimate
-    (:func:`moetrain.parallel.memory.rank_memory`) fits ``free`` bytes, as a phrase for an error message."""
+    (:func:`moetrain.parallel.memory.rank_memory`, plus its threads' stacks (:func:`reserved_bytes`) where
+    ``address_space``: ``free`` is what an address-space limit leaves) fits ``free`` bytes, as a phrase for an
+    error message."""
     from dataclasses import replace
 
     from moetrain.errors import MoetrainError
@@ -82,6 +115,7 @@ def sharded_suggestion(config, free: float, device_type: str = "cpu") -> str:
             layout = replace(config, parallel=ParallelConfig(dp_shard=n), train=replace(config.train,
                              batch_size=max(config.train.batch_size, n) // n * n))
             need = max(r.total for r in rank_memory(layout, n, device=device_type)) + _batch_bytes(layout)
+            need += reserved_bytes(layout, n, device_type) if address_space else 0.0
         except (MoetrainError, RuntimeError):  # a layout this model cannot take (e.g. experts over shards)
             continue
         if need <= free:
@@ -96,8 +130,8 @@ def out_of_memory(error: BaseException, config, world: int) -> str | None:
     ``DefaultCPUAllocator: can't allocate memory: you tried to allocate N bytes``; CUDA: ``torch.OutOfMemoryError``),
     naming the request, the memory this process had (and the per-process limit that set it) and the layouts to try;
     ``None`` for any other error. Raised where the estimate (:func:`check_fits`) let the run start but a step needed
-    more than it: an address-space limit (``RLIMIT_DATA`` / ``RLIMIT_AS``) also counts reserved, untouched mappings
-    such as thread stacks, and the allocator's slack is not in the estimate."""
+    more than it: the allocator's slack is not in the estimate (with glibc's defaults, the heaps its threads keep, which
+    an address-space limit (``RLIMIT_DATA`` / ``RLIMIT_AS``) counts even when freed)."""
     import re
 
     import torch
@@ -160,7 +194,9 @@ def estimate_memory(config) -> MemoryEstimate:
 def check_fits(config, device_type: str = "cpu", free: float | None = None, world: int = 1) -> MemoryEstimate:
     """Refuse a config whose estimate exceeds the free memory, naming the fields that size the larger part. On
     ``world > 1`` ranks of a sharded or pipelined layout the estimate is the busiest rank's
-    (:func:`moetrain.parallel.memory.rank_memory`: its shards, gathered parameters and activations).
+    (:func:`moetrain.parallel.memory.rank_memory`: its shards, gathered parameters and activations). Where a
+    per-process address-space limit sets the free memory, the estimates of several ranks also count their threads'
+    stacks (:func:`reserved_bytes`), which such a limit counts.
 
     Raises:
         ConfigError: the model state (``model.*``) or one micro-batch (``train.batch_size`` x ``data.seq_len``)
@@ -170,21 +206,23 @@ def check_fits(config, device_type: str = "cpu", free: float | None = None, worl
     from moetrain.analysis.shape import ModelShape
 
     est = estimate_memory(config)
+    limit = process_limit() if free is None and device_type == "cpu" else None
+    free = available_memory(device_type) if free is None else free
+    address_space = limit is not None and limit[1] <= free  # the limit sets the free memory
     if world > 1:
         from moetrain.parallel.memory import rank_memory
 
         busiest = max(rank_memory(config, world, device=device_type), key=lambda r: r.total)
         # everything at the busiest rank's peak but its activations counts as state (shards, gathered copies,
-        # collective buffers, MoE scratch, the runtime)
-        est = MemoryEstimate(state=busiest.total - busiest.activations, activations=busiest.activations,
+        # collective buffers, MoE scratch, the runtime; under an address-space limit its threads' stacks)
+        reserved = reserved_bytes(config, world, device_type) if address_space else 0.0
+        est = MemoryEstimate(state=busiest.total - busiest.activations + reserved, activations=busiest.activations,
                              batches=est.batches)
-    limit = process_limit() if free is None and device_type == "cpu" else None
-    free = available_memory(device_type) if free is None else free
     if est.total <= free:
         return est
     s, t = ModelShape.from_config(config.model), config.train
     have = f"this machine has {human_bytes(free)} free"
-    if limit is not None and limit[1] <= free:
+    if address_space and limit is not None:
         have = f"this process may use {human_bytes(free)} more under its {limit[0]} limit"
     if est.state >= est.activations + est.batches:
         fields = (f"model.hidden={s.hidden}, model.n_layers={s.n_layers}, model.vocab_size={s.vocab}, "
@@ -192,7 +230,7 @@ def check_fits(config, device_type: str = "cpu", free: float | None = None, worl
         where = "per rank " if world > 1 else ""
         raise ConfigError(f"model.hidden: the model ({fields}) needs about {human_bytes(est.state)} {where}for "
                           f"weights, gradients and AdamW state alone, before any activation; {have} (out of "
-                          f"memory); {sharded_suggestion(config, free, device_type)}")
+                          f"memory); {sharded_suggestion(config, free, device_type, address_space)}")
     raise ConfigError(f"train.batch_size: one micro-batch of {t.batch_size} x data.seq_len={config.data.seq_len} "
                       f"tokens needs about {human_bytes(est.activations + est.batches)} of activations and token "
                       f"batches (+ {human_bytes(est.state)} of model state); {have}; lower train.batch_size "
