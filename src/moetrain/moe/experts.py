@@ -147,22 +147,21 @@ def expert_loop(x: torch.Tensor, tokens_per_expert: torch.Tensor, weights: Exper
     """
     counts = tokens_per_expert.tolist()
     starts = [0, *itertools.accumulate(counts)]  # [E + 1] first row of each expert
-    out = x.new_zeros(x.shape[0], x.shape[1], dtype=dtype)  # [R, D], zero after the last group (ints: ~2 us < a Size)
     used = [e for e, n in enumerate(counts) if n]
-    done = 0  # experts with rows computed
     x = x.to(dtype=dtype)  # keyword form: the cheapest call of the per-expert conversions below (~1 us each)
+    pieces: dict[int, torch.Tensor] = {}  # expert -> its rows' output [n_e, D], in whatever order weights yields
     for e, w_in, w_out, s_in, s_out in weights(used):
         a, b = starts[e], starts[e + 1]
         h = x[a:b] @ w_in.to(dtype=dtype).T  # [n_e, I]
         y = activate(h if s_in is None else h.mul_(s_in), activation) @ w_out.to(dtype=dtype).T  # [n_e, D]
-        if s_out is None:
-            out[a:b] = y
-        else:  # a quantised weight, so inference: scaled straight into place (out= has no autograd)
-            torch.mul(y, s_out, out=out[a:b])
-        done += a < b
-    if done < len(used):
-        raise ValueError(f"weights: the provider yielded {done} of the {len(used)} experts that have rows {used}")
-    return out
+        pieces[e] = y if s_out is None else y.mul_(s_out)  # a quantised weight's row scale (inference)
+    missing = [e for e in used if e not in pieces]
+    if missing:
+        raise ValueError(f"weights: the provider left out experts {missing}, which have rows (all with rows: {used})")
+    # One cat in expert order, not writes into a zeroed [R, D]: each in-place slice write is an autograd CopySlices
+    # whose backward clones the whole gradient, O(E * R * D) in all (1.6x the step at E = 64).
+    tail = x.new_zeros(x.shape[0] - starts[-1], x.shape[1], dtype=dtype)  # rows after the last group
+    return torch.cat([pieces[e] for e in sorted(pieces)] + [tail])
 
 
 def loop_experts(
