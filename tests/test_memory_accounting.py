@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -112,8 +113,21 @@ def _gloo_threads(rank, world, out_dir, parallel):
 
     layout = Layout.from_config(ParallelConfig(**parallel), world)
     build_layout_mesh(layout, 30, torch.device("cpu"))
-    names = [Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in os.listdir("/proc/self/task")]
-    return sum(n in ("pt_gloo_runloop", "gloo_tcp_loop") for n in names), process_groups(layout)
+    groups = process_groups(layout)
+
+    def count() -> int:
+        names = []
+        for t in os.listdir("/proc/self/task"):
+            try:
+                names.append(Path(f"/proc/self/task/{t}/comm").read_text().strip())
+            except OSError:  # a thread that ended between the listing and the read
+                pass
+        return sum(n in ("pt_gloo_runloop", "gloo_tcp_loop") for n in names)
+
+    deadline = time.monotonic() + 10  # a group's worker threads start asynchronously, after the group exists
+    while count() < 3 * groups and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return count(), groups
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in Linux's /proc")
