@@ -36,11 +36,9 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))  # this tree's moetrain for the record and the CPU model
 
-
-def _cpu_model() -> str:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-    return next((ln.split(":", 1)[1].strip() for ln in out.splitlines() if ln.startswith("Model name")), "unknown")
+from moetrain.runtime.cpu import cpu_model  # noqa: E402
 
 
 def _run(src: Path, cmd: list[str]) -> str:
@@ -101,7 +99,7 @@ def main() -> int:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)], check=False)
     names = [n for n in per_round[0]["head"] if n in per_round[0]["base"]]
     rows = []
-    print(f"\nCPU {_cpu_model()}; head = this tree, base = {args.base}; ratio head / base per round (>1: head faster)")
+    print(f"\nCPU {cpu_model()}; head = this tree, base = {args.base}; ratio head / base per round (>1: head faster)")
     for name in names:
         ratios = [rd["head"][name] / rd["base"][name] for rd in per_round]
         med = statistics.median(ratios)
@@ -110,12 +108,11 @@ def main() -> int:
                      [round(x, 3) for x in ratios], round(med, 3)])
         print(f"  {name:<48} median {med:.3f}   rounds {' '.join(f'{x:.2f}' for x in ratios)}")
     if args.record:
-        sys.path.insert(0, str(ROOT / "src"))
         from moetrain.results import write_record
 
         path = write_record({"title": f"{args.kind} benchmark: this tree vs {args.base}, interleaved",
                              "section": {"train": "Training speed", "moe": "MoE layer speed", "serve": "Serving",
-                                         "dp": "Scale-out"}[args.kind], "cpu": _cpu_model(),
+                                         "dp": "Scale-out"}[args.kind], "cpu": cpu_model(),
                              "command": " ".join(["python", "benchmarks/before_after.py", *sys.argv[1:]]),
                              "table": {"columns": ["figure", "base (median)", "head (median)",
                                                    "head / base per round", "median ratio"], "rows": rows}},
