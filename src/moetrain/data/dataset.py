@@ -263,11 +263,12 @@ def _remove_abandoned_stages(entry: Path) -> None:
     host = socket.gethostname()
     for stage in entry.parent.glob(f".{glob.escape(entry.name)}.{glob.escape(host)}-*.tmp"):
         pid = stage.name[len(f".{entry.name}.{host}-"):].split(".", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not process_exists(int(pid)):
             shutil.rmtree(stage, ignore_errors=True)
 
 
-def _alive(pid: int) -> bool:
+def process_exists(pid: int) -> bool:
+    """Whether a process ``pid`` exists on this host (``os.kill(pid, 0)``; another user's counts as existing)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from moetrain.data.batch import Batch, PackedBatch
-from moetrain.data.dataset import BatchSampler, PreparedData, TokenWindows, eval_batches
+from moetrain.data.dataset import BatchSampler, PreparedData, TokenWindows, eval_batches, process_exists
 from moetrain.data.packing import DocumentBatches, DocumentChunks
 from moetrain.data.val_coverage import small_split_warning, val_coverage_note
 from moetrain.errors import ConfigError
@@ -127,23 +127,13 @@ def _exit_with(trainer: int, worker_id: int) -> None:
         try:
             fd = os.pidfd_open(trainer)
         except (AttributeError, OSError):  # no pidfd here, or the trainer is already gone
-            while _exists(trainer):
+            while process_exists(trainer):
                 time.sleep(1.0)
         else:
             select.select([fd], [], [])
         os._exit(0)
 
     threading.Thread(target=watch, name=f"moetrain-worker-{worker_id}-watch", daemon=True).start()
-
-
-def _exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class _Keyed(torch.utils.data.Dataset):
