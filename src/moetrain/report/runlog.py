@@ -15,6 +15,7 @@ from typing import Any
 
 from moetrain.errors import MoetrainError
 from moetrain.train.alerts import read_alerts
+from moetrain.train.metrics import read_records
 
 _LAYER_KEY = re.compile(r"^moe/layer(\d+)/(.+)$")
 
@@ -126,18 +127,5 @@ def load_run_log(run_dir: str | Path) -> RunLog:
         except (OSError, ValueError):
             config = None
         refuse_hugging_face_dir(root, config)
-    records, skipped = [], 0
-    if metrics_path.is_file():
-        for line in metrics_path.read_text(errors="replace").splitlines():
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                skipped += 1
-                continue
-            if isinstance(rec, dict) and isinstance(rec.get("step"), int):
-                records.append(rec)
-            else:
-                skipped += 1
+    records, skipped = read_records(metrics_path)
     return RunLog(run_dir=root, config=config, records=records, alerts=read_alerts(root), skipped_lines=skipped)

@@ -15,13 +15,13 @@ Two sources:
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from moetrain.errors import MoetrainError
+from moetrain.train.metrics import read_records
 
 
 @dataclass(frozen=True)
@@ -67,28 +67,19 @@ def usage_from_metrics(metrics_file: str | Path, blocks: list[int], num_experts:
     Returns:
         The usage, or ``None`` when the file is missing or holds no such interval.
     Raises:
-        MoetrainError: a line is not JSON, or a layer's counts do not have ``num_experts`` entries (naming the
-            file, line and key).
+        MoetrainError: a layer's counts do not have ``num_experts`` entries (naming the file, step and key).
     """
     path = Path(metrics_file)
-    if not path.is_file():
-        return None
     keys = [f"moe/layer{b}/tokens" for b in blocks]
     rows: list[tuple[int, list[list[float]]]] = []
-    for n, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except ValueError as e:
-            raise MoetrainError(f"{path}:{n}: not JSON: {e}") from None
-        if not all(k in rec for k in keys) or (up_to_step is not None and rec.get("step", 0) > up_to_step):
+    for rec in read_records(path)[0]:  # lines cut short by a run in progress skipped
+        if not all(k in rec for k in keys) or (up_to_step is not None and rec["step"] > up_to_step):
             continue
         for k in keys:
             if len(rec[k]) != num_experts:
-                raise MoetrainError(f"{path}:{n}: {k} has {len(rec[k])} entries, the model has {num_experts} "
-                                    "experts")
-        rows.append((int(rec.get("step", 0)), [rec[k] for k in keys]))
+                raise MoetrainError(f"{path}: step {rec['step']}: {k} has {len(rec[k])} entries, the model has "
+                                    f"{num_experts} experts")
+        rows.append((rec["step"], [rec[k] for k in keys]))
     if not rows:
         return None
     rows = rows[-intervals:]

@@ -19,7 +19,7 @@ from typing import Any
 
 from moetrain.errors import MoetrainError
 from moetrain.runtime.oserrors import writing
-from moetrain.train.metrics import json_line, read_jsonl
+from moetrain.train.metrics import json_line, read_records
 from moetrain.train.monitor_config import MonitorConfig
 from moetrain.train.routing_stats import Snapshot
 
@@ -206,4 +206,4 @@ class AlertTracker:
 
 def read_alerts(run_dir: Path) -> list[dict[str, Any]]:
     """The alarms of a run (``[]`` if none), skipping a partial last line of a run in progress."""
-    return read_jsonl(Path(run_dir) / ALERTS_FILE)
+    return read_records(Path(run_dir) / ALERTS_FILE)[0]

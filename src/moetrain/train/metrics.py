@@ -58,20 +58,25 @@ def json_line(record: dict[str, Any]) -> str:
     return json.dumps(clean) + "\n"
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The JSON objects of the lines of ``path`` (``[]`` without the file), skipping any other line (one cut short
-    by a crash, or a run in progress's partial last line)."""
+def read_records(path: Path) -> tuple[list[dict[str, Any]], int]:
+    """The records of ``path`` (``metrics.jsonl``, ``alerts.jsonl``): its lines that are JSON objects with an integer
+    ``step``, in file order, and how many other non-blank lines were skipped (one cut short by a crash, or a run in
+    progress's partial last line); ``([], 0)`` without the file."""
     if not path.is_file():
-        return []
-    out = []
+        return [], 0
+    out, skipped = [], 0
     for line in path.read_text(errors="replace").splitlines():
+        if not line.strip():
+            continue
         try:
             item = json.loads(line)
         except ValueError:
-            continue
-        if isinstance(item, dict):
+            item = None
+        if isinstance(item, dict) and isinstance(item.get("step"), int):
             out.append(item)
-    return out
+        else:
+            skipped += 1
+    return out, skipped
 
 
 def truncate_records(path: Path, last_step: int) -> None:
@@ -81,5 +86,5 @@ def truncate_records(path: Path, last_step: int) -> None:
         return
     from moetrain.train.checkpoint import write_file_atomic
 
-    kept = [r for r in read_jsonl(path) if isinstance(r.get("step"), int) and r["step"] <= last_step]
+    kept = [r for r in read_records(path)[0] if r["step"] <= last_step]
     write_file_atomic(path, "".join(json_line(r) for r in kept).encode())

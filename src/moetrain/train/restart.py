@@ -25,9 +25,9 @@ def torchrun_restart() -> int:
 def last_logged_step(path: Path) -> int | None:
     """The largest ``step`` of a record with ``train_loss`` in ``metrics.jsonl`` at ``path`` (lines cut short by a
     crash skipped); ``None`` without one."""
-    from moetrain.train.metrics import read_jsonl
+    from moetrain.train.metrics import read_records
 
-    steps = [r["step"] for r in read_jsonl(path) if "train_loss" in r and isinstance(r.get("step"), int)]
+    steps = [r["step"] for r in read_records(path)[0] if "train_loss" in r]
     return max(steps, default=None)
 
 
