@@ -2,9 +2,10 @@
 
 Legend: L = MoE layers, T = tokens, E = experts, K = top-k, P = queued steps, W = window (steps).
 
-Every micro-batch adds about five tiny kernels per layer and queues its scalars and counts; the queue is folded
-into the accumulators in one vectorised batch of about 20 kernels per logging interval. Nothing is read back
-between logging steps: :meth:`RoutingStats.snapshot` copies every accumulator to the host at once.
+Every micro-batch adds about five tiny kernels per layer, every step a few more (its :class:`StepSummary` rows);
+the queued steps are folded into the accumulators in one vectorised batch of about 20 kernels per logging interval.
+Nothing is read back between logging steps: :meth:`RoutingStats.snapshot` copies every accumulator to the host at
+once.
 
 Definitions (per MoE layer, over one logging interval unless noted):
 
@@ -126,13 +127,122 @@ def find_loss_fields(record: Any) -> list[str]:
     return [f.name for f in dataclasses.fields(record) if f.name.endswith("loss")]
 
 
+def _device_index(cache: dict[tuple[int, ...], torch.Tensor], values: tuple[int, ...],
+                  device: torch.device) -> torch.Tensor:
+    """Device int64 tensor of ``values``, cached in ``cache``: the index patterns repeat from one step or interval to
+    the next, so each costs one host-to-device copy per run."""
+    if values not in cache:
+        if len(cache) > 64:
+            cache.clear()
+        cache[values] = torch.tensor(values, dtype=torch.int64, device=device)
+    return cache[values]
+
+
+class StepSummary:
+    """One rank's per-step sums of its MoE layers' records, as one [L, W] float64 tensor in a fixed layout: how
+    :class:`RoutingStats` collects every record (:meth:`RoutingStats.observe`), and what a pipeline stage sends to
+    the rank that writes metrics (summed over the stages, each layer on exactly one of them, so the sum is their
+    union; :meth:`RoutingStats.observe_summaries`).
+
+    Row layout (per layer; K = ``len(loss_names)``, offsets in the attributes):
+
+    - device part: entropy sum, z sum, dropped sum (scalar drop reports), then (from ``loss``) the K loss sums;
+    - ``host``: micro-batches, tokens (router rows), micro-batches reporting drops, of them per expert, expert bias
+      present (0 / 1), then K counts: micro-batches reporting that loss;
+    - ``vectors``: tokens [E], dropped [E] (per-expert drop reports), the router's expert bias [E] after the step.
+
+    Args:
+        n_layers: L, the MoE layers of the whole model (rows; a rank fills its own).
+        num_experts: E.
+        loss_names: the record's loss fields (``find_loss_fields`` of the record class), the same on every rank.
+        device: where the rows live.
+    """
+
+    def __init__(self, n_layers: int, num_experts: int, loss_names: list[str], device: torch.device):
+        self.n_layers, self.num_experts, self.loss_names, self.device = n_layers, num_experts, list(loss_names), device
+        k = len(self.loss_names)
+        self.loss = 3  # first loss sum
+        self.host = 3 + k  # first host-side column
+        self.vectors = self.host + 5 + k  # first vector column
+        self.width = self.vectors + 3 * num_experts
+        self._index_cache: dict[tuple[int, ...], torch.Tensor] = {}
+        self._zero, self._zero_e = torch.zeros((), device=device), torch.zeros(num_experts, device=device)
+        self._drop_field: dict[type, str | None] = {}  # record class -> its dropped-count field
+        self._reset()
+
+    def _reset(self) -> None:
+        self._pos: list[int] = []  # per record its layer, its device sums (host scalars) and vectors (2 of [E])
+        self._sums: list[torch.Tensor] = []
+        self._vectors: list[torch.Tensor] = []
+        self._host = [[0.0] * (5 + len(self.loss_names)) for _ in range(self.n_layers)]
+
+    def add(self, pos: int, record: Any) -> None:
+        """Add one micro-batch of layer ``pos`` (0-based among MoE layers): about five small kernels, no host sync.
+
+        Args:
+            pos: the layer's row.
+            record: the layer's record (``moetrain.moe.layer.MoEAux``): ``tokens_per_expert`` [E],
+                ``router_logits`` [T, E], scalar ``*loss`` fields, optionally a dropped count (scalar or [E]).
+        """
+        e, host, zero = self.num_experts, self._host[pos], self._zero
+        kind = type(record)
+        if kind not in self._drop_field:
+            self._drop_field[kind] = find_drop_field(record)
+        drop = self._drop_field[kind]
+        dropped = getattr(record, drop) if drop else None
+        per_expert, drop_sum = self._zero_e, zero
+        if isinstance(dropped, torch.Tensor):
+            host[2] += 1
+            if dropped.numel() == e:  # per expert: the total is summed at the snapshot
+                per_expert = dropped.detach().float()
+                host[3] += 1
+            else:
+                drop_sum = dropped.detach().float().sum()
+        # Queued unstacked (take stacks the step's records at once: each tensor call costs microseconds of Python),
+        # but detached: a queued loss would keep the step's autograd graph alive.
+        self._sums += [*entropy_and_z_sums(record.router_logits), drop_sum]
+        for k, name in enumerate(self.loss_names):
+            value = getattr(record, name, None)
+            if isinstance(value, torch.Tensor) and value.dim() == 0:
+                self._sums.append(value.detach().float())
+                host[5 + k] += 1
+            else:
+                self._sums.append(zero)
+        self._vectors += [record.tokens_per_expert.detach().float(), per_expert]
+        self._pos.append(pos)
+        host[0] += 1
+        host[1] += record.router_logits.shape[0]
+
+    def take(self, biases: list[torch.Tensor | None] | None = None) -> torch.Tensor:
+        """The step's rows [L, W] (zeros for layers this rank did not observe), then start the next step.
+
+        Args:
+            biases: optional [E] aux-loss-free bias per layer (``None`` where the layer has none or is not here).
+        """
+        f64, e, v = torch.float64, self.num_experts, self.vectors
+        rows = torch.zeros(self.n_layers, self.width, device=self.device, dtype=f64)
+        if self._pos:
+            idx = _device_index(self._index_cache, tuple(self._pos), self.device)
+            n = len(self._pos)
+            rows[:, :self.host].index_add_(0, idx, torch.stack(self._sums).view(n, self.host).to(f64))
+            rows[:, v:v + 2 * e].index_add_(0, idx, torch.stack(self._vectors).view(n, 2 * e).to(f64))
+        for pos, b in enumerate(biases or []):
+            if b is not None:
+                rows[pos, v + 2 * e:] = b.detach().to(f64)
+                self._host[pos][4] = 1.0
+        rows[:, self.host:v] = torch.tensor(self._host, dtype=f64).to(self.device)  # host values: one copy, no sync
+        self._reset()
+        return rows
+
+
 class RoutingStats:
     """Device-side accumulators for L MoE layers of E experts each (top-K routing).
 
     Feed it with :meth:`observe` (every training micro-batch, every MoE layer) and :meth:`end_step` (after each
-    optimizer step); read it with :meth:`snapshot` at logging steps, which also starts a new interval. The queue is
-    folded at each snapshot or every ``FOLD_EVERY`` steps, the per-step quantities (idle experts, the collapse
-    window) vectorised over the queued steps; the non-finite and loss-spike checks run on the host over every step.
+    optimizer step); read it with :meth:`snapshot` at logging steps, which also starts a new interval. Each step's
+    records are summed into one :class:`StepSummary` row block; the blocks are queued and folded at each snapshot or
+    every ``FOLD_EVERY`` steps, the per-step quantities (idle experts, the collapse window) vectorised over the
+    queued steps; the non-finite and loss-spike checks run on the host over every step.
 
     Args:
         layer_ids: [L] transformer-block index of each MoE layer (names the layer in every output).
@@ -159,23 +269,13 @@ class RoutingStats:
         self.window = torch.zeros(collapse_window, n_layers, num_experts, **f64)  # [W, L, E]
         self.steps_seen = 0  # steps folded so far (host int: indexes the ring)
         self.last_seen = torch.full((n_layers, num_experts), float(start_step), **f64)  # [L, E] step
-        # Record layout, fixed by the first record seen: loss fields, and how drops are reported.
-        self.loss_terms: list[str] | None = None
-        self.drop_field: str | None = None
-        self.drop_mode: str | None = None  # None | "scalar" | "expert"
-        self.scalars: torch.Tensor | None = None  # [L, C] sums: entropy, z, (dropped if scalar), *loss terms
-        self.observed = [0] * n_layers  # micro-batches seen per layer this interval (host ints: no sync)
-        self.tokens_seen = [0] * n_layers  # router rows (tokens) seen per layer this interval
-        # The same two counts for the layers observed by another rank (observe_summaries): on the device, read
-        # with the snapshot.
-        self.received = torch.zeros(n_layers, 2, **f64)  # [L, 2] micro-batches, tokens
-        # The queue: per observation its layer position and step slot, scalars and [E] vectors; per closed step
-        # its number and LM loss.
-        self._obs_pos: list[int] = []
-        self._obs_slot: list[int] = []
-        self._obs_scalars: list[torch.Tensor] = []
-        self._obs_vectors: list[torch.Tensor] = []
+        # The record layout (loss fields), fixed by the first record or summary seen.
+        self.summary: StepSummary | None = None
+        self.scalars: torch.Tensor | None = None  # [L, summary.vectors] interval sums of the scalar and host columns
+        self._received: torch.Tensor | None = None  # [L, W] other ranks' rows of the step being run
+        # The queue: per closed step its number, rows [L, W] (None: nothing observed yet) and LM loss.
         self._steps: list[int] = []
+        self._rows: list[torch.Tensor | None] = []
         self._losses: list[torch.Tensor | None] = []
         self._index_cache: dict[tuple[int, ...], torch.Tensor] = {}
         # LM losses stay on the device until a snapshot reads them with everything else; the loss-spike and
@@ -189,120 +289,57 @@ class RoutingStats:
         self.step = start_step
         self.interval_start = start_step
 
+    def _start(self, loss_names: list[str]) -> StepSummary:
+        """Fix the record layout (on the first record or summary seen, or from a checkpoint)."""
+        self.summary = StepSummary(len(self.layer_ids), self.num_experts, loss_names, self.device)
+        self.scalars = torch.zeros(len(self.layer_ids), self.summary.vectors, device=self.device, dtype=torch.float64)
+        return self.summary
+
     # -- per micro-batch ---------------------------------------------------------------------------------------
-    def _init_columns(self, record: Any) -> None:
-        self.loss_terms = [name for name in find_loss_fields(record)
-                           if isinstance(getattr(record, name), torch.Tensor) and getattr(record, name).dim() == 0]
-        self.drop_field = find_drop_field(record)
-        dropped = getattr(record, self.drop_field, None) if self.drop_field else None
-        if isinstance(dropped, torch.Tensor):
-            self.drop_mode = "expert" if dropped.numel() == self.num_experts else "scalar"
-        width = 2 + (self.drop_mode == "scalar") + len(self.loss_terms)
-        self.scalars = torch.zeros(len(self.layer_ids), width, device=self.device, dtype=torch.float64)
-
     def observe(self, pos: int, record: Any) -> None:
-        """Add one micro-batch of MoE layer ``pos`` (0-based among MoE layers): about five small kernels (the router
-        entropy and z); the rest is queued. No host sync.
-
-        Args:
-            pos: position of the layer in ``layer_ids``.
-            record: the layer's record (``moetrain.moe.layer.MoEAux``): ``tokens_per_expert`` [E],
-                ``router_logits`` [T, E], scalar ``*loss`` fields, optionally a dropped count (scalar or [E]).
-        """
-        if self.scalars is None:
-            self._init_columns(record)
-        if self.drop_mode is not None and self.drop_field is None:  # columns set by observe_summaries
-            self.drop_field = find_drop_field(record)
-        entropy_sum, z_sum = entropy_and_z_sums(record.router_logits)
-        scalars = [entropy_sum, z_sum]
-        # Queued unconverted (stacked and converted in _fold: this runs per layer and micro-batch, and each tensor
-        # call costs microseconds of Python), but detached: a queued loss would keep the step's autograd graph
-        # alive until the fold.
-        vectors = [record.tokens_per_expert.detach()]
-        assert self.loss_terms is not None  # set by _init_columns
-        if self.drop_mode is not None:  # "expert" or "scalar": set from drop_field
-            assert self.drop_field is not None
-            dropped = getattr(record, self.drop_field).detach()
-            if self.drop_mode == "expert":
-                vectors.append(dropped)
-            else:
-                scalars.append(dropped.sum())
-        scalars += [getattr(record, name).detach() for name in self.loss_terms]
-        self._obs_pos.append(pos)
-        self._obs_slot.append(len(self._steps))  # the step being run: closed by the next end_step
-        self._obs_scalars += scalars
-        self._obs_vectors += vectors
-        self.observed[pos] += 1
-        self.tokens_seen[pos] += record.router_logits.shape[0]
+        """Add one micro-batch of MoE layer ``pos`` (0-based among MoE layers; :meth:`StepSummary.add`). No host
+        sync."""
+        (self.summary or self._start(find_loss_fields(record))).add(pos, record)
 
     def observe_summaries(self, rows: torch.Tensor, positions: list[int], summary: "StepSummary") -> None:
         """Add one optimizer step of MoE layers ``positions`` observed by other ranks: their rows of a
-        :class:`StepSummary` (summed over the ranks), as one observation each; call before :meth:`end_step`.
-        Device kernels only, except once per run when no record has set the columns yet (one host read of the
-        rows' layout flags).
+        :class:`StepSummary` (summed over the ranks); call before :meth:`end_step`. Device kernels only.
 
         Args:
             rows: [L, W] float64 :meth:`StepSummary.take` output (``W = summary.width``), on this device.
             positions: the layers (positions in ``layer_ids``) to take from ``rows``.
-            summary: the layout of ``rows`` (its ``loss_names`` and column offsets).
+            summary: the layout of ``rows``.
+        Raises:
+            ValueError: ``summary`` has other loss fields than the records observed here.
         """
         if not positions:
             return
-        idx = self._index(tuple(positions))
-        sub = rows.index_select(0, idx)  # [n, W]
-        if self.scalars is None and not self._init_from_summary(sub, summary):
-            return  # nothing observed anywhere yet: the rows are all zeros
-        self.received.index_add_(0, idx, sub[:, summary.host:summary.host + 2])
-        assert self.loss_terms is not None  # set with the columns
-        terms = [summary.loss + summary.loss_names.index(t) if t in summary.loss_names else None
-                 for t in self.loss_terms]
-        e, v = self.num_experts, summary.vectors
-        zero = rows.new_zeros(())
-        for j, pos in enumerate(positions):
-            row = sub[j]
-            scalars = [row[0], row[1]] + ([row[2]] if self.drop_mode == "scalar" else [])
-            scalars += [zero if t is None else row[t] for t in terms]
-            self._obs_pos.append(pos)
-            self._obs_slot.append(len(self._steps))
-            self._obs_scalars += scalars
-            self._obs_vectors += [row[v:v + e]] + ([row[v + e:v + 2 * e]] if self.drop_mode == "expert" else [])
-
-    def _init_from_summary(self, sub: torch.Tensor, summary: "StepSummary") -> bool:
-        """Set the record layout (loss terms, drop mode) from summary rows; ``False`` while they observed
-        nothing."""
-        h = summary.host
-        flags = sub[:, h:h + 4 + len(summary.loss_names)].amax(dim=0).tolist()  # the one host read
-        if flags[0] == 0:
-            return False
-        self.loss_terms = [n for n, present in zip(summary.loss_names, flags[4:]) if present > 0]
-        self.drop_mode = {0: None, 1: "scalar", 2: "expert"}[int(flags[2])]
-        self.drop_field = None  # named by the first local record, if any
-        width = 2 + (self.drop_mode == "scalar") + len(self.loss_terms)
-        self.scalars = torch.zeros(len(self.layer_ids), width, device=self.device, dtype=torch.float64)
-        return True
+        mine = self.summary or self._start(summary.loss_names)
+        if mine.loss_names != summary.loss_names:
+            raise ValueError(f"observe_summaries: loss fields {summary.loss_names}, the records observed here have "
+                             f"{mine.loss_names}")
+        idx = _device_index(self._index_cache, tuple(positions), self.device)
+        received = self._received if self._received is not None else torch.zeros_like(rows)
+        self._received = received.index_add_(0, idx, rows.index_select(0, idx))
 
     # -- per optimizer step ------------------------------------------------------------------------------------
     def end_step(self, step: int, lm_loss: torch.Tensor | float | None = None) -> None:
         """Close optimizer step ``step`` (1-based count of steps done) with its LM loss (a scalar tensor; a float
-        works too). Queues only: no kernel, no host sync."""
+        works too). A few kernels (the step's rows), no host sync."""
         if self._steps and step != self._steps[-1] + 1:
             self._fold()  # a fold assumes consecutive steps (their numbers are made on the device from the first)
         self.step = step
         self._steps.append(step)
+        rows = None if self.summary is None else self.summary.take()
+        if rows is not None and self._received is not None:
+            rows += self._received
+        self._rows.append(rows)
+        self._received = None
         if lm_loss is not None and not isinstance(lm_loss, torch.Tensor):
             lm_loss = torch.tensor(float(lm_loss))
         self._losses.append(lm_loss)
         if len(self._steps) >= self.FOLD_EVERY:
             self._fold()
-
-    def _index(self, values: tuple[int, ...]) -> torch.Tensor:
-        """Device int64 tensor of ``values``, cached: the queue's index patterns repeat from one interval to the next,
-        so each costs one host-to-device copy per run."""
-        if values not in self._index_cache:
-            if len(self._index_cache) > 64:
-                self._index_cache.clear()
-            self._index_cache[values] = torch.tensor(values, dtype=torch.int64, device=self.device)
-        return self._index_cache[values]
 
     @torch.no_grad()
     def _fold(self) -> None:
@@ -311,31 +348,21 @@ class RoutingStats:
         if p == 0:
             return
         n_layers, e, f64 = len(self.layer_ids), self.num_experts, torch.float64
-        n = sum(1 for slot in self._obs_slot if slot < p)  # observations of closed steps (a prefix of the queue)
-        width = 0 if self.scalars is None else self.scalars.shape[1]
-        n_vec = 2 if self.drop_mode == "expert" else 1
-        if n:
-            assert self.scalars is not None  # set by the first observation
-            pos = self._index(tuple(self._obs_pos[:n]))
-            values = torch.stack(self._obs_scalars[:n * width]).view(n, width).to(f64)  # [n, C]
-            vectors = torch.stack(self._obs_vectors[:n * n_vec]).reshape(n, n_vec, e).to(f64)  # [n, V, E]
-            self.scalars.index_add_(0, pos, values)
-            if n_vec == 2:
-                self.dropped.index_add_(0, pos, vectors[:, 1])
-            if self._obs_pos[:n] == list(range(n_layers)) * (n // n_layers) and n % (p * n_layers) == 0:
-                # The usual order (every step runs its micro-batches through layers 0..L-1): a reshape and a sum.
-                step_counts = vectors[:, 0].reshape(p, n // (p * n_layers), n_layers, e).sum(dim=1)
-            else:
-                step_counts = torch.zeros(p * n_layers, e, device=self.device, dtype=f64)  # [P * L, E]
-                rows = self._index(tuple(s * n_layers + q for s, q in zip(self._obs_slot[:n], self._obs_pos[:n])))
-                step_counts = step_counts.index_add_(0, rows, vectors[:, 0]).view(p, n_layers, e)
+        if self.summary is not None and self.scalars is not None:
+            v = self.summary.vectors
+            zeros = torch.zeros(n_layers, self.summary.width, device=self.device, dtype=f64)
+            rows = torch.stack([zeros if r is None else r for r in self._rows])  # [P, L, W]
+            self.scalars += rows[:, :, :v].sum(dim=0)
+            self.dropped += rows[:, :, v + e:v + 2 * e].sum(dim=0)
+            step_counts = rows[:, :, v:v + e]  # [P, L, E]
         else:
-            step_counts = torch.zeros(p, n_layers, e, device=self.device, dtype=f64)  # [P, L, E]
+            step_counts = torch.zeros(p, n_layers, e, device=self.device, dtype=f64)
         self.counts += step_counts.sum(dim=0)
         # Collapse window: this batch's steps go to the next ring slots (only the last W matter).
         keep = min(p, self.collapse_window)
         slots = tuple((self.steps_seen + i) % self.collapse_window for i in range(p - keep, p))
-        self.window.index_copy_(0, self._index(slots), step_counts[p - keep:])
+        self.window.index_copy_(0, _device_index(self._index_cache, slots, self.device),
+                                step_counts[p - keep:].contiguous())
         # Idle experts: the last step of the batch in which each expert had a token (0 = none; steps are >= 1).
         first = self._steps[0]  # steps are consecutive: step i of the batch is first + i
         step_no = torch.arange(first, first + p, device=self.device, dtype=f64)  # [P]
@@ -349,9 +376,7 @@ class RoutingStats:
             self._loss_chunks.append(torch.stack(losses).to(self.device, f64).reshape(-1))
             self._loss_steps += self._steps
         self.steps_seen += p
-        self._obs_pos, self._obs_slot = self._obs_pos[n:], [s - p for s in self._obs_slot[n:]]
-        self._obs_scalars, self._obs_vectors = self._obs_scalars[n * width:], self._obs_vectors[n * n_vec:]
-        self._steps, self._losses = [], []
+        self._steps, self._rows, self._losses = [], [], []
 
     def _check_losses(self, losses: list[float]) -> None:
         """Non-finite losses and loss spikes of the steps in ``self._loss_steps`` (host side): each step's loss is
@@ -389,7 +414,7 @@ class RoutingStats:
         biases = biases if biases is not None else [None] * n_layers
         losses = self._read_losses()
         parts = [self.counts.flatten(), self.last_seen.flatten(), self.dropped.flatten(),
-                 self.window.sum(dim=0).flatten(), self.received.flatten()]
+                 self.window.sum(dim=0).flatten()]
         if self.scalars is not None:
             parts.append(self.scalars.flatten())
         if losses is not None:
@@ -404,12 +429,10 @@ class RoutingStats:
             return host[at - n:at]
 
         counts, last_seen, dropped, window = (take(n_layers * e) for _ in range(4))
-        received = take(n_layers * 2)
-        width = 0 if self.scalars is None else self.scalars.shape[1]
+        layout = self.summary
+        width = 0 if layout is None else layout.vectors
         scalar_rows = take(n_layers * width)
         self._check_losses(take(len(self._loss_steps)) if losses is not None else [])
-        terms = self.loss_terms or []
-        first_term = 2 + (self.drop_mode == "scalar")
         layers = []
         for i, layer_id in enumerate(self.layer_ids):
             tokens = counts[i * e:(i + 1) * e]
@@ -420,15 +443,15 @@ class RoutingStats:
                 window_tokens=window[i * e:(i + 1) * e],
                 drop_fraction=None, entropy=None, router_z=None,
             )
-            n_obs, n_tok = self.observed[i] + received[2 * i], self.tokens_seen[i] + received[2 * i + 1]
-            if n_obs:
+            if layout is not None and row[layout.host] > 0:  # micro-batches observed
+                n_obs, n_tok, flags = row[layout.host], row[layout.host + 1], row[layout.host + 2:]
                 layer.entropy, layer.router_z = row[0] / n_tok, row[1] / n_tok
-                layer.losses = {name: row[first_term + j] / n_obs for j, name in enumerate(terms)}
+                layer.losses = {name: row[layout.loss + k] / n_obs for k, name in enumerate(layout.loss_names)
+                                if flags[3 + k]}
                 assigned = sum(tokens)
-                if self.drop_mode is not None and assigned > 0:
-                    layer.dropped = dropped[i * e:(i + 1) * e] if self.drop_mode == "expert" else None
-                    total = sum(layer.dropped) if layer.dropped is not None else row[2]
-                    layer.drop_fraction = total / assigned
+                if flags[0] and assigned > 0:  # drops reported (flags[1]: per expert)
+                    layer.dropped = dropped[i * e:(i + 1) * e] if flags[1] else None
+                    layer.drop_fraction = (row[2] + sum(layer.dropped or [])) / assigned
             bias = biases[i]
             if bias is not None:
                 layer.bias = take(bias.numel())
@@ -444,18 +467,14 @@ class RoutingStats:
     def _reset_interval(self) -> None:
         self.counts.zero_()
         self.dropped.zero_()
-        self.received.zero_()
         if self.scalars is not None:
             self.scalars.zero_()
-        self.observed = [0] * len(self.layer_ids)
-        self.tokens_seen = [0] * len(self.layer_ids)
         self.spike, self.nonfinite_count, self.nonfinite_last = None, 0, None
         self.interval_start = self.step
 
     # -- checkpointing -----------------------------------------------------------------------------------------
     _TENSORS = ("counts", "last_seen", "dropped", "window")
-    _VALUES = ("loss_terms", "drop_field", "drop_mode", "observed", "tokens_seen", "steps_seen", "step",
-               "interval_start", "loss_history", "spike", "nonfinite_count", "nonfinite_last")
+    _VALUES = ("steps_seen", "step", "interval_start", "loss_history", "spike", "nonfinite_count", "nonfinite_last")
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue exactly after a resume (tensors copied to CPU; take it between steps:
@@ -465,106 +484,23 @@ class RoutingStats:
         self._check_losses(losses.tolist() if losses is not None else [])
         state: dict[str, Any] = {k: getattr(self, k).detach().cpu().clone() for k in self._TENSORS}
         state.update({k: copy.copy(getattr(self, k)) for k in self._VALUES})
+        state["loss_names"] = None if self.summary is None else list(self.summary.loss_names)
         state["scalars"] = None if self.scalars is None else self.scalars.detach().cpu().clone()
-        state["received"] = self.received.detach().cpu().clone()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output; a state from another layer / expert / window layout, or from an older
         version, is ignored (the run then starts its statistics afresh)."""
-        if (any(k not in state for k in (*self._TENSORS, *self._VALUES, "scalars"))
+        if (any(k not in state for k in (*self._TENSORS, *self._VALUES, "loss_names", "scalars"))
                 or any(tuple(state[k].shape) != tuple(getattr(self, k).shape) for k in self._TENSORS)):
             return
         for name in self._TENSORS:
             getattr(self, name).copy_(state[name].to(self.device))
         for name in self._VALUES:
             setattr(self, name, copy.copy(state[name]))
-        self.scalars = None if state["scalars"] is None else state["scalars"].to(self.device)
-        received = state.get("received")  # absent from states written before pipeline summaries
-        if received is not None and tuple(received.shape) == tuple(self.received.shape):
-            self.received.copy_(received.to(self.device))
-        else:
-            self.received.zero_()
-
-
-class StepSummary:
-    """One rank's per-step sums of its MoE layers' records, as one [L, W] float64 tensor in a fixed layout: what a
-    pipeline stage sends to the rank that writes metrics (summed over the stages, each layer on exactly one of
-    them, so the sum is their union), which feeds it to its :class:`RoutingStats` with
-    :meth:`RoutingStats.observe_summaries`. The sums are what :meth:`RoutingStats.observe` would have added for
-    each record, so the receiving rank's statistics equal those of a rank that observed the layers itself.
-
-    Row layout (per layer; K = ``len(loss_names)``, offsets in the attributes):
-
-    - device part: entropy sum, z sum, dropped sum (records with a scalar dropped count), the K loss sums;
-    - ``host``: micro-batches, tokens (router rows), drop mode (0 none, 1 scalar, 2 per expert), expert bias
-      present (0 / 1), then K flags: the layer reported that loss;
-    - ``vectors``: tokens [E], dropped [E] (per-expert drop reports), the router's expert bias [E] after the step.
-
-    Args:
-        n_layers: L, the MoE layers of the whole model (rows; a rank fills its own).
-        num_experts: E.
-        loss_names: the record's loss fields (``find_loss_fields`` of the record class), the same on every rank.
-        device: where the rows live.
-    """
-
-    def __init__(self, n_layers: int, num_experts: int, loss_names: list[str], device: torch.device):
-        self.n_layers, self.num_experts, self.loss_names, self.device = n_layers, num_experts, list(loss_names), device
-        k = len(self.loss_names)
-        self.loss = 3  # first loss sum
-        self.host = 3 + k  # first host-side column
-        self.vectors = self.host + 4 + k  # first vector column
-        self.width = self.vectors + 3 * num_experts
-        self._reset()
-
-    def _reset(self) -> None:
-        self._scalars: list[list[torch.Tensor]] = [[] for _ in range(self.n_layers)]
-        self._vectors: list[list[torch.Tensor]] = [[] for _ in range(self.n_layers)]
-        self._host = [[0.0] * (4 + len(self.loss_names)) for _ in range(self.n_layers)]
-
-    def add(self, pos: int, record: Any) -> None:
-        """Add one micro-batch of layer ``pos`` (its record, as :meth:`RoutingStats.observe` takes it): about five
-        small kernels, no host sync."""
-        entropy_sum, z_sum = entropy_and_z_sums(record.router_logits)
-        zero = entropy_sum.new_zeros(())
-        e = self.num_experts
-        drop = find_drop_field(record)
-        dropped = getattr(record, drop) if drop else None
-        mode = 0 if not isinstance(dropped, torch.Tensor) else (2 if dropped.numel() == e else 1)
-        host = self._host[pos]
-        losses = []
-        for k, name in enumerate(self.loss_names):
-            value = getattr(record, name, None)
-            present = isinstance(value, torch.Tensor) and value.dim() == 0
-            host[4 + k] = max(host[4 + k], float(present))
-            losses.append(value.detach().float() if isinstance(value, torch.Tensor) and present else zero)
-        drop_sum = dropped.detach().float().sum() if mode == 1 and dropped is not None else zero
-        self._scalars[pos].append(torch.stack([entropy_sum, z_sum, drop_sum, *losses]))
-        per_expert = dropped.detach().float() if mode == 2 and dropped is not None else zero.new_zeros(e)
-        self._vectors[pos].append(torch.cat([record.tokens_per_expert.detach().float(), per_expert]))
-        host[0] += 1
-        host[1] += record.router_logits.shape[0]
-        host[2] = max(host[2], float(mode))
-
-    def take(self, biases: list[torch.Tensor | None] | None = None) -> torch.Tensor:
-        """The step's rows [L, W] (zeros for layers this rank did not observe), then start the next step.
-
-        Args:
-            biases: optional [E] aux-loss-free bias per layer (``None`` where the layer has none or is not here).
-        """
-        f64, e = torch.float64, self.num_experts
-        zeros = torch.zeros(self.host, device=self.device, dtype=f64)
-        scalars = torch.stack([torch.stack(q).to(f64).sum(0) if q else zeros for q in self._scalars])
-        vec_zero = torch.zeros(2 * e, device=self.device, dtype=f64)
-        vectors = torch.stack([torch.stack(q).to(f64).sum(0) if q else vec_zero for q in self._vectors])
-        bias = torch.zeros(self.n_layers, e, device=self.device, dtype=f64)
-        for pos, b in enumerate(biases or []):
-            if b is not None:
-                bias[pos] = b.detach().to(f64)
-                self._host[pos][3] = 1.0
-        host = torch.tensor(self._host, dtype=f64).to(self.device)  # host values: one copy, no sync
-        self._reset()
-        return torch.cat([scalars, host, vectors, bias], dim=1)
+        if state["loss_names"] is not None:
+            self._start(state["loss_names"])
+            self.scalars = state["scalars"].to(self.device)
 
 
 class LoadStatistics(TypedDict):
