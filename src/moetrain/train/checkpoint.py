@@ -1,16 +1,11 @@
 """Atomic, verified checkpoints on a local disk or any fsspec URL (``s3://bucket/prefix`` via s3fs, ...).
 
-Layout of ``ROOT/step_00000100/`` and who writes what: docs/train-state.md. ``manifest.json``, written last, holds
-the size and SHA-256 of every file and of its own content; a checkpoint is trusted only after every file read
-matches it, and each file is read once (the verified bytes are what gets deserialised).
-
-Crash safety (docs/checkpoints.md). Locally a checkpoint is built in a hidden ``.tmp-step_...`` directory, every
-file and the directory fsynced, then renamed into place: a crash leaves the complete checkpoint or none (a stale
-temporary directory, removed by the next save). Object stores have no atomic rename: the files are uploaded into
-``step_.../`` and the manifest last, so an incomplete checkpoint never verifies. A sharded save
-(:mod:`moetrain.train.checkpointer`) goes through the same staging: :meth:`CheckpointStore.begin`, every rank's
-:meth:`CheckpointStore.digest`, rank 0's :meth:`CheckpointStore.commit`. :meth:`CheckpointStore.replace_files`
-rewrites some files of a local checkpoint the same way, swapping the new version in by two renames.
+Layout of ``ROOT/step_00000100/``: docs/train-state.md; crash safety: docs/checkpoints.md. ``manifest.json``,
+written last, holds the size and SHA-256 of every file and of its own content; a checkpoint is trusted only after
+every file read matches it, and each file is read once (the verified bytes are what gets deserialised). Locally a
+checkpoint is built in a hidden ``.tmp-step_...`` directory, fsynced and renamed into place; on an object store
+the manifest is uploaded last. A sharded save (:mod:`moetrain.train.checkpointer`) stages the same way:
+:meth:`CheckpointStore.begin`, every rank's :meth:`CheckpointStore.digest`, rank 0's :meth:`CheckpointStore.commit`.
 
 Fault injection (tests only): ``MOETRAIN_CKPT_WRITE_DELAY=SECONDS`` sleeps after each file written, so a test can
 kill the process in the middle of a checkpoint write; :func:`_replace_stage` is called between the steps of a file
@@ -197,9 +192,8 @@ class LoadedCheckpoint:
         return self.store.root / self.name if self.store is not None and self.store.local else None
 
     def verify_file(self, file: str, copy_to: Path | None = None) -> None:
-        """Read deferred ``file`` once from the store and check its size and SHA-256 against the manifest (8 MiB at a
-        time, never the whole file in memory); with ``copy_to``, the bytes read are written there too (an object
-        store's file downloaded and verified in one read).
+        """Read deferred ``file`` once from the store (8 MiB at a time) and check its size and SHA-256 against the
+        manifest; with ``copy_to``, the bytes read are written there too (a download verified in one read).
 
         Raises:
             CorruptCheckpoint: the file is missing, of another size, or of another SHA-256 (the message names it).
@@ -377,10 +371,8 @@ class CheckpointStore:
 
     # -- writing -----------------------------------------------------------------------------------------------
     def save(self, step: int, files: dict[str, bytes]) -> str:
-        """Write checkpoint ``step`` with ``files`` (name -> bytes) and its manifest; returns its location.
-
-        Re-saving an existing step replaces it (locally: the old one is renamed away only after the new one is
-        complete on disk).
+        """Write checkpoint ``step`` with ``files`` (name -> bytes) and its manifest (:meth:`begin`, :meth:`commit`;
+        a re-saved step is replaced); returns its location.
 
         Raises:
             MachineError: a local write failed (full or read-only disk); its temporary directory is removed.
@@ -388,11 +380,9 @@ class CheckpointStore:
         return self.commit(step, self.begin(step), files)
 
     def begin(self, step: int) -> "Staging":
-        """Where checkpoint ``step``'s files are written before :meth:`commit` publishes them (one writer, rank 0 of
-        a sharded save, calls it; every rank may then write into it). Locally a fresh hidden
-        ``.tmp-step_...-PID`` directory, the temporary directories of crashed saves removed first; on an object
-        store the checkpoint's own prefix, whose old manifest (a re-saved step) is deleted first so that nothing
-        half-written ever verifies.
+        """Where checkpoint ``step``'s files are written before :meth:`commit` publishes them (called by one writer;
+        every rank may then write into it): locally a fresh ``.tmp-step_...-PID`` directory (crashed saves' removed
+        first); on an object store the checkpoint's own prefix, its old manifest (a re-saved step) deleted first.
 
         Raises:
             MachineError: a local write failed (full or read-only disk).
@@ -434,10 +424,9 @@ class CheckpointStore:
 
     def commit(self, step: int, staging: "Staging", files: dict[str, bytes],
                digests: dict[str, dict[str, Any]] | None = None) -> str:
-        """Write ``files`` into ``staging`` and the manifest of those and of ``digests`` (files already there:
-        other ranks' shards, as :meth:`digest` measured them), then publish the checkpoint: locally every file
-        fsynced and the directory renamed into place (a re-saved step's old directory renamed away only then);
-        remotely the manifest uploaded last. Returns the checkpoint's location.
+        """Write ``files`` into ``staging`` and the manifest of those and of ``digests`` (files already there, as
+        :meth:`digest` measured them), then publish: locally fsynced and renamed into place, remotely the manifest
+        uploaded last. Returns the checkpoint's location.
 
         Raises:
             MachineError: a local write failed; the temporary directory is removed, every earlier checkpoint intact.
@@ -510,9 +499,8 @@ class CheckpointStore:
         return manifest if isinstance(manifest, dict) else None
 
     def replace_files(self, ckpt: LoadedCheckpoint, new: dict[str, bytes], meta: dict[str, Any]) -> bool:
-        """Replace some files of a verified local checkpoint (the other files and the step unchanged) and record
-        ``meta`` in its new manifest; crash-safe (module docstring): every moment, what is under the checkpoint's
-        name verifies. Returns ``False`` (nothing done) on an object store, which has no atomic rename, and for a
+        """Replace some files of a verified local checkpoint and record ``meta`` in its new manifest, crash-safely
+        (docs/checkpoints.md). Returns ``False`` (nothing done) on an object store (no atomic rename) and for a
         checkpoint read with deferred files.
 
         Args:

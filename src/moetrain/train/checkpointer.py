@@ -12,10 +12,9 @@ before use), both with the run's ``tokenizer.json`` and ``config.json``:
   (:func:`save_sharded`); on load every rank verifies only the shard files it reads.
 
 Either format loads into any layout (DCP reshards). With ``optimizer_state="newest"`` the older kept checkpoints of
-the single format on local storage lose their ``optimizer`` entry (docs/checkpoints.md); a checkpoint without it
-loads with fresh AdamW moments and a one-line warning. The on-disk layout is format 1, unchanged since before the
-``Checkpointer`` existed (tests/data/legacy_checkpoints). A sharded run's local checkpoint location must be a file
-system every rank sees (as DCP's ``FileSystemWriter`` assumes); an object store (``s3://...``) needs nothing shared.
+the single format on local storage lose their ``optimizer`` entry (docs/checkpoints.md). The on-disk layout is
+format 1 (tests/data/legacy_checkpoints). A sharded run's local checkpoint location must be a file system every rank
+sees (as DCP's ``FileSystemWriter`` assumes); an object store (``s3://...``) needs nothing shared.
 """
 
 from __future__ import annotations
@@ -87,9 +86,9 @@ class Checkpointer:
     def latest(self, warn: Callable[[str], None] = print, before: str | None = None
                ) -> tuple[LoadedCheckpoint | None, list[str]]:
         """The newest checkpoint (older than ``before`` if given) that verifies and the names of newer ones that did
-        not (each reported through ``warn``). Every file is read once and checked, except a sharded checkpoint's
-        shard files: those are checked for presence and size here, and each is hashed by the ranks that read it
-        when :meth:`load` runs (which raises :class:`~moetrain.train.checkpoint.CorruptCheckpoint` for a bad one)."""
+        not (each reported through ``warn``). A sharded checkpoint's shard files are only checked for presence and
+        size here; each is hashed by the ranks that read it in :meth:`load`
+        (:class:`~moetrain.train.checkpoint.CorruptCheckpoint` for a bad one)."""
         return self.store.latest_valid(warn=warn, defer=dcp.is_shard_file, before=before)
 
     # -- saving ------------------------------------------------------------------------------------------------
@@ -173,11 +172,9 @@ def load_weights(ckpt: LoadedCheckpoint, model: nn.Module, optimizer: torch.opti
                  layout: ShardLayout, saved: dict[str, Any] | None = None,
                  warn: Callable[[str], None] = print) -> None:
     """Load the model (and, given one, the optimizer) of a verified checkpoint of either format into ``layout``:
-    sharded files are resharded by DCP, each rank verifying the shard files it reads; a single-format checkpoint
-    loads as it is in one process, and through DCP's planner into a distributed layout (FSDP2 shards, expert
-    rows, a pipeline rank's stages: :func:`moetrain.parallel.dcp.load_full`). A single-format checkpoint without
-    optimizer state leaves ``optimizer`` as it is (fresh: its moments start from zero at the next step) and calls
-    ``warn`` with one line naming the checkpoint.
+    sharded files through DCP (:func:`moetrain.parallel.dcp.load_checkpoint`), a single-format checkpoint as it is in
+    one process or through DCP's planner into a distributed layout (:func:`moetrain.parallel.dcp.load_full`). A
+    checkpoint without optimizer state leaves ``optimizer`` fresh and says so through ``warn``.
 
     Args:
         saved: ``ckpt.train_state()`` if already read (the single format's optimizer is in it).
@@ -292,13 +289,11 @@ def _publish(store: CheckpointStore, step: int, staging: Staging, parts: list[di
 
 
 def save_sharded(store: CheckpointStore, state: TrainState, layout: ShardLayout, run_files: dict[str, bytes]) -> str:
-    """Write checkpoint ``state.step`` of a distributed layout, every rank in parallel (a collective): rank 0 opens
-    the staging location (:meth:`CheckpointStore.begin`) and broadcasts it; every rank writes its shards there
-    (:func:`moetrain.parallel.dcp.write_shards`) and hashes them as stored; rank 0 gathers the digests (strings,
-    never file bytes), writes ``train_state.pt``, ``moetrain.json``, ``run_files`` and the manifest, publishes
-    (:meth:`CheckpointStore.commit`) and tells every rank the outcome. A kill at any moment leaves the earlier
-    checkpoints and either the new complete one or an unpublished staging directory. Returns the checkpoint's
-    location on every rank.
+    """Write checkpoint ``state.step`` of a distributed layout (a collective): rank 0 opens the staging location
+    (:meth:`CheckpointStore.begin`) and broadcasts it; every rank writes its shards there
+    (:func:`moetrain.parallel.dcp.write_shards`) and hashes them as stored; rank 0 gathers the digests, writes
+    ``train_state.pt``, ``moetrain.json``, ``run_files`` and the manifest, publishes (:meth:`CheckpointStore.commit`)
+    and tells every rank the outcome. Returns the checkpoint's location on every rank.
 
     Raises:
         MachineError: a write failed on some rank (every rank raises).
