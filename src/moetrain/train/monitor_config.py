@@ -37,11 +37,10 @@ class MonitorConfig:
             logging interval keeps short bursts out: small routers with near-uniform probabilities can send most
             tokens of a few consecutive steps to the same experts and then move on (the ``tiny`` preset does).
         collapse_from_step: no collapse alarm at logging steps before this one (>= 0); ``None``: the end of the
-            learning-rate warm-up (``train.warmup_steps``; the trainer fills it in). While the routers have barely
-            moved from their initialisation, near-uniform routers can send most of a layer's tokens to one expert
-            for a stretch of steps and then spread them (``cpu-small``'s last layer at steps 11-30 of its 60-step
-            warm-up: share 0.97, 0.57 at step 40, under 0.45 from step 50 on). A collapse that lasts past this
-            step is still reported, at the first logging step from it on: the window then still holds it.
+            learning-rate warm-up (``train.warmup_steps``; the trainer fills it in): near-uniform routers that have
+            barely moved from their initialisation can send most of a layer's tokens to one expert for a stretch of
+            steps and then spread them. A collapse that lasts past this step is reported at the first logging step
+            from it on (the window still holds it).
         drop_fraction: token-drop alarm when more than this fraction of a layer's (token, expert) assignments was
             dropped by the capacity limit over a logging interval (in [0, 1]; 1.0 never fires). Only for layers
             whose record reports dropped counts.

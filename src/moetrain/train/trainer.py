@@ -83,10 +83,8 @@ def build_optimizer(model: torch.nn.Module, config: Config) -> torch.optim.AdamW
 
     PyTorch's fused implementation (one kernel over all tensors; transformers' Trainer default ``adamw_torch_fused``)
     when every parameter is a floating-point CPU or CUDA tensor, plain or an FSDP2 ``DTensor`` shard (DTensor runs
-    ``_fused_adamw_`` on the local shards): on this project's 2-core CPU it steps the earlier (hidden 256)
-    cpu-small's 15.5M parameters in ~13 ms instead of ~40 ms for the per-tensor loop, and on DTensors the loop
-    dispatches each of its ~10 ops per parameter through DTensor (~64 of a 2-rank data-parallel tiny step's
-    ~235 ms on an AMD EPYC, against ~5 ms fused). Otherwise the default."""
+    ``_fused_adamw_`` on the local shards; the per-tensor loop would dispatch each of its ~10 ops per parameter
+    through DTensor); otherwise the default."""
     t = config.train
     groups = param_groups(model.named_parameters(), config)
     params = [p for g in groups for p in g.params]
