@@ -52,14 +52,10 @@ class TrainConfig:
         milestone_every: checkpoints at multiples of this step are never deleted (0: none are kept beyond
             ``keep_checkpoints``).
         optimizer_state: which checkpoints keep the optimizer state (AdamW's two moments per parameter, twice the
-            fp32 weights' bytes). ``newest`` (default): once a checkpoint is committed, the older ones kept beside it
-            (``keep_checkpoints``, milestones) are rewritten without it, crash-safely; they keep the weights, expert
-            biases, LR schedule, data position, RNG and counters, so eval / generate / export use them as before,
-            and a resume from one (e.g. after the newest was deleted or found corrupt) loads everything but the
-            moments, which restart from zero, with a one-line warning (the run then no longer equals an
-            uninterrupted one exactly). ``all``: every checkpoint keeps it (any one resumes exactly). Sharded
-            (torchrun, DCP) checkpoints and those on object stores always keep it: the moments share the DCP shards
-            with the weights, and object stores have no atomic rename (train/checkpointer.py).
+            fp32 weights' bytes). ``newest`` (default): once a checkpoint is committed, the older kept ones are
+            rewritten without it, crash-safely; they still serve eval / generate / export, and a resume from one
+            restarts the moments from zero with a one-line warning (docs/checkpoints.md). ``all``: every checkpoint
+            keeps it (any one resumes exactly). Sharded (torchrun, DCP) and object-store checkpoints always keep it.
         checkpoint_url: where checkpoints go: ``None`` = ``RUN_DIR/checkpoints``; an absolute local path or an fsspec
             URL such as ``s3://bucket/prefix`` (needs s3fs; endpoint and credentials from the AWS environment
             variables).

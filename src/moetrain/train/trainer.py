@@ -405,15 +405,19 @@ class Trainer:
                                                            if record["torchrun_restart"] else ""))
         return metrics
 
-    def _find_checkpoint(self, checkpointer: Checkpointer) -> tuple[LoadedCheckpoint | None, list[str]]:
-        """The checkpoint to resume from (``None`` without ``--resume``) and the names of newer corrupt ones.
+    def _find_checkpoint(self, checkpointer: Checkpointer, corrupt: list[str] | None = None,
+                         before: str | None = None) -> tuple[LoadedCheckpoint | None, list[str]]:
+        """The checkpoint to resume from (``None`` without ``--resume``; older than ``before`` if given) and the
+        names of the corrupt ones (``corrupt``, extended in place with the newer ones that failed verification).
 
         Raises:
             CheckpointError: ``--resume`` and every checkpoint is corrupt; or a new run whose checkpoint location
                 already holds another run's checkpoints.
         """
         store = checkpointer.store
-        ckpt, corrupt = checkpointer.latest(warn=self.log) if self.resume else (None, [])
+        ckpt, skipped = checkpointer.latest(warn=self.log, before=before) if self.resume else (None, [])
+        corrupt = [] if corrupt is None else corrupt
+        corrupt.extend(skipped)
         if self.resume and ckpt is None and corrupt:
             raise CheckpointError(f"--resume: no checkpoint in {store.url} verifies ({len(corrupt)} failed; see the "
                                   "warnings above)")
@@ -475,11 +479,8 @@ class Trainer:
             except CorruptCheckpoint as e:
                 self.log(f"warning: skipping checkpoint {ckpt.location}: {e}")
                 corrupt.append(ckpt.name)
-                older, skipped = checkpointer.latest(warn=self.log, before=ckpt.name)
-                corrupt.extend(skipped)
-                if older is None:
-                    raise CheckpointError(f"--resume: no checkpoint in {checkpointer.store.url} verifies "
-                                          f"({len(corrupt)} failed; see the warnings above)") from None
+                older, _ = self._find_checkpoint(checkpointer, corrupt, before=ckpt.name)
+                assert older is not None  # _find_checkpoint raised if none verifies: corrupt is not empty
                 ckpt = older
         t = self.config.train
         require_steps_reach(t.steps, state.step, ckpt.location)
