@@ -58,11 +58,6 @@ class Alert:
         """The one line printed to the console."""
         return f"ALARM [{self.kind}] step {self.step}: {self.message}. Remedy: {self.remedy}."
 
-    def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["experts"] = list(self.experts)
-        return d
-
 
 class TrainingAlarm(MoetrainError):
     """A fatal alarm (``monitor.fatal``) stopped training; the CLI prints the message and exits with status 2."""
@@ -188,7 +183,7 @@ class AlertTracker:
             # a full disk fails the buffered write with an errno but no file name: name the file here
             with writing("the alarm log", self.path), open(self.path, "a") as f:
                 for alert in new:
-                    f.write(json_line(alert.to_json()))
+                    f.write(json_line(asdict(alert)))  # experts: a JSON list
         for alert in new:
             self.log(alert.line())
             if alert.fatal and self.fatal is None:

@@ -212,12 +212,6 @@ class RoutingMonitor:
             self._tensorboard(snap, writer, step)
         return snapshot_record(snap, self.config.dead_steps, self.top_k)
 
-    @property
-    def fatal(self) -> TrainingAlarm | None:
-        """The error for the first fatal alarm raised so far, else ``None``."""
-        alert = self.alerts.fatal
-        return TrainingAlarm(alert) if alert is not None else None
-
     def raise_if_fatal(self, checkpoint: Callable[[], Any] | None = None) -> None:
         """If a fatal alarm fired: write a checkpoint through ``checkpoint()`` (skipped for a non-finite loss,
         whose weights may be non-finite: the previous checkpoint stays the newest), then raise it.
