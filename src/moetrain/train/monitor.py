@@ -50,18 +50,6 @@ def colorize(values: np.ndarray, vmax: float) -> np.ndarray:
     return rgb
 
 
-def _router_bias(layer: torch.nn.Module, num_experts: int) -> torch.Tensor | None:
-    """The layer's aux-loss-free routing bias: a router buffer [E] whose name contains ``bias`` (``None`` if the
-    router has none)."""
-    router: torch.nn.Module | None = getattr(layer, "router", None)
-    if router is None:
-        return None
-    for name, buf in router.named_buffers(recurse=False):
-        if "bias" in name and buf is not None and tuple(buf.shape) == (num_experts,):
-            return buf
-    return None
-
-
 @dataclass(frozen=True)
 class StageRouting:
     """How a pipeline rank's monitor reaches the rank that writes metrics (built by the pipeline engine:
@@ -192,7 +180,7 @@ class RoutingMonitor:
         """[E] aux-loss-free bias of every layer of the statistics (``None`` where there is none)."""
         out: list[torch.Tensor | None] = [None] * len(self.stats.layer_ids)
         for pos, (_, layer) in zip(self.positions, self.layers):
-            out[pos] = _router_bias(layer, self.num_experts)
+            out[pos] = layer.router.e_score_correction_bias
         if self._remote_bias is not None:
             for pos in self.remote:
                 out[pos] = self._remote_bias[pos]
