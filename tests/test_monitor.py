@@ -438,9 +438,9 @@ def test_folding_the_queue_in_batches_changes_nothing():
 
 
 def test_step_summaries_from_another_rank_equal_observing_the_layers():
-    """A pipeline's exchange (StepSummary rows summed over ranks, fed by observe_summaries) gives the statistics of
-    a rank that observed every layer itself: with one layer local and one remote, with both remote (the record
-    layout then comes from the rows), and across a resume in the middle of a logging interval."""
+    """A pipeline's exchange (each rank's StepSummary rows, summed over the ranks, given to end_step) gives the
+    statistics of a rank that observed every layer itself: with some layers on each rank, all on the other one,
+    and across a resume in the middle of a logging interval."""
     from moetrain.train.routing_stats import StepSummary, find_loss_fields
 
     gen = torch.Generator().manual_seed(3)
@@ -455,9 +455,11 @@ def test_step_summaries_from_another_rank_equal_observing_the_layers():
         return RoutingStats([1, 3, 5], num_experts=4, top_k=2, device=torch.device("cpu"), spike_window=4,
                             spike_warmup=2, collapse_window=3)
 
-    def run(local: set[int], resume_at: int | None = None) -> list[dict]:
+    def run(local: set[int] | None, resume_at: int | None = None) -> list[dict]:
+        """``local`` None: every record observed directly (``observe``); else the records of layers ``local`` in
+        this rank's StepSummary and the others in another rank's, their rows summed."""
         stats, snaps = make(), []
-        other = StepSummary(3, 4, find_loss_fields(FakeAux), torch.device("cpu"))  # the other rank's exchange
+        mine, other = (StepSummary(3, 4, find_loss_fields(FakeAux), torch.device("cpu")) for _ in range(2))
         for step in range(1, 8):
             if step == resume_at:
                 state = stats.state_dict()
@@ -465,16 +467,21 @@ def test_step_summaries_from_another_rank_equal_observing_the_layers():
                 stats.load_state_dict(state)
             for micro in records[step - 1]:
                 for pos, record in enumerate(micro):
-                    (stats.observe if pos in local else other.add)(pos, record)
-            stats.observe_summaries(other.take(), [p for p in range(3) if p not in local], other)
-            stats.end_step(step, torch.tensor(losses[step - 1]))
+                    if local is None:
+                        stats.observe(pos, record)
+                    else:
+                        (mine if pos in local else other).add(pos, record)
+            if local is None:
+                stats.end_step(step, torch.tensor(losses[step - 1]))
+            else:
+                stats.end_step(step, torch.tensor(losses[step - 1]), mine, mine.take() + other.take())
             if step in (4, 7):
                 snaps.append(dataclasses.asdict(stats.snapshot()))
         return snaps
 
-    direct = run({0, 1, 2})
+    direct = run(None)
     assert direct[0]["layers"][1]["drop_fraction"] is not None and direct[0]["layers"][1]["losses"]
-    for got in (run({0}), run({1}), run(set()), run({2}, resume_at=3)):
+    for got in (run({0}), run({1}), run(set()), run({0, 1, 2}), run({2}, resume_at=3)):
         for g, want in zip(got, direct):
             for gl, wl in zip(g.pop("layers"), want["layers"]):
                 assert gl["tokens"] == wl["tokens"] and gl["idle"] == wl["idle"]
@@ -483,6 +490,10 @@ def test_step_summaries_from_another_rank_equal_observing_the_layers():
                     assert (gl[key] is None) if wl[key] is None else gl[key] == pytest.approx(wl[key], rel=1e-12)
                 assert gl["losses"] == pytest.approx(wl["losses"], rel=1e-12)
             assert g == {k: v for k, v in want.items() if k != "layers"}
+    stats = make()
+    stats.observe(0, records[0][0][0])
+    with pytest.raises(ValueError, match=r"loss fields \['aux_loss'\], the earlier records' were \['aux_loss', 'z_lo"):
+        stats.end_step(1, 2.0, StepSummary(3, 4, ["aux_loss"], torch.device("cpu")))
 
 
 def test_resumed_monitor_drops_alarms_of_steps_after_the_checkpoint(tmp_path):

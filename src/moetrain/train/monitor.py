@@ -25,11 +25,12 @@ import numpy as np
 import torch
 from tensorboard.compat.proto.summary_pb2 import Summary
 
+from moetrain.moe.layer import MoEAux
 from moetrain.parallel.ac import in_recompute
 from moetrain.train.alerts import ALERTS_FILE, AlertTracker, TrainingAlarm
 from moetrain.train.metrics import truncate_records
 from moetrain.train.monitor_config import MonitorConfig
-from moetrain.train.routing_stats import RoutingStats, Snapshot, StepSummary
+from moetrain.train.routing_stats import RoutingStats, Snapshot, StepSummary, find_loss_fields
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
@@ -106,8 +107,9 @@ class RoutingMonitor:
         self.positions = [layer_ids.index(i) for i, _ in self.layers]  # each local layer's row
         self.remote = [p for p in range(len(layer_ids)) if p not in set(self.positions)]
         self.main = stages is None or stages.main  # writes metrics and alarms
-        # The per-step exchange of a pipeline (rank 0's summary stays empty: it observes its layers directly).
-        self.summary = StepSummary(len(layer_ids), self.num_experts, stages.loss_names, device) if stages else None
+        # This rank's records of a step (a pipeline's rank 0 receives the other stages' rows summed with its own).
+        loss_names = stages.loss_names if stages else find_loss_fields(MoEAux)
+        self.summary = StepSummary(len(layer_ids), self.num_experts, loss_names, device)
         self._remote_bias: torch.Tensor | None = None  # [L, E] the other stages' biases after the last step
         self.stats = RoutingStats(layer_ids, self.num_experts, self.top_k, device,
                                   config.spike_window, config.spike_warmup, start_step, config.collapse_window)
@@ -146,35 +148,25 @@ class RoutingMonitor:
             # pre-pass of the global-batch aux loss (MoETransformer.moe_counts) must not count.
             # A layer recomputed by activation checkpointing (moetrain.parallel.ac) runs again inside backward.
             if module.training and torch.is_grad_enabled() and isinstance(output, tuple) and not in_recompute():
-                if self.main:
-                    self.stats.observe(pos, output[-1])
-                else:
-                    assert self.summary is not None  # a pipeline rank other than rank 0
-                    self.summary.add(pos, output[-1])
+                self.summary.add(pos, output[-1])
 
         return hook
 
     def end_step(self, step: int, lm_loss: torch.Tensor | float | None) -> None:
         """Close optimizer step ``step`` (steps done so far); ``lm_loss`` is the step's scalar LM loss (device
-        tensor: no host sync). In a pipeline, first the other stages' sums reach rank 0 (a collective)."""
+        tensor: no host sync). In a pipeline, first every stage's rows (with its routers' biases) reach rank 0 (a
+        collective)."""
         if not self.enabled:
             return
+        rows = None
         if self.routing is not None:
-            self._exchange()
-        if self.main:
-            self.stats.end_step(step, lm_loss)
-
-    def _exchange(self) -> None:
-        """The pipeline's per-step reduce: this rank's :class:`StepSummary` rows (with its routers' biases) to
-        rank 0, which adds the other stages' layers to its statistics."""
-        assert self.routing is not None and self.summary is not None
-        biases = self._biases() if not self.main and self.routing.expert_bias else None  # this rank's layers only
-        reduced = self.routing.reduce(self.summary.take(biases))
-        if self.main and reduced is not None:
-            self.stats.observe_summaries(reduced, self.remote, self.summary)
-            if self.routing.expert_bias:
+            biases = self._biases() if not self.main and self.routing.expert_bias else None  # this rank's layers only
+            rows = self.routing.reduce(self.summary.take(biases))
+            if self.main and rows is not None and self.routing.expert_bias:
                 at = self.summary.vectors + 2 * self.num_experts
-                self._remote_bias = reduced[:, at:at + self.num_experts].clone()
+                self._remote_bias = rows[:, at:at + self.num_experts].clone()
+        if self.main:
+            self.stats.end_step(step, lm_loss, self.summary, rows)
 
     def _biases(self) -> list[torch.Tensor | None]:
         """[E] aux-loss-free bias of every layer of the statistics (``None`` where there is none)."""

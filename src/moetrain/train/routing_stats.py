@@ -139,10 +139,9 @@ def _device_index(cache: dict[tuple[int, ...], torch.Tensor], values: tuple[int,
 
 
 class StepSummary:
-    """One rank's per-step sums of its MoE layers' records, as one [L, W] float64 tensor in a fixed layout: how
-    :class:`RoutingStats` collects every record (:meth:`RoutingStats.observe`), and what a pipeline stage sends to
-    the rank that writes metrics (summed over the stages, each layer on exactly one of them, so the sum is their
-    union; :meth:`RoutingStats.observe_summaries`).
+    """One rank's per-step sums of its MoE layers' records, as one [L, W] float64 tensor in a fixed layout: what
+    :class:`RoutingStats` accumulates (:meth:`RoutingStats.end_step`), and what a pipeline stage sends to the rank
+    that writes metrics (summed over the stages, each layer on exactly one of them, so the sum is their union).
 
     Row layout (per layer; K = ``len(loss_names)``, offsets in the attributes):
 
@@ -238,9 +237,9 @@ class StepSummary:
 class RoutingStats:
     """Device-side accumulators for L MoE layers of E experts each (top-K routing).
 
-    Feed it with :meth:`observe` (every training micro-batch, every MoE layer) and :meth:`end_step` (after each
-    optimizer step); read it with :meth:`snapshot` at logging steps, which also starts a new interval. Each step's
-    records are summed into one :class:`StepSummary` row block; the blocks are queued and folded at each snapshot or
+    Feed it with :meth:`observe` (every training micro-batch, every MoE layer; or a :class:`StepSummary` of one's
+    own) and :meth:`end_step` (after each optimizer step); read it with :meth:`snapshot` at logging steps, which also
+    starts a new interval. Each step's :class:`StepSummary` rows are queued and folded at each snapshot or
     every ``FOLD_EVERY`` steps, the per-step quantities (idle experts, the collapse window) vectorised over the
     queued steps; the non-finite and loss-spike checks run on the host over every step.
 
@@ -272,7 +271,6 @@ class RoutingStats:
         # The record layout (loss fields), fixed by the first record or summary seen.
         self.summary: StepSummary | None = None
         self.scalars: torch.Tensor | None = None  # [L, summary.vectors] interval sums of the scalar and host columns
-        self._received: torch.Tensor | None = None  # [L, W] other ranks' rows of the step being run
         # The queue: per closed step its number, rows [L, W] (None: nothing observed yet) and LM loss.
         self._steps: list[int] = []
         self._rows: list[torch.Tensor | None] = []
@@ -289,52 +287,50 @@ class RoutingStats:
         self.step = start_step
         self.interval_start = start_step
 
-    def _start(self, loss_names: list[str]) -> StepSummary:
-        """Fix the record layout (on the first record or summary seen, or from a checkpoint)."""
-        self.summary = StepSummary(len(self.layer_ids), self.num_experts, loss_names, self.device)
-        self.scalars = torch.zeros(len(self.layer_ids), self.summary.vectors, device=self.device, dtype=torch.float64)
+    def _layout(self, loss_names: list[str]) -> StepSummary:
+        """The record layout, fixed by the first record or summary seen (or a checkpoint): this instance's own
+        :class:`StepSummary`, which :meth:`observe` fills.
+
+        Raises:
+            ValueError: ``loss_names`` differ from the layout's.
+        """
+        if self.summary is None:
+            self.summary = StepSummary(len(self.layer_ids), self.num_experts, loss_names, self.device)
+            self.scalars = torch.zeros(len(self.layer_ids), self.summary.vectors, device=self.device,
+                                       dtype=torch.float64)
+        elif self.summary.loss_names != list(loss_names):
+            raise ValueError(f"routing statistics: loss fields {list(loss_names)}, the earlier records' were "
+                             f"{self.summary.loss_names}")
         return self.summary
 
     # -- per micro-batch ---------------------------------------------------------------------------------------
     def observe(self, pos: int, record: Any) -> None:
-        """Add one micro-batch of MoE layer ``pos`` (0-based among MoE layers; :meth:`StepSummary.add`). No host
-        sync."""
-        (self.summary or self._start(find_loss_fields(record))).add(pos, record)
-
-    def observe_summaries(self, rows: torch.Tensor, positions: list[int], summary: "StepSummary") -> None:
-        """Add one optimizer step of MoE layers ``positions`` observed by other ranks: their rows of a
-        :class:`StepSummary` (summed over the ranks); call before :meth:`end_step`. Device kernels only.
-
-        Args:
-            rows: [L, W] float64 :meth:`StepSummary.take` output (``W = summary.width``), on this device.
-            positions: the layers (positions in ``layer_ids``) to take from ``rows``.
-            summary: the layout of ``rows``.
-        Raises:
-            ValueError: ``summary`` has other loss fields than the records observed here.
-        """
-        if not positions:
-            return
-        mine = self.summary or self._start(summary.loss_names)
-        if mine.loss_names != summary.loss_names:
-            raise ValueError(f"observe_summaries: loss fields {summary.loss_names}, the records observed here have "
-                             f"{mine.loss_names}")
-        idx = _device_index(self._index_cache, tuple(positions), self.device)
-        received = self._received if self._received is not None else torch.zeros_like(rows)
-        self._received = received.index_add_(0, idx, rows.index_select(0, idx))
+        """Add one micro-batch of MoE layer ``pos`` (0-based among MoE layers) to this instance's own
+        :class:`StepSummary` (:meth:`StepSummary.add`). No host sync."""
+        (self.summary or self._layout(find_loss_fields(record))).add(pos, record)
 
     # -- per optimizer step ------------------------------------------------------------------------------------
-    def end_step(self, step: int, lm_loss: torch.Tensor | float | None = None) -> None:
+    def end_step(self, step: int, lm_loss: torch.Tensor | float | None = None, summary: StepSummary | None = None,
+                 rows: torch.Tensor | None = None) -> None:
         """Close optimizer step ``step`` (1-based count of steps done) with its LM loss (a scalar tensor; a float
-        works too). A few kernels (the step's rows), no host sync."""
+        works too) and its records' sums. A few kernels (the step's rows), no host sync.
+
+        Args:
+            summary: the :class:`StepSummary` the step's records were added to; default: the one :meth:`observe`
+                fills.
+            rows: [L, W] float64 the step's rows in ``summary``'s layout (a pipeline's sum over its ranks, each layer
+                on one of them); default: ``summary.take()``.
+        Raises:
+            ValueError: ``summary`` has other loss fields than the records seen before.
+        """
         if self._steps and step != self._steps[-1] + 1:
             self._fold()  # a fold assumes consecutive steps (their numbers are made on the device from the first)
         self.step = step
         self._steps.append(step)
-        rows = None if self.summary is None else self.summary.take()
-        if rows is not None and self._received is not None:
-            rows += self._received
-        self._rows.append(rows)
-        self._received = None
+        if summary is not None:
+            self._layout(summary.loss_names)
+        source = summary if summary is not None else self.summary
+        self._rows.append(rows if rows is not None or source is None else source.take())
         if lm_loss is not None and not isinstance(lm_loss, torch.Tensor):
             lm_loss = torch.tensor(float(lm_loss))
         self._losses.append(lm_loss)
@@ -499,7 +495,7 @@ class RoutingStats:
         for name in self._VALUES:
             setattr(self, name, copy.copy(state[name]))
         if state["loss_names"] is not None:
-            self._start(state["loss_names"])
+            self._layout(state["loss_names"])
             self.scalars = state["scalars"].to(self.device)
 
 
