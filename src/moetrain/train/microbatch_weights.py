@@ -8,9 +8,8 @@ mean of a token-mean term is ``sum_i (n_i / N) * mean_i``; of a sequence-mean te
 So with token-budget micro-batches (``train.tokens_per_batch``) each micro-batch's loss is weighted by
 ``n_i / N`` (the LM loss, the router z-loss, the global-batch aux loss, whose ``f`` is the step's counts) and the
 sequence-level aux loss by ``r_i / R``; padding has no weight anywhere. The Switch, pooled and utilisation losses are
-not linear in the batch and are weighted by ``n_i / N`` too (with equal micro-batches: the plain average, as
-before); their large-batch form is the global-batch aux loss. With plain ``(inputs, targets)`` micro-batches of
-equal shape the weights are ``None`` and the step divides by g exactly as before.
+not linear in the batch and are weighted by ``n_i / N`` too; their large-batch form is the global-batch aux loss.
+With plain ``(inputs, targets)`` micro-batches of equal shape the weights are ``None`` and the step divides by g.
 """
 
 from __future__ import annotations

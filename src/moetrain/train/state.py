@@ -1,10 +1,7 @@
-"""``TrainState``: everything a resume restores, with a state-dict API shaped for sharded checkpoints
-(docs/train-state.md).
+"""``TrainState``: everything a resume restores (docs/train-state.md).
 
-Split by how each part is distributed, as ``torch.distributed.checkpoint.state_dict`` and torchtitan's
-``CheckpointManager`` split theirs: :meth:`TrainState.model_state_dict` / :meth:`TrainState.optimizer_state_dict`
-(sharded: this rank's tensors keyed by FQN; a sharded checkpoint presents expert shards to DCP as global-shape
-DTensors, ``moetrain.parallel.dcp``) and :meth:`TrainState.replicated_state_dict` (identical on every rank: one
+The model and the optimizer are sharded (this rank's tensors; a sharded checkpoint presents them to DCP by FQN,
+``moetrain.parallel.dcp``); the rest is :meth:`TrainState.replicated_state_dict` (identical on every rank: one
 rank's copy is written to ``train_state.pt`` and every rank loads it).
 """
 
@@ -83,12 +80,6 @@ class TrainState:
     nonfinite_in_a_row: int = 0
     config: dict[str, Any] | None = None
 
-    # -- sharded parts -----------------------------------------------------------------------------------------
-    def model_state_dict(self) -> dict[str, torch.Tensor]:
-        """``model.state_dict()``: this rank's parameters and persistent buffers (expert biases included), keyed
-        by FQN; expert tensors are this rank's [E_l, ...] rows."""
-        return self.model.state_dict()
-
     def optimizer_state_dict(self) -> dict[str, Any]:
         """The optimizer's ``state_dict()`` (parameter indices as keys, as PyTorch writes it), each group naming
         its parameters in PyTorch's own ``param_names`` field (FQNs, in the group's order), so that a one-process
@@ -102,7 +93,6 @@ class TrainState:
             group.setdefault("param_names", [names[p] for p in mine["params"]])
         return state
 
-    # -- replicated part ---------------------------------------------------------------------------------------
     def replicated_state_dict(self, include_optimizer: bool = False) -> dict[str, Any]:
         """Everything but the model (and, unless ``include_optimizer``, the optimizer): the content of
         ``train_state.pt`` (keys :data:`STATE_KEYS`), with every global RNG's state read now."""

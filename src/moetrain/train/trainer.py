@@ -3,11 +3,7 @@ validation, metrics, checkpoints and exact resume.
 
 :meth:`Trainer.run` is the loop only: step, log, evaluate, checkpoint, stop. What a resume restores is a
 :class:`~moetrain.train.state.TrainState`, saved and loaded by a :class:`~moetrain.train.checkpointer.Checkpointer`;
-what is reported lives in :mod:`moetrain.train.progress`.
-
-One optimizer step = ``grad_accum`` micro-batches of ``batch_size`` sequences of ``seq_len`` tokens. Every micro-batch
-has the same number of tokens, so dividing each micro-batch's mean loss by ``grad_accum`` gives exactly the mean
-over the whole step (LM loss, z-loss); the per-micro-batch Switch loss is likewise averaged over micro-batches.
+what is reported lives in :mod:`moetrain.train.progress`; one optimizer step: :mod:`moetrain.train.step`.
 """
 
 from __future__ import annotations
