@@ -9,12 +9,12 @@ tokens; a *loss spike* or a *non-finite loss* usually precedes divergence.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 from moetrain.configlib import require
 
 AlarmKind = Literal["dead_expert", "collapse", "token_drop", "loss_spike", "nonfinite_loss"]
-ALARM_KINDS: tuple[str, ...] = ("dead_expert", "collapse", "token_drop", "loss_spike", "nonfinite_loss")
+ALARM_KINDS: tuple[str, ...] = get_args(AlarmKind)
 
 
 @dataclass(frozen=True, kw_only=True)
