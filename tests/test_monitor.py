@@ -496,6 +496,24 @@ def test_step_summaries_from_another_rank_equal_observing_the_layers():
         stats.end_step(1, 2.0, StepSummary(3, 4, ["aux_loss"], torch.device("cpu")))
 
 
+def test_monitor_state_of_a_legacy_checkpoint_is_restored():
+    """tests/data/legacy_checkpoints/single holds a monitor state of the layout before StepSummary rows: its counts,
+    idle steps, collapse window and loss history carry over (its interval sums were zero: saved at a logging
+    step)."""
+    path = Path(__file__).parent / "data" / "legacy_checkpoints" / "single" / "checkpoints" / "step_00000003"
+    saved = torch.load(path / "train_state.pt", weights_only=True)["monitor"]["stats"]
+    assert "loss_names" not in saved and saved["observed"] == [0, 0]
+    stats = RoutingStats([0, 1], num_experts=4, top_k=2, device=torch.device("cpu"))  # last_seen 0 until loaded
+    stats.load_state_dict(saved)
+    for name in ("counts", "last_seen", "window"):
+        assert torch.equal(getattr(stats, name), saved[name])
+    assert stats.loss_history == saved["loss_history"] and stats.steps_seen == 3 and stats.summary is None
+    stats.observe(0, fake([1, 2, 3, 4], [0, 0, 0, 0]))
+    stats.end_step(4, 5.7)
+    snap = stats.snapshot()
+    assert snap.layers[0].tokens == [1, 2, 3, 4] and snap.layers[0].losses == {"aux_loss": 1.0, "z_loss": 0.5}
+
+
 def test_resumed_monitor_drops_alarms_of_steps_after_the_checkpoint(tmp_path):
     with open(tmp_path / ALERTS_FILE, "w") as f:
         for step in (5, 10, 15):

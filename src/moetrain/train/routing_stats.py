@@ -485,16 +485,17 @@ class RoutingStats:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output; a state from another layer / expert / window layout, or from an older
-        version, is ignored (the run then starts its statistics afresh)."""
-        if (any(k not in state for k in (*self._TENSORS, *self._VALUES, "loss_names", "scalars"))
+        """Restore :meth:`state_dict` output; a state from another layer / expert / window layout, or from a version
+        before these tensors, is ignored (the run then starts its statistics afresh). A state written before the
+        :class:`StepSummary` layout (no ``loss_names``) restores all but the interval's entropy, z and loss sums."""
+        if (any(k not in state for k in (*self._TENSORS, *self._VALUES, "scalars"))
                 or any(tuple(state[k].shape) != tuple(getattr(self, k).shape) for k in self._TENSORS)):
             return
         for name in self._TENSORS:
             getattr(self, name).copy_(state[name].to(self.device))
         for name in self._VALUES:
             setattr(self, name, copy.copy(state[name]))
-        if state["loss_names"] is not None:
+        if state.get("loss_names") is not None:
             self._layout(state["loss_names"])
             self.scalars = state["scalars"].to(self.device)
 
