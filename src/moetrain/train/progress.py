@@ -22,6 +22,7 @@ from typing import Any, Callable, TypeVar
 
 from moetrain.data.batch import Batch, model_inputs
 from moetrain.train.console import Console, MfuModel, use_bar
+from moetrain.train.metrics import read_records
 from moetrain.train.step import StepResult
 
 B = TypeVar("B", bound=Batch)
@@ -47,13 +48,7 @@ def batches_fingerprint(batches: Iterable[Batch]) -> str:
 def logged_val_fingerprint(run_dir: Path) -> str | None:
     """The ``val_sha256`` that ``RUN_DIR/metrics.jsonl`` holds from before the first step (None: a run older than
     the field, or no readable record)."""
-    from moetrain.errors import MoetrainError
-    from moetrain.report.runlog import load_run_log
-
-    try:
-        records = load_run_log(run_dir).records
-    except MoetrainError:
-        return None
+    records = read_records(Path(run_dir) / "metrics.jsonl")[0]
     found = next((r.get("val_sha256") for r in records if r["step"] == 0 and "val_sha256" in r), None)
     return found if isinstance(found, str) else None
 
