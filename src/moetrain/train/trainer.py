@@ -44,7 +44,7 @@ from moetrain.train.progress import StepLog, batches_fingerprint, logged_val_fin
 from moetrain.train.restart import last_logged_step, resume_record, torchrun_restart
 from moetrain.train.resume_config import require_steps_reach
 from moetrain.train.schedule import build_scheduler, retarget_schedule
-from moetrain.train.state import TrainState, rng_state, seed_everything, set_rng_state
+from moetrain.train.state import TrainState, seed_everything
 from moetrain.train.step import StepResult, autocast_context
 
 CONFIG_FILE = "config.json"
@@ -110,7 +110,7 @@ def evaluate(model: MoETransformer, batches: Iterable[Batch], device: torch.devi
 
 
 __all__ = ["CONFIG_FILE", "TOKENIZER_FILE", "TrainResult", "Trainer", "build_optimizer", "evaluate",
-           "resolve_device", "resume_hint", "rng_state", "seed_everything", "set_rng_state"]
+           "resolve_device", "resume_hint"]
 
 
 @dataclass
