@@ -105,7 +105,8 @@ class StepLog:
         :meth:`write`); tokens/s, mfu and data_wait_s count the steps since the previous logging step."""
         record: dict[str, Any] = {
             "step": step, "train_loss": loss, "lr": result.lr, **self.console.logging_step(loss, result.lr),
-            "aux_loss": float(result.aux_loss), "z_loss": float(result.z_loss), "grad_norm": float(result.grad_norm),
+            "aux_loss": float(result.moe_losses["aux_loss"]), "z_loss": float(result.moe_losses["z_loss"]),
+            "grad_norm": float(result.grad_norm),
             "elapsed_s": self.elapsed_s}
         if self.first_batch is not None:
             record["first_batch_sha256"], self.first_batch = self.first_batch, None

@@ -48,8 +48,6 @@ class StepResult:
 
     Attributes:
         lm_loss: scalar, mean LM loss over the step's tokens.
-        aux_loss: scalar, Switch loss averaged over MoE layers and micro-batches (unweighted).
-        z_loss: scalar, router z-loss averaged likewise (unweighted).
         grad_norm: scalar, global gradient norm before clipping.
         lr: learning rate used by this step.
         tokens_per_expert: one [E] fp32 tensor per MoE layer, summed over the step's micro-batches.
@@ -61,8 +59,6 @@ class StepResult:
     """
 
     lm_loss: torch.Tensor
-    aux_loss: torch.Tensor
-    z_loss: torch.Tensor
     grad_norm: torch.Tensor
     lr: float
     tokens_per_expert: list[torch.Tensor] = field(default_factory=list)
@@ -195,7 +191,7 @@ def finish_step(
     lm, aux, z = acc.lm_loss, acc.moe_losses["aux_loss"], acc.moe_losses["z_loss"]
     grad_norm = clip(config.grad_clip if config.grad_clip > 0 else float("inf"))
     lr = float(scheduler.get_last_lr()[0])  # a float already (LambdaLR)
-    result = StepResult(lm_loss=lm, aux_loss=aux, z_loss=z, grad_norm=grad_norm, lr=lr,
+    result = StepResult(lm_loss=lm, grad_norm=grad_norm, lr=lr,
                         tokens_per_expert=list(acc.tokens_per_expert.unbind(0)), moe_losses=acc.moe_losses,
                         dropped_per_expert=list(acc.dropped_per_expert.unbind(0)))
     # A non-finite loss or gradient would poison the weights and AdamW's moments for good: skip the update and
