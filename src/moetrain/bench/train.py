@@ -24,7 +24,7 @@ temporaries; the weights and AdamW states, allocated before and equal for both m
 
 from __future__ import annotations
 
-from moetrain.bench import add_measurement_args, check_device, write_report
+from moetrain.bench import add_measurement_args, check_device, choose, write_report
 from moetrain.errors import ConfigError
 
 OURS_BACKENDS = ("fused", "grouped_mm", "loop", "padded")
@@ -54,14 +54,6 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _split(text: str, allowed: tuple[str, ...], flag: str) -> list[str]:
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    bad = sorted(set(names) - set(allowed))
-    if bad:
-        raise ConfigError(f"--{flag}: unknown {bad}; choose from {list(allowed)}")
-    return names
-
-
 def build_models(args):
     """(moetrain ModelConfig, {name: model}) with identical initial weights, plus the batch (B, S)."""
     import torch
@@ -87,7 +79,7 @@ def build_models(args):
     models = {}
     ref_cfg = None
     torch.manual_seed(args.seed)
-    for backend in _split(args.backends, OURS_BACKENDS, "backends"):
+    for backend in choose(args.backends, OURS_BACKENDS, "backends"):
         execution = {**model_dict.get("execution", {}), "moe_backend": backend}
         cfg = from_dict(ModelConfig, {**model_dict, "execution": execution}, "model")
         model = MoETransformer(cfg)
@@ -103,7 +95,7 @@ def build_models(args):
         raise ConfigError(f"--preset {args.preset}: bench train compares against MixtralForCausalLM; this preset maps "
                           f"to {family.model_type}")
     state = {k: v.detach().clone() for k, v in hf_state_dict(ref, family).items()}
-    for impl in _split(args.hf, HF_IMPLS, "hf"):
+    for impl in choose(args.hf, HF_IMPLS, "hf"):
         config = transformers.AutoConfig.for_model(family.model_type, **hf_config_dict(ref_cfg, family))
         config.output_router_logits = True
         hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa",
