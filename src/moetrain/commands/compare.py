@@ -534,14 +534,10 @@ def _check_out(out: Path, overwrite: bool) -> None:
         MoetrainError: DIR is a file, a parent is a file, or DIR is non-empty without ``overwrite``, or is not a
             compare directory.
     """
-    check_output_path(out, "--out")
-    if out.is_dir() and any(out.iterdir()):
-        if not overwrite:
-            raise MoetrainError(f"--out {out}: exists and is not empty; pass --overwrite to replace an earlier "
-                                "compare there, or choose another --out")
-        if not (out / MARKER).is_file():
-            raise MoetrainError(f"--overwrite: '{out}' is not a moetrain compare directory (no {MARKER}); refusing "
-                                "to delete it")
+    check_output_path(out, "--out", overwrite=overwrite, overwrite_does="replace an earlier compare there")
+    if out.is_dir() and any(out.iterdir()) and not (out / MARKER).is_file():
+        raise MoetrainError(f"--overwrite: '{out}' is not a moetrain compare directory (no {MARKER}); refusing to "
+                            "delete it")
 
 
 def _notes(variant: Variant, shared: dict[str, Any], forced: dict[str, Any]) -> list[str]:

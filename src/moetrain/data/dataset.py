@@ -285,12 +285,19 @@ def _publish(stage: Path, entry: Path) -> None:
         with open(f, "rb") as h:
             os.fsync(h.fileno())
     os.chmod(stage, 0o755)  # mkdtemp makes it 0700; a shared cache should be readable like any directory
+    replace_directory(stage, entry)
+
+
+def replace_directory(new: Path, target: Path) -> None:
+    """Rename the complete directory ``new`` (a sibling of ``target``) to ``target``. Whatever is at ``target`` (a
+    non-empty directory, an alias symlink; an empty directory is simply replaced) is first moved aside into a
+    temporary sibling, deleted once ``new`` is in place: ``target`` is never a mix of the two."""
     try:
-        os.rename(stage, entry)
-    except OSError:  # an entry is there (a non-empty directory or an alias symlink): move it aside, then replace it
-        old = Path(tempfile.mkdtemp(dir=entry.parent, prefix=f".{entry.name}.", suffix=".old"))
-        os.rename(entry, old / "entry")
-        os.rename(stage, entry)
+        os.rename(new, target)
+    except OSError:
+        old = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.", suffix=".old"))
+        os.rename(target, old / "entry")
+        os.rename(new, target)
         shutil.rmtree(old, ignore_errors=True)
 
 
