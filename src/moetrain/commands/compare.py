@@ -527,19 +527,6 @@ def write_figures(out: Path, summaries: list[dict[str, Any]]) -> list[Path]:
 
 
 # -- the command -------------------------------------------------------------------------------------------------
-def _check_out(out: Path, overwrite: bool) -> None:
-    """Refuse an existing non-empty DIR (unless ``overwrite`` and it is an earlier compare's) before any work.
-
-    Raises:
-        MoetrainError: DIR is a file, a parent is a file, or DIR is non-empty without ``overwrite``, or is not a
-            compare directory.
-    """
-    check_output_path(out, "--out", overwrite=overwrite, overwrite_does="replace an earlier compare there")
-    if out.is_dir() and any(out.iterdir()) and not (out / MARKER).is_file():
-        raise MoetrainError(f"--overwrite: '{out}' is not a moetrain compare directory (no {MARKER}); refusing to "
-                            "delete it")
-
-
 def _notes(variant: Variant, shared: dict[str, Any], forced: dict[str, Any]) -> list[str]:
     """A note for each field the variant or the shared overrides set that the command replaces."""
     notes = []
@@ -611,7 +598,10 @@ def run(args: argparse.Namespace) -> int:
     # torch (runtime.threads) only after the configs and data paths passed: a mistyped field answers at once
     parallel = args.parallel or default_parallel(args.threads_per_run)
     out = Path(args.out)
-    _check_out(out, args.overwrite)
+    check_output_path(out, "--out", overwrite=args.overwrite, overwrite_does="replace an earlier compare there")
+    if out.is_dir() and any(out.iterdir()) and not (out / MARKER).is_file():
+        raise MoetrainError(f"--overwrite: '{out}' is not a moetrain compare directory (no {MARKER}); refusing to "
+                            "delete it")
     from moetrain.report.figures import _pyplot
 
     _pyplot()  # matplotlib missing: one line now rather than after the training
@@ -625,7 +615,7 @@ def run(args: argparse.Namespace) -> int:
     _prepare_data([r.config for r in runs])  # after every check: a mistyped --data costs nothing here
 
     if out.exists():
-        shutil.rmtree(out)  # _check_out allowed it: empty, or an earlier compare with --overwrite
+        shutil.rmtree(out)  # checked above: empty, or an earlier compare with --overwrite
     for sub in ("configs", "logs", "runs"):
         (out / sub).mkdir(parents=True, exist_ok=True)
     settings = {"preset": args.preset, "data": args.data, "steps": args.steps, "seconds": args.seconds,
