@@ -68,11 +68,8 @@ def prepare_data(cfg: DataConfig, vocab_size: int, tokenizer_path: Path | None =
 
     The tokenizer is, in order of precedence: ``tokenizer_path`` (resuming or evaluating a run), ``cfg.tokenizer``
     (a pretrained one), else a byte-level BPE tokenizer trained on at most ``cfg.tokenizer_max_bytes`` of the
-    training split (documents in a fixed pseudo-random order). Results are cached under ``cfg.cache_dir`` /
-    ``$MOETRAIN_CACHE`` / ``~/.cache/moetrain``, keyed by the file list with sizes, mtimes and ctimes (not contents),
-    ``val_fraction``, ``vocab_size``, ``tokenizer_max_bytes``, a non-default ``text_field`` / ``token_dtype`` and
-    the tokenizer; a cache hit reads no corpus file and trains nothing. An entry is built in a temporary directory,
-    renamed into place once complete: an interrupted run, or a corpus refused as too short, leaves no entry.
+    training split. The result is cached (:func:`_cache_key`; the cache entry: docs/data.md, "Preparation"): a
+    cache hit reads no corpus file and trains nothing, and an interrupted or refused preparation leaves no entry.
 
     Args:
         cfg: the data config.
