@@ -46,9 +46,8 @@ class PreparedData:
         num_train_docs: documents in the training split.
         num_val_docs: documents in the validation split.
         skipped: files (and ``.jsonl`` lines) skipped while reading (binary, unreadable, empty, malformed).
-        cache_path: the cache entry directory: ``tokenizer.json``; ``train.bin`` / ``val.bin`` (the streams);
-            ``train.idx`` / ``val.idx`` ([documents] little-endian int64, the exclusive end offset of each
-            document, its EOS included, in the stream); ``meta.json`` (counts).
+        cache_path: the cache entry directory: ``tokenizer.json``, ``meta.json`` (counts) and the token files of
+            data/prepare.py.
     """
 
     tokenizer: Tokenizer
