@@ -20,9 +20,8 @@ from moetrain.train.config import TrainConfig
 from moetrain.train.monitor_config import MonitorConfig
 
 
-# Old field path -> new one. The flat MoEConfig of 27 fields was split into one config per component
-# (moe/config.py) and the execution choices moved to model.execution (execution.py). Old run directories'
-# config.json, --config files and FIELD=VALUE overrides with these paths still load, with a note.
+# Old field path -> new one: old run directories' config.json, --config files and FIELD=VALUE overrides with these
+# paths still load, with a note.
 _OLD_MOE = {
     "expert_ffn_hidden": "experts.ffn_hidden", "expert_activation": "experts.activation",
     "shared_expert_ffn_hidden": "shared_expert.ffn_hidden", "shared_expert_gate": "shared_expert.gate",

@@ -27,32 +27,18 @@ PRESETS: dict[str, dict[str, Any]] = {
         },
     },
     "cpu-small": {
-        # The MoE that beats its dense twin (model.moe_every=0: FFN 256 = the two active experts' 2 x 128) on this
-        # budget (docs/moe-vs-dense.md): 600 steps of 16 x 256 tokens (2.5M tokens) on 2 CPU cores.
-        # Sized for the budget: hidden 128 reaches a lower loss in the same steps but ties its twin; at hidden 64 the
-        # MoE leads by 0.097 / 0.161 nats on this corpus (seeds 0 / 1), 0.107 / 0.110 on tinyshakespeare, and holds
-        # at the same seconds. lr 3e-3 is hidden 256's best 1.5e-3 scaled by 1 / width (muP), not raised further.
+        # The MoE that beats its dense twin (model.moe_every=0) on this budget; each value and why:
+        # docs/moe-vs-dense.md, "The recipe".
         "model": {
             "vocab_size": 8192, "hidden": 64, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 256,
             "max_seq_len": 1024,
-            # aux 0.02 (Mixtral's router_aux_loss_coef): at the default 0.01 the earlier hidden-256 default run's
-            # layer 2 sent 90% of its tokens to one expert over steps 21-40 (a collapse alarm); 0.02 kept every
-            # layer under 65%. Gating weights x 2 (DeepSeek-V3's routed_scaling_factor; 2.5 there): with
-            # norm_topk_prob the two weights sum to 1, so each expert's output would enter at half the scale of
-            # its slice of the twin's FFN; x top_k restores it. Exported, the factor is folded into each expert's
-            # down_proj (moetrain.interop.families.fold_routed_scale).
             "moe": {"num_experts": 8, "top_k": 2, "experts": {"ffn_hidden": 128}, "losses": {"aux_loss_coeff": 0.02},
                     "router": {"routed_scaling_factor": 2.0}},
         },
         "data": {"seq_len": 256},
         "train": {
             "steps": 600, "batch_size": 16, "lr": 3e-3, "warmup_steps": 60, "eval_every": 100, "eval_batches": 8,
-            "log_every": 10, "ckpt_every": 100,
-            # the routers' gate weights learn at 0.1 x lr: steadier routing, +0.01 at hidden 96
-            "router_lr_scale": 0.1,
-            # the routed experts decay at 1.0 (the rest at 0.1): a lower loss and a wider lead on every corpus
-            # measured, 0.003-0.156 nats; no change in compute; the twin has no experts, so it is unchanged
-            "expert_weight_decay": 1.0,
+            "log_every": 10, "ckpt_every": 100, "router_lr_scale": 0.1, "expert_weight_decay": 1.0,
         },
     },
     # mistralai/Mixtral-8x7B-v0.1 config.json

@@ -50,6 +50,15 @@ def add_measurement_args(p) -> None:
     add_json_arg(p)
 
 
+def choose(text: str, allowed: tuple[str, ...], flag: str) -> list[str]:
+    """The comma-separated names in ``text``, the value of ``--FLAG``; a ConfigError names any not in ``allowed``."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = sorted(set(names) - set(allowed))
+    if unknown:
+        raise ConfigError(f"--{flag}: unknown {unknown}; choose from {list(allowed)}")
+    return names
+
+
 def check_device(device: str) -> None:
     """Raises ConfigError for ``--device cuda`` when PyTorch sees no CUDA device."""
     import torch

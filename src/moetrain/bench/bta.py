@@ -1,16 +1,11 @@
 """``moetrain bench bta``: at a fixed global batch, (a) the whole batch at once, (b) gradient accumulation over G
-micro-batches, (c) BTA with G tiles; tokens/s, saved-activation bytes and tokens per expert GEMM.
+micro-batches, (c) BTA with G tiles; tokens/s, saved-activation bytes and tokens per expert GEMM (what each mode
+costs and how it is measured: docs/bta.md).
 
 Legend: B = global batch (sequences), G = tiles / micro-batches, S = sequence, E = experts, K = top-k.
 
-What each mode costs: (a) runs every layer on B sequences (the experts see B * S * K / E rows each, attention
-activations of B sequences are saved); (b) runs everything G times on B / G sequences (the experts see G times
-fewer rows per GEMM, but every micro-batch re-reads every expert's weights and writes its gradient); (c) runs the
-attention in G tiles of B / G sequences (recomputed in backward) and the MoE layers once on all B sequences.
-
-Timing: each round runs one training step (forward, backward, AdamW step) of every mode, interleaved as in
-moetrain/bench/common.py; the table reports the median and the best step time over the timed
-rounds. Saved bytes are counted with ``torch.autograd.graph.saved_tensors_hooks`` (moetrain/analysis/saved.py):
+Each round runs one training step (forward, backward, AdamW step) of every mode, interleaved
+(moetrain/bench/common.py). Saved bytes: ``torch.autograd.graph.saved_tensors_hooks`` (moetrain/analysis/saved.py),
 what one step's forward keeps for backward, plus for BTA the inputs its tile checkpoints hold and one tile's
 recomputed attention.
 """

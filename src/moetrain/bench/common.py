@@ -124,6 +124,14 @@ def cpu_line(info: dict) -> str:
             f"bf16: {flags} (bf16 {'fast' if info['bf16_fast'] else 'slow'})")
 
 
+def load_average() -> list[float] | None:
+    """The 1, 5 and 15 minute load averages, rounded to 0.01; ``None`` where the system has none."""
+    try:
+        return [round(v, 2) for v in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
 def machine_info() -> dict:
     """What the numbers were measured on: the CPU (:func:`moetrain.runtime.cpu.cpu_info`), the load average at the time and whether the
     fused MoE path's native CPU kernels were in use (built here on the first call)."""
@@ -139,11 +147,8 @@ def machine_info() -> dict:
         "threads": torch.get_num_threads(),
         "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "native_cpu_kernels": cpu_kernels.available(),  # the fused MoE path's C kernels (moe/kernels/cpu/native.py)
+        "load_avg_1_5_15min": load_average(),
     }
-    try:
-        info["load_avg_1_5_15min"] = [round(v, 2) for v in os.getloadavg()]
-    except OSError:
-        info["load_avg_1_5_15min"] = None
     try:
         import transformers
 

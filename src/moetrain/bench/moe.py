@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from moetrain.bench import add_measurement_args, check_device, write_report
+from moetrain.bench import add_measurement_args, check_device, choose, write_report
 from moetrain.errors import ConfigError
 
 CANDIDATES = ("dense", "hf-eager", "hf-grouped_mm", "loop", "padded", "grouped_mm", "fused")
@@ -111,10 +111,7 @@ def _shapes(args) -> list[Shape]:
 
 
 def _candidates(args) -> list[str]:
-    names = [n.strip() for n in args.candidates.split(",") if n.strip()]
-    unknown = sorted(set(names) - set(CANDIDATES))
-    if unknown:
-        raise ConfigError(f"--candidates: unknown {unknown}; choose from {list(CANDIDATES)}")
+    names = choose(args.candidates, CANDIDATES, "candidates")
     return ["dense"] + [n for n in CANDIDATES if n in names and n != "dense"]
 
 

@@ -7,9 +7,8 @@ One training step = forward with the loss, backward, ``AdamW.step()``, ``zero_gr
 batch every step. Both models get PyTorch's fused AdamW (``fused=True``): moetrain's trainer uses it, and so does
 transformers' ``Trainer`` by default (``optim="adamw_torch_fused"``). moetrain's model is called as its trainer
 calls it (``return_logits=False``: LM head and loss fused, moetrain/model/fused_ce.py); transformers' with
-``labels``. The transformers model is built from the same config through the HF interop
-(:func:`moetrain.interop.families.hf_config_dict`), gets moetrain's initial weights (renamed by
-:func:`moetrain.interop.hf.hf_state_dict`, copied) and computes its load-balancing aux loss
+``labels``. The transformers model is built from the same config with a copy of moetrain's initial weights by the
+HF interop (:func:`moetrain.interop.hf.to_hf_model`) and computes its load-balancing aux loss
 (``output_router_logits=True``), as moetrain's model computes its aux and z losses. Before timing, the
 cross-entropy of both models on the batch is compared (``lm_loss_diff``): the same weights must give the same loss.
 
@@ -24,7 +23,7 @@ temporaries; the weights and AdamW states, allocated before and equal for both m
 
 from __future__ import annotations
 
-from moetrain.bench import add_measurement_args, check_device, write_report
+from moetrain.bench import add_measurement_args, check_device, choose, write_report
 from moetrain.errors import ConfigError
 
 OURS_BACKENDS = ("fused", "grouped_mm", "loop", "padded")
@@ -54,22 +53,13 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _split(text: str, allowed: tuple[str, ...], flag: str) -> list[str]:
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    bad = sorted(set(names) - set(allowed))
-    if bad:
-        raise ConfigError(f"--{flag}: unknown {bad}; choose from {list(allowed)}")
-    return names
-
-
 def build_models(args):
     """(moetrain ModelConfig, {name: model}) with identical initial weights, plus the batch (B, S)."""
     import torch
-    import transformers
 
     from moetrain.configlib import from_dict, merge
-    from moetrain.interop.families import MIXTRAL, family_for, hf_config_dict
-    from moetrain.interop.hf import hf_state_dict
+    from moetrain.interop.families import MIXTRAL, family_for
+    from moetrain.interop.hf import to_hf_model
     from moetrain.model.config import ModelConfig
     from moetrain.model.transformer import MoETransformer
     from moetrain.presets import SHAPE_ONLY, preset_dict
@@ -87,7 +77,7 @@ def build_models(args):
     models = {}
     ref_cfg = None
     torch.manual_seed(args.seed)
-    for backend in _split(args.backends, OURS_BACKENDS, "backends"):
+    for backend in choose(args.backends, OURS_BACKENDS, "backends"):
         execution = {**model_dict.get("execution", {}), "moe_backend": backend}
         cfg = from_dict(ModelConfig, {**model_dict, "execution": execution}, "model")
         model = MoETransformer(cfg)
@@ -102,19 +92,9 @@ def build_models(args):
     if family is not MIXTRAL:
         raise ConfigError(f"--preset {args.preset}: bench train compares against MixtralForCausalLM; this preset maps "
                           f"to {family.model_type}")
-    state = {k: v.detach().clone() for k, v in hf_state_dict(ref, family).items()}
-    for impl in _split(args.hf, HF_IMPLS, "hf"):
-        config = transformers.AutoConfig.for_model(family.model_type, **hf_config_dict(ref_cfg, family))
-        config.output_router_logits = True
-        hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa",
-                                                           experts_implementation=impl)
-        result = hf.load_state_dict(state, strict=False)
-        missing = set(result.missing_keys) - ({"lm_head.weight"} if ref_cfg.tie_embeddings else set())
-        if missing or result.unexpected_keys:
-            raise RuntimeError(f"weights do not map onto MixtralForCausalLM: missing {sorted(missing)[:3]}, "
-                               f"unexpected {sorted(result.unexpected_keys)[:3]}")
-        if ref_cfg.tie_embeddings:
-            hf.tie_weights()
+    for impl in choose(args.hf, HF_IMPLS, "hf"):
+        hf = to_hf_model(ref, runnable=True, attn_implementation="sdpa", experts_implementation=impl)
+        hf.config.output_router_logits = True
         models[f"hf-{impl}"] = hf
     return ref_cfg, models, batch, seq
 

@@ -20,13 +20,18 @@ def check_at_least(args, minimum: int, *names: str) -> None:
             raise ConfigError(f"--{name.replace('_', '-')}: must be >= {minimum}, got {value}")
 
 
-def check_output_path(path: Path, flag: str, kind: str = "directory") -> None:
+def check_output_path(path: Path, flag: str, kind: str = "directory", overwrite: bool | None = None,
+                      overwrite_does: str = "replace it") -> None:
     """Refuse an output ``path`` that cannot be written as a ``kind`` (``directory`` or ``file``): an existing path
-    of the other kind, or a parent path that is a file.
+    of the other kind, or a parent path that is a file; with ``overwrite=False`` also a non-empty directory (the
+    message says that ``--overwrite`` would ``overwrite_does``).
 
     Raises:
         MoetrainError: naming ``flag`` and the path.
     """
+    if overwrite is False and path.is_dir() and any(path.iterdir()):
+        raise MoetrainError(f"{flag} {path}: exists and is not empty; pass --overwrite to {overwrite_does}, or "
+                            f"choose another {flag}")
     if kind == "directory" and path.exists() and not path.is_dir():
         raise MoetrainError(f"{flag} {path}: exists and is not a directory")
     if kind == "file" and path.is_dir():

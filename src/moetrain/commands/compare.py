@@ -1,12 +1,6 @@
 """``moetrain compare VARIANT [VARIANT ...] --out DIR``: train variants of a config on the same tokens and seeds,
-side by side on this machine, then tabulate and plot their validation losses per token and per second
-(docs/compare.md: the variants, what every run gets alike, what DIR holds, how to read it).
-
-Every (variant, seed) is one child process ``python -m moetrain train --config DIR/configs/NAME-sSEED.json --out
-DIR/runs/NAME-sSEED``, its config resolved and validated here first, so a bad spec costs no training (a
-:class:`~moetrain.errors.ConfigError` naming the variant and the field, before anything is written). The corpus is
-tokenized once before any run starts, and the runs start in waves of at most ``--parallel`` (:func:`plan_waves`).
-A run that fails is a row without losses, and the command then exits with status 1.
+side by side, each (variant, seed) a child ``moetrain train`` process, then tabulate and plot their validation
+losses per token and per second (docs/compare.md: the variants, the waves, what DIR holds, how to read it).
 """
 
 from __future__ import annotations
@@ -25,7 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from moetrain.commands.compare_leads import last_trained_eval, lead_rows, leads_markdown
+from moetrain.commands import check_at_least, check_output_path
 from moetrain.errors import ConfigError, MoetrainError
+from moetrain.results import markdown_table as results_table
 
 MARKER = "compare-command.json"  # the command's settings, written first: what --overwrite may delete
 FIGURES = ("loss_vs_tokens.png", "loss_vs_seconds.png")
@@ -378,13 +374,6 @@ def machine_info() -> dict[str, Any]:
             "torch": torch.__version__, "python": platform.python_version()}
 
 
-def _loadavg() -> list[float] | None:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except (AttributeError, OSError):
-        return None
-
-
 def eval_columns(summaries: list[dict[str, Any]]) -> list[int]:
     """The steps that get a column of their own: every evaluation step > 0 but a run's last one when a time budget
     stopped it there (those only show as its final loss)."""
@@ -407,7 +396,7 @@ def markdown_table(summaries: list[dict[str, Any]]) -> str:
     columns = eval_columns(summaries)
     header = ["variant", "seed", "params (active)", *(f"val @ {s}" for s in columns), "steps", "train s",
               "final val loss", "median tokens/s"]
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    rows = []
     for s in summaries:
         by_step = {e["step"]: e for e in s["evals"]}
         cells = [s["variant"], str(s["seed"]), f"{_millions(s['params_total'])} ({_millions(s['params_active'])})"]
@@ -419,8 +408,8 @@ def markdown_table(summaries: list[dict[str, Any]]) -> str:
         cells += [steps, "-" if seconds is None else f"{seconds:.1f}",
                   "-" if s["final_val_loss"] is None else f"{s['final_val_loss']:.3f}",
                   "-" if s["median_tokens_per_s"] is None else f"{s['median_tokens_per_s']:.0f}"]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        rows.append(cells)
+    return "\n".join(results_table(header, rows))
 
 
 # Settings that add work to a run's clock (elapsed_s) outside its optimizer steps.
@@ -503,7 +492,7 @@ def write_figures(out: Path, summaries: list[dict[str, Any]]) -> list[Path]:
     Raises:
         MoetrainError: matplotlib is missing.
     """
-    from moetrain.report.figures import _empty, _pyplot
+    from moetrain.report.figures import _empty, _pyplot, _save
 
     plt = _pyplot()
     from matplotlib import ticker
@@ -533,34 +522,11 @@ def write_figures(out: Path, summaries: list[dict[str, Any]]) -> list[Path]:
         ax.set_ylabel("validation loss (nats/token)")
         ax.set_title(f"Validation loss against {label}")
         ax.grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(out / name, dpi=100)
-        plt.close(fig)
-        paths.append(out / name)
+        paths.append(_save(plt, fig, out / name))
     return paths
 
 
 # -- the command -------------------------------------------------------------------------------------------------
-def _check_out(out: Path, overwrite: bool) -> None:
-    """Refuse an existing non-empty DIR (unless ``overwrite`` and it is an earlier compare's) before any work.
-
-    Raises:
-        MoetrainError: DIR is a file, a parent is a file, or DIR is non-empty without ``overwrite``, or is not a
-            compare directory.
-    """
-    if out.exists() and not out.is_dir():
-        raise MoetrainError(f"--out {out}: exists and is not a directory")
-    if any(p.exists() and not p.is_dir() for p in out.parents):
-        raise MoetrainError(f"--out {out}: a parent path is a file, not a directory")
-    if out.is_dir() and any(out.iterdir()):
-        if not overwrite:
-            raise MoetrainError(f"--out {out}: exists and is not empty; pass --overwrite to replace an earlier "
-                                "compare there, or choose another --out")
-        if not (out / MARKER).is_file():
-            raise MoetrainError(f"--overwrite: '{out}' is not a moetrain compare directory (no {MARKER}); refusing "
-                                "to delete it")
-
-
 def _notes(variant: Variant, shared: dict[str, Any], forced: dict[str, Any]) -> list[str]:
     """A note for each field the variant or the shared overrides set that the command replaces."""
     notes = []
@@ -609,10 +575,7 @@ def run(args: argparse.Namespace) -> int:
                               "give each variant its own NAME")
         names[v.name] = v.spec
     seeds = parse_seeds(args.seeds)
-    for option, value in (("--threads-per-run", args.threads_per_run), ("--parallel", args.parallel),
-                          ("--steps", args.steps)):
-        if value is not None and value < 1:
-            raise ConfigError(f"{option}: must be >= 1, got {value}")
+    check_at_least(args, 1, "threads_per_run", "parallel", "steps")
     if args.seconds is not None and not args.seconds > 0:
         raise ConfigError(f"--seconds: must be > 0, got {args.seconds:g}")
     from moetrain.config import upgrade
@@ -635,7 +598,10 @@ def run(args: argparse.Namespace) -> int:
     # torch (runtime.threads) only after the configs and data paths passed: a mistyped field answers at once
     parallel = args.parallel or default_parallel(args.threads_per_run)
     out = Path(args.out)
-    _check_out(out, args.overwrite)
+    check_output_path(out, "--out", overwrite=args.overwrite, overwrite_does="replace an earlier compare there")
+    if out.is_dir() and any(out.iterdir()) and not (out / MARKER).is_file():
+        raise MoetrainError(f"--overwrite: '{out}' is not a moetrain compare directory (no {MARKER}); refusing to "
+                            "delete it")
     from moetrain.report.figures import _pyplot
 
     _pyplot()  # matplotlib missing: one line now rather than after the training
@@ -649,7 +615,7 @@ def run(args: argparse.Namespace) -> int:
     _prepare_data([r.config for r in runs])  # after every check: a mistyped --data costs nothing here
 
     if out.exists():
-        shutil.rmtree(out)  # _check_out allowed it: empty, or an earlier compare with --overwrite
+        shutil.rmtree(out)  # checked above: empty, or an earlier compare with --overwrite
     for sub in ("configs", "logs", "runs"):
         (out / sub).mkdir(parents=True, exist_ok=True)
     settings = {"preset": args.preset, "data": args.data, "steps": args.steps, "seconds": args.seconds,
@@ -661,11 +627,13 @@ def run(args: argparse.Namespace) -> int:
     for r in runs:
         (out / "configs" / f"{r.name}.json").write_text(json.dumps(r.config.to_dict(), indent=2) + "\n")
 
-    machine, before = machine_info(), _loadavg()
+    from moetrain.bench.common import load_average
+
+    machine, before = machine_info(), load_average()
     print(f"{len(runs)} runs, {parallel} at a time with {args.threads_per_run} thread(s) each; logs in "
           f"{out / 'logs'}", flush=True)
     run_waves(out, runs, parallel, args.threads_per_run)
-    after = _loadavg()
+    after = load_average()
 
     summaries = [summarize_run(out, r) for r in runs]
     leads = lead_rows(summaries)

@@ -1,10 +1,5 @@
 """Leads of each variant of a ``moetrain compare`` over the first one (the baseline: list the dense twin first),
-per token and at the same seconds, and the tokens/s ratio; how to read them: docs/compare.md.
-
-The per-second lead is read at ``t* = min(T_baseline, T_variant)``, each run's training-loop seconds at its last
-evaluation, each loss interpolated linearly between its run's evaluations around ``t*``. Seconds and speed compare
-only runs of the same wave (a row says ``another wave`` otherwise); a failed run, or one without an evaluation
-after step 0, gets no lead.
+per token and at the same seconds, and the tokens/s ratio; how they are read and compared: docs/compare.md.
 """
 
 from __future__ import annotations

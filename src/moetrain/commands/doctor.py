@@ -1,10 +1,7 @@
-"""``moetrain doctor [RUN_DIR]``: why is training slow here? Measured, with one recommendation per finding.
-
-It reports the machine (CPU, usable cores, load, threads, native bf16), the GEMM peak calibrated in interleaved
-rounds around a short profiled window of the run's training steps (:func:`profile_steps`), that window's step time
-split into forward, backward, optimizer and monitoring, its model FLOP/s and MFU, and, given a run directory, the
-run's own logged tokens/s, MFU and data / monitoring shares against the window's (:func:`compare_with_run`). What
-each figure means and how it is checked: docs/robustness.md.
+"""``moetrain doctor [RUN_DIR]``: why is training slow here? The machine, a calibrated GEMM peak, a short profiled
+window of the run's training steps split into forward, backward, optimizer and monitoring, its MFU, the run's own
+logged figures against the window's, and one recommendation per finding (each figure and how it is checked:
+docs/robustness.md, "moetrain doctor").
 """
 
 from __future__ import annotations
@@ -41,10 +38,8 @@ def batch_shape(config) -> tuple[int, int]:
 
 def profile_steps(config, steps: int) -> dict[str, float]:
     """Median seconds per training step of ``config``'s model over ``steps`` steps after one warm-up, on the CPU,
-    on random tokens of :func:`batch_shape`, as the trainer runs them: its step function
-    (:func:`moetrain.train.step.train_step`: every micro-batch's forward and backward, clipping, AdamW, the LR
-    schedule) with the run's routing monitor attached (its forward hooks; ``end_step`` after every step; one
-    ``flush`` timed at the end and counted once per ``train.log_every`` steps).
+    on random tokens of :func:`batch_shape`, run by :func:`moetrain.train.step.train_step` with the run's routing
+    monitor attached (docs/robustness.md).
 
     Returns:
         ``step``: train_step + monitoring; ``forward``: the model's forward calls (module hooks on the model);
@@ -206,14 +201,10 @@ def compare_with_run(d: dict) -> str | None:
 
 
 def diagnose(config, run_dir: str | None, steps: int) -> dict:
-    """Everything :func:`run` prints, as a dict (for tests and scripts).
-
-    The GEMM peaks are measured in interleaved rounds before and after the profiled window
-    (:func:`moetrain.analysis.hardware.measure_peaks`) and the best round of each dtype is the peak; ``unreliable``
-    says why the figures cannot be trusted (other processes busy, rounds that disagree) or is ``None``. The MFU is
-    the achieved rate over ``max(peak, achieved)``, so it never exceeds 1; ``mfu_measured`` is False where the steps
-    ran faster than every peak round (the peak was held down by load, so there is no MFU to report).
-    """
+    """Everything :func:`run` prints, as a dict (for tests and scripts): the GEMM peaks, the best of interleaved
+    rounds before and after the profiled window (:func:`moetrain.analysis.hardware.measure_peaks`); ``unreliable``,
+    why the figures cannot be trusted, or ``None``; the MFU, the achieved rate over ``max(peak, achieved)``; and
+    ``mfu_measured``, False where the steps ran faster than every peak round (load held the peak down)."""
     from moetrain.analysis.hardware import UNRELIABLE_BUSY_CORES, measure_peaks
     from moetrain.runtime.cpu import cpu_info
     from moetrain.runtime.threads import choose_threads

@@ -7,7 +7,6 @@ nothing else.
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import sys
@@ -80,17 +79,16 @@ def quiet_progress_unless_tty() -> None:
 
 def run(args) -> int:
     from moetrain.commands.run_dir import load_run
+    from moetrain.data.dataset import replace_directory
     from moetrain.interop.families import family_for
     from moetrain.interop.hf import to_hf
 
     quiet_progress_unless_tty()
     out = Path(args.out_dir)
     shard_bytes = parse_shard_size(args.max_shard_size)
-    check_output_path(out, "OUT_DIR")
+    check_output_path(out, "OUT_DIR", overwrite=args.overwrite)
     entries = list(out.iterdir()) if out.is_dir() else []
     if entries:
-        if not args.overwrite:
-            raise MoetrainError(f"{out}: exists and is not empty; pass --overwrite to replace it")
         _check_previous_export(out, entries)
     config, tokenizer, model, _ = load_run(args.run_dir)
     family = family_for(config.model)  # refuse before touching OUT_DIR
@@ -100,15 +98,7 @@ def run(args) -> int:
     tmp.mkdir()
     try:
         to_hf(model, tmp, tokenizer=tokenizer, max_shard_size=shard_bytes)
-        if entries:  # the previous export goes only once the new one is complete
-            old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
-            os.rename(out, old)
-            os.rename(tmp, out)
-            shutil.rmtree(old)
-        else:
-            if out.is_dir():
-                out.rmdir()  # empty
-            os.rename(tmp, out)
+        replace_directory(tmp, out)  # the previous export goes only once the new one is complete
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from moetrain.commands import check_output_path
-from moetrain.errors import MoetrainError
 
 
 def add_parser(sub) -> None:
@@ -24,11 +23,8 @@ def run(args) -> int:
 
     log = load_run_log(args.run_dir)  # the errors of a directory that is not a run's, before anything is written
     if args.out is not None:  # the default RUN_DIR/report is the report's own: regenerated from the kept logs
-        out = Path(args.out)
-        check_output_path(out, "--out")
-        if out.is_dir() and any(out.iterdir()) and not args.overwrite:
-            raise MoetrainError(f"--out {out}: exists and is not empty; pass --overwrite to write the report into it "
-                                "(files named like the report's are replaced) or choose another --out")
+        check_output_path(Path(args.out), "--out", overwrite=args.overwrite,
+                          overwrite_does="write the report into it (files named like the report's are replaced)")
     report = build_report(args.run_dir, args.out)
     for path in report.figures:
         print(f"figure: {path}")

@@ -46,9 +46,8 @@ class PreparedData:
         num_train_docs: documents in the training split.
         num_val_docs: documents in the validation split.
         skipped: files (and ``.jsonl`` lines) skipped while reading (binary, unreadable, empty, malformed).
-        cache_path: the cache entry directory: ``tokenizer.json``; ``train.bin`` / ``val.bin`` (the streams);
-            ``train.idx`` / ``val.idx`` ([documents] little-endian int64, the exclusive end offset of each
-            document, its EOS included, in the stream); ``meta.json`` (counts).
+        cache_path: the cache entry directory: ``tokenizer.json``, ``meta.json`` (counts) and the token files of
+            data/prepare.py.
     """
 
     tokenizer: Tokenizer
@@ -68,11 +67,8 @@ def prepare_data(cfg: DataConfig, vocab_size: int, tokenizer_path: Path | None =
 
     The tokenizer is, in order of precedence: ``tokenizer_path`` (resuming or evaluating a run), ``cfg.tokenizer``
     (a pretrained one), else a byte-level BPE tokenizer trained on at most ``cfg.tokenizer_max_bytes`` of the
-    training split (documents in a fixed pseudo-random order). Results are cached under ``cfg.cache_dir`` /
-    ``$MOETRAIN_CACHE`` / ``~/.cache/moetrain``, keyed by the file list with sizes, mtimes and ctimes (not contents),
-    ``val_fraction``, ``vocab_size``, ``tokenizer_max_bytes``, a non-default ``text_field`` / ``token_dtype`` and
-    the tokenizer; a cache hit reads no corpus file and trains nothing. An entry is built in a temporary directory,
-    renamed into place once complete: an interrupted run, or a corpus refused as too short, leaves no entry.
+    training split. The result is cached (:func:`_cache_key`; the cache entry: docs/data.md, "Preparation"): a
+    cache hit reads no corpus file and trains nothing, and an interrupted or refused preparation leaves no entry.
 
     Args:
         cfg: the data config.
@@ -285,12 +281,19 @@ def _publish(stage: Path, entry: Path) -> None:
         with open(f, "rb") as h:
             os.fsync(h.fileno())
     os.chmod(stage, 0o755)  # mkdtemp makes it 0700; a shared cache should be readable like any directory
+    replace_directory(stage, entry)
+
+
+def replace_directory(new: Path, target: Path) -> None:
+    """Rename the complete directory ``new`` (a sibling of ``target``) to ``target``. Whatever is at ``target`` (a
+    non-empty directory, an alias symlink; an empty directory is simply replaced) is first moved aside into a
+    temporary sibling, deleted once ``new`` is in place: ``target`` is never a mix of the two."""
     try:
-        os.rename(stage, entry)
-    except OSError:  # an entry is there (a non-empty directory or an alias symlink): move it aside, then replace it
-        old = Path(tempfile.mkdtemp(dir=entry.parent, prefix=f".{entry.name}.", suffix=".old"))
-        os.rename(entry, old / "entry")
-        os.rename(stage, entry)
+        os.rename(new, target)
+    except OSError:
+        old = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.", suffix=".old"))
+        os.rename(target, old / "entry")
+        os.rename(new, target)
         shutil.rmtree(old, ignore_errors=True)
 
 

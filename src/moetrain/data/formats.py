@@ -1,16 +1,9 @@
 """Corpus formats: each file (or folder) of a corpus read as a stream of documents, in bounded memory (the formats,
 their document names and their errors: docs/data.md, "Corpus formats").
 
-Text formats give ``(name, text)`` documents: a plain file (one document) and JSON lines (one per line; a ``.json``
-file only when its first line is a JSON object with the text field), either ``.gz`` / ``.zst`` compressed or not
-(decompressed as a stream); parquet / Arrow IPC files and ``datasets`` folders (one per row, one row group or record
-batch in memory at a time). A record's document is named ``<path without its format and compression
-suffixes>:<record number>`` (1-based), so the same rows in any format are the same documents.
-
-Pre-tokenized formats give :class:`TokenDocument` (name, ids): Megatron-Core's indexed dataset (``prefix.bin`` +
-``prefix.idx``), read with numpy from the layout of ``megatron.core.datasets.indexed_dataset`` (``_IndexWriter``) and
-tested against its own ``IndexedDatasetBuilder`` and ``IndexedDataset`` (tests/test_data_formats.py), a trailing
-end-of-text token dropped; and a flat binary of token ids (nanoGPT's ``train.bin``) cut at its end-of-text tokens.
+Text formats give ``(name, text)`` documents, pre-tokenized ones :class:`TokenDocument`. Megatron-Core's indexed
+dataset is read with numpy from the layout of ``megatron.core.datasets.indexed_dataset`` (``_IndexWriter``) and
+tested against its own ``IndexedDatasetBuilder`` and ``IndexedDataset`` (tests/test_data_formats.py).
 """
 
 from __future__ import annotations

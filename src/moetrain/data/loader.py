@@ -1,10 +1,6 @@
-"""Training batches in a fixed, resumable order, built in the background by ``torch.utils.data.DataLoader`` workers
-(the design and its tests: docs/data.md, "Background loading").
-
-Every micro-batch is a pure function of its key: the sample position (``data.packing=windows``) or ``(epoch,
-index)`` (``documents``), so it does not matter which process builds it. The checkpoint state is the key of the next
-batch the training loop has not consumed (prefetched batches are built again after a resume). Workers never outlive
-the training process, SIGKILL included (:func:`_exit_with`).
+"""Training batches in a fixed, resumable order, built in the background by ``torch.utils.data.DataLoader`` workers:
+every micro-batch is a pure function of its key, the checkpoint state is the key of the next batch not consumed,
+and workers never outlive the training process (docs/data.md, "Background loading").
 """
 
 from __future__ import annotations

@@ -22,16 +22,14 @@ import torch
 
 from moetrain.data.batch import IGNORE_INDEX, PAD_DOCUMENT, PackedBatch
 
-# Rows kept open while packing (best fit among them): more rows, less padding, more time per chunk. 64 gave 0.5%
-# padding on the 20..2,000-token corpus described below, at S=1024 (docs/data.md).
+# Packing's trade-offs between padding and time, measured: docs/data.md, "Dynamic batching".
+# Rows kept open while packing (best fit among them): more rows, less padding, more time per chunk.
 OPEN_ROWS = 64
-# A token-budget pool holds chunks worth this many budgets: sorted by length, neighbours differ little. On 3,000
-# log-uniform 20..2,000-token documents (S=1024, T=4096) pools of 1 / 4 / 16 / 64 budgets padded 34 / 19 / 7.8 / 2.5%
-# of the positions (tests/test_dynamic_batching.py, docs/data.md).
+# A token-budget pool holds chunks worth this many budgets: sorted by length, neighbours differ little.
 POOL_BUDGETS = 64
 # A token-budget row is at least this many times as wide as the shortest chunk left (capped at S): a row ends only
-# when no chunk left fits its room, so under ~1/32 of it is padding. Rows of one long chunk each (no document mask)
-# stay as wide as their chunks. On the corpus above every micro-batch padded under 2% (docs/data.md).
+# when no chunk left fits its room, so under ~1/32 of it is padding. Rows of one long chunk each stay as wide as
+# their chunks.
 ROW_FILL = 32
 
 

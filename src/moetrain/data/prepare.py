@@ -1,20 +1,10 @@
-"""Building one cache entry: a corpus streamed, split, tokenized on all cores and written as token files.
+"""Building one cache entry: a corpus streamed, split, tokenized on all cores and written as token files (its three
+passes over the documents, their memory and speed: docs/data.md, "Preparation").
 
-n = documents in the corpus. Memory is O(n) small records (a 16-byte name digest and a size per document, an
-8-byte offset per document in the index) plus the tokenizer sample and a few batches of ``_ENCODE_CHUNK_CHARS``,
-whatever the corpus size.
-
-Passes over the documents (data/formats.py streams every format):
-
-1. scan: each document's name digest (the validation split, :func:`~moetrain.data.corpus.held_out`) and size;
-2. sample (only when a tokenizer is trained): the documents of the tokenizer's sample, picked from the sizes
-   (:func:`sample_plan`);
-3. tokenize: batches of documents of one split are encoded with HF tokenizers' ``encode_batch_fast`` (Rust, on all
-   cores, without the GIL) while a thread reads and parses the next batches, and written to ``train.bin`` /
-   ``val.bin`` (each document followed by EOS) with an index of document ends (``train.idx`` / ``val.idx``,
-   little-endian int64, exclusive end offsets in tokens). A progress bar shows MB/s and the ETA on a terminal.
-
-Pre-tokenized documents skip the encoding: their ids are copied (each followed by EOS).
+n = documents in the corpus; memory is O(n) small records (a 16-byte name digest and a size per document, an 8-byte
+offset per document in the index) plus the tokenizer sample and a few batches of ``_ENCODE_CHUNK_CHARS``. Written:
+``train.bin`` / ``val.bin`` (each document followed by EOS) with an index of document ends (``train.idx`` /
+``val.idx``, little-endian int64, exclusive end offsets in tokens). Pre-tokenized documents are copied, not encoded.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""What the validation loss measures: how much of the evaluated tokens one held-out document makes up (why it
+"""What the validation loss measures: how much of the evaluated tokens (the first ``train.eval_batches`` batches of
+the validation split, in stream order) one held-out document makes up, with ``data.packing=windows`` (why it
 matters, with the Pygments example: docs/data.md, "The validation split and what val_loss measures").
-
-Training evaluates the first ``train.eval_batches`` batches of the validation split, in stream order, not a sample
-of it. :func:`val_coverage_note` says so when one held-out document is most of those tokens, with
-``data.packing=windows`` (the default); with ``documents`` packing no note is computed.
 """
 
 from __future__ import annotations

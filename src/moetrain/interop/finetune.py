@@ -1,10 +1,6 @@
-"""``moetrain train --init-from HF_DIR``: fine-tune a Hugging Face checkpoint with our trainer.
-
-The model config comes from the checkpoint (:func:`~moetrain.interop.hf.from_hf`), the training and data config
-from the preset / ``--config`` file / ``FIELD=VALUE`` overrides as usual; overrides of ``model.*`` may change
-training-only fields (loss coefficients, ``model.execution.*``) but not the architecture. The run keeps
-the checkpoint's tokenizer: its ``tokenizer.json`` is what the data pipeline encodes the corpus with, and what the
-run directory stores.
+"""``moetrain train --init-from HF_DIR``: fine-tune a Hugging Face checkpoint with our trainer: the model config and
+tokenizer from the checkpoint, the rest as usual (what ``model.*`` overrides may change, and why a preset's
+regulariser for training from scratch is left out: docs/hf-interop.md, "Fine-tuning").
 """
 
 from __future__ import annotations
@@ -22,9 +18,7 @@ from moetrain.interop.hf import TOKENIZER_FILE, from_hf, read_hf_config
 from moetrain.model.config import ModelConfig
 
 
-# Train fields a preset may set for training from scratch that would harm a pretrained model. cpu-small's experts
-# decay at 1.0 (docs/moe-vs-dense.md): over its 600-step schedule that shrinks them towards e^-0.9 of their
-# norm, which regularises a model trained from random weights and erodes a pretrained one.
+# Train fields a preset may set for training from scratch that would harm a pretrained model (docs/hf-interop.md).
 FROM_SCRATCH = {"expert_weight_decay": "a regulariser for training from scratch; the experts decay like the rest"}
 
 

@@ -69,11 +69,18 @@ def hf_state_dict(model: MoETransformer, family: Family) -> dict[str, torch.Tens
     return {hf_name(name, family): t for name, t in tensors.items()}
 
 
-def to_hf_model(model: MoETransformer, tokenizer: Any = None):
-    """An in-memory transformers ``*ForCausalLM`` holding ``model``'s weights (shared storage, no copy on CPU).
+def to_hf_model(model: MoETransformer, tokenizer: Any = None, runnable: bool = False, **hf_kwargs: Any):
+    """An in-memory transformers ``*ForCausalLM`` holding ``model``'s weights.
 
-    Non-persistent buffers (RoPE tables) stay on the meta device: the result is for ``save_pretrained``, not for
-    running. Raises ConfigError for a configuration with no faithful HF equivalent (see :func:`family_for`).
+    Args:
+        model: our model.
+        tokenizer: its ``tokenizers.Tokenizer`` (the config's ``eos_token_id``), or ``None``.
+        runnable: ``False``: built on the meta device, the weights shared with ``model`` (no copy on CPU) and the
+            non-persistent buffers (RoPE tables) left on the meta device, for ``save_pretrained`` only; ``True``:
+            built on the CPU with a copy of the weights, to run and train apart from ``model``.
+        hf_kwargs: passed to ``AutoModelForCausalLM.from_config`` (``attn_implementation``, ...).
+    Raises:
+        ConfigError: a configuration with no faithful HF equivalent (see :func:`family_for`).
     """
     tf = transformers_module()
     family = family_for(model.config)
@@ -85,10 +92,10 @@ def to_hf_model(model: MoETransformer, tokenizer: Any = None):
     config.architectures = [family.architecture]
     state = hf_state_dict(model, family)
     config.dtype = next(iter(state.values())).dtype
-    with torch.device("meta"), warnings.catch_warnings():
+    with torch.device("cpu" if runnable else "meta"), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Initializing zero-element tensors")  # zero-width shared experts
-        hf = tf.AutoModelForCausalLM.from_config(config)
-    result = hf.load_state_dict(state, strict=False, assign=True)
+        hf = tf.AutoModelForCausalLM.from_config(config, **hf_kwargs)
+    result = hf.load_state_dict(state, strict=False, assign=not runnable)
     missing = set(result.missing_keys) - ({"lm_head.weight"} if model.config.tie_embeddings else set())
     # What the family always has and we may not: dots.llm1's e_score_correction_bias (zeros = no bias) and its
     # shared experts (zero width = none).
