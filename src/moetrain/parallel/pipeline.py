@@ -27,6 +27,7 @@ from moetrain.model.config import ModelConfig
 from moetrain.model.transformer import MOE_LOSS_TERMS
 from moetrain.moe.layer import MoEAux, MoELayer
 from moetrain.moe.losses import global_load_balancing_loss
+from moetrain.parallel.ac import blocks
 
 if TYPE_CHECKING:
     from moetrain.model.transformer import MoETransformer
@@ -163,11 +164,8 @@ class StageModule(nn.Module):
         self.step_counts: torch.Tensor | None = None
         self.records: list[dict[str, torch.Tensor]] = []
 
-    def stage_blocks(self) -> list[Block]:
-        return [cast(Block, b) for b in self.blocks.values()]
-
     def moe_layers(self) -> list[MoELayer]:
-        return [cast(MoELayer, b.ffn) for b in self.stage_blocks() if b.is_moe]
+        return [cast(MoELayer, b.ffn) for b in blocks(self) if b.is_moe]
 
     def trunk(self, x: torch.Tensor) -> tuple[torch.Tensor, list[MoEAux]]:
         """The model's embedding (first stage: ``x`` [b, S] token ids) and this stage's blocks: ([b, S, D], the
