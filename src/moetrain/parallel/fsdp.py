@@ -63,7 +63,8 @@ def apply_fsdp(model: nn.Module, mesh: LayoutMesh, parallel: ParallelConfig, dty
         mesh: this rank's :class:`LayoutMesh` (distributed).
         parallel: ``reshard_after_forward`` (ZeRO-3, else ZeRO-2) and ``cpu_offload`` (FSDP2 ``CPUOffloadPolicy``).
         dtype: ``train.dtype`` (``fp32`` or ``bf16``).
-        seed, plan: ``train.seed`` and the expert slices, for the materialisation.
+        seed: ``train.seed``, for the materialisation.
+        plan: the expert slices (:func:`.layout.shard_experts`), for the materialisation.
     Returns:
         ``model``, now an ``FSDPModule`` whose parameters are ``DTensor`` shards.
     Raises:
@@ -149,7 +150,8 @@ def apply_replicate(model: nn.Module, mesh: LayoutMesh, cpu_offload: bool = Fals
         model: the whole model (an ``MoETransformer``), materialised on ``mesh.device`` here if on the meta device.
         mesh: this rank's :class:`LayoutMesh` (``dp_replicate`` ranks, nothing else).
         cpu_offload: ``parallel.cpu_offload`` (refused: there are no shards to offload).
-        seed, plan: ``train.seed`` and the expert slices, for the materialisation.
+        seed: ``train.seed``, for the materialisation.
+        plan: the expert slices (:func:`.layout.shard_experts`), for the materialisation.
     Returns:
         ``model``, its forward wrapped by the replicate hooks.
     Raises:
