@@ -1,9 +1,6 @@
 """Refuse sizes that cannot fit before anything is allocated or written: the estimate of ``moetrain.analysis``
 (weights + gradients + AdamW state, one micro-batch's saved activations, the token batches) against the memory
-this machine has free.
-
-Without it a mistyped ``model.hidden=1099511627776`` ended in the allocator's error after asking for 2 PB, and
-``train.batch_size=1000000000`` in numpy's ``_ArrayMemoryError``.
+this machine has free, so that a mistyped size ends in one line naming the field instead of the allocator's error.
 """
 
 from __future__ import annotations
@@ -13,13 +10,10 @@ from dataclasses import dataclass
 
 from moetrain.errors import ConfigError
 
-# The estimate leaves out the allocator's slack, temporary buffers and the data set itself, so a run needs more
-# than it; refusing only above 100% of free memory never refuses a run that would fit.
 _UNITS = (("PB", 1e15), ("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3))
-# Threads a CPU rank of a distributed run starts: gloo's ProcessGroupGloo runs two workers ("pt_gloo_runloop", its
-# default Options threads) and its TCP device one event loop ("gloo_tcp_loop") per process group; rank 0 one more,
-# the metrics writer's. Counted in /proc/<pid>/task/*/comm of dp_shard=2 and 4 ranks (8 groups: 24 + 1 on rank 0;
-# torch 2.13, 2026-12-07).
+# Threads a CPU rank of a distributed run starts: gloo's ProcessGroupGloo runs two workers ("pt_gloo_runloop") and
+# its TCP device one event loop ("gloo_tcp_loop") per process group; rank 0 one more, the metrics writer's (as
+# /proc/<pid>/task/*/comm lists them).
 GLOO_THREADS_PER_GROUP, RANK0_THREADS = 3, 1
 
 
