@@ -132,12 +132,6 @@ def in_flight(pp: int, m: int, pp_rank: int, per_rank: int = 1, schedule: str = 
     return 1 if pp == 1 else m if schedule == "gpipe" else min(m, pp * per_rank - pp_rank)
 
 
-def _stage_flags(shape: ModelShape, moe_flags: list[bool], pp: int, work: Workload) -> list[list[bool]]:
-    """Each stage's MoE flags, split as the trainer splits them (:func:`moetrain.analysis.stages.split_stages`)."""
-    ranges = split_stages(shape, moe_flags, pp, work.seq, work.bta_tiles, "full" if work.checkpoint else "none")
-    return [[moe_flags[i] for i in r] for r in ranges]
-
-
 def estimate(
     shape: ModelShape, moe_flags: list[bool], layout: Layout, work: Workload, hw: Hardware,
     counts: ParamCounts | None = None,
@@ -158,7 +152,9 @@ def estimate(
             f"{work.micro_batch} with {work.bta_tiles} tiles does not divide evenly"
         )
     m = int(per_rank) // work.micro_batch
-    stages = _stage_flags(shape, moe_flags, layout.pp, work)
+    # each stage's MoE flags, split as the trainer splits them
+    ranges = split_stages(shape, moe_flags, layout.pp, work.seq, work.bta_tiles, "full" if work.checkpoint else "none")
+    stages = [[moe_flags[i] for i in r] for r in ranges]
     placed = [(len(f), i == 0, i == len(stages) - 1) for i, f in enumerate(stages)]  # one stage per rank (1F1B)
     tokens = work.micro_batch * work.seq
     eff_flops = hw.peak_flops * hw.efficiency

@@ -217,13 +217,9 @@ class ParallelHooks:
         self._steps = 0
         names = {"tokens_received": "tokens_received", "dispatch_bytes_sent": "a2a_bytes_sent",
                  "dispatch_bytes_sent_remote": "a2a_bytes_sent_remote", "combine_bytes_sent": "combine_bytes_sent"}
-        fields = CommStats.field_names()
-        out = {}
-        for rank, counters in enumerate(everyone):
-            values = dict(zip(fields, counters.tolist()))
-            for field, key in names.items():
-                out[f"ep/rank{rank}/{key}"] = values[field] / steps
-        return out
+        ranks = [dict(zip(CommStats.field_names(), counters.tolist())) for counters in everyone]
+        return {f"ep/rank{rank}/{key}": values[field] / steps
+                for rank, values in enumerate(ranks) for field, key in names.items()}
 
     # -- checkpoints, monitoring, stopping ---------------------------------------------------------------------
     @property
