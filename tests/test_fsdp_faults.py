@@ -213,12 +213,13 @@ def test_step_errors_name_the_engine_collectives_and_others_pass_through():
     one) becomes one line naming the step's collectives; any other error is left as it is."""
     import torch.distributed as dist
 
-    from moetrain.parallel.comm import CollectiveError
-    from moetrain.parallel.engine import fsdp_collectives
+    from functools import partial
+
+    from moetrain.parallel.comm import CollectiveError, named_collective
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
-        _check_wrapping(CollectiveError, fsdp_collectives)
+        _check_wrapping(CollectiveError, partial(named_collective, step=True))
     finally:
         dist.destroy_process_group()
 
@@ -254,7 +255,7 @@ def _check_wrapping(CollectiveError, fsdp_collectives) -> None:
 
 @pytest.mark.parametrize("engine", ["ep", "train"])
 def test_nccl_groups_raise_instead_of_tearing_down(monkeypatch, engine):
-    """The one process-group start (``init_layout_mesh``: the trainer's through ``start_sharded``, expert-parallel
+    """The one process-group start (``init_layout_mesh``: the trainer's through ``start``, expert-parallel
     serving's directly; layouts ``dp_shard=2`` and ``ep=2``) sets ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` before the NCCL group exists, unless the
     environment sets it, and gives the group ``parallel.timeout_s`` (the watchdog's time-out). Runs without a GPU:
     ``init_process_group`` is replaced by a recorder."""
@@ -263,7 +264,7 @@ def test_nccl_groups_raise_instead_of_tearing_down(monkeypatch, engine):
     import torch
     import torch.distributed as dist
 
-    from moetrain.parallel.engine import start_sharded
+    from moetrain.parallel.launch import start
     from moetrain.parallel.layout import NCCL_ERROR_HANDLING, init_layout_mesh
 
     class Recorded(Exception):
@@ -287,7 +288,7 @@ def test_nccl_groups_raise_instead_of_tearing_down(monkeypatch, engine):
         else:
             monkeypatch.setenv(NCCL_ERROR_HANDLING, preset)
         with pytest.raises(Recorded):
-            start_sharded(cfg, "cuda") if engine == "train" else init_layout_mesh(cfg.parallel, "cuda")
+            start(cfg, "cuda") if engine == "train" else init_layout_mesh(cfg.parallel, "cuda")
     assert seen == [("nccl", "2", datetime.timedelta(seconds=7)), ("nccl", "3", datetime.timedelta(seconds=7))]
 
 

@@ -5,14 +5,13 @@ Legend: T = tokens, D = hidden, H / Hkv = query / key-value heads, Hd = head siz
 E = experts, K = top-k, F = expert FFN hidden, Fd = dense FFN hidden, V = vocabulary.
 
 Element counts per token follow what moetrain's own modules save (checked against
-``torch.autograd.graph.saved_tensors_hooks`` by tests/test_analysis_memory.py, within 10% in fp32):
+``torch.autograd.graph.saved_tensors_hooks``, :mod:`.saved`, within 10% in fp32):
 
 - input RMSNorm (model/norm.py): its input x and the normed output (``D`` each) and rstd (1);
 - attention (fused SDPA, flash or memory-efficient, never the S x S matrix): q, k, v after RoPE, the output and
   the log-sum-exp (``2 q + 2 kv + H``); q/k RMSNorm adds their inputs and ``x * rstd`` (fp32); RoPE keeps [S, Hd]
-  cos/sin tables per call. ``attention_kernel="math"`` adds the H x S attention probabilities per token in fp32, and
-  under autocast fp32 copies of q, k, v, and drops the log-sum-exp (unfused
-  attention, the case the BTA paper addresses: attention memory quadratic in S);
+  cos/sin tables per call. ``attention_kernel="math"`` (unfused, the case the BTA paper addresses) adds the H x S
+  attention probabilities per token in fp32 and, under autocast, fp32 copies of q, k, v, without the log-sum-exp;
 - post-attention RMSNorm: ``2 D + 1``;
 - MoE: per routed row the dispatched input and the gathered output (``2 D``) and the expert FFN internals (SwiGLU:
   gate/up output 2F, SiLU output F, product F; GELU: 2F), per token the router's probabilities and logits
@@ -77,9 +76,8 @@ def block_activations(
 
     Args:
         moe: an MoE block (else a dense SwiGLU FFN block).
-        act_bytes: bytes per element of the GEMM inputs and outputs (4 fp32; 2 under bf16 autocast, where the
-            residual stream, the norms' internals, the router and the loss stay fp32, and autocast's
-            compute-dtype copies of the weights are saved too: see :func:`weight_copy_bytes`).
+        act_bytes: bytes per element of the GEMM inputs and outputs (4 fp32; 2 under bf16 autocast: see the module
+            docstring; the weights' copies are :func:`weight_copy_bytes`).
         attention_kernel: ``fused`` (flash / memory-efficient SDPA) or ``math`` (materialises H x S x S).
     """
     t = batch * seq

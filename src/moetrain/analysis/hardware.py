@@ -100,8 +100,7 @@ PRESETS: dict[str, Hardware] = {
 
 
 # A peak whose rounds differ by more than this fraction of the best, or measured while other processes kept at
-# least half a core busy, is reported as unreliable: on a shared 2-core machine the fp32 peak read 7.3 GFLOP/s under
-# load and ~90 idle, and the bf16 / fp32 ratio moved from 2.8x to 9.7x within a minute.
+# least half a core busy, is reported as unreliable: load on a shared machine moves a GEMM peak several-fold.
 UNRELIABLE_SPREAD = 0.25
 UNRELIABLE_BUSY_CORES = 0.5
 
@@ -154,8 +153,7 @@ def measure_peaks(dtypes: tuple[str, ...] = ("fp32", "bf16"), rounds: int = 3, s
                   repeats: int = 3, device: str = "cpu") -> PeakMeasurement:
     """GEMM FLOP/s of each of ``dtypes`` in ``rounds`` interleaved rounds, each the best of ``repeats``
     [size, size] @ [size, size] products (:func:`moetrain.runtime.cpu.gemm_peak`, uncached), with the cores other
-    processes kept busy sampled before and after. On the CPU of this project's machine (AMD EPYC, 2 threads) a
-    round of fp32 + bf16 takes ~0.2 s idle.
+    processes kept busy sampled before and after.
 
     Raises:
         ValueError: ``rounds`` < 1 or an unknown dtype name.

@@ -11,8 +11,7 @@ BTA: for each layout the micro-batch (a power of two dividing the per-rank batch
 checkpointing and recomputed experts (``model.execution.recompute_experts``) are searched; G > 1 is recommended when it
 lets a larger micro-batch fit (more tokens per expert GEMM) and that is faster than the best untiled option, by at
 least ``BTA_MIN_GAIN``. Recomputed experts are the cheaper memory lever (one more input projection of the experts,
-against a whole block forward for checkpointing); they are what makes BTA's memory balance reachable when the
-MoE layer's activations, which BTA does not tile, are what fills memory (docs/bta.md).
+against a whole block forward for checkpointing; docs/bta.md).
 """
 
 from __future__ import annotations
@@ -38,11 +37,7 @@ def preferred_family(num_experts: int) -> str:
 
 
 def _powers_of_two(limit: int) -> list[int]:
-    out, v = [], 1
-    while v <= limit:
-        out.append(v)
-        v *= 2
-    return out
+    return [2**i for i in range(max(limit, 0).bit_length())]
 
 
 def candidate_layouts(shape: ModelShape, devices: int, global_batch: int, max_pp: int = 8) -> list[Layout]:
@@ -205,7 +200,7 @@ def trainer_fields(c: Candidate, seq: int, dtype: str) -> dict:
         "model": {"execution": {"bta_tiles": w.bta_tiles, "recompute_experts": bool(w.recompute_experts)}},
         "data": {"seq_len": seq},
         "train": {"batch_size": w.micro_batch * lay.data_parallel, "grad_accum": e.grad_accum, "dtype": dtype},
-        "parallel": {"pp": lay.pp, "ep": lay.ep, "dp_shard": lay.dp, "dp_replicate": 1, "fsdp": "on",
+        "parallel": {"pp": lay.pp, "ep": lay.ep, "dp_shard": lay.dp, "dp_replicate": 1,
                      "activation_checkpoint": "full" if w.checkpoint else "none"},
     }
 

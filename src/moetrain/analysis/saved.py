@@ -1,6 +1,6 @@
 """Measured activation memory: the bytes autograd saves for backward, counted with ``saved_tensors_hooks``.
 
-This is the measurement the cost model (analysis/memory.py) is checked against. A tensor counts once per distinct
+The measurement the cost model (:mod:`.activations`) is checked against. A tensor counts once per distinct
 storage (``q_proj``, ``k_proj`` and ``v_proj`` all save the same normed input; ``chunk`` views share one buffer) and
 with its whole storage's bytes; parameter storages are excluded (weights are not activations).
 

@@ -4,31 +4,24 @@ the final norm + LM head (and the loss) on the last, split into contiguous stage
 Legend: L = blocks, N = stages, S = sequence length, D = hidden, V = vocabulary.
 
 Cost of a part = its FLOPs per token of one training micro-batch (forward + backward + recomputation:
-:func:`moetrain.analysis.flops.step_flops`, at batch 1: every part is linear in the batch, so the split does not
-depend on it; the attention scores' S^2 makes it depend on S). At a fixed FLOP rate that is the compute-bound step
-time of :mod:`moetrain.analysis.step`; it is deliberately hardware-free, so that every rank, the dry run and the
-planner compute the same split without a device or a measurement (a calibrated CPU would differ from rank to rank).
+:func:`moetrain.analysis.flops.step_flops` at batch 1; every part is linear in the batch, the attention scores'
+S^2 makes the split depend on S). Deliberately hardware-free, so that every rank, the dry run and the planner
+compute the same split without a device or a measurement. A block costs its attention plus, for an MoE block,
+router, routed and shared experts, for a dense block its dense FFN; the embedding is a gather (no FLOPs); the last
+stage adds the LM head, 2 * D * V per token forward and twice that backward (for a large vocabulary several
+blocks' worth).
 
-- a block: its attention (projections and scores) plus, for an MoE block, router, routed and shared experts, for
-  a dense block its dense FFN (``moe_every`` / ``first_k_dense`` make them differ by several times);
-- the embedding: a gather, no FLOPs in this convention (as ``FlopCounterMode`` counts);
-- the last stage: the LM head GEMM, 2 * D * V per token forward and twice that backward (for a large vocabulary
-  several blocks: Qwen3-30B-A3B's 151,936 x 2,048 head is ~3.4 of its blocks at S = 4096); the softmax of the loss is
-  element-wise (no FLOPs).
-
-Placement follows the published recipes: torchtitan's ``generate_llm_fqn_per_model_part``
-(torchtitan/distributed/pipeline_parallel.py) puts ``tok_embeddings`` on stage 0 and ``norm`` + ``output`` on the
-last stage, weighting them as ``input_weight`` / ``output_weight`` whole layers
-(``pipeline_parallel_first_stage_less_layers`` / ``..._last_stage_less_layers``, 1 each by default); Megatron-Core
-does the same with ``account_for_embedding_in_pipeline_split`` / ``account_for_loss_in_pipeline_split`` (one layer
-each). Here the weights are the cost model's instead of whole layers, and the split is an exact minimisation
-(:func:`balanced_split`) instead of equal counts.
+Placement as torchtitan's ``generate_llm_fqn_per_model_part`` (torchtitan/distributed/pipeline_parallel.py) and
+Megatron-Core's ``account_for_embedding_in_pipeline_split`` / ``account_for_loss_in_pipeline_split``: the
+embedding on stage 0, norm + LM head on the last stage; here weighted by the cost model instead of as whole
+layers, and split by an exact minimisation (:func:`balanced_split`) instead of equal counts.
 
 Not modelled: memory-bound experts (small tokens per expert; :mod:`.intensity`), communication, element-wise work.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -108,9 +101,7 @@ def balanced_split(costs: Sequence[float], stages: int, first: float = 0.0, last
     n = len(costs)
     if not 1 <= stages <= n:
         raise ValueError(f"stages: {stages} stages of at least one block need 1 <= stages <= {n} blocks")
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
+    prefix = [0.0, *itertools.accumulate(costs)]
 
     def cost(j: int, i: int) -> float:
         return prefix[i] - prefix[j] + (first if j == 0 else 0.0) + (last if i == n else 0.0)

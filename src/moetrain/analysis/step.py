@@ -125,10 +125,11 @@ class Estimate:
         return self.exposed_comm_s / self.step_s if self.step_s else 0.0
 
 
-def _stage_flags(shape: ModelShape, moe_flags: list[bool], pp: int, work: Workload) -> list[list[bool]]:
-    """Each stage's MoE flags, split as the trainer splits them (:func:`moetrain.analysis.stages.split_stages`)."""
-    ranges = split_stages(shape, moe_flags, pp, work.seq, work.bta_tiles, "full" if work.checkpoint else "none")
-    return [[moe_flags[i] for i in r] for r in ranges]
+def in_flight(pp: int, m: int, pp_rank: int, per_rank: int = 1, schedule: str = "1f1b") -> int:
+    """Micro-batches whose activations pipeline rank ``pp_rank`` holds at its first backward: 1 without a pipeline,
+    all ``m`` under GPipe, else ``min(m, pp * per_rank - pp_rank)`` (1F1B-type schedules, ``per_rank`` stages per
+    rank)."""
+    return 1 if pp == 1 else m if schedule == "gpipe" else min(m, pp * per_rank - pp_rank)
 
 
 def estimate(
@@ -151,7 +152,9 @@ def estimate(
             f"{work.micro_batch} with {work.bta_tiles} tiles does not divide evenly"
         )
     m = int(per_rank) // work.micro_batch
-    stages = _stage_flags(shape, moe_flags, layout.pp, work)
+    # each stage's MoE flags, split as the trainer splits them
+    ranges = split_stages(shape, moe_flags, layout.pp, work.seq, work.bta_tiles, "full" if work.checkpoint else "none")
+    stages = [[moe_flags[i] for i in r] for r in ranges]
     placed = [(len(f), i == 0, i == len(stages) - 1) for i, f in enumerate(stages)]  # one stage per rank (1F1B)
     tokens = work.micro_batch * work.seq
     eff_flops = hw.peak_flops * hw.efficiency
@@ -208,10 +211,9 @@ def estimate(
     acts = 0.0  # with autocast this includes each in-flight micro-batch's compute-dtype weight copies
     for i, flags in enumerate(stages):
         last = i == len(stages) - 1
-        in_flight = min(layout.pp - i, m) if layout.pp > 1 else 1
         a = model_activations(shape, flags, work.micro_batch, work.seq, work.bta_tiles, work.checkpoint,
                               work.act_bytes, lm_head=last, fused_loss=True, ep=layout.ep)  # as the trainer runs
-        acts = max(acts, (sum(a.blocks) + a.other) * in_flight + a.transient)
+        acts = max(acts, (sum(a.blocks) + a.other) * in_flight(layout.pp, m, i) + a.transient)
     return Estimate(
         layout=layout, workload=work, grad_accum=m, state_bytes=state.total,
         activation_bytes=acts, compute_s=compute, bubble_s=bubble, comm=comm, exposed_comm_s=exposed,

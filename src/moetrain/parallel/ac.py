@@ -38,7 +38,9 @@ def in_recompute() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def _blocks(model: nn.Module) -> list[Block]:
+def blocks(model: nn.Module) -> list[Block]:
+    """The transformer blocks of ``model`` (an ``MoETransformer``'s ``ModuleList``, or a pipeline stage's
+    ``ModuleDict``)."""
     blocks = model.blocks
     modules = blocks.values() if isinstance(blocks, nn.ModuleDict) else cast(nn.ModuleList, blocks)
     return [cast(Block, b) for b in modules]
@@ -59,7 +61,7 @@ def apply(model: nn.Module, mode: str) -> list[str]:
         raise ConfigError(f"parallel.activation_checkpoint: unknown mode {mode!r}; choose one of {list(MODES)}")
     names = {m: n for n, m in model.named_modules()}
     done = []
-    for block in _blocks(model):
+    for block in blocks(model):
         targets: list[nn.Module] = []
         if mode == "full":
             targets = [block]

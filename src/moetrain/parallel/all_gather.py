@@ -19,9 +19,9 @@ from typing import cast
 import torch
 import torch.nn.functional as F
 
-from moetrain.moe.dispatch import DispatchMeta, LocalDispatcher
+from moetrain.moe.dispatch import DispatchMeta
 from moetrain.parallel.ep_dispatcher import EPDispatcher
-from moetrain.parallel.exchange import AllGather, KeepGradPath, ReduceScatter, all_gather_rows
+from moetrain.parallel.exchange import KeepGradPath, all_gather, all_gather_rows, reduce_scatter
 
 
 @dataclass(frozen=True)
@@ -47,11 +47,8 @@ class AllGatherMeta:
 
 class AllGatherDispatcher(EPDispatcher):
     """Same interface as :class:`~moetrain.moe.dispatch.LocalDispatcher`; rows for this rank's experts only.
-
-    Args:
-        num_experts: E.  mesh: this rank's mesh position.  stats: optional counters.  name: label for errors.
+    Arguments as :class:`~moetrain.parallel.ep_dispatcher.EPDispatcher`.
     """
-
 
     def dispatch(
         self,
@@ -61,9 +58,8 @@ class AllGatherDispatcher(EPDispatcher):
         keep: torch.Tensor | None = None,
         capacity: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, AllGatherMeta]:
-        """Args:
-            tokens: [T, D].  topk_ids: [T, K] int64 global expert ids.  topk_weights: [T, K] fp32.
-            keep: [T, K] bool, False for dropped assignments.  capacity: C for the capacity layout.
+        """:meth:`moetrain.moe.dispatcher.Dispatcher.dispatch` of this rank's [T, D] tokens.
+
         Returns:
             (rows [R, D] grouped by local expert, rows per local expert [E_l] int64, meta).
         Raises:
@@ -76,10 +72,8 @@ class AllGatherDispatcher(EPDispatcher):
         pad = (0, 0, 0, t_max - t)
         if keep is None:
             keep = torch.ones_like(topk_ids, dtype=torch.bool)
-        x_all = cast(torch.Tensor, AllGather.apply(  # type: ignore[no-untyped-call]
-            F.pad(tokens, pad), self.group, p, f"all_gather (MoE tokens, {self.name})"))
-        w_all = cast(torch.Tensor, AllGather.apply(  # type: ignore[no-untyped-call]
-            F.pad(topk_weights, pad), self.group, p, f"all_gather (MoE gating weights, {self.name})"))
+        x_all = all_gather(F.pad(tokens, pad), self.group, p, f"all_gather (MoE tokens, {self.name})")
+        w_all = all_gather(F.pad(topk_weights, pad), self.group, p, f"all_gather (MoE gating weights, {self.name})")
         # Expert ids and keep flags travel together (padding rows: not kept).
         ids_keep = torch.cat([topk_ids, keep.to(topk_ids.dtype)], dim=1)
         ids_keep = all_gather_rows(F.pad(ids_keep, pad), self.group, p, f"all_gather (MoE expert ids, {self.name})")
@@ -95,13 +89,9 @@ class AllGatherDispatcher(EPDispatcher):
             before, n = self.local_experts.start * per_expert, len(self.local_experts) * per_expert
         # An empty [0, D] input trips grouped_mm; rows past the last expert's are ignored by every backend.
         grouped = F.pad(rows[before : before + n], (0, 0, 0, 1 if n == 0 else 0))
-        if self.stats is not None and torch.is_grad_enabled():  # training passes only
-            row_bytes = tokens.shape[1] * tokens.element_size()
-            self.stats.dispatch_rows_sent += t_max
-            self.stats.dispatch_rows_sent_remote += t_max * (p - 1)
-            self.stats.dispatch_bytes_sent += t_max * row_bytes
-            self.stats.dispatch_bytes_sent_remote += t_max * (p - 1) * row_bytes
-            self.stats.tokens_received += int(counts[self.local_experts.start : self.local_experts.stop].sum())
+        if (stats := self.counting()) is not None:
+            stats.add_dispatch(t_max, t_max * (p - 1), tokens.shape[1] * tokens.element_size(),
+                               int(counts[self.local_experts.start : self.local_experts.stop].sum()))
         meta = AllGatherMeta(local=local_meta, rows_before=before, num_rows=n, rows_total=rows.shape[0],
                              received=grouped, num_tokens=t)
         return grouped, counts[self.local_experts.start : self.local_experts.stop], meta
@@ -123,8 +113,7 @@ class AllGatherDispatcher(EPDispatcher):
         acc = torch.promote_types(y.dtype, torch.float32)
         full = F.pad(y.to(acc), (0, 0, meta.rows_before, after))  # other experts' rows: zeros, ignored
         partial = self.permuter.combine(full, meta.local)  # [P * T_max, D] in acc
-        if self.stats is not None and torch.is_grad_enabled():  # training passes only
-            self.stats.combine_bytes_sent += partial.numel() * partial.element_size()
-        out = cast(torch.Tensor, ReduceScatter.apply(  # type: ignore[no-untyped-call]
-            partial, self.group, self.ep, f"reduce_scatter (MoE combine, {self.name})"))
+        if (stats := self.counting()) is not None:
+            stats.combine_bytes_sent += partial.numel() * partial.element_size()
+        out = reduce_scatter(partial, self.group, self.ep, f"reduce_scatter (MoE combine, {self.name})")
         return out[: meta.num_tokens].to(y.dtype)

@@ -31,7 +31,7 @@ from typing import cast
 import torch
 import torch.nn.functional as F
 
-from moetrain.moe.dispatch import DispatchMeta, LocalDispatcher
+from moetrain.moe.dispatch import DispatchMeta
 from moetrain.parallel.ep_dispatcher import EPDispatcher
 from moetrain.parallel.exchange import AllToAll, KeepGradPath, all_to_all_rows, wire_dtype
 
@@ -61,16 +61,9 @@ class AllToAllMeta:
 class AllToAllDispatcher(EPDispatcher):
     """All-to-all dispatch over the EP group of ``mesh``: ``dispatch`` returns the rows of this rank's ``E / ep``
     experts only (so the layer's ``experts`` must be sharded: :func:`moetrain.parallel.layout.shard_experts`). Dropless,
-    dropping (``keep``) and the capacity layout (``capacity``) are all supported.
-
-    Args:
-        num_experts: E (all experts of the layer, over the EP group).
-        mesh: this rank's :class:`~moetrain.parallel.layout.ParallelMesh`.
-        stats: optional counters of rows and bytes moved, by passes with gradients only (training; the launcher
-            resets them when it logs).
-        name: label used in error messages (e.g. the layer's module name).
+    dropping (``keep``) and the capacity layout (``capacity``) are all supported. Arguments as
+    :class:`~moetrain.parallel.ep_dispatcher.EPDispatcher`.
     """
-
 
     def dispatch(
         self,
@@ -80,12 +73,9 @@ class AllToAllDispatcher(EPDispatcher):
         keep: torch.Tensor | None = None,
         capacity: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, AllToAllMeta]:
-        """Args:
-            tokens: [T, D] this rank's tokens.
-            topk_ids: [T, K] int64 global expert ids.
-            topk_weights: [T, K] fp32 gating weights.
-            keep: [T, K] bool, False for assignments dropped by the capacity limit; ``None`` keeps all.
-            capacity: C for the capacity layout (C rows per expert per source rank), ``None`` for grouped rows.
+        """:meth:`moetrain.moe.dispatcher.Dispatcher.dispatch` of this rank's [T, D] tokens, C rows per expert per
+        source rank in the capacity layout.
+
         Returns:
             (rows [R, D] grouped by local expert, rows per local expert [E_l] int64, meta).
         Raises:
@@ -106,14 +96,9 @@ class AllToAllDispatcher(EPDispatcher):
         regroup = torch.sort(row_expert, stable=True).indices  # [R]
         # An empty [0, D] input trips grouped_mm; rows past the last expert's are ignored by every backend.
         grouped = F.pad(received[regroup], (0, 0, 0, 1 if sum(recv) == 0 else 0))  # [max(R, 1), D]
-        if self.stats is not None and torch.is_grad_enabled():  # training passes only
-            row_bytes = rows.shape[1] * rows.element_size()  # the dtype on the wire
-            remote = sum(send) - send[self.ep_rank]
-            self.stats.dispatch_rows_sent += sum(send)
-            self.stats.dispatch_rows_sent_remote += remote
-            self.stats.dispatch_bytes_sent += sum(send) * row_bytes
-            self.stats.dispatch_bytes_sent_remote += remote * row_bytes
-            self.stats.tokens_received += sum(recv)
+        if (stats := self.counting()) is not None:  # bytes in the dtype on the wire
+            stats.add_dispatch(sum(send), sum(send) - send[self.ep_rank], rows.shape[1] * rows.element_size(),
+                               sum(recv))
         meta = AllToAllMeta(local=local_meta, local_rows=rows.shape[0], send_splits=send, recv_splits=recv,
                             regroup=regroup, received=grouped)
         return grouped, counts_recv.sum(0), meta
@@ -133,8 +118,8 @@ class AllToAllDispatcher(EPDispatcher):
         back = cast(torch.Tensor, AllToAll.apply(  # type: ignore[no-untyped-call]
             y[inverse], meta.send_splits, meta.recv_splits, self.group,
             f"all_to_all_single (MoE combine, {self.name})"))  # [S, D] in this rank's layout
-        if self.stats is not None and torch.is_grad_enabled():  # training passes only
-            self.stats.combine_bytes_sent += y.shape[0] * y.shape[1] * y.element_size()
+        if (stats := self.counting()) is not None:
+            stats.combine_bytes_sent += y.shape[0] * y.shape[1] * y.element_size()
         # Dropped rows were never sent; the local combine ignores them, zeros stand in.
         back = F.pad(back, (0, 0, 0, meta.local_rows - back.shape[0]))
         return self.permuter.combine(back, meta.local)

@@ -32,32 +32,52 @@ def group_ranks(group: dist.ProcessGroup | None) -> list[int]:
     return list(range(dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))))
 
 
+_COMM_WORDS = ("gloo", "Gloo", "NCCL", "nccl", "Connection", "connection", "timed out", "Timed out", "peer",
+               "Socket", "socket")
+
+
+def _comm_cause(error: BaseException) -> BaseException | None:
+    """The first exception of ``error``'s chain (``__cause__``, else ``__context__``) that reports a failed
+    collective, or ``None``. ``torch.distributed.pipelining`` re-raises a stage's backward error as a plain
+    ``RuntimeError("Failed to run stage backward: ...")`` that names no collective: the gloo or NCCL error is its
+    cause."""
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, (CollectiveError, dist.DistError)) or (
+                isinstance(e, RuntimeError) and any(w in str(e) for w in _COMM_WORDS)):
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
 @contextmanager
-def named_collective(name: str, group: dist.ProcessGroup | None = None) -> Iterator[None]:
+def named_collective(name: str, group: dist.ProcessGroup | None = None, step: bool = False) -> Iterator[None]:
     """Run a collective; re-raise any backend failure as :class:`CollectiveError` naming it.
 
     Args:
         name: what the collective does, e.g. ``"all_to_all_single (MoE token dispatch)"``.
         group: its process group (``None``: the default group).
+        step: the block is a whole step whose collectives run inside FSDP2 and ``torch.distributed.pipelining``:
+            only an error whose chain holds a ``DistError`` or a backend error (:func:`_comm_cause`) is renamed, a
+            :class:`CollectiveError` moetrain raised inside gets ``(within the step: name)`` appended, and any
+            other error (a shape, an allocation) passes through unchanged.
     Raises:
         CollectiveError: ``"<name> over ranks [..] failed on rank R: <first line of the backend error>"``.
     """
     try:
         yield
     except RuntimeError as e:  # DistBackendError / DistNetworkError / gloo's RuntimeError all derive from it
-        if isinstance(e, CollectiveError):
+        cause = _comm_cause(e) if step else e
+        if cause is None or (isinstance(cause, CollectiveError) and not step):
             raise
-        raise collective_error(name, group, e) from e
-
-
-def collective_error(name: str, group: dist.ProcessGroup | None, cause: BaseException) -> CollectiveError:
-    """The :class:`CollectiveError` of :func:`named_collective` for ``cause`` (its first line is the reason)."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    reason = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
-    return CollectiveError(
-        f"collective {name} over ranks {group_ranks(group)} failed on rank {rank} (a peer rank died, hung past "
-        f"parallel.timeout_s, or the network failed): {reason}"
-    )
+        if isinstance(cause, CollectiveError):
+            raise CollectiveError(f"{cause} (within the step: {name})") from e
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        reason = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+        raise CollectiveError(f"collective {name} over ranks {group_ranks(group)} failed on rank {rank} (a peer "
+                              f"rank died, hung past parallel.timeout_s, or the network failed): {reason}") from e
 
 
 @dataclass
@@ -80,6 +100,15 @@ class CommStats:
     dispatch_bytes_sent_remote: int = 0
     tokens_received: int = 0
     combine_bytes_sent: int = 0
+
+    def add_dispatch(self, rows: int, remote: int, row_bytes: int, received: int) -> None:
+        """Count one dispatch: ``rows`` sent (``remote`` of them to other ranks) of ``row_bytes`` each, and the
+        rows this rank's experts ``received``."""
+        self.dispatch_rows_sent += rows
+        self.dispatch_rows_sent_remote += remote
+        self.dispatch_bytes_sent += rows * row_bytes
+        self.dispatch_bytes_sent_remote += remote * row_bytes
+        self.tokens_received += received
 
     def reset(self) -> None:
         for f in fields(self):

@@ -1,15 +1,14 @@
 """``moetrain train --dry-run --world-size N``: validate a config and lay it out for N ranks without a process
 group, data or memory (the model is built on the meta device).
 
-What it checks, each failure one line naming the field: the mesh sizes multiply to N (:class:`.layout.Layout`), ``ep``
-divides the experts, the pipeline has at least one block per stage, tied embeddings are not asked of a V-shaped
-schedule (both ends on one rank) and the pooled aux loss is not split over pipeline stages, document packing is not asked of several ranks, the micro-batch splits over the
-data-parallel ranks and into the BTA tiles. What it prints: the mesh (FSDP2 in every layout: non-expert weights
-sharded over the ``dp_shard x ep`` ranks of a replica), the stages with their blocks (balanced by the cost model:
-:func:`.pipeline.stage_blocks`), this layout's per-rank bytes of parameters + gradients + AdamW state counted from the
-meta model's shapes (with FSDP2's row padding), next to the planner's figure for the same stages, and the whole
-model's AdamW groups as the trainer builds them (:func:`moetrain.train.param_groups.param_groups`): tensors,
-parameters, peak learning rate, weight decay.
+What it checks, each failure one line naming the field: the mesh sizes multiply to N (:class:`.layout.Layout`),
+``ep`` divides the experts, the pipeline has at least one block per stage, tied embeddings are not asked of a
+V-shaped schedule (both ends on one rank), the pooled aux loss is not split over pipeline stages, document packing
+is not asked of several ranks, the micro-batch splits over the data-parallel ranks and into the BTA tiles. What it
+prints: the mesh, the stages with their blocks (:func:`.pipeline.stage_blocks`), the busiest rank's bytes of
+parameters + gradients + AdamW state counted from the meta model's shapes (with FSDP2's row padding) next to the
+planner's figure, each pipeline rank's memory (:mod:`.memory`), and the AdamW groups as the trainer builds them
+(:func:`moetrain.train.param_groups.param_groups`).
 """
 
 from __future__ import annotations
@@ -26,8 +25,6 @@ from moetrain.parallel.pipeline import V_SCHEDULES, check_losses, rank_stages, s
 
 if TYPE_CHECKING:
     from moetrain.config import Config
-
-STATE_BYTES = 16  # fp32 weight + fp32 gradient + AdamW's two fp32 moments, per parameter
 
 
 @dataclass
@@ -84,25 +81,24 @@ def dry_run(config: Config, world: int) -> DryRun:
     from moetrain.runtime.preflight import human_bytes
 
     layout, stages = check(config, world)
-    from moetrain.parallel.memory import memory_lines, stage_elements
+    from moetrain.parallel.memory import STATE_BYTES, memory_lines, rank_memory
 
     model = build_meta(config.model)  # shapes only: no memory
-    per_stage = [sharded for sharded, _ in stage_elements(model, config, layout, stages)]
+    ranks = rank_memory(config, world, model)
+    per_rank = max(r.state for r in ranks)
     held = [rank_stages(r, layout.pp, config.parallel.pp_stages_per_rank, config.parallel.pp_schedule)
             for r in range(layout.pp)]
-    per_rank = max(sum(per_stage[s] for s in mine) for mine in held)
     shape = ModelShape.from_config(config.model)
-    planner = sharded_params(count_params(shape), shape.n_layers, layout.ep, layout.pp, layout.dp_shard,
-                             placements(stages, held))
+    planner = STATE_BYTES * sharded_params(count_params(shape), shape.n_layers, layout.ep, layout.pp,
+                                           layout.dp_shard, placements(stages, held))
     lines = [layout.describe(),
              "stages: " + ", ".join(f"{i}: blocks {b.start}-{b.stop - 1}" + (" + embedding" if i == 0 else "")
                                     + (" + norm + LM head" if i == len(stages) - 1 else "")
                                     for i, b in enumerate(stages)),
-             f"per rank: {human_bytes(per_rank * STATE_BYTES)} of fp32 parameters + gradients + AdamW state "
-             f"({per_rank:,} parameters; planner: {human_bytes(planner * STATE_BYTES)})",
-             *memory_lines(config, world, model),
-             *optimizer_lines(model, config)]
-    return DryRun(layout, stages, per_rank * STATE_BYTES, planner * STATE_BYTES, lines)
+             f"per rank: {human_bytes(per_rank)} of fp32 parameters + gradients + AdamW state "
+             f"({per_rank // STATE_BYTES:,.0f} parameters; planner: {human_bytes(planner)})",
+             *memory_lines(config, world, ranks=ranks), *optimizer_lines(model, config)]
+    return DryRun(layout, stages, per_rank, planner, lines)
 
 
 def optimizer_lines(model: torch.nn.Module, config: Config) -> list[str]:

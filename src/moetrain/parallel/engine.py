@@ -8,15 +8,15 @@ expert slicing and dispatchers, activation checkpointing (:mod:`.ac`), FSDP2 (:m
 - counts and losses are reduced over the data-parallel ranks of a pipeline stage (``stage_group``), not the world:
   the stages hold different layers;
 - a rank reads rows ``[d * B / D, (d + 1) * B / D)`` of each global micro-batch, d its data-parallel index within
-  the stage and D = dp_replicate * dp_shard * ep.
+  the stage and D = dp_replicate * dp_shard * ep, so the data order (and a resumed sampler) is one process's.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from contextlib import contextmanager
+import functools
 from dataclasses import dataclass
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
@@ -26,18 +26,16 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from moetrain.errors import ConfigError
-from moetrain.parallel import ac as activation_checkpointing
-from moetrain.parallel.comm import CollectiveError, collective_error, named_collective
+from moetrain.parallel.comm import named_collective
 from moetrain.parallel.config import ParallelConfig
 from moetrain.parallel.dcp import ShardLayout
-from moetrain.parallel.fsdp import apply_fsdp, apply_replicate, clip_grad_norm, init_root, local_bytes
-from moetrain.parallel.launch import ParallelHooks, parallelize
-from moetrain.parallel.layout import Layout, LayoutMesh, init_layout_mesh
-from moetrain.parallel.meta_init import build_meta, materialise
+from moetrain.parallel.fsdp import apply_fsdp, apply_replicate, clip_grad_norm, local_bytes
+from moetrain.parallel.launch import ParallelHooks
+from moetrain.parallel.layout import LayoutMesh
+from moetrain.parallel.meta_init import build_meta
 from moetrain.parallel.pipeline_runner import PipelineRunner
 
 if TYPE_CHECKING:
-    from moetrain.config import Config
     from moetrain.data.batch import Batch
     from moetrain.model.config import ModelConfig
     from moetrain.model.transformer import MoETransformer
@@ -45,14 +43,6 @@ if TYPE_CHECKING:
     from moetrain.train.monitor import StageRouting
     from moetrain.train.monitor_config import MonitorConfig
     from moetrain.train.step import StepResult
-
-
-def _stride(shape: torch.Size) -> tuple[int, ...]:
-    out, acc = [], 1
-    for size in reversed(shape):
-        out.append(acc)
-        acc *= size
-    return tuple(reversed(out))
 
 
 @dataclass(frozen=True)
@@ -77,46 +67,7 @@ class ShardedLayout(ShardLayout):
         inner = tensor.placements[-1] if isinstance(tensor, DTensor) else Replicate()
         shape = shard.global_shape(tensor.shape)
         return DTensor.from_local(local, self.expert_mesh, [Shard(0), inner], run_check=False, shape=shape,
-                                  stride=_stride(shape))
-
-
-_COMM_WORDS = ("gloo", "Gloo", "NCCL", "nccl", "Connection", "connection", "timed out", "Timed out", "peer",
-               "Socket", "socket")
-
-
-def _comm_cause(error: BaseException) -> BaseException | None:
-    """The first exception of ``error``'s chain (``__cause__``, else ``__context__``) that reports a failed
-    collective, or ``None``. ``torch.distributed.pipelining`` re-raises a stage's backward error as a plain
-    ``RuntimeError("Failed to run stage backward: ...")`` that names no collective: the gloo or NCCL error is its
-    cause."""
-    seen: set[int] = set()
-    e: BaseException | None = error
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, (CollectiveError, dist.DistError)) or (
-                isinstance(e, RuntimeError) and any(w in str(e) for w in _COMM_WORDS)):
-            return e
-        e = e.__cause__ or e.__context__
-    return None
-
-
-@contextmanager
-def fsdp_collectives(name: str, group: dist.ProcessGroup | None = None) -> Iterator[None]:
-    """:func:`~moetrain.parallel.comm.named_collective` around a whole step, whose collectives run inside
-    FSDP2 and ``torch.distributed.pipelining`` (all-gathers, reduce-scatters, point-to-point sends): a
-    ``DistError`` or a backend error, raised or wrapped by the library (:func:`_comm_cause`), becomes one line
-    naming ``name``; a :class:`CollectiveError` of a collective moetrain names itself (the MoE token exchange, a
-    loss reduction) keeps its name and gets ``(within the step: name)`` appended; any other error (a shape, an
-    allocation) passes through unchanged."""
-    try:
-        yield
-    except RuntimeError as e:
-        cause = _comm_cause(e)
-        if cause is None:
-            raise
-        if isinstance(cause, CollectiveError):
-            raise CollectiveError(f"{cause} (within the step: {name})") from e
-        raise collective_error(name, group, cause) from e
+                                  stride=torch.empty(shape, device="meta").stride())
 
 
 class _GradientSync(Protocol):
@@ -140,7 +91,7 @@ class ShardedHooks(ParallelHooks):
 
     def __init__(self, mesh: LayoutMesh, config: ParallelConfig, dtype: str = "fp32", seed: int = 0,
                  owns_group: bool = False, grad_accum: int = 1, micro_shape: tuple[int, int] | None = None):
-        super().__init__(mesh.ep_mesh, config.dispatcher, owns_group)
+        super().__init__(mesh.ep_mesh, config.dispatcher, owns_group, config.activation_checkpoint)
         self.layout_mesh, self.parallel, self.dtype, self.seed = mesh, config, dtype, seed
         self.grad_accum, self.micro_shape = grad_accum, micro_shape
         self.runner: PipelineRunner | None = None
@@ -164,20 +115,13 @@ class ShardedHooks(ParallelHooks):
                 log(f"parallel: {lm.layout.describe()}; pipeline stages {stages} of {self.runner.n_stages} on this "
                     f"rank ({self.parallel.pp_schedule}, {self.grad_accum} micro-batches per step)")
             return self.runner.local
-        self.plan = parallelize(model, lm.ep_mesh, self.dispatcher, self.stats)
-        activation_checkpointing.apply(model, self.parallel.activation_checkpoint)
+        super().prepare_model(model)  # expert slices, dispatchers, activation checkpointing
         if self.replicas_only:
-            if any(p.is_meta for p in model.parameters()):
-                materialise(model, cast("ModelConfig", model.config), lm.device, self.seed, self.plan)
-            apply_replicate(model, lm, self.parallel.cpu_offload)
+            apply_replicate(model, lm, self.parallel.cpu_offload, self.seed, self.plan)
             how = "replicate (plain data parallel: gradients all-reduced in buckets during backward)"
         else:
-            apply_fsdp(model, lm, self.dtype, self.parallel.reshard_after_forward, self.parallel.cpu_offload)
-            if any(p.is_meta for p in model.parameters()):  # built by meta_init.build_meta: this rank's shards only
-                materialise(model, cast("ModelConfig", model.config), lm.device, self.seed, self.plan)
-            init_root(model)
+            apply_fsdp(model, lm, self.parallel, self.dtype, self.seed, self.plan)
             how = "FSDP2 " + ("ZeRO-3" if self.parallel.reshard_after_forward else "ZeRO-2")
-        self.model = model
         if log is not None:
             held = local_bytes(model)["params"]
             log(f"parallel: {lm.layout.describe()}; {how}, activation checkpointing "
@@ -214,16 +158,9 @@ class ShardedHooks(ParallelHooks):
     @property
     def count_reducer(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """Sums [L, E] expert counts over the data-parallel ranks of this stage."""
-        group = self.layout_mesh.stage_group
         if self.layout_mesh.layout.data_parallel == 1:
             return None
-
-        def reduce(counts: torch.Tensor) -> torch.Tensor:
-            with named_collective("all_reduce (expert counts, data-parallel ranks of the stage)", group):
-                dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
-            return counts
-
-        return reduce
+        return functools.partial(self.layout_mesh.stage_sum, what="expert counts")
 
     def monitor_config(self, config: MonitorConfig) -> MonitorConfig:
         """Rank 0's routing monitor, and with pipeline stages also those of the other ranks of rank 0's pipeline
@@ -274,14 +211,7 @@ class ShardedHooks(ParallelHooks):
 
     def reduce_mean(self, values: torch.Tensor) -> torch.Tensor:
         """Mean over the data-parallel ranks of this stage of this rank's losses (1-D)."""
-        n = self.layout_mesh.layout.data_parallel
-        if n == 1:
-            return values
-        out = values.clone()
-        with named_collective("all_reduce (step losses, data-parallel ranks of the stage)",
-                              self.layout_mesh.stage_group):
-            dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.layout_mesh.stage_group)
-        return out / n
+        return self.layout_mesh.stage_sum(values.clone(), "step losses") / self.layout_mesh.layout.data_parallel
 
     @property
     def layout(self) -> ShardedLayout:
@@ -293,11 +223,11 @@ class ShardedHooks(ParallelHooks):
                    ) -> StepResult:
         """One optimizer step: the pipeline schedule with pp > 1, else ``train_step`` with these hooks."""
         if self.runner is None:
-            with fsdp_collectives("FSDP2 all-gather / reduce-scatter (forward and backward of the step)",
-                                  self.layout_mesh.stage_group):
+            with named_collective("FSDP2 all-gather / reduce-scatter (forward and backward of the step)",
+                                  self.layout_mesh.stage_group, step=True):
                 return super().train_step(model, next_batch, optimizer, scheduler, config, device)
-        with fsdp_collectives("pipeline step (stage send / recv of activations and gradients, FSDP2 all-gather / "
-                              "reduce-scatter)", self.layout_mesh.pp_group):
+        with named_collective("pipeline step (stage send / recv of activations and gradients, FSDP2 all-gather / "
+                              "reduce-scatter)", self.layout_mesh.pp_group, step=True):
             # Pipelining takes fixed-shape (inputs, targets) micro-batches (packed documents are refused with
             # several ranks by the trainer).
             windows = cast(Callable[[], tuple[torch.Tensor, torch.Tensor]], next_batch)
@@ -308,28 +238,7 @@ class ShardedHooks(ParallelHooks):
     def evaluate(self, model: nn.Module, batches: Iterable[Batch], device: torch.device, dtype: str) -> float:
         """Validation loss: through the pipeline with pp > 1, else the model's own forward."""
         if self.runner is None:
-            with fsdp_collectives("FSDP2 all-gather (evaluation forward)", self.layout_mesh.stage_group):
+            with named_collective("FSDP2 all-gather (evaluation forward)", self.layout_mesh.stage_group, step=True):
                 return super().evaluate(model, batches, device, dtype)
-        with fsdp_collectives("pipeline evaluation (stage send / recv)", self.layout_mesh.pp_group):
+        with named_collective("pipeline evaluation (stage send / recv)", self.layout_mesh.pp_group, step=True):
             return self.runner.evaluate(cast(Iterable[tuple[torch.Tensor, torch.Tensor]], batches))
-
-
-def start_sharded(config: Config, device_type: str) -> ShardedHooks:
-    """Join the ``torchrun`` job and build the engine's mesh (:func:`~.layout.init_layout_mesh`); the mesh line is
-    rank 0's, once (:meth:`ShardedHooks.prepare_model`'s log).
-
-    Raises:
-        ConfigError: the world size does not fit ``pp * dp_replicate * dp_shard * ep``, NCCL on a CPU run, or one
-            process (the message says how to launch with ``torchrun``).
-    """
-    import os
-
-    p = config.parallel
-    layout = Layout.from_config(p, int(os.environ.get("WORLD_SIZE", "1")))
-    if layout.world == 1:
-        raise ConfigError(f"parallel: pp={p.pp}, dp_shard={p.dp_shard} need {layout.world} processes; launch with "
-                          f"`torchrun --nproc_per_node {layout.world} -m moetrain train ...`")
-    mesh, owns = init_layout_mesh(p, device_type)
-    micro = (config.train.batch_size // layout.data_parallel, config.data.seq_len)
-    return ShardedHooks(mesh, p, config.train.dtype, config.train.seed, owns_group=owns,
-                        grad_accum=config.train.grad_accum, micro_shape=micro)

@@ -3,6 +3,8 @@ rank's experts, the local permuter that groups rows by expert, and the communica
 
 from __future__ import annotations
 
+import torch
+
 from moetrain.moe.dispatch import LocalDispatcher
 from moetrain.moe.dispatcher import Dispatcher
 from moetrain.parallel.comm import CommStats
@@ -29,3 +31,7 @@ class EPDispatcher(Dispatcher):
         self.permuter = LocalDispatcher(num_experts)
         self.stats = stats
         self.name = name
+
+    def counting(self) -> CommStats | None:
+        """The counters to update now: ``stats`` in a pass with gradients (training), else ``None``."""
+        return self.stats if torch.is_grad_enabled() else None

@@ -9,7 +9,7 @@ order, in forward and in backward.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -64,33 +64,30 @@ def reduce_scatter_rows(x: torch.Tensor, group: dist.ProcessGroup | None, size: 
     return out
 
 
-class AllGather(torch.autograd.Function):
-    """All-gather along dim 0; backward: sum-reduce-scatter of the gradient (each rank's rows collect the
-    gradient every rank computed for them)."""
+class GatherScatter(torch.autograd.Function):
+    """All-gather (``gather``) or sum-reduce-scatter along dim 0; backward: the other one of the gradient (an
+    all-gather's rows collect the gradient every rank computed for them)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup | None, size: int,  # noqa: D102
-                name: str) -> torch.Tensor:
-        ctx.group, ctx.size, ctx.name = group, size, name
-        return all_gather_rows(x, group, size, name)
+                name: str, gather: bool) -> torch.Tensor:
+        ctx.group, ctx.size, ctx.name, ctx.gather = group, size, name, gather
+        return (all_gather_rows if gather else reduce_scatter_rows)(x, group, size, name)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # noqa: D102
-        return reduce_scatter_rows(grad, ctx.group, ctx.size, f"{ctx.name} [backward]"), None, None, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:  # noqa: D102
+        back = reduce_scatter_rows if ctx.gather else all_gather_rows
+        return back(grad, ctx.group, ctx.size, f"{ctx.name} [backward]"), None, None, None, None
 
 
-class ReduceScatter(torch.autograd.Function):
-    """Sum-reduce-scatter along dim 0; backward: all-gather of the gradient."""
+def all_gather(x: torch.Tensor, group: dist.ProcessGroup | None, size: int, name: str) -> torch.Tensor:
+    """Differentiable :func:`all_gather_rows`."""
+    return cast(torch.Tensor, GatherScatter.apply(x, group, size, name, True))  # type: ignore[no-untyped-call]
 
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup | None, size: int,  # noqa: D102
-                name: str) -> torch.Tensor:
-        ctx.group, ctx.size, ctx.name = group, size, name
-        return reduce_scatter_rows(x, group, size, name)
 
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # noqa: D102
-        return all_gather_rows(grad, ctx.group, ctx.size, f"{ctx.name} [backward]"), None, None, None
+def reduce_scatter(x: torch.Tensor, group: dist.ProcessGroup | None, size: int, name: str) -> torch.Tensor:
+    """Differentiable :func:`reduce_scatter_rows`."""
+    return cast(torch.Tensor, GatherScatter.apply(x, group, size, name, False))  # type: ignore[no-untyped-call]
 
 
 class KeepGradPath(torch.autograd.Function):

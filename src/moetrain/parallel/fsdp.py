@@ -1,35 +1,20 @@
 """FSDP2 (``torch.distributed.fsdp.fully_shard``) on the MoE transformer, composed with expert parallelism the way
-torchtitan does it (``torchtitan/distributed/fsdp.py: apply_fsdp_to_decoder``; mesh in :mod:`.layout`).
+torchtitan does it (``torchtitan/distributed/fsdp.py: apply_fsdp_to_decoder``; mesh in :mod:`.layout`); the
+units and the reasons for them are in docs/scale-out.md.
 
 Legend: E = experts, X = ep, S = dp_shard, R = dp_replicate.
 
-Units, innermost first (each ``fully_shard`` call is one all-gather / reduce-scatter unit):
+Units, innermost first (each ``fully_shard`` call is one all-gather / reduce-scatter unit): each MoE block's routed
+experts (this rank's E / X, :func:`.layout.shard_experts`) over the S ranks holding them, their reduce-scatter
+divided by all R * S * X data-parallel ranks (an expert's gradient already sums its EP group: torchtitan's
+``gradient_divide_factor``); each router with an fp32 ``MixedPrecisionPolicy`` (a bf16 gate would change which
+experts are chosen); each block over the S * X ranks of a replica; the embedding; the final norm + LM head (one
+unit with the embedding when tied); the root. Plain data parallelism (S * X == 1, no pipeline) is
+:func:`apply_replicate`; a pipeline stage with one shard per replica is one FSDP2 unit.
 
-- the routed experts of each MoE block, already sliced to this rank's E / X experts
-  (:func:`.layout.shard_experts`), sharded over the expert mesh (the S ranks holding the same experts, replicated
-  over R). Their reduce-scatter divides by
-  all R * S * X data-parallel ranks of the stage, not the R * S of its mesh: every rank's loss is the mean over its
-  own rows, and an expert's gradient already sums the contributions of the X ranks of its EP group
-  (torchtitan sets the same ``gradient_divide_factor``);
-- the router of each MoE block, with a float32 ``MixedPrecisionPolicy``: a bf16 copy of the gate would change
-  which experts are chosen (moe/router.py computes in fp32, and needs fp32 weights for that);
-- each block (attention, norms, shared expert, and the experts when X = 1), over the dense mesh (all S * X ranks
-  of a replica);
-- the embedding, the final norm + LM head (one unit; one unit with the embedding when they are tied), the root.
-
-With one shard per replica (``dp_shard * ep == 1``) nothing is gathered. Plain data parallelism (no pipeline) is
-:func:`apply_replicate`: ``torch.distributed``'s composable ``replicate`` (DDP's C++ reducer) on the replicas'
-1-D ``DeviceMesh``, as torchtitan's ``apply_ddp`` (FSDP2 on a one-shard mesh copies every parameter into its
-unsharded buffer before forward and every gradient through a one-rank reduce-scatter, and its parameters are
-DTensors: measured 1.22-1.25x the CPU time per step of one flat all-reduce on the tiny model, 2 gloo ranks;
-``replicate`` 1.00x). A pipeline stage with one shard stays on FSDP2 (``torch.distributed.pipelining`` drives
-its gradient reduction): the embedding, every block, the norm and the head form one unit (the routers apart under
-bf16), so the gradients are all-reduced over the replicas once per step.
-
-``reshard_after_forward=True`` is ZeRO-3 (parameters all-gathered again in backward); ``False`` is ZeRO-2
-(parameters stay gathered between forward and backward; gradients and AdamW state sharded). With bf16, parameters
-are all-gathered and computed in bf16 and gradients reduced in fp32 into fp32 sharded master weights.
-Reduce-scatters run on a separate stream on CUDA and overlap backward; on gloo (CPU) they are synchronous.
+``reshard_after_forward=True`` is ZeRO-3, ``False`` ZeRO-2 (parameters stay gathered from forward to backward).
+With bf16, parameters are all-gathered and computed in bf16 and gradients reduced in fp32 into fp32 sharded master
+weights.
 """
 
 from __future__ import annotations
@@ -45,10 +30,13 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor, Shard
 
 from moetrain.errors import ConfigError
-from moetrain.model.block import Block
+from moetrain.model.config import ModelConfig
 from moetrain.moe.layer import MoELayer
+from moetrain.parallel.ac import blocks as stage_blocks
 from moetrain.parallel.comm import named_collective
-from moetrain.parallel.layout import LayoutMesh
+from moetrain.parallel.config import ParallelConfig
+from moetrain.parallel.layout import ExpertShard, LayoutMesh
+from moetrain.parallel.meta_init import materialise
 
 
 PlacementFn = Callable[[nn.Parameter], Shard | None]
@@ -64,22 +52,25 @@ def mixed_precision(dtype: str) -> tuple[MixedPrecisionPolicy, MixedPrecisionPol
     return MixedPrecisionPolicy(), MixedPrecisionPolicy()
 
 
-def apply_fsdp(model: nn.Module, mesh: LayoutMesh, dtype: str = "fp32", reshard_after_forward: bool = True,
-               cpu_offload: bool = False) -> nn.Module:
-    """Shard ``model`` (an ``MoETransformer`` or a pipeline stage of one, experts already sliced for EP) in place.
+def apply_fsdp(model: nn.Module, mesh: LayoutMesh, parallel: ParallelConfig, dtype: str = "fp32", seed: int = 0,
+               plan: dict[str, ExpertShard] | None = None) -> nn.Module:
+    """Shard ``model`` (an ``MoETransformer`` or a pipeline stage of one, experts already sliced for EP) in place,
+    materialise this rank's shards of a meta-device model (:func:`~.meta_init.materialise`) and fix FSDP2's root.
 
     Args:
         model: has ``blocks`` (a ``ModuleList`` or ``ModuleDict``), and optionally ``embed_tokens``, ``norm``,
             ``lm_head`` (a pipeline stage may lack them).
         mesh: this rank's :class:`LayoutMesh` (distributed).
+        parallel: ``reshard_after_forward`` (ZeRO-3, else ZeRO-2) and ``cpu_offload`` (FSDP2 ``CPUOffloadPolicy``).
         dtype: ``train.dtype`` (``fp32`` or ``bf16``).
-        reshard_after_forward: ZeRO-3 (True) or ZeRO-2 (False).
-        cpu_offload: FSDP2 ``CPUOffloadPolicy``.
+        seed: ``train.seed``, for the materialisation.
+        plan: the expert slices (:func:`.layout.shard_experts`), for the materialisation.
     Returns:
         ``model``, now an ``FSDPModule`` whose parameters are ``DTensor`` shards.
     Raises:
         ConfigError: ``cpu_offload`` without CUDA (``parallel.cpu_offload``).
     """
+    reshard_after_forward, cpu_offload = parallel.reshard_after_forward, parallel.cpu_offload
     if cpu_offload and mesh.device.type != "cuda":
         raise ConfigError("parallel.cpu_offload: FSDP2's CPUOffloadPolicy needs CUDA (it copies host shards to the "
                           "accelerator); on a CPU run the parameters are already in host memory: set it to false")
@@ -93,10 +84,9 @@ def apply_fsdp(model: nn.Module, mesh: LayoutMesh, dtype: str = "fp32", reshard_
 
     dense, ep, expert_units = mesh.dense_mesh, mesh.layout.ep, set()
     # One shard per replica (a pipeline stage without sharding; without a pipeline that is apply_replicate):
-    # nothing is gathered, so per-block units would only split the gradient all-reduce into many small ones
-    # (measured 0.58x the tokens/s of one all-reduce on the tiny model, 2 gloo ranks): one unit of every module (its
-    # hooks on each, so the routing pre-pass, which skips the root's forward, still finds the weights), the routers
-    # apart for their fp32 policy under bf16.
+    # nothing is gathered, so per-block units would only split the gradient all-reduce into many small, slower ones:
+    # one unit of every module (its hooks on each, so the routing pre-pass, which skips the root's forward, still
+    # finds the weights), the routers apart for their fp32 policy under bf16.
     replicate_only = mesh.layout.dp_shard * ep == 1
     for block in stage_blocks(model):
         placement = None
@@ -135,10 +125,17 @@ def apply_fsdp(model: nn.Module, mesh: LayoutMesh, dtype: str = "fp32", reshard_
             # came out halved at ep=2. Without forcing, that path divides once and all-reduces replicas with SUM.
             if isinstance(module, FSDPModule) and not (module in expert_units and mesh.layout.dp_shard == 1):
                 module.set_force_sum_reduction_for_comms(True)
+    if any(p.is_meta for p in model.parameters()):  # built by meta_init.build_meta: this rank's shards only
+        materialise(model, cast(ModelConfig, model.config), mesh.device, seed, plan)
+    # FSDP2 picks its root at the first forward, but the trainer's first call may be the no-grad routing pre-pass
+    # (MoETransformer.moe_counts), which enters the blocks without the root's forward (and FSDP2 refuses meta
+    # parameters here).
+    cast(FSDPModule, model)._get_fsdp_state()._lazy_init()
     return model
 
 
-def apply_replicate(model: nn.Module, mesh: LayoutMesh, cpu_offload: bool = False) -> nn.Module:
+def apply_replicate(model: nn.Module, mesh: LayoutMesh, cpu_offload: bool = False, seed: int = 0,
+                    plan: dict[str, ExpertShard] | None = None) -> nn.Module:
     """Plain data parallelism (``dp_shard * ep == 1``, no pipeline): ``torch.distributed._composable.replicate``
     (DDP's reducer, composable, on a ``DeviceMesh``; torchtitan's ``apply_ddp``) of ``model`` in place over the
     ``dp_replicate`` ranks. Parameters stay whole, plain tensors; DDP averages every gradient over the replicas
@@ -150,9 +147,11 @@ def apply_replicate(model: nn.Module, mesh: LayoutMesh, cpu_offload: bool = Fals
     buffers are the rotary tables and the expert biases, which every rank updates from the same all-reduced counts.
 
     Args:
-        model: the whole model (an ``MoETransformer``), materialised on ``mesh.device``.
+        model: the whole model (an ``MoETransformer``), materialised on ``mesh.device`` here if on the meta device.
         mesh: this rank's :class:`LayoutMesh` (``dp_replicate`` ranks, nothing else).
         cpu_offload: ``parallel.cpu_offload`` (refused: there are no shards to offload).
+        seed: ``train.seed``, for the materialisation.
+        plan: the expert slices (:func:`.layout.shard_experts`), for the materialisation.
     Returns:
         ``model``, its forward wrapped by the replicate hooks.
     Raises:
@@ -164,23 +163,11 @@ def apply_replicate(model: nn.Module, mesh: LayoutMesh, cpu_offload: bool = Fals
         raise ConfigError("parallel.cpu_offload: offloads FSDP2 shards, but plain data parallelism (dp_shard=1, "
                           "ep=1) keeps the whole weights on every rank; set it to false")
     assert mesh.replicate_mesh is not None, "apply_replicate on one process"
+    if any(p.is_meta for p in model.parameters()):
+        materialise(model, cast(ModelConfig, model.config), mesh.device, seed, plan)
     replicate(model, device_mesh=mesh.replicate_mesh, bucket_cap_mb=100, gradient_as_bucket_view=True,
               init_sync=False, forward_sync_buffers=False)
     return model
-
-
-def stage_blocks(model: nn.Module) -> list[Block]:
-    """The transformer blocks of ``model`` (a ``ModuleList``, or a pipeline stage's ``ModuleDict``)."""
-    blocks = model.blocks
-    modules = blocks.values() if isinstance(blocks, nn.ModuleDict) else cast(nn.ModuleList, blocks)
-    return [cast(Block, b) for b in modules]
-
-
-def init_root(model: nn.Module) -> None:
-    """Fix ``model`` as FSDP2's root now (after materialisation: FSDP2 refuses meta parameters here). FSDP2 picks
-    its root at the first forward, but the trainer's first call may be the no-grad routing pre-pass
-    (``MoETransformer.moe_counts``), which enters the blocks without the root's forward."""
-    cast(FSDPModule, model)._get_fsdp_state()._lazy_init()
 
 
 def expert_placement(experts: nn.Module, local_experts: int, shards: int) -> PlacementFn | None:

@@ -4,25 +4,11 @@
 
 Every ``torchrun`` job (``WORLD_SIZE > 1``) runs on one engine, FSDP2 on a ``pp x dp_replicate x dp_shard x ep``
 ``DeviceMesh`` (:class:`moetrain.parallel.engine.ShardedHooks`): plain data parallelism is its ``dp_replicate``
-dimension (``replicate``: gradients all-reduced in buckets during backward), ZeRO its ``dp_shard``, expert parallelism
-its ``ep`` (expert slices and an all-to-all dispatcher), pipelining on top. One process runs the
-:class:`ParallelHooks` here, whose hooks are the identity; they are also the engine's base (data preparation on
-rank 0, the shared stop and alarm decisions, the token-exchange counters).
-
-What the hooks do (each is a collective where it says so; every rank calls it at the same point):
-
-- ``build_model``: the model, initialised from global indices (the same weights in every layout);
-- ``prepare_model``: slice the experts and attach the dispatchers, activation checkpointing, then ``replicate``
-  (plain data parallel) or FSDP2;
-- ``local_batch``: every rank draws the same global micro-batch and keeps its own rows, so the data order (and a
-  resumed sampler) is that of one process;
-- ``train_step`` / ``evaluate``: one optimizer step (:func:`moetrain.train.step.train_step`, or the pipeline
-  schedule), the validation loss;
-- ``step_metrics``: per-rank tokens received and bytes sent by the token exchange, per step (rank 0 logs them);
-- ``layout``: the mesh and expert shards that :class:`~moetrain.train.checkpointer.Checkpointer` saves and
-  loads through (:mod:`moetrain.parallel.dcp`).
-
-Only rank 0 writes logs, metrics and run files.
+dimension (``replicate``), ZeRO its ``dp_shard``, expert parallelism its ``ep`` (expert slices and an all-to-all
+dispatcher), pipelining on top. One process runs the :class:`ParallelHooks` here, whose hooks are the identity;
+they are also the engine's base (data preparation on rank 0, the shared stop and alarm decisions, the
+token-exchange counters). Each hook that is a collective says so: every rank calls it at the same point. Only
+rank 0 writes logs, metrics and run files.
 """
 
 from __future__ import annotations
@@ -43,7 +29,8 @@ from moetrain.parallel.all_gather import AllGatherDispatcher
 from moetrain.parallel.all_to_all import AllToAllDispatcher
 from moetrain.parallel.comm import CommStats, named_collective
 from moetrain.parallel.dcp import ShardLayout
-from moetrain.parallel.layout import ExpertShard, Layout, ParallelMesh, moe_layers, shard_experts, single_process
+from moetrain.parallel.layout import (ExpertShard, Layout, ParallelMesh, init_layout_mesh, moe_layers, shard_experts,
+                                      single_process)
 
 if TYPE_CHECKING:  # imported where used at run time (train/ imports this module)
     from moetrain.config import Config
@@ -59,19 +46,21 @@ DISPATCHERS = {"all_to_all": AllToAllDispatcher, "all_gather": AllGatherDispatch
 
 
 def parallelize(model: nn.Module, mesh: ParallelMesh, dispatcher: str = "all_to_all",
-                stats: CommStats | None = None) -> dict[str, ExpertShard]:
-    """Shard every MoE layer's experts over the EP group and attach an expert-parallel dispatcher.
+                stats: CommStats | None = None, activation_checkpoint: str = "none") -> dict[str, ExpertShard]:
+    """Shard every MoE layer's experts over the EP group and attach an expert-parallel dispatcher, then activation
+    checkpointing (:mod:`moetrain.parallel.ac`; after the dispatchers, so a recompute repeats their exchange).
 
     Args:
         model: a full model, identical on every rank (same seed), not yet given to an optimizer.
         mesh: this rank's mesh position.
         dispatcher: ``all_to_all`` or ``all_gather``.
         stats: communication counters shared by every layer's dispatcher.
+        activation_checkpoint: ``parallel.activation_checkpoint``.
     Returns:
         The expert shards (``{parameter name: ExpertShard}``; empty when ``ep == 1``, where the local
         dispatcher stays and experts are replicated like any other parameter).
     Raises:
-        ConfigError: an unknown dispatcher, or ``ep`` not dividing a layer's experts.
+        ConfigError: an unknown dispatcher or checkpointing mode, or ``ep`` not dividing a layer's experts.
     """
     if dispatcher not in DISPATCHERS:
         raise ConfigError(f"parallel.dispatcher: unknown dispatcher {dispatcher!r}; choose one of {sorted(DISPATCHERS)}")
@@ -79,6 +68,7 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, dispatcher: str = "all_to_
     if mesh.ep > 1:
         for name, layer in moe_layers(model):
             layer.set_dispatcher(DISPATCHERS[dispatcher](layer.config.num_experts, mesh, stats, name=name))
+    activation_checkpointing.apply(model, activation_checkpoint)
     return plan
 
 
@@ -136,8 +126,7 @@ class ParallelHooks:
     def prepare_model(self, model: nn.Module, log: Callable[[str], None] | None = None) -> nn.Module:
         """Shard the experts over ``mesh.ep`` ranks and attach their dispatchers (none in one process), then
         activation checkpointing (call before building the optimizer)."""
-        self.plan = parallelize(model, self.mesh, self.dispatcher, self.stats)
-        activation_checkpointing.apply(model, self.activation_checkpoint)  # after parallelize: recomputes dispatch
+        self.plan = parallelize(model, self.mesh, self.dispatcher, self.stats, self.activation_checkpoint)
         self.model = model
         return model
 
@@ -228,13 +217,9 @@ class ParallelHooks:
         self._steps = 0
         names = {"tokens_received": "tokens_received", "dispatch_bytes_sent": "a2a_bytes_sent",
                  "dispatch_bytes_sent_remote": "a2a_bytes_sent_remote", "combine_bytes_sent": "combine_bytes_sent"}
-        fields = CommStats.field_names()
-        out = {}
-        for rank, counters in enumerate(everyone):
-            values = dict(zip(fields, counters.tolist()))
-            for field, key in names.items():
-                out[f"ep/rank{rank}/{key}"] = values[field] / steps
-        return out
+        ranks = [dict(zip(CommStats.field_names(), counters.tolist())) for counters in everyone]
+        return {f"ep/rank{rank}/{key}": values[field] / steps
+                for rank, values in enumerate(ranks) for field, key in names.items()}
 
     # -- checkpoints, monitoring, stopping ---------------------------------------------------------------------
     @property
@@ -294,26 +279,30 @@ class ParallelHooks:
 
 
 def start(config: Config, device_type: str) -> ParallelHooks:
-    """Join the ``torchrun`` job (``WORLD_SIZE`` > 1) or stay a single process, per the run config.
+    """Join the ``torchrun`` job (``WORLD_SIZE`` > 1: the engine's :class:`~.engine.ShardedHooks` on the mesh of
+    :func:`~.layout.init_layout_mesh`) or stay a single process, per the run config.
 
     Args:
         config: the run :class:`~moetrain.config.Config` (its ``parallel`` section).
         device_type: ``cpu`` or ``cuda``.
     Raises:
         ConfigError: an impossible mesh (the message names the ``parallel`` fields and the world size, as
-            ``--dry-run`` does), or ``parallel.cpu_offload`` on the plain data-parallel path.
+            ``--dry-run`` does), NCCL on a CPU run, or ``parallel.cpu_offload`` on the plain data-parallel path.
     """
     import os
 
     p, world = config.parallel, int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 or p.pp > 1 or p.dp_shard > 1:
-        from moetrain.parallel.engine import start_sharded  # FSDP2 + DeviceMesh: every torchrun layout
-
-        return start_sharded(config, device_type)  # one process with pp / dp_shard > 1: its torchrun hint
-    if p.ep != 1:
+    if world == 1 and p.ep != 1 and p.pp == p.dp_shard == 1:
         raise ConfigError(f"parallel.ep: ep={p.ep} needs {p.ep} processes; launch with "
                           f"`torchrun --nproc_per_node {p.ep} -m moetrain train ...`")
-    Layout.from_config(p, world)  # the mesh sizes --dry-run checks (dp_replicate)
+    layout = Layout.from_config(p, world)  # the mesh sizes --dry-run checks
+    if world > 1:  # FSDP2 + DeviceMesh: every torchrun layout
+        from moetrain.parallel.engine import ShardedHooks
+
+        mesh, owns = init_layout_mesh(p, device_type)
+        micro = (config.train.batch_size // layout.data_parallel, config.data.seq_len)
+        return ShardedHooks(mesh, p, config.train.dtype, config.train.seed, owns_group=owns,
+                            grad_accum=config.train.grad_accum, micro_shape=micro)
     if p.cpu_offload:
         raise ConfigError("parallel.cpu_offload: offloads FSDP2 shards, but one process trains whole weights (and "
                           "FSDP2's CPUOffloadPolicy needs CUDA); set it to false")

@@ -37,8 +37,6 @@ from moetrain.parallel import rendezvous
 from moetrain.parallel.comm import named_collective
 from moetrain.parallel.config import ParallelConfig
 
-DIMS = ("pp", "dp_replicate", "dp_shard", "ep")
-
 
 @dataclass(frozen=True)
 class Layout:
@@ -63,10 +61,12 @@ class Layout:
         fixed = config.pp * config.dp_shard * config.ep
         replicate = config.dp_replicate or world // fixed
         if replicate < 1 or fixed * replicate != world:
+            need = fixed * config.dp_replicate if config.dp_replicate else f"a multiple of {fixed}"
             raise ConfigError(
-                f"parallel: world size {world} (torchrun --nproc_per_node x --nnodes) is not pp * dp_replicate * "
-                f"dp_shard * ep = {config.pp} * {config.dp_replicate or '(the rest)'} * {config.dp_shard} * "
-                f"{config.ep}; change parallel.pp / dp_shard / ep / dp_replicate or the number of processes")
+                f"parallel: world size {world} (torchrun --nproc_per_node x --nnodes) is not {need} = pp * "
+                f"dp_replicate * dp_shard * ep = {config.pp} * {config.dp_replicate or '(the rest)'} * "
+                f"{config.dp_shard} * {config.ep}; change parallel.pp / dp_shard / ep / dp_replicate or the number of "
+                "processes")
         return cls(pp=config.pp, dp_replicate=replicate, dp_shard=config.dp_shard, ep=config.ep)
 
     @property
@@ -264,6 +264,14 @@ class LayoutMesh:
         _, r, s, x = self.coords
         return (r * self.layout.dp_shard + s) * self.layout.ep + x
 
+    def stage_sum(self, t: torch.Tensor, what: str) -> torch.Tensor:
+        """``t`` summed in place over the data-parallel ranks of this rank's pipeline stage (an all-reduce over
+        ``stage_group``, named ``what`` in errors; nothing with one such rank)."""
+        if self.layout.data_parallel > 1:
+            with named_collective(f"all_reduce ({what}, data-parallel ranks of the stage)", self.stage_group):
+                dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.stage_group)
+        return t
+
 
 def _groups(grid: torch.Tensor, vary: tuple[int, ...], rank: int, timeout: datetime.timedelta
             ) -> tuple[dist.ProcessGroup, list[int]]:
@@ -350,21 +358,16 @@ def build_layout_mesh(layout: Layout, timeout_s: float, device: torch.device) ->
                       expert_global, embed_group, replicas)
 
 
-
 NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 
 
 def nccl_error_handling(backend: str) -> None:
     """Before an NCCL process group is created: ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` unless the environment sets
-    it (``os.environ.setdefault``: a user's value wins).
-
-    NCCL collectives run asynchronously; ProcessGroupNCCL's watchdog thread finds their errors and time-outs (the
-    process group's ``timeout``, here ``parallel.timeout_s``). With PyTorch's default, 3, the watchdog tears the
-    process down without a Python error, so no rank could print the line naming the collective; 2 (CleanUpOnly)
-    aborts the communicator instead, which ends the hung collective and lets the error surface in the training
-    thread (``wait()`` or the next collective) as a ``DistBackendError``, which :func:`.comm.named_collective` and
-    the engine turn into one line. Sources: https://pytorch.org/docs/stable/torch_nccl_environment_variables.html
-    and ``ErrorHandlingMode`` in ``torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp`` (see docs/robustness.md).
+    it (``os.environ.setdefault``: a user's value wins). With PyTorch's default, 3, NCCL's watchdog tears the
+    process down on an error or time-out without a Python error; 2 (CleanUpOnly) aborts the communicator, so the
+    error surfaces in the training thread as a ``DistBackendError``, which :func:`.comm.named_collective` turns into
+    one line. Sources: https://pytorch.org/docs/stable/torch_nccl_environment_variables.html and
+    ``ErrorHandlingMode`` in ``torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp``.
     """
     if backend == "nccl":
         os.environ.setdefault(NCCL_ERROR_HANDLING, "2")

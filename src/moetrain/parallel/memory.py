@@ -1,62 +1,47 @@
 """Per-rank memory of a layout, before anything is allocated: the peak of what a training step holds on each
-pipeline rank (the ranks of one stage hold the same), term by term.
+pipeline rank (the ranks of one stage hold the same), term by term; docs/scale-out.md explains the terms, this
+gives their sources.
 
 Legend: P = pp, S = dp_shard, X = ep, M = micro-batches per step (``train.grad_accum``), b = rows per rank and
-micro-batch (``train.batch_size / (R * S * X)``), L = sequence length, U = one FSDP2 unit's unsharded bytes on this
-rank, c = bytes of the compute dtype (``train.dtype``).
+micro-batch (``train.batch_size / (R * S * X)``), U = one FSDP2 unit's unsharded bytes on this rank, c = bytes of
+the compute dtype (``train.dtype``).
 
 Counted from the meta model's shapes (so FSDP2's padding of dim 0 to a multiple of the shards is included):
 
-- **parameters, gradients** (fp32, 4 bytes each) and **AdamW state** (two fp32 moments, 8 bytes): this rank's
-  shards: non-expert tensors over ``S * X``, each expert shard (``E / X`` experts) over ``S`` (on dim 1 when fewer
-  experts than shards), as :mod:`moetrain.parallel.fsdp` shards them. ``params + grads + optimizer`` is the
-  state sharding divides (:attr:`RankMemory.state`); at the peak only the gradients reduced so far exist
-  (:attr:`RankMemory.grads_at_peak`: sharded ones of the units already reduced, plus unsharded ones not yet).
-- **gathered**: the unsharded parameter copies FSDP2 holds (compute dtype). It holds them even where a unit has
-  one shard (``S * X == 1`` in a distributed run, e.g. a pipeline stage without data parallelism, or the experts'
-  unit at ``X > 1, S = 1``): with one rank FSDP2 copies the shard instead of all-gathering it
-  (``torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py``, ``wait_for_unshard``). ZeRO-3
-  (``reshard_after_forward``): the unit whose backward runs; ZeRO-2, and the single unit of a stage without data
-  parallelism (``fsdp.py`` keeps it gathered): every unit from its forward until its own backward has run.
-- **communication** buffers of the collectives (FSDP2's ``foreach_reduce`` / ``foreach_all_gather`` in
-  ``_fsdp_collectives.py``, and gloo's on CPU): the reduce-scatter's flat fp32 input (U), kept after the
-  collective until the next unit's reduce-scatter starts (``reduce_scatter_max_input_buffers = 1`` in
-  ``_fsdp_param_group.py`` ``post_backward``); under ZeRO-3 the next unit's all-gather, prefetched during this
-  unit's backward (its flat output, U in the compute dtype); and on gloo (CPU) a second U for each collective:
-  ``ProcessGroupGloo::reduce_scatter_tensor_coalesced`` reduces a full clone of its input, and its all-gather
-  writes a flat output before copying it into the chunks (``torch/csrc/distributed/c10d/ProcessGroupGloo.cpp``).
-  NCCL has neither copy.
-- **activations**: what the micro-batches still to be run backward have saved
-  (:func:`moetrain.analysis.activations.model_activations`, b rows, the rank's blocks): in the last micro-batch's
-  backward one micro-batch's, of the units not yet run backward; in the first backward of a pipeline rank the
-  micro-batches in flight: 1F1B-type schedules ``min(M, P - p)`` on pipeline rank p (``P`` per virtual stage for
-  interleaved / V schedules), GPipe all M.
+- **parameters, gradients** (fp32) and **AdamW state** (two fp32 moments): this rank's shards as
+  :mod:`moetrain.parallel.fsdp` makes them (non-expert tensors over ``S * X``, each expert shard over ``S``, on
+  dim 1 when fewer experts than shards). At the peak only the gradients that exist then
+  (:attr:`RankMemory.grads_at_peak`: sharded ones of the units already reduced, unsharded ones not yet).
+- **gathered**: FSDP2's unsharded copies (compute dtype), also where a unit has one shard (FSDP2 then copies the
+  shard: ``_fsdp_param_group.py`` ``wait_for_unshard``). ZeRO-3: the unit whose backward runs; ZeRO-2, and the
+  single unit of a stage without data parallelism: every unit from its forward until its own backward.
+- **communication**: the reduce-scatter's flat fp32 input (U), kept until the next unit's reduce-scatter starts
+  (``reduce_scatter_max_input_buffers = 1``, ``_fsdp_param_group.py`` ``post_backward``); under ZeRO-3 the next
+  unit's prefetched all-gather (U in the compute dtype, ``_fsdp_collectives.py``); on gloo a second U per
+  collective (``ProcessGroupGloo::reduce_scatter_tensor_coalesced`` reduces a clone of its input, its all-gather
+  writes a flat output first: ``torch/csrc/distributed/c10d/ProcessGroupGloo.cpp``). NCCL has neither copy.
+- **activations**: what the micro-batches still to be run backward saved
+  (:func:`moetrain.analysis.activations.model_activations`, b rows, the rank's blocks); in the first backward of a
+  pipeline rank the micro-batches in flight (:func:`moetrain.analysis.step.in_flight`).
 - **MoE scratch** (CPU, the fused experts path): moe/kernels/cpu/workspace.py keeps each buffer at the largest size
-  a call asked for, between calls: forward ``[N, D]`` outputs and a block's ``[n, D]`` inputs and ``[n, F]``
-  activation; backward ``[N, D]`` input-gradient rows and a block's ``[n, D]`` x 2, ``[n, F]`` x 2 and ``[n, I]``
-  (moe/fast_moe.py), with N = n = the rows of the largest call (the evaluation's forward runs
-  ``train.batch_size`` rows on every rank without a pipeline).
-- **runtime** (CPU): what a training process's resident memory grows by besides its tensors, a constant per
-  process: the code pages of the libraries training runs first, the Python modules it imports (rank 0 also the
-  metrics writer) and the C heap (:data:`RUNTIME_CPU_BYTES`, measured). On CUDA the measured peak is the caching
-  allocator's tensors (``torch.cuda.max_memory_allocated``), so neither this nor the scratch counts there.
+  a call asked for (:func:`moe_scratch`; the evaluation's forward runs ``train.batch_size`` rows on every rank
+  without a pipeline).
+- **runtime** (CPU): :data:`RUNTIME_CPU_BYTES` per process. On CUDA the measured peak is the caching allocator's
+  tensors (``torch.cuda.max_memory_allocated``), so neither this nor the scratch counts there.
 
-The peak is the largest of the moments that matter: each unit's backward (its gradient being produced, the next
-unit's all-gather in flight), each unit's reduce-scatter (the copy into the flat input, then the collective), the
-first backward of a pipeline rank (all its in-flight micro-batches' activations) and the optimizer step (all
-gradients). With ``M > 1`` the unsharded gradients accumulate until the last micro-batch reduces them
-(``set_requires_gradient_sync``), and each micro-batch's backward adds a fresh gradient of one unit's routed experts
-(moe/fast_moe.py allocates it) into the accumulated one.
+The peak is the largest of the moments (:func:`step_moments`): each unit's backward, each unit's reduce-scatter
+(copy-in, then the collective), a pipeline rank's first backward and the optimizer step. With ``M > 1`` the
+unsharded gradients accumulate until the last micro-batch reduces them (``set_requires_gradient_sync``), and each
+micro-batch's backward adds a fresh gradient of one unit's routed experts (moe/fast_moe.py).
 
-Not counted: the data set and the model's batches (preflight.py adds them), a checkpoint being written, gloo's
-all-reduce of replicated gradients (``dp_replicate``), the allocator's slack (benchmarks/memory_by_layout.py
-measures peak resident memory against the memory a process had before building its model), and address space that
-is mapped but barely resident, such as the threads' stacks (under an address-space limit preflight.py adds them:
-``reserved_bytes``).
+Not counted: the token batches (preflight.py adds them), a checkpoint being written, gloo's all-reduce of
+replicated gradients (``dp_replicate``), the allocator's slack, and mapped but barely resident address space such
+as the threads' stacks (preflight.py's ``reserved_bytes`` adds them under an address-space limit).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -70,11 +55,12 @@ if TYPE_CHECKING:
     from moetrain.config import Config
 
 PARAM_BYTES, GRAD_BYTES, ADAMW_BYTES = 4, 4, 8  # fp32 weight, fp32 gradient, AdamW's two fp32 moments
+STATE_BYTES = PARAM_BYTES + GRAD_BYTES + ADAMW_BYTES
 # A CPU training process's resident memory grows by this besides its tensors from the model's build to its peak:
-# ~15 MB of library code pages touched first by training, Python modules imported then (rank 0 also imports the
-# metrics writer: TensorBoard), the C heap and interpreter arenas. Measured 2026-12-07 (AMD EPYC, torch 2.13, Python
-# 3.11, glibc with benchmarks/memory_by_layout.py's ALLOCATOR) as the peak resident memory minus the peak of
-# malloc's mmapped chunks (every tensor from 64 KB): rank 0 36-41 MB, the other ranks 22-28 MB, one process 39 MB.
+# library code pages training touches first, Python modules it imports (rank 0: the metrics writer too), the C heap.
+# Measured 2026-12-07 (AMD EPYC, torch 2.13, Python 3.11, glibc with benchmarks/memory_by_layout.py's ALLOCATOR) as
+# peak resident memory minus the peak of malloc's mmapped chunks: rank 0 36-41 MB, other ranks 22-28 MB, one
+# process 39 MB.
 RUNTIME_CPU_BYTES = 40e6
 
 
@@ -134,10 +120,7 @@ class RankMemory:
 
 def _ceil_rows(shape: tuple[int, ...], shards: int) -> int:
     """Elements of the largest FSDP2 shard of a tensor of ``shape`` over ``shards`` ranks (dim 0, padded)."""
-    rest = 1
-    for d in shape[1:]:
-        rest *= d
-    return -(-shape[0] // shards) * rest if len(shape) else 1
+    return -(-shape[0] // shards) * math.prod(shape[1:]) if len(shape) else 1
 
 
 def _unit(name: str, layout: Layout) -> str:
@@ -175,9 +158,7 @@ def stage_elements(model: nn.Module, config: Config, layout: Layout, stages: lis
             else:
                 local_shape, mesh = shape, dense_shards
                 shard = _ceil_rows(shape, mesh)
-            n = 1
-            for d in local_shape:
-                n *= d
+            n = math.prod(local_shape)
             sharded += shard
             key = _unit(name, layout)
             u = units.get(key, Unit(key))
@@ -193,16 +174,6 @@ def stage_elements(model: nn.Module, config: Config, layout: Layout, stages: lis
                                                       else 0, u.name))
         out.append((sharded, order))
     return out
-
-
-def in_flight(config: Config, pp_rank: int) -> int:
-    """Micro-batches whose activations pipeline rank ``pp_rank`` holds at once (1 without a pipeline)."""
-    p, m = config.parallel, config.train.grad_accum
-    if p.pp == 1:
-        return 1
-    if p.pp_schedule == "gpipe":
-        return m
-    return min(m, p.pp * p.pp_stages_per_rank - pp_rank)
 
 
 def moe_scratch(shape: ModelShape, train_rows: int, eval_rows: int, seq: int, act_bytes: int, ep: int = 1) -> float:
@@ -296,6 +267,7 @@ def rank_memory(config: Config, world: int, model: nn.Module | None = None, devi
     """
     from moetrain.analysis.activations import model_activations
     from moetrain.analysis.shape import ModelShape
+    from moetrain.analysis.step import in_flight
     from moetrain.parallel.dry_run import check
     from moetrain.parallel.meta_init import build_meta
 
@@ -332,8 +304,9 @@ def rank_memory(config: Config, world: int, model: nn.Module | None = None, devi
             if len(units) == 1:  # one unit of the whole stage (S * X == 1): every activation in it
                 acts = [act.peak - act.transient]
             zero3 = p.reshard_after_forward and len(units) > 1
+            flight = in_flight(p.pp, t.grad_accum, pp_rank, p.pp_stages_per_rank, p.pp_schedule)
             moments = step_moments(units, acts, act.transient, compute_bytes, zero3, gloo, t.grad_accum > 1,
-                                   (act.peak - act.transient) * in_flight(config, pp_rank))
+                                   (act.peak - act.transient) * flight)
         top = max(moments, key=lambda x: x.total)
         out.append(RankMemory(pp_rank, elems * PARAM_BYTES, elems * GRAD_BYTES, elems * ADAMW_BYTES, top.gathered,
                               top.activations, grads_at_peak=top.grads, comm=top.comm, scratch=scratch,
@@ -341,14 +314,15 @@ def rank_memory(config: Config, world: int, model: nn.Module | None = None, devi
     return out
 
 
-def memory_lines(config: Config, world: int, model: nn.Module | None = None, device: str | None = None
-                 ) -> list[str]:
-    """``--dry-run``'s and ``plan``'s per-rank lines: a header and one line per pipeline rank."""
+def memory_lines(config: Config, world: int, model: nn.Module | None = None, device: str | None = None,
+                 ranks: list[RankMemory] | None = None) -> list[str]:
+    """``--dry-run``'s and ``plan``'s per-rank lines: a header and one line per pipeline rank (of ``ranks``, by
+    default :func:`rank_memory`'s)."""
     layout = Layout.from_config(config.parallel, world)
     per = layout.world // layout.pp
     lines = ["per-rank memory (fp32 state; model: moetrain.parallel.memory):"]
-    for r in rank_memory(config, world, model, device):
+    for r in ranks if ranks is not None else rank_memory(config, world, model, device):
         first = r.pp_rank * per
-        ranks = f"rank {first}" if per == 1 else f"ranks {first}-{first + per - 1}"
-        lines.append(r.line(ranks + (f" (pipeline rank {r.pp_rank})" if layout.pp > 1 else "")))
+        name = f"rank {first}" if per == 1 else f"ranks {first}-{first + per - 1}"
+        lines.append(r.line(name + (f" (pipeline rank {r.pp_rank})" if layout.pp > 1 else "")))
     return lines

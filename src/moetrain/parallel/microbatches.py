@@ -1,15 +1,12 @@
 """The pipeline's micro-batches per step, chosen from the layout when ``train.grad_accum`` was not given.
 
-A pipeline step runs ``train.grad_accum`` micro-batches through the stages; every schedule but GPipe needs at least
-one per stage (``parallel.pp x pp_stages_per_rank``, :func:`moetrain.parallel.pipeline_runner.check_microbatches`),
-and the bubble is ``(stages - 1) / micro-batches`` of the step. The default ``grad_accum = 1`` therefore cannot run
-``parallel.pp = 2``. When the user did not set ``train.grad_accum`` (not in the preset, the ``--config`` file or the
-``FIELD=VALUE`` overrides) this chooses ``grad_accum = stages`` and, where it splits evenly, keeps the step's
-sequences: ``batch_size / stages`` per micro-batch (the same tokens per optimizer step as the config asked for,
-torchtitan's ``local_batch_size / pipeline_parallel_microbatch_size``). Where ``batch_size`` does not split over
-``stages x data-parallel ranks x model.execution.bta_tiles``, ``batch_size`` stays and the step grows ``stages``-fold.
-The choice is returned as a sentence for the run's log; the chosen values go into ``config.json`` like any other, so
-a resume keeps them.
+Every schedule but GPipe needs at least one micro-batch per stage (``parallel.pp x pp_stages_per_rank``,
+:func:`moetrain.parallel.pipeline_runner.check_microbatches`), so the default ``grad_accum = 1`` cannot run
+``parallel.pp = 2``. When the user did not set ``train.grad_accum`` this chooses ``grad_accum = stages`` and, where
+it splits evenly over ``stages x data-parallel ranks x model.execution.bta_tiles``, ``batch_size / stages`` per
+micro-batch (the step keeps its sequences, as torchtitan's ``local_batch_size / pipeline_parallel_microbatch_size``);
+else ``batch_size`` stays and the step grows ``stages``-fold. The chosen values go into ``config.json``, so a resume
+keeps them.
 """
 
 from __future__ import annotations

@@ -5,9 +5,8 @@ Legend: L = blocks, P = pp ranks, V = stages per rank, N = P * V stages.
 
 Placement follows torchtitan's recipe (``generate_llm_fqn_per_model_part`` and ``pipeline_module_split`` in
 torchtitan/distributed/pipeline_parallel.py): stage 0 also holds the embedding, the last stage the final norm and
-LM head; the blocks are split into contiguous stages balanced by the cost model's per-block FLOPs, the LM head's
-counted on the last stage (:func:`moetrain.analysis.stages.split_stages`; torchtitan weights both ends as whole
-layers instead). Stage ``i`` lives on rank ``i % P`` (the looped placement of Interleaved 1F1B), or, for the
+LM head; the blocks are split into contiguous stages balanced by the cost model
+(:func:`moetrain.analysis.stages.split_stages`). Stage ``i`` lives on rank ``i % P`` (looped), or, for the
 V-shaped schedules (ZBV, DualPipeV: two stages per rank), rank ``r`` holds stages ``r`` and ``2P - 1 - r``
 (torchtitan's ``style="v"``), so rank 0 holds both ends.
 """
@@ -27,6 +26,7 @@ from moetrain.model.config import ModelConfig
 from moetrain.model.transformer import MOE_LOSS_TERMS
 from moetrain.moe.layer import MoEAux, MoELayer
 from moetrain.moe.losses import global_load_balancing_loss
+from moetrain.parallel.ac import blocks
 
 if TYPE_CHECKING:
     from moetrain.model.transformer import MoETransformer
@@ -89,14 +89,10 @@ def stage_rank(stage: int, pp: int, schedule: str = "1f1b") -> int:
 
 class _AttachLoss(torch.autograd.Function):
     """An alias of ``h`` in forward; in backward ``h``'s gradient passes through and ``loss`` receives gradient 1
-    (Megatron-Core's ``MoEAuxLossAutoScaler``). A stage's MoE losses thus enter the step's loss with the
-    coefficient they have in one process (``loss = lm_loss + moe_loss`` per micro-batch), without travelling to the
-    last stage; the schedule's ``1 / micro-batches`` gradient scaling then applies to them as to the LM loss.
-
-    An alias made by ``h.detach()`` (no copy), not a view such as ``h.view_as(h)``: the output may be the stage's
-    output, and FSDP2 warns that a view returned by a sharded module loses its pre-backward hook (hence the
-    all-gather) to any in-place op on it; and the split-backward schedules (ZBV, DualPipeV) ``detach_()`` a stage's
-    output in place after its input-gradient pass, which a view refuses."""
+    (Megatron-Core's ``MoEAuxLossAutoScaler``): a stage's MoE losses enter the step's loss as in one process without
+    travelling to the last stage. The alias is ``h.detach()`` (no copy), not a view: a view returned by a sharded
+    module loses FSDP2's pre-backward hook to an in-place op, and ZBV / DualPipeV ``detach_()`` the stage's output
+    (docs/scale-out.md)."""
 
     @staticmethod
     def forward(ctx: Any, h: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
@@ -112,22 +108,16 @@ class _AttachLoss(torch.autograd.Function):
 class StageModule(nn.Module):
     """One pipeline stage of an ``MoETransformer``: (embedding) -> its blocks -> (final norm -> LM head), a slice
     of the model run by the model's own forward steps (``embed``, ``run_blocks``, ``logits``), as torchtitan's
-    stages are slices of the model.
+    stages are slices of the model. Parameter names equal the whole model's (``blocks`` is a ``ModuleDict`` keyed
+    by the global block index), so expert slices, initialisation and checkpoints use one naming for every layout.
 
-    Parameter names equal the whole model's (``blocks`` is a ``ModuleDict`` keyed by the global block index), so
-    expert slices, per-shard initialisation and checkpoints use one naming for every layout.
-
-    The stage adds its MoE layers' share of ``moe_loss`` (each per-layer term divided by the model's number of MoE
-    layers, as ``assemble_moe_losses`` averages over layers) through :class:`_AttachLoss`. Per step, the runner
-    sets ``step_counts`` ([L_s, E] global-batch counts of this stage's MoE layers, from the routing pre-pass) and
-    reads and clears ``records`` (one detached summary per micro-batch forward: the loss terms, ``counts`` and
-    ``dropped`` [L_s, E]): pipelining fixes a stage's
-    forward signature to the tensors passed between stages.
-
-    With tied embeddings (``model.tie_embeddings``) the last stage holds its own copy of the embedding as its LM
-    head, initialised and saved under the embedding's name (:func:`~moetrain.parallel.meta_init.saved_name`); the
-    runner sums the two copies' gradients over the first and last ranks of the pipeline before the optimizer
-    steps both, so they stay equal (Megatron-Core's embedding group).
+    The stage adds its MoE layers' share of ``moe_loss`` (each per-layer term over the model's number of MoE
+    layers) through :class:`_AttachLoss`. Pipelining fixes a stage's forward signature to the tensors passed
+    between stages, so per step the runner sets ``step_counts`` ([L_s, E] global-batch counts from the routing
+    pre-pass) and reads and clears ``records`` (per micro-batch forward: the detached loss terms, ``counts`` and
+    ``dropped`` [L_s, E]). With tied embeddings the last stage holds its own copy of the embedding as its LM head,
+    initialised and saved under the embedding's name (:func:`~moetrain.parallel.meta_init.saved_name`); the runner
+    keeps the copies equal by summing their gradients (docs/scale-out.md).
 
     Args:
         model: the whole model (meta or real); its modules are shared, not copied (the tied LM head excepted).
@@ -163,11 +153,8 @@ class StageModule(nn.Module):
         self.step_counts: torch.Tensor | None = None
         self.records: list[dict[str, torch.Tensor]] = []
 
-    def stage_blocks(self) -> list[Block]:
-        return [cast(Block, b) for b in self.blocks.values()]
-
     def moe_layers(self) -> list[MoELayer]:
-        return [cast(MoELayer, b.ffn) for b in self.stage_blocks() if b.is_moe]
+        return [cast(MoELayer, b.ffn) for b in blocks(self) if b.is_moe]
 
     def trunk(self, x: torch.Tensor) -> tuple[torch.Tensor, list[MoEAux]]:
         """The model's embedding (first stage: ``x`` [b, S] token ids) and this stage's blocks: ([b, S, D], the

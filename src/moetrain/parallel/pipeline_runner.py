@@ -29,15 +29,13 @@ from torch.distributed.pipelining.schedules import PipelineScheduleMulti, Pipeli
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
 from moetrain.errors import ConfigError
-from moetrain.parallel import ac as activation_checkpointing
 from moetrain.model.config import ModelConfig
 from moetrain.moe.layer import MoEAux, MoELayer
 from moetrain.parallel.comm import CommStats, named_collective
 from moetrain.parallel.config import ParallelConfig
-from moetrain.parallel.fsdp import apply_fsdp, clip_grad_norm, init_root
+from moetrain.parallel.fsdp import apply_fsdp, clip_grad_norm
 from moetrain.parallel.launch import parallelize
 from moetrain.parallel.layout import ExpertShard, LayoutMesh
-from moetrain.parallel.meta_init import materialise
 from moetrain.parallel.pipeline import StageModule, rank_stages, stage_blocks, stage_rank
 from moetrain.model.transformer import MOE_LOSS_TERMS
 from moetrain.train.config import TrainConfig
@@ -85,10 +83,6 @@ class LocalModel(nn.Module):
         self.blocks = nn.ModuleDict({k: b for m in stages for k, b in m.blocks.items()})
         self.norm = next((m.norm for m in stages if m.last), None)
         self.lm_head = next((m.lm_head for m in stages if m.last), None)
-        self._stages = stages  # a plain list: not registered twice as submodules
-
-    def moe_layers(self) -> list[MoELayer]:
-        return [layer for m in self._stages for layer in m.moe_layers()]
 
 
 class PipelineRunner:
@@ -125,12 +119,9 @@ class PipelineRunner:
         self.modules = [StageModule(model, ranges[i], i == 0, i == self.n_stages - 1) for i in self.indices]
         self.plan: dict[str, ExpertShard] = {}
         for module in self.modules:
-            self.plan.update(parallelize(module, mesh.ep_mesh, parallel.dispatcher, stats))
-            activation_checkpointing.apply(module, parallel.activation_checkpoint)
-            apply_fsdp(module, mesh, dtype, parallel.reshard_after_forward, parallel.cpu_offload)
-            if any(p.is_meta for p in module.parameters()):
-                materialise(module, config, mesh.device, seed, self.plan)
-            init_root(module)
+            plan = parallelize(module, mesh.ep_mesh, parallel.dispatcher, stats, parallel.activation_checkpoint)
+            apply_fsdp(module, mesh, parallel, dtype, seed, plan)
+            self.plan.update(plan)
         self.local = LocalModel(self.modules)  # this rank's parameters under the model's names
         self.stages = [PipelineStage(m, i, self.n_stages, mesh.device, group=mesh.pp_group,
                                      **self._metadata(m, micro_shape))
@@ -227,10 +218,7 @@ class PipelineRunner:
                 if records:
                     c = torch.stack([r.tokens_per_expert for r in records])
                     counts = c if counts is None else counts + c
-            if counts is not None and self.mesh.layout.data_parallel > 1:
-                with named_collective("all_reduce (pipeline stage expert counts)", self.mesh.stage_group):
-                    dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=self.mesh.stage_group)
-            module.step_counts = counts
+            module.step_counts = None if counts is None else self.mesh.stage_sum(counts, "pipeline expert counts")
 
     @torch.no_grad()
     def evaluate(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> float:
@@ -296,23 +284,16 @@ class PipelineRunner:
     @property
     def tied(self) -> nn.Parameter | None:
         """This rank's share of a tied embedding: the first stage's embedding or the last stage's LM head copy
-        (``None`` untied or on a middle rank)."""
-        if not self.config.tie_embeddings:
+        (``None`` untied or on a middle rank; a tied model never puts both ends on one rank)."""
+        ends = [m.embed_tokens if m.first else m.lm_head for m in self.modules if m.first or m.last]
+        if not self.config.tie_embeddings or not ends or ends[0] is None:
             return None
-        for m in self.modules:
-            if m.first and m.embed_tokens is not None:
-                return cast(nn.Parameter, m.embed_tokens.weight)
-            if m.last and m.lm_head is not None:
-                return cast(nn.Parameter, m.lm_head.weight)
-        return None
+        return cast(nn.Parameter, ends[0].weight)
 
     @property
     def tied_copy(self) -> nn.Parameter | None:
         """The last stage's copy of a tied embedding (left out of the gradient norm: the first stage counts it)."""
-        last = next((m for m in self.modules if m.last), None)
-        if not self.config.tie_embeddings or last is None or last.lm_head is None:
-            return None
-        return cast(nn.Parameter, last.lm_head.weight)
+        return self.tied if any(m.last for m in self.modules) else None
 
     @torch.no_grad()
     def sum_tied_grads(self) -> None:

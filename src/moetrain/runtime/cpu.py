@@ -1,17 +1,14 @@
 """CPU features, calibrated GEMM peaks, and where bf16 compute pays (the bf16 policy).
 
 bf16 autocast is fast only where the CPU multiplies bf16 natively (AVX512_BF16 or AMX: oneDNN / MKL bf16 GEMMs run
-at ~2x the fp32 rate). Without it (AVX2-only CPUs) PyTorch's bf16 GEMM falls back to a scalar path: measured on an
-AMD EPYC limited to AVX2 (``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2``),
-1024^3 GEMMs ran at 0.86 GFLOP/s in bf16 against 88 GFLOP/s in fp32, 100x slower (docs/robustness.md). So on
-such a CPU bf16 autocast computes in fp32 (:func:`bf16_compute`): the result is fp32 maths, at fp32 speed.
+at ~2x the fp32 rate); elsewhere (AVX2-only CPUs) PyTorch's bf16 GEMM takes a scalar path ~100x slower than fp32
+(docs/robustness.md), so there bf16 autocast computes in fp32 (:func:`bf16_compute`).
 
-The decision is read from the CPU, not timed (a timing on a shared machine, or one taken inside a caller's
-autocast, flips from run to run, and the model's numerics must not): bf16 counts as fast where ``/proc/cpuinfo`` lists
-``avx512_bf16`` or ``amx_bf16`` and no kernel-library ISA limit hides them (``ONEDNN_MAX_CPU_ISA`` below
-``AVX512_CORE_BF16``, ``ATEN_CPU_CAPABILITY=default|avx2``). The calibrated rates are reported by ``moetrain doctor``.
-The environment variable ``MOETRAIN_BF16`` forces it: ``fp32`` (compute in fp32 under bf16 autocast, e.g. to prove
-the fallback on an AMX machine), ``bf16`` (always autocast), ``auto`` (default: from the CPU's features).
+The decision is read from the CPU, not timed (a timing on a shared machine flips from run to run, and the model's
+numerics must not): bf16 counts as fast where ``/proc/cpuinfo`` lists ``avx512_bf16`` or ``amx_bf16`` and no
+kernel-library ISA limit hides them (``ONEDNN_MAX_CPU_ISA`` below ``AVX512_CORE_BF16``,
+``ATEN_CPU_CAPABILITY=default|avx2``). ``MOETRAIN_BF16`` forces it: ``fp32`` (compute in fp32 under bf16
+autocast), ``bf16`` (always autocast), ``auto`` (default: from the CPU's features).
 """
 
 from __future__ import annotations
@@ -109,9 +106,7 @@ def gemm_peak(dtype: torch.dtype = torch.float32, device: torch.device | str = "
               repeats: int = 3, fresh: bool = False) -> float:
     """Calibrated GEMM rate in FLOP/s: best of ``repeats`` [size, size] @ [size, size] products in ``dtype`` on
     ``device`` with the current intra-op threads (cached per process, dtype, device and thread count; ``fresh``
-    measures again, uncached). At size 1024 one product is 2.1 GFLOP: ~25 ms in fp32 on one core of this project's
-    CPU (the trainer's MFU and ``moetrain doctor`` use the same calibration); a slow bf16 path (no native bf16)
-    takes seconds."""
+    measures again, uncached). The trainer's MFU and ``moetrain doctor`` use it."""
     device = torch.device(device)
     if fresh:
         return _gemm_rate(dtype, device, size, repeats)

@@ -1,9 +1,6 @@
 """Refuse sizes that cannot fit before anything is allocated or written: the estimate of ``moetrain.analysis``
 (weights + gradients + AdamW state, one micro-batch's saved activations, the token batches) against the memory
-this machine has free.
-
-Without it a mistyped ``model.hidden=1099511627776`` ended in the allocator's error after asking for 2 PB, and
-``train.batch_size=1000000000`` in numpy's ``_ArrayMemoryError``.
+this machine has free, so that a mistyped size ends in one line naming the field instead of the allocator's error.
 """
 
 from __future__ import annotations
@@ -13,13 +10,10 @@ from dataclasses import dataclass
 
 from moetrain.errors import ConfigError
 
-# The estimate leaves out the allocator's slack, temporary buffers and the data set itself, so a run needs more
-# than it; refusing only above 100% of free memory never refuses a run that would fit.
 _UNITS = (("PB", 1e15), ("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3))
-# Threads a CPU rank of a distributed run starts: gloo's ProcessGroupGloo runs two workers ("pt_gloo_runloop", its
-# default Options threads) and its TCP device one event loop ("gloo_tcp_loop") per process group; rank 0 one more,
-# the metrics writer's. Counted in /proc/<pid>/task/*/comm of dp_shard=2 and 4 ranks (8 groups: 24 + 1 on rank 0;
-# torch 2.13, 2026-12-07).
+# Threads a CPU rank of a distributed run starts: gloo's ProcessGroupGloo runs two workers ("pt_gloo_runloop") and
+# its TCP device one event loop ("gloo_tcp_loop") per process group; rank 0 one more, the metrics writer's (as
+# /proc/<pid>/task/*/comm lists them).
 GLOO_THREADS_PER_GROUP, RANK0_THREADS = 3, 1
 
 
@@ -99,23 +93,20 @@ def reserved_bytes(config, world: int, device_type: str = "cpu") -> float:
 
 
 def sharded_suggestion(config, free: float, device_type: str = "cpu", address_space: bool = False) -> str:
-    """The smallest FSDP2 layout (``parallel.dp_shard = N``, N = 2, 4, ... 64) whose busiest rank's estimate
-    (:func:`moetrain.parallel.memory.rank_memory`, plus its threads' stacks (:func:`reserved_bytes`) where
-    ``address_space``: ``free`` is what an address-space limit leaves) fits ``free`` bytes, as a phrase for an
-    error message."""
+    """The smallest FSDP2 layout (``parallel.dp_shard = N``, N = 2, 4, ... 64) whose busiest rank's
+    :func:`estimate_memory` fits ``free`` bytes (``address_space``: what an address-space limit leaves), as a phrase
+    for an error message."""
     from dataclasses import replace
 
     from moetrain.errors import MoetrainError
     from moetrain.parallel.config import ParallelConfig
-    from moetrain.parallel.memory import rank_memory
 
     shards = (2, 4, 8, 16, 32, 64) if estimate_memory(config).state / 64 <= free else ()  # else none can fit
     for n in shards:
         try:
             layout = replace(config, parallel=ParallelConfig(dp_shard=n), train=replace(config.train,
                              batch_size=max(config.train.batch_size, n) // n * n))
-            need = max(r.total for r in rank_memory(layout, n, device=device_type)) + _batch_bytes(layout)
-            need += reserved_bytes(layout, n, device_type) if address_space else 0.0
+            need = estimate_memory(layout, n, device_type, address_space).total
         except (MoetrainError, RuntimeError):  # a layout this model cannot take (e.g. experts over shards)
             continue
         if need <= free:
@@ -174,8 +165,18 @@ class MemoryEstimate:
         return self.state + self.activations + self.batches
 
 
-def estimate_memory(config) -> MemoryEstimate:
-    """The estimate for a full :class:`moetrain.config.Config` on one process."""
+def estimate_memory(config, world: int = 1, device_type: str = "cpu", address_space: bool = False) -> MemoryEstimate:
+    """The estimate for a full :class:`moetrain.config.Config`: on one process the analysis modules'; on
+    ``world > 1`` ranks the busiest rank's (:func:`moetrain.parallel.memory.rank_memory`), everything at its peak
+    but its activations counted as state (shards, gathered copies, collective buffers, MoE scratch, the runtime;
+    with ``address_space``, a per-process address-space limit, its threads' stacks: :func:`reserved_bytes`)."""
+    if world > 1:
+        from moetrain.parallel.memory import rank_memory
+
+        busiest = max(rank_memory(config, world, device=device_type), key=lambda r: r.total)
+        reserved = reserved_bytes(config, world, device_type) if address_space else 0.0
+        return MemoryEstimate(state=busiest.total - busiest.activations + reserved, activations=busiest.activations,
+                              batches=_batch_bytes(config))
     from moetrain.analysis.activations import model_activations
     from moetrain.analysis.params import count_params, state_memory
     from moetrain.analysis.shape import ModelShape
@@ -192,11 +193,9 @@ def estimate_memory(config) -> MemoryEstimate:
 
 
 def check_fits(config, device_type: str = "cpu", free: float | None = None, world: int = 1) -> MemoryEstimate:
-    """Refuse a config whose estimate exceeds the free memory, naming the fields that size the larger part. On
-    ``world > 1`` ranks of a sharded or pipelined layout the estimate is the busiest rank's
-    (:func:`moetrain.parallel.memory.rank_memory`: its shards, gathered parameters and activations). Where a
-    per-process address-space limit sets the free memory, the estimates of several ranks also count their threads'
-    stacks (:func:`reserved_bytes`), which such a limit counts.
+    """Refuse a config whose estimate (:func:`estimate_memory`: the busiest rank's on ``world > 1`` ranks, with its
+    threads' stacks where a per-process address-space limit sets the free memory) exceeds the free memory, naming
+    the fields that size the larger part.
 
     Raises:
         ConfigError: the model state (``model.*``) or one micro-batch (``train.batch_size`` x ``data.seq_len``)
@@ -205,19 +204,10 @@ def check_fits(config, device_type: str = "cpu", free: float | None = None, worl
     """
     from moetrain.analysis.shape import ModelShape
 
-    est = estimate_memory(config)
     limit = process_limit() if free is None and device_type == "cpu" else None
     free = available_memory(device_type) if free is None else free
     address_space = limit is not None and limit[1] <= free  # the limit sets the free memory
-    if world > 1:
-        from moetrain.parallel.memory import rank_memory
-
-        busiest = max(rank_memory(config, world, device=device_type), key=lambda r: r.total)
-        # everything at the busiest rank's peak but its activations counts as state (shards, gathered copies,
-        # collective buffers, MoE scratch, the runtime; under an address-space limit its threads' stacks)
-        reserved = reserved_bytes(config, world, device_type) if address_space else 0.0
-        est = MemoryEstimate(state=busiest.total - busiest.activations + reserved, activations=busiest.activations,
-                             batches=est.batches)
+    est = estimate_memory(config, world, device_type, address_space)
     if est.total <= free:
         return est
     s, t = ModelShape.from_config(config.model), config.train

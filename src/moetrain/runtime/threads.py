@@ -2,17 +2,16 @@
 
 PyTorch's default is one thread per core of the machine. On a machine busy with other jobs that oversubscribes
 the cores: OpenMP threads spin-wait for each other at every parallel region, and one descheduled thread stalls
-them all (a 200-step ``tiny`` run took 100 s with the default and 19 s with one thread under a load of 4-6 on 2
-cores). So the default is
+them all (docs/robustness.md). So the default is
 
     threads = max(1, min(current threads, usable cores - round(busy)))
 
 where the current threads are PyTorch's (an explicit lower ``OMP_NUM_THREADS`` / ``torch.set_num_threads`` is
 kept), the usable cores are ``os.sched_getaffinity(0)`` (a CPU quota such as ``docker --cpus`` is not seen), and
 ``busy`` is how many of those cores *other* processes kept busy over the last 0.1 s (:func:`others_busy_cores`),
-or the 1-minute load average where Linux's counters cannot be read. The load average alone misleads: it counts the
-past minute of everything, and read 0.8-1.5 on an idle 2-core machine (docs/robustness.md). ``train.threads`` > 0
-overrides the choice; since it depends on the machine at start, set it for bit-exact resumes.
+or the 1-minute load average where Linux's counters cannot be read (it counts the past minute of everything, idle
+machines included). ``train.threads`` > 0 overrides the choice; since it depends on the machine at start, set it
+for bit-exact resumes.
 """
 
 from __future__ import annotations
@@ -149,11 +148,6 @@ def serving_threads() -> int:
     """The intra-op threads of ``moetrain serve`` when ``--threads`` is not given: the usable cores less one, kept
     for the HTTP front (the event loop, JSON, tokenization: Python that needs the GIL and a core of its own), at
     least 1 and never more than PyTorch has now (``OMP_NUM_THREADS``, torchrun's one per process, is kept).
-
-    Why: the engine thread's step is hundreds of small ops over a few tokens, most too small to split, while every
-    one that does start an OpenMP parallel region waits at its barrier for a worker that shares its core with the
-    event loop and the clients. Measured on an AMD EPYC with 2 cores shared with other jobs (load average 15-20,
-    ``tiny``, 16 concurrent greedy clients, 2026-12-07): 2 threads completed no request within 6-20 s rounds
-    (a first request took over 20 s), one thread served 600-1,800 tokens/s.
-    """
+    Why: the engine's step is hundreds of small ops, and every one that starts an OpenMP parallel region waits at
+    its barrier for a worker that shares its core with the event loop and the clients."""
     return max(1, min(torch.get_num_threads(), usable_cores() - 1))
