@@ -496,6 +496,15 @@ def test_step_summaries_from_another_rank_equal_observing_the_layers():
         stats.end_step(1, 2.0, StepSummary(3, 4, ["aux_loss"], torch.device("cpu")))
 
 
+def test_step_summary_of_a_model_without_moe_layers_takes_an_empty_row_block():
+    """A dense model (model.moe_every=0) has no MoE layer: its step summary is [0, W], not an error."""
+    from moetrain.train.routing_stats import StepSummary
+
+    summary = StepSummary(0, 4, ["aux_loss"], torch.device("cpu"))
+    rows = summary.take()
+    assert rows.shape == (0, summary.width) and rows.dtype == torch.float64
+
+
 def test_monitor_state_of_a_legacy_checkpoint_is_restored():
     """tests/data/legacy_checkpoints/single holds a monitor state of the layout before StepSummary rows: its counts,
     idle steps, collapse window and loss history carry over (its interval sums were zero: saved at a logging

@@ -229,7 +229,7 @@ class StepSummary:
             if b is not None:
                 rows[pos, v + 2 * e:] = b.detach().to(f64)
                 self._host[pos][4] = 1.0
-        rows[:, self.host:v] = torch.tensor(self._host, dtype=f64).to(self.device)  # host values: one copy, no sync
+        rows[:, self.host:v] = torch.tensor(self._host, dtype=f64).view(self.n_layers, v - self.host).to(self.device)
         self._reset()
         return rows
 
