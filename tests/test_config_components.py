@@ -13,7 +13,7 @@ import pytest
 from conftest import sample_text
 from moetrain.cli import main
 from moetrain.config import LEGACY_PATHS, Config, build_config, upgrade
-from moetrain.configlib import parse_overrides, to_dict
+from moetrain.configlib import parse_overrides, parse_size, to_dict
 from moetrain.errors import ConfigError
 from moetrain.execution import ExecutionConfig
 from moetrain.moe.config import (
@@ -260,3 +260,19 @@ def test_a_run_written_with_the_old_layout_resumes(tmp_path, capsys):
     assert "done: 4 steps" in out
     resumed = json.loads((run / "config.json").read_text())  # rewritten with the change, in the new layout
     assert resumed["model"]["execution"]["moe_backend"] == "loop" and "backend" not in resumed["model"]["moe"]
+
+
+@pytest.mark.parametrize("text", ["5GB", "500MB", "40KB", "2GiB", "3MiB", "7KiB", "1000000"])
+def test_parse_size_reads_units_as_transformers_does(text):
+    hub = pytest.importorskip("transformers.utils.hub")
+    expected = int(text) if text.isdigit() else hub.convert_file_size_to_int(text)
+    assert parse_size(text, "--max-shard-size") == expected
+
+
+def test_parse_size_bare_suffix_is_binary_and_errors_name_flag_and_value():
+    assert parse_size("64M", "--f") == 64 * 2**20 and parse_size("1.5g", "--f") == 3 * 2**29
+    assert parse_size(" 2 tb ", "--f") == 2 * 10**12 and parse_size("1TiB", "--f") == 2**40
+    for bad, why in [("5XB", "not a byte count"), ("-1GB", "not a byte count"), ("", "not a byte count"),
+                     ("0", "must be at least 1 byte"), ("0.1", "must be at least 1 byte")]:
+        with pytest.raises(ConfigError, match=f"^--flag {bad!r}: {why}"):
+            parse_size(bad, "--flag")
