@@ -186,6 +186,21 @@ def test_direct_construction_validates_too():
         SharedExpertConfig(gate=True)
 
 
+@pytest.mark.parametrize("override, message", [
+    ("model.moe.shared_expert.ffn_hidden=-1",
+     "model.moe.shared_expert.ffn_hidden: must be >= 0 (0 = no shared expert), got -1"),
+    ("parallel.dp_replicate=-2", "parallel.dp_replicate: must be >= 0 (0 = the rest of the world), got -2"),
+    ("model.execution.bta_tiles=0", "model.execution.bta_tiles: must be >= 1 (1 = no batch tiling), got 0"),
+    ("data.seq_len=1", "data.seq_len: must be >= 2, got 1"),
+    ("model.moe.top_k=0", "model.moe.top_k: must be >= 1, got 0"),
+    ("train.weight_decay=-0.5", "train.weight_decay: must be >= 0, got -0.5"),
+])
+def test_lower_bounds_say_the_bound_its_meaning_and_the_value(override, message):
+    with pytest.raises(ConfigError) as e:
+        build_config("tiny", overrides=parse_overrides([override]))
+    assert str(e.value) == message
+
+
 def test_execution_may_change_on_resume_the_maths_may_not():
     saved = build_config("tiny")
     new = build_config("tiny", overrides={"model": {"execution": {"moe_backend": "loop", "recompute_experts": True,

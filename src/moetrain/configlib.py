@@ -41,6 +41,14 @@ def require(condition: bool, field: str, message: str) -> None:
         raise FieldError(field, message)
 
 
+def require_at_least(config: Any, minimum: float, *names: str, note: str = "") -> None:
+    """Raise :class:`FieldError` for the first field of ``names`` on ``config`` below ``minimum``:
+    ``NAME: must be >= MINIMUM (NOTE), got VALUE`` (the parenthesis only with a ``note``)."""
+    for name in names:
+        value = getattr(config, name)
+        require(value >= minimum, name, f"must be >= {minimum}{f' ({note})' if note else ''}, got {value}")
+
+
 # KB/MB/GB/TB decimal and KiB/MiB/GiB/TiB binary, as transformers reads ``max_shard_size``
 # (``transformers.utils.hub.convert_file_size_to_int``); a bare K/M/G/T is binary (``64M``, as Docker and ``ls`` use).
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,
