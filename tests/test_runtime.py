@@ -97,7 +97,7 @@ def test_the_default_follows_the_busy_cores_not_the_load_average(monkeypatch):
     busy now decide. Where they cannot be measured the load average does."""
     n = torch.get_num_threads()
     monkeypatch.setattr(threads_mod, "usable_cores", lambda: 2)
-    monkeypatch.setattr(threads_mod, "load_average", lambda: 1.5)
+    monkeypatch.setattr(threads_mod, "load_average", lambda: [1.5, 1.2, 0.9])
     try:
         torch.set_num_threads(2)
         monkeypatch.setattr(threads_mod, "others_busy_cores", lambda: 0.1)
