@@ -140,9 +140,7 @@ class AcceleratedMoeBlock(nn.Module):
 
     def __init__(self, block: nn.Module, layer: int, stats: HFRoutingSums, backend: str = "grouped_mm"):
         super().__init__()
-        kind = type(block).__name__
-        self.score_func, shared, gated = SUPPORTED_BLOCKS[kind]
-        self.source_class = kind
+        self.score_func, shared, gated = SUPPORTED_BLOCKS[type(block).__name__]
         self.layer = layer
         # The HF block's submodules (nn.Module.__getattr__ types them Tensor | Module): its router, its experts.
         self.gate = cast(nn.Module, block.gate)
