@@ -27,7 +27,8 @@ def add_parser(sub) -> None:
     p.add_argument("--format", choices=["hf"], default="hf", help="hf: transformers' Mixtral / Qwen2-MoE / "
                    "Qwen3-MoE / OLMoE / dots.llm1, chosen from the model's configuration (default)")
     p.add_argument("out_dir", help="output directory (created; must be empty unless --overwrite)")
-    p.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard, e.g. 5GB (5*10^9 bytes), 500MB or 4GiB (4*2^30)")
+    p.add_argument("--max-shard-size", default="5GB",
+                   help="largest safetensors shard, e.g. 5GB (5*10^9 bytes), 500MB or 4GiB (4*2^30)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace OUT_DIR if it holds a previous export (and nothing else)")
     p.set_defaults(func=run)
