@@ -13,7 +13,7 @@ import pytest
 from conftest import sample_text
 from moetrain.cli import main
 from moetrain.config import LEGACY_PATHS, Config, build_config, upgrade
-from moetrain.configlib import parse_overrides, to_dict
+from moetrain.configlib import parse_overrides, parse_size, to_dict
 from moetrain.errors import ConfigError
 from moetrain.execution import ExecutionConfig
 from moetrain.moe.config import (
@@ -186,6 +186,21 @@ def test_direct_construction_validates_too():
         SharedExpertConfig(gate=True)
 
 
+@pytest.mark.parametrize("override, message", [
+    ("model.moe.shared_expert.ffn_hidden=-1",
+     "model.moe.shared_expert.ffn_hidden: must be >= 0 (0 = no shared expert), got -1"),
+    ("parallel.dp_replicate=-2", "parallel.dp_replicate: must be >= 0 (0 = the rest of the world), got -2"),
+    ("model.execution.bta_tiles=0", "model.execution.bta_tiles: must be >= 1 (1 = no batch tiling), got 0"),
+    ("data.seq_len=1", "data.seq_len: must be >= 2, got 1"),
+    ("model.moe.top_k=0", "model.moe.top_k: must be >= 1, got 0"),
+    ("train.weight_decay=-0.5", "train.weight_decay: must be >= 0, got -0.5"),
+])
+def test_lower_bounds_say_the_bound_its_meaning_and_the_value(override, message):
+    with pytest.raises(ConfigError) as e:
+        build_config("tiny", overrides=parse_overrides([override]))
+    assert str(e.value) == message
+
+
 def test_execution_may_change_on_resume_the_maths_may_not():
     saved = build_config("tiny")
     new = build_config("tiny", overrides={"model": {"execution": {"moe_backend": "loop", "recompute_experts": True,
@@ -260,3 +275,19 @@ def test_a_run_written_with_the_old_layout_resumes(tmp_path, capsys):
     assert "done: 4 steps" in out
     resumed = json.loads((run / "config.json").read_text())  # rewritten with the change, in the new layout
     assert resumed["model"]["execution"]["moe_backend"] == "loop" and "backend" not in resumed["model"]["moe"]
+
+
+@pytest.mark.parametrize("text", ["5GB", "500MB", "40KB", "2GiB", "3MiB", "7KiB", "1000000"])
+def test_parse_size_reads_units_as_transformers_does(text):
+    hub = pytest.importorskip("transformers.utils.hub")
+    expected = int(text) if text.isdigit() else hub.convert_file_size_to_int(text)
+    assert parse_size(text, "--max-shard-size") == expected
+
+
+def test_parse_size_bare_suffix_is_binary_and_errors_name_flag_and_value():
+    assert parse_size("64M", "--f") == 64 * 2**20 and parse_size("1.5g", "--f") == 3 * 2**29
+    assert parse_size(" 2 tb ", "--f") == 2 * 10**12 and parse_size("1TiB", "--f") == 2**40
+    for bad, why in [("5XB", "not a byte count"), ("-1GB", "not a byte count"), ("", "not a byte count"),
+                     ("0", "must be at least 1 byte"), ("0.1", "must be at least 1 byte")]:
+        with pytest.raises(ConfigError, match=f"^--flag {bad!r}: {why}"):
+            parse_size(bad, "--flag")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moetrain.runtime import cpu
+from moetrain.runtime import cache_root, cpu
 from moetrain.runtime import threads as threads_mod
 from moetrain.runtime.threads import choose_threads, default_threads, others_busy_cores, serving_threads
 
@@ -97,7 +97,7 @@ def test_the_default_follows_the_busy_cores_not_the_load_average(monkeypatch):
     busy now decide. Where they cannot be measured the load average does."""
     n = torch.get_num_threads()
     monkeypatch.setattr(threads_mod, "usable_cores", lambda: 2)
-    monkeypatch.setattr(threads_mod, "load_average", lambda: 1.5)
+    monkeypatch.setattr(threads_mod, "load_average", lambda: [1.5, 1.2, 0.9])
     try:
         torch.set_num_threads(2)
         monkeypatch.setattr(threads_mod, "others_busy_cores", lambda: 0.1)
@@ -182,3 +182,17 @@ def test_the_decision_does_not_time_anything(forced, monkeypatch):
     monkeypatch.setattr(cpu, "_gemm_rate", lambda *a, **k: pytest.fail("bf16_support timed a GEMM"))
     forced("auto")
     cpu.bf16_support("cpu")
+
+
+def test_one_cache_root_for_tokens_and_kernels(monkeypatch, tmp_path):
+    """``data.cache_dir`` wins, then ``$MOETRAIN_CACHE``, then ``~/.cache/moetrain``; the CPU kernels keep theirs in
+    ``kernels/`` of the same root."""
+    from moetrain.moe.kernels.cpu import native
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("MOETRAIN_CACHE", raising=False)
+    assert cache_root() == tmp_path / "home" / ".cache" / "moetrain"
+    assert native.cache_dir() == tmp_path / "home" / ".cache" / "moetrain" / "kernels"
+    monkeypatch.setenv("MOETRAIN_CACHE", str(tmp_path / "env"))
+    assert cache_root() == tmp_path / "env" and native.cache_dir() == tmp_path / "env" / "kernels"
+    assert cache_root("~/mine") == tmp_path / "home" / "mine"

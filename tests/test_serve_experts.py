@@ -17,7 +17,8 @@ from _serve_util import train_tiny
 from moetrain.errors import MoetrainError
 from moetrain.model.attention import KVCache
 from moetrain.serve.engine import Engine, GenRequest
-from moetrain.serve.expert_store import ExpertStore, parse_bytes, routed_expert_bytes, unit_bytes
+from moetrain.configlib import parse_size
+from moetrain.serve.expert_store import ExpertStore, routed_expert_bytes, unit_bytes
 from moetrain.serve.expert_usage import calibrate_usage, served_usage, uniform_usage, usage_from_metrics
 from moetrain.serve.forward import StepBatch, StepRunner
 from moetrain.serve.loader import load_served_model
@@ -223,11 +224,15 @@ def test_usage_from_metrics_and_calibration(run, tmp_path):
 
 
 def test_parse_bytes_and_cli_flag(run):
-    assert parse_bytes("4096") == 4096 and parse_bytes("64M") == 64 << 20 and parse_bytes("1.5G") == 3 << 29
-    assert parse_bytes("2KiB") == 2048
-    for bad in ("lots", "-1", "M"):
-        with pytest.raises(ValueError):
-            parse_bytes(bad)
+    def parse(text):
+        return parse_size(text, "--expert-memory-budget")
+
+    # The documented spellings: bare K/M/G and KiB/MiB/GiB binary; KB/MB/GB decimal (as transformers reads them).
+    assert parse("4096") == 4096 and parse("64M") == 64 << 20 and parse("1.5G") == 3 << 29
+    assert parse("2KiB") == 2048 and parse("64MiB") == 64 << 20 and parse("1GB") == 10**9
+    for bad in ("lots", "-1", "M", "0"):
+        with pytest.raises(ValueError, match=f"--expert-memory-budget {bad!r}"):
+            parse(bad)
     from moetrain.commands.serve import open_store
 
     served = load_served_model(str(run))
@@ -235,7 +240,7 @@ def test_parse_bytes_and_cli_flag(run):
     with pytest.raises(MoetrainError, match="--expert-memory-budget: 12 bytes is less than one expert"):
         open_store(args, served)
     args = Namespace(expert_memory_budget="a lot", hot_share=0.5, calibration_text=None)
-    with pytest.raises(MoetrainError, match="--expert-memory-budget: not a byte count"):
+    with pytest.raises(MoetrainError, match="--expert-memory-budget 'a lot': not a byte count"):
         open_store(args, served)
     args = Namespace(expert_memory_budget=str(routed_expert_bytes(served.model) // 2), hot_share=0.5,
                      calibration_text=None)

@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import difflib
 import json
+import re
 import sys
 import tomllib
 import types
@@ -38,6 +39,38 @@ def require(condition: bool, field: str, message: str) -> None:
     """Raise :class:`FieldError` for ``field`` unless ``condition`` holds."""
     if not condition:
         raise FieldError(field, message)
+
+
+def require_at_least(config: Any, minimum: float, *names: str, note: str = "") -> None:
+    """Raise :class:`FieldError` for the first field of ``names`` on ``config`` below ``minimum``:
+    ``NAME: must be >= MINIMUM (NOTE), got VALUE`` (the parenthesis only with a ``note``)."""
+    for name in names:
+        value = getattr(config, name)
+        require(value >= minimum, name, f"must be >= {minimum}{f' ({note})' if note else ''}, got {value}")
+
+
+# KB/MB/GB/TB decimal and KiB/MiB/GiB/TiB binary, as transformers reads ``max_shard_size``
+# (``transformers.utils.hub.convert_file_size_to_int``); a bare K/M/G/T is binary (``64M``, as Docker and ``ls`` use).
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,
+               "GIB": 2**30, "TIB": 2**40, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def parse_size(text: str, flag: str) -> int:
+    """A byte count given to ``flag``: ``"5GB"`` (5 * 10**9), ``"500MB"``, ``"1.5GiB"`` or ``"1.5G"`` (1.5 * 2**30),
+    ``"64M"`` (64 * 2**20), ``"1000000"`` (bytes); units are case-insensitive.
+
+    Raises:
+        ConfigError: anything else, or a size below one byte (the message names ``flag`` and the value).
+    """
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*", str(text))
+    unit = m.group(2).upper() if m else None
+    if m is None or unit not in _SIZE_UNITS:
+        raise ConfigError(f"{flag} {text!r}: not a byte count (e.g. 5GB = 5*10^9 bytes, 5GiB or 5G = 5*2^30 bytes, "
+                          "or a number of bytes)")
+    size = int(float(m.group(1)) * _SIZE_UNITS[unit])
+    if size < 1:
+        raise ConfigError(f"{flag} {text!r}: must be at least 1 byte")
+    return size
 
 
 def _join(path: str, name: str) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from moetrain.configlib import require
+from moetrain.configlib import require_at_least
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,4 +41,4 @@ class ExecutionConfig:
     bta_tiles: int = 1
 
     def __post_init__(self) -> None:
-        require(self.bta_tiles >= 1, "bta_tiles", f"must be >= 1 (1 = no batch tiling), got {self.bta_tiles}")
+        require_at_least(self, 1, "bta_tiles", note="1 = no batch tiling")

@@ -124,19 +124,12 @@ def cpu_line(info: dict) -> str:
             f"bf16: {flags} (bf16 {'fast' if info['bf16_fast'] else 'slow'})")
 
 
-def load_average() -> list[float] | None:
-    """The 1, 5 and 15 minute load averages, rounded to 0.01; ``None`` where the system has none."""
-    try:
-        return [round(v, 2) for v in os.getloadavg()]
-    except (AttributeError, OSError):
-        return None
-
-
 def machine_info() -> dict:
     """What the numbers were measured on: the CPU (:func:`moetrain.runtime.cpu.cpu_info`), the load average at the time and whether the
     fused MoE path's native CPU kernels were in use (built here on the first call)."""
     from moetrain.moe.kernels.cpu import native as cpu_kernels
     from moetrain.runtime.cpu import cpu_info
+    from moetrain.runtime.threads import load_average
 
     info: dict[str, object] = {
         "platform": platform.platform(),

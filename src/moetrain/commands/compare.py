@@ -627,7 +627,7 @@ def run(args: argparse.Namespace) -> int:
     for r in runs:
         (out / "configs" / f"{r.name}.json").write_text(json.dumps(r.config.to_dict(), indent=2) + "\n")
 
-    from moetrain.bench.common import load_average
+    from moetrain.runtime.threads import load_average
 
     machine, before = machine_info(), load_average()
     print(f"{len(runs)} runs, {parallel} at a time with {args.threads_per_run} thread(s) each; logs in "

@@ -14,39 +14,21 @@ import uuid
 from pathlib import Path
 
 from moetrain.commands import check_output_path
-from moetrain.errors import ConfigError, MoetrainError
+from moetrain.configlib import parse_size
+from moetrain.errors import MoetrainError
 
 # What an export writes (transformers' save_pretrained, the generation config and the tokenizer files).
 _EXPORT_FILES = {"config.json", "generation_config.json", "model.safetensors.index.json", "tokenizer.json",
                  "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"}
 _SHARD = re.compile(r"model(-\d+-of-\d+)?\.safetensors")
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
-def parse_shard_size(text: str, flag: str = "--max-shard-size") -> int:
-    """``"5GB"`` / ``"500MB"`` / ``"1.5GiB"`` / ``"1000000"`` (bytes) -> bytes (decimal KB/MB/GB/TB, binary KiB/MiB/GiB).
-
-    Raises:
-        ConfigError: anything else, or a size below one byte (the message names ``flag`` and the value).
-    """
-    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*", str(text))
-    unit = m.group(2).upper() if m else None
-    if m is None or unit not in _UNITS:
-        raise ConfigError(f"{flag} {text!r}: expected a size such as 5GB, 500MB, 2GiB or a number of bytes")
-    size = int(float(m.group(1)) * _UNITS[unit])
-    if size < 1:
-        raise ConfigError(f"{flag} {text!r}: must be at least 1 byte")
-    return size
-
-
 def add_parser(sub) -> None:
     p = sub.add_parser("export", help="write a trained run as a Hugging Face checkpoint (loads in transformers)")
     p.add_argument("run_dir", help="a moetrain run directory (its newest valid checkpoint is exported)")
     p.add_argument("--format", choices=["hf"], default="hf", help="hf: transformers' Mixtral / Qwen2-MoE / "
                    "Qwen3-MoE / OLMoE / dots.llm1, chosen from the model's configuration (default)")
     p.add_argument("out_dir", help="output directory (created; must be empty unless --overwrite)")
-    p.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard, e.g. 5GB or 500MB")
+    p.add_argument("--max-shard-size", default="5GB",
+                   help="largest safetensors shard, e.g. 5GB (5*10^9 bytes), 500MB or 4GiB (4*2^30)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace OUT_DIR if it holds a previous export (and nothing else)")
     p.set_defaults(func=run)
@@ -85,7 +67,7 @@ def run(args) -> int:
 
     quiet_progress_unless_tty()
     out = Path(args.out_dir)
-    shard_bytes = parse_shard_size(args.max_shard_size)
+    shard_bytes = parse_size(args.max_shard_size, "--max-shard-size")
     check_output_path(out, "OUT_DIR", overwrite=args.overwrite)
     entries = list(out.iterdir()) if out.is_dir() else []
     if entries:

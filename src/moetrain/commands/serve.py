@@ -37,8 +37,9 @@ def add_parser(sub) -> None:
                    help="routed experts as int8 weight-only copies (per-output-row scale, dequantised on use; "
                    "about 0.26 of their fp32 bytes)")
     p.add_argument("--expert-memory-budget", default=None, metavar="BYTES",
-                   help="most bytes of routed experts resident (e.g. 64M); hot experts stay, cold ones are paged in "
-                   "from the memory-mapped safetensors file through an LRU (default: all resident)")
+                   help="most bytes of routed experts resident (e.g. 64M or 64MiB = 64*2^20, 64MB = 64*10^6); hot "
+                   "experts stay, cold ones are paged in from the memory-mapped safetensors file through an LRU "
+                   "(default: all resident)")
     p.add_argument("--hot-share", type=float, default=None,
                    help="share of --expert-memory-budget pinned for the hottest experts (the rest is the LRU pool; "
                    "default 0.5)")
@@ -238,12 +239,10 @@ def open_store(args, served):
     budget = args.expert_memory_budget
     if budget is None:
         return None
-    from moetrain.serve.expert_store import ExpertStore, parse_bytes, routed_expert_bytes
+    from moetrain.configlib import parse_size
+    from moetrain.serve.expert_store import ExpertStore, routed_expert_bytes
 
-    try:
-        n = parse_bytes(str(budget))
-    except ValueError as e:
-        raise MoetrainError(f"--expert-memory-budget: {e}") from None
+    n = parse_size(budget, "--expert-memory-budget")
     moe_blocks(served, "--expert-memory-budget")
     usage = calibration_usage(args, served)
     total = routed_expert_bytes(served.model)

@@ -17,12 +17,13 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from moetrain.commands.export import parse_shard_size, quiet_progress_unless_tty
+    from moetrain.commands.export import quiet_progress_unless_tty
+    from moetrain.configlib import parse_size
     from moetrain.interop.upcycle import upcycle_hf
 
     quiet_progress_unless_tty()
     out = upcycle_hf(args.dense_dir, args.out_dir, args.experts, args.top_k, args.router_std, args.seed,
-                     parse_shard_size(args.max_shard_size))
+                     parse_size(args.max_shard_size, "--max-shard-size"))
     print(f"upcycled {args.dense_dir} into {out} ({args.experts} experts, top-{args.top_k}); fine-tune it with: "
           f"moetrain train --init-from {out} --data CORPUS")
     return 0

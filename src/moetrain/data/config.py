@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from moetrain.configlib import require
+from moetrain.configlib import require, require_at_least
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,8 +58,7 @@ class DataConfig:
         require(bool(self.text_field), "text_field", "is empty; name the field that holds the text (default 'text')")
         require(self.tokenizer is None or bool(self.tokenizer.strip()), "tokenizer",
                 f"is empty ({self.tokenizer!r}); give a tokenizer.json or a tokenizer folder, or null to train one")
-        require(self.seq_len >= 2, "seq_len", f"must be >= 2, got {self.seq_len}")
+        require_at_least(self, 2, "seq_len")
         require(0 < self.val_fraction < 1, "val_fraction", f"must be in (0, 1), got {self.val_fraction}")
-        require(self.workers >= 0, "workers", f"must be >= 0, got {self.workers}")
-        require(self.prefetch >= 1, "prefetch", f"must be >= 1, got {self.prefetch}")
-        require(self.tokenizer_max_bytes >= 1, "tokenizer_max_bytes", f"must be >= 1, got {self.tokenizer_max_bytes}")
+        require_at_least(self, 0, "workers")
+        require_at_least(self, 1, "prefetch", "tokenizer_max_bytes")

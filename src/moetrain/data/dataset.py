@@ -32,6 +32,7 @@ from moetrain.data.prepare import (
 )
 from moetrain.data.tokenizer import EOS_TOKEN, load_tokenizer, tokenizer_file
 from moetrain.errors import ConfigError, DataError
+from moetrain.runtime import cache_root
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,7 @@ def prepare_data(cfg: DataConfig, vocab_size: int, tokenizer_path: Path | None =
                           f"more than vocab_size {vocab_size}")
     if pretokenized is not None:
         _check_pretokenized_tokenizer(cfg, given, tokenizer_path, source)
-    entry = _cache_root(cfg) / f"tokens-{_cache_key(files, cfg, vocab_size, given_json)}"
+    entry = cache_root(cfg.cache_dir) / f"tokens-{_cache_key(files, cfg, vocab_size, given_json)}"
     dtype = np.dtype(np.uint16 if vocab_size <= 65535 else np.uint32)
 
     meta = _load_entry(entry, dtype)
@@ -155,11 +156,6 @@ def _most_tokens(found: Scan, val: np.ndarray | None, val_fraction: float) -> tu
         return size_of(train) + 1, 0 if val_part is None else size_of(val_part) + 1
     assert val is not None
     return int(found.sizes[~val].sum() + (~val).sum()), int(found.sizes[val].sum() + val.sum())
-
-
-def _cache_root(cfg: DataConfig) -> Path:
-    root = cfg.cache_dir or os.environ.get("MOETRAIN_CACHE") or Path.home() / ".cache" / "moetrain"
-    return Path(root).expanduser()
 
 
 def _cache_key(files: Sequence[Path], cfg: DataConfig, vocab_size: int, tokenizer_json: str | None) -> str:

@@ -35,6 +35,7 @@ from moetrain.moe.dispatch import LocalDispatcher
 from moetrain.moe.experts import BACKENDS
 from moetrain.moe.losses import expert_counts, router_z_loss, switch_load_balancing_loss
 from moetrain.moe.router import route
+from moetrain.moe.shared_expert import shared_output
 
 # Block class name -> (router score function, shared expert attribute or None, whether the shared expert is gated).
 SUPPORTED_BLOCKS = {
@@ -139,9 +140,7 @@ class AcceleratedMoeBlock(nn.Module):
 
     def __init__(self, block: nn.Module, layer: int, stats: HFRoutingSums, backend: str = "grouped_mm"):
         super().__init__()
-        kind = type(block).__name__
-        self.score_func, shared, self.shared_gated = SUPPORTED_BLOCKS[kind]
-        self.source_class = kind
+        self.score_func, shared, gated = SUPPORTED_BLOCKS[type(block).__name__]
         self.layer = layer
         # The HF block's submodules (nn.Module.__getattr__ types them Tensor | Module): its router, its experts.
         self.gate = cast(nn.Module, block.gate)
@@ -149,8 +148,7 @@ class AcceleratedMoeBlock(nn.Module):
         self.shared_name = shared
         if shared is not None:
             self.add_module(shared, getattr(block, shared))
-            if self.shared_gated:
-                self.shared_expert_gate = cast(nn.Module, block.shared_expert_gate)
+        self.shared_expert_gate = cast(nn.Module, block.shared_expert_gate) if gated else None
         self.jitter_noise = float(getattr(block, "jitter_noise", 0.0) or 0.0)
         self.num_experts = self._expert_weights()[0].shape[0]
         self._dispatcher = LocalDispatcher(self.num_experts)
@@ -171,10 +169,7 @@ class AcceleratedMoeBlock(nn.Module):
         y = self._expert_fn(rows, gate_up, down, tokens_per_expert, "swiglu")
         out = self._dispatcher.combine(y, meta).to(x.dtype)  # [T, D]
         if self.shared_name is not None:
-            shared = getattr(self, self.shared_name)(x)
-            if self.shared_gated:
-                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
-            out = out + shared
+            out = out + shared_output(getattr(self, self.shared_name), self.shared_expert_gate, x)
         if self.training:
             self._stats.record(self.layer, router_logits, topk_ids, self.score_func)
         return out.reshape(shape)

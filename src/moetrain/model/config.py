@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from moetrain.configlib import require
+from moetrain.configlib import require, require_at_least
 from moetrain.execution import ExecutionConfig
 from moetrain.moe.config import MoEConfig
 
@@ -65,9 +65,8 @@ class ModelConfig:
     execution: ExecutionConfig = field(default_factory=ExecutionConfig)
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "max_seq_len"):
-            value = getattr(self, name)
-            require(value >= 1, name, f"must be >= 1, got {value}")
+        require_at_least(self, 1, "vocab_size", "hidden", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden",
+                         "max_seq_len")
         if self.head_dim is None:
             require(
                 self.hidden % self.n_heads == 0,
@@ -75,15 +74,14 @@ class ModelConfig:
                 f"hidden size {self.hidden} is not divisible by the number of heads n_heads={self.n_heads}",
             )
         else:
-            require(self.head_dim >= 1, "head_dim", f"must be >= 1, got {self.head_dim}")
+            require_at_least(self, 1, "head_dim")
         require(
             self.n_heads % self.n_kv_heads == 0,
             "n_kv_heads",
             f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}",
         )
         require(self.head_size % 2 == 0, "head_dim", f"rotary embeddings need an even head size, got {self.head_size}")
-        require(self.moe_every >= 0, "moe_every", f"must be >= 0, got {self.moe_every}")
-        require(self.first_k_dense >= 0, "first_k_dense", f"must be >= 0, got {self.first_k_dense}")
+        require_at_least(self, 0, "moe_every", "first_k_dense")
         require(self.rope_theta > 0, "rope_theta", f"must be > 0, got {self.rope_theta}")
         require(self.norm_eps > 0, "norm_eps", f"must be > 0, got {self.norm_eps}")
         require(0.0 <= self.dropout < 1.0, "dropout", f"must be in [0, 1), got {self.dropout}")

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from moetrain.configlib import require
+from moetrain.configlib import require, require_at_least
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,12 +57,11 @@ class RouterConfig:
     def __post_init__(self) -> None:
         require(self.routed_scaling_factor > 0, "routed_scaling_factor",
                 f"must be > 0, got {self.routed_scaling_factor}")
-        require(self.num_groups >= 1, "num_groups", f"must be >= 1, got {self.num_groups}")
+        require_at_least(self, 1, "num_groups")
         if self.topk_groups is not None:
             require(1 <= self.topk_groups <= self.num_groups, "topk_groups",
                     f"must be in [1, num_groups={self.num_groups}], got {self.topk_groups}")
-        require(self.expert_bias_update_rate >= 0, "expert_bias_update_rate",
-                f"must be >= 0, got {self.expert_bias_update_rate}")
+        require_at_least(self, 0, "expert_bias_update_rate")
         require(0 <= self.jitter_eps < 1, "jitter_eps", f"must be in [0, 1), got {self.jitter_eps}")
 
     @property
@@ -93,7 +92,7 @@ class ExpertsConfig:
     dropout: float = 0.0
 
     def __post_init__(self) -> None:
-        require(self.ffn_hidden >= 1, "ffn_hidden", f"must be >= 1, got {self.ffn_hidden}")
+        require_at_least(self, 1, "ffn_hidden")
         require(0.0 <= self.dropout < 1.0, "dropout", f"must be in [0, 1), got {self.dropout}")
 
 
@@ -111,7 +110,7 @@ class SharedExpertConfig:
     gate: bool = False
 
     def __post_init__(self) -> None:
-        require(self.ffn_hidden >= 0, "ffn_hidden", f"must be >= 0 (0 = no shared expert), got {self.ffn_hidden}")
+        require_at_least(self, 0, "ffn_hidden", note="0 = no shared expert")
         require(not self.gate or self.ffn_hidden > 0, "gate", "needs a shared expert; set ffn_hidden > 0")
 
 
@@ -185,10 +184,8 @@ class AuxLossConfig:
     entropy_loss_coeff: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("aux_loss_coeff", "pooled_aux_loss_coeff", "seq_aux_loss_coeff", "global_aux_loss_coeff",
-                     "z_loss_coeff", "util_loss_coeff", "entropy_loss_coeff"):
-            value = getattr(self, name)
-            require(value >= 0, name, f"must be >= 0, got {value}")
+        require_at_least(self, 0, "aux_loss_coeff", "pooled_aux_loss_coeff", "seq_aux_loss_coeff",
+                         "global_aux_loss_coeff", "z_loss_coeff", "util_loss_coeff", "entropy_loss_coeff")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -215,8 +212,7 @@ class MoEConfig:
 
     def __post_init__(self) -> None:
         e, k, r = self.num_experts, self.top_k, self.router
-        require(e >= 1, "num_experts", f"must be >= 1, got {e}")
-        require(k >= 1, "top_k", f"must be >= 1, got {k}")
+        require_at_least(self, 1, "num_experts", "top_k")
         require(k <= e, "top_k", f"top-k ({k}) cannot be larger than the number of experts ({e})")
         require(e % r.num_groups == 0, "router.num_groups",
                 f"{r.num_groups} groups do not divide num_experts={e} (groups must be equal)")

@@ -39,7 +39,7 @@ from moetrain.moe.losses import (
     utilization_loss,
 )
 from moetrain.moe.router import Routing, TopKRouter
-from moetrain.moe.shared_expert import SharedExpert
+from moetrain.moe.shared_expert import SharedExpert, shared_output
 
 
 @dataclass(frozen=True)
@@ -181,10 +181,7 @@ class MoELayer(nn.Module):
         if self.config.experts.dropout > 0:
             y = F.dropout(y, self.config.experts.dropout, self.training)
         if self.shared_expert is not None:
-            shared = self.shared_expert(tokens)
-            if self.shared_expert_gate is not None:
-                shared = torch.sigmoid(self.shared_expert_gate(tokens)) * shared
-            y = y + shared.to(y.dtype)
+            y = y + shared_output(self.shared_expert, self.shared_expert_gate, tokens).to(y.dtype)
         return y
 
     def _capacity(self, routing: Routing, padding_mask: torch.Tensor | None

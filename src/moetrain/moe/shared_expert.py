@@ -35,3 +35,11 @@ class SharedExpert(nn.Module):
         a = F.silu(self.gate_proj(x)) * self.up_proj(x) if self.activation == "swiglu" else F.gelu(self.up_proj(x))
         y: torch.Tensor = self.down_proj(a)  # [..., D]
         return y
+
+
+def shared_output(expert: nn.Module, gate: nn.Module | None, x: torch.Tensor) -> torch.Tensor:
+    """The shared expert's output for tokens ``x`` [T, D]: ``expert(x)`` [T, D], times ``sigmoid(gate(x))`` [T, 1]
+    when gated (Qwen2-MoE's ``shared_expert_gate``). ``expert`` may be a :class:`SharedExpert` or a transformers
+    block's own shared MLP (``interop/hf_trainer.py``)."""
+    y: torch.Tensor = expert(x)
+    return y if gate is None else torch.sigmoid(gate(x)) * y

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from moetrain.configlib import require
+from moetrain.configlib import require, require_at_least
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,12 +80,9 @@ class ParallelConfig:
     fsdp: Literal["auto", "on", "off"] = "auto"
 
     def __post_init__(self) -> None:
-        require(self.ep >= 1, "ep", f"must be >= 1, got {self.ep}")
+        require_at_least(self, 1, "ep", "pp", "dp_shard", "pp_stages_per_rank")
         require(self.timeout_s > 0, "timeout_s", f"must be > 0 seconds, got {self.timeout_s}")
-        for name in ("pp", "dp_shard", "pp_stages_per_rank"):
-            require(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
-        require(self.dp_replicate >= 0, "dp_replicate", f"must be >= 0 (0 = the rest of the world), got "
-                f"{self.dp_replicate}")
+        require_at_least(self, 0, "dp_replicate", note="0 = the rest of the world")
         require(self.pp_schedule != "interleaved_1f1b" or self.pp_stages_per_rank >= 2, "pp_stages_per_rank",
                 f"pp_schedule='interleaved_1f1b' needs at least 2 stages per rank, got {self.pp_stages_per_rank}")
         require(self.pp_schedule not in ("zbv", "dualpipev") or self.pp_stages_per_rank == 2, "pp_stages_per_rank",

@@ -61,10 +61,10 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def load_average() -> float | None:
-    """The 1-minute load average, or ``None`` where the OS does not report one."""
+def load_average() -> list[float] | None:
+    """The 1, 5 and 15 minute load averages, rounded to 0.01; ``None`` where the OS does not report them."""
     try:
-        return os.getloadavg()[0]
+        return [round(v, 2) for v in os.getloadavg()]
     except (AttributeError, OSError):
         return None
 
@@ -136,7 +136,8 @@ def default_threads(cores: int, load: float | None) -> int:
 def choose_threads(requested: int = 0) -> ThreadChoice:
     """Pick the intra-op threads (``requested`` > 0 wins; else never more than PyTorch has now, and the usable
     cores less those other processes keep busy) and apply them with ``torch.set_num_threads``."""
-    cores, load = usable_cores(), load_average()
+    loads = load_average()
+    cores, load = usable_cores(), loads[0] if loads else None
     current = torch.get_num_threads()
     busy = others_busy_cores() if requested <= 0 and min(current, cores) > 1 else None
     threads = requested if requested > 0 else min(current, default_threads(cores, load if busy is None else busy))

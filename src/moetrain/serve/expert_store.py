@@ -67,23 +67,6 @@ def routed_expert_bytes(model) -> int:
     return unit_bytes(model) * layers[0].experts.num_experts * len(layers)
 
 
-def parse_bytes(text: str) -> int:
-    """``12345``, ``512K``, ``64M``, ``1.5G`` (binary multiples) -> bytes.
-
-    Raises:
-        ValueError: not a non-negative number with an optional K/M/G suffix.
-    """
-    s = text.strip().upper().removesuffix("B").removesuffix("I")
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:], 1)
-    try:
-        value = float(s[:-1] if mult > 1 else s)
-    except ValueError:
-        raise ValueError(f"not a byte count (e.g. 67108864, 64M, 1.5G): {text!r}") from None
-    if value < 0:
-        raise ValueError(f"must be >= 0, got {text!r}")
-    return int(value * mult)
-
-
 @dataclass
 class StoreStats:
     """Counters of an :class:`ExpertStore`: ``hits`` / ``misses`` (page-ins) / ``evictions`` of units needed by

@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
-from moetrain.configlib import require
+from moetrain.configlib import require, require_at_least
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,14 +103,10 @@ class TrainConfig:
     time_budget_s: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "grad_accum", "log_every", "keep_checkpoints", "eval_batches",
-                     "max_nonfinite_skips"):
-            value = getattr(self, name)
-            require(value >= 1, name, f"must be >= 1, got {value}")
-        for name in ("warmup_steps", "eval_every", "ckpt_every", "weight_decay", "grad_clip", "milestone_every",
-                     "threads", "tokens_per_batch", "time_budget_s"):
-            value = getattr(self, name)
-            require(value >= 0, name, f"must be >= 0, got {value}")
+        require_at_least(self, 1, "steps", "batch_size", "grad_accum", "log_every", "keep_checkpoints", "eval_batches",
+                         "max_nonfinite_skips")
+        require_at_least(self, 0, "warmup_steps", "eval_every", "ckpt_every", "weight_decay", "grad_clip",
+                         "milestone_every", "threads", "tokens_per_batch", "time_budget_s")
         require(math.isfinite(self.weight_decay), "weight_decay", f"must be finite, got {self.weight_decay}")
         if self.expert_weight_decay is not None:
             require(0 <= self.expert_weight_decay < math.inf, "expert_weight_decay",

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moetrain.data.batch import Batch, PackedBatch, model_inputs
+from moetrain.data.batch import Batch, PackedBatch, model_inputs, real_tokens
 from moetrain.model.transformer import ModelOutput, MoETransformer
 
 _SEQUENCE_TERMS = frozenset({"seq_aux_loss"})
@@ -46,7 +46,7 @@ def micro_batch_weights(batches: Sequence[Batch]) -> MicroBatchWeights | None:
     """
     if not any(isinstance(b, PackedBatch) for b in batches):
         return None
-    n = [float(b.real_tokens) if isinstance(b, PackedBatch) else float(b[1].numel()) for b in batches]
+    n = [float(real_tokens(b)) for b in batches]
     r = [float(b.real_rows) if isinstance(b, PackedBatch) else float(b[1].shape[0]) for b in batches]
     total_n, total_r = max(sum(n), 1.0), max(sum(r), 1.0)
     return MicroBatchWeights(tuple(x / total_n for x in n), tuple(x / total_r for x in r))

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from moetrain.configlib import require
+from moetrain.configlib import require, require_at_least
 
 AlarmKind = Literal["dead_expert", "collapse", "token_drop", "loss_spike", "nonfinite_loss"]
 ALARM_KINDS: tuple[str, ...] = get_args(AlarmKind)
@@ -74,9 +74,8 @@ class MonitorConfig:
     heatmap_history: int = 200
 
     def __post_init__(self) -> None:
-        for name in ("dead_steps", "collapse_window", "spike_window", "tb_heatmap_every", "heatmap_history"):
-            value = getattr(self, name)
-            require(value >= 1, name, f"must be >= 1, got {value}")
+        require_at_least(self, 1, "dead_steps", "collapse_window", "spike_window", "tb_heatmap_every",
+                         "heatmap_history")
         require(0 < self.collapse_fraction <= 1, "collapse_fraction",
                 f"must be in (0, 1], got {self.collapse_fraction}")
         require(self.collapse_from_step is None or self.collapse_from_step >= 0, "collapse_from_step",

@@ -39,6 +39,8 @@ from pathlib import Path
 
 import torch
 
+from moetrain.runtime import cache_root
+
 SOURCE = Path(__file__).with_name("native.c")
 FLAGS = ("-O3", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared")
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -57,8 +59,8 @@ def enabled() -> bool:
 
 def cache_dir() -> Path:
     """Where built libraries are kept: ``kernels/`` in moetrain's cache (``$MOETRAIN_CACHE``, else
-    ``~/.cache/moetrain``, as the token cache of data/dataset.py)."""
-    return Path(os.environ.get("MOETRAIN_CACHE") or Path.home() / ".cache" / "moetrain") / "kernels"
+    ``~/.cache/moetrain``: :func:`moetrain.runtime.cache_root`)."""
+    return cache_root() / "kernels"
 
 
 def _compiler() -> list[str] | None:
