@@ -25,6 +25,7 @@ from moetrain.serve.loader import load_served_model  # noqa: E402
 from moetrain.serve.server import Limits  # noqa: E402
 
 HEADER_S, READ_S, MAX_CONN = 1.0, 1.0, 48
+REFUSED: list[int] = []  # the 503s test_many_half_sent_requests_are_bounded_and_closed saw: /metrics must count them
 
 
 @pytest.fixture(scope="module")
@@ -216,6 +217,7 @@ def test_many_half_sent_requests_are_bounded_and_closed(server):
     closed after the header time-out; meanwhile and afterwards a normal request is answered."""
     url = server[0].url
     socks = []
+    t_open = time.monotonic()
     for _ in range(200):
         s = _connect(url)
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
@@ -224,7 +226,12 @@ def test_many_half_sent_requests_are_bounded_and_closed(server):
     answers = [_read_response(s, HEADER_S + 5.0) for s in socks]
     seconds = time.monotonic() - t0
     statuses = [a[0] for a in answers]
-    assert set(statuses) <= {408, 503} and statuses.count(503) >= 200 - MAX_CONN, statuses
+    REFUSED.append(statuses.count(503))
+    # All 200 opened within the header time-out: none of the first MAX_CONN timed out (freeing its place) before the
+    # last opened, so every one over the limit was refused. On a starved machine the opening can take longer than
+    # the time-out: then places free up as they time out and only some are refused.
+    at_once = t0 - t_open < HEADER_S / 2
+    assert set(statuses) <= {408, 503} and REFUSED[-1] >= (200 - MAX_CONN if at_once else 1), statuses
     assert all(a[1].get("retry-after") == "1" for a in answers if a[0] == 503)
     assert seconds < HEADER_S + 5.0
     for s in socks:
@@ -284,7 +291,7 @@ def test_the_bystander_was_unaffected_and_every_outcome_is_counted(server, serve
     outcomes = _outcomes(srv.url)
     assert outcomes["ok"] >= len(bystander.results)
     assert outcomes["bad_request"] >= sum(1 for k in KINDS if 400 <= k[2] < 500)
-    assert outcomes["timeout"] >= 5 and outcomes["rejected"] >= 200 - MAX_CONN and outcomes["cancelled"] >= 3
+    assert outcomes["timeout"] >= 5 and outcomes["rejected"] >= sum(REFUSED) and outcomes["cancelled"] >= 3
 
 
 @pytest.fixture
