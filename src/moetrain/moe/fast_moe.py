@@ -493,7 +493,9 @@ def _prepare(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, mode: str
     """Operands in the compute dtype (x contiguous) and the mode ``auto`` resolves to: grouped on CUDA in bf16 with
     aligned rows, else tiles."""
     dtype = compute_dtype(x, w_in)
-    x, w_in, w_out = x.to(dtype).contiguous(), w_in.to(dtype), w_out.to(dtype)
+    if x.dtype != dtype or w_in.dtype != dtype or w_out.dtype != dtype:  # compared first: a decode step's no-op
+        x, w_in, w_out = x.to(dtype), w_in.to(dtype), w_out.to(dtype)  # .to calls cost more than its kernels
+    x = x.contiguous()
     if mode == "auto":
         mode = "grouped" if x.device.type == "cuda" and _grouped_ok(x, w_in, w_out) else "tiles"
     return x, w_in, w_out, mode
