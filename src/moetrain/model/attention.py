@@ -116,7 +116,10 @@ class KVCache:
         """Keys and values [b, Hkv, length, Hd] of positions 0 .. length - 1 of ``slots`` (b of them)."""
         kc, vc = self.k[layer], self.v[layer]
         assert kc is not None and vc is not None, "KVCache.read before the layer's first write"
-        return kc[slots, :, :length], vc[slots, :, :length]
+        if isinstance(slots, slice):
+            return kc[slots, :, :length], vc[slots, :, :length]  # views
+        # positions cut first: indexing [slots, :, :length] at once gathered whole slots (max_len positions)
+        return kc[:, :, :length].index_select(0, slots), vc[:, :, :length].index_select(0, slots)
 
 
 @dataclass(frozen=True)
