@@ -6,10 +6,10 @@ rounds, with p50 / p99 request latency and generated tokens/s for each.
     python benchmarks/serve_load.py RUN_DIR --peer          # also: 16 clients against transformers serve
     python benchmarks/serve_load.py RUN_DIR --peer-only     # only that
 
-``--train`` trains the default job's model, what users serve (``moetrain train --preset cpu-small`` on the
-tinyshakespeare corpus beside the repository, ``--steps`` optimizer steps: the speed of serving does not depend on
-how well the model has learned); ``--train-tiny`` is ``--train --preset tiny``. The record names the preset (read
-from the run's ``config.json``).
+``--train`` trains the default job's model, what users serve (``moetrain train --preset cpu-small`` on ``--data``,
+by default ``shared/data/tinyshakespeare.txt`` in a directory above the repository, for ``--steps`` optimizer steps:
+the speed of serving does not depend on how well the model has learned); ``--train-tiny`` is ``--train --preset
+tiny``. The record names the preset (read from the run's ``config.json``).
 
 Comparisons (each a group of servers started as subprocesses on 127.0.0.1, port 0 or a free port, response cache
 off so that every request is generated; the group's servers run side by side and take turns, round by round, so a
@@ -384,6 +384,8 @@ def main() -> int:
     ap.add_argument("--preset", default="cpu-small", help="the preset --train trains (default: cpu-small)")
     ap.add_argument("--steps", type=int, default=40, help="optimizer steps of --train")
     ap.add_argument("--train-tiny", action="store_true", help="--train --preset tiny")
+    ap.add_argument("--data", help="the corpus of --train (default: shared/data/tinyshakespeare.txt in a directory "
+                                   "above the repository)")
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--requests", type=int, default=4, help="requests per client per round")
     ap.add_argument("--max-tokens", type=int, default=32)
@@ -403,10 +405,12 @@ def main() -> int:
     if args.train or args.train_tiny:
         if model_dir is not None:
             ap.error("give a model directory or --train, not both")
-        corpus = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
-        steps = args.steps
-        subprocess.run([sys.executable, "-m", "moetrain", "train", "--preset", "tiny" if args.train_tiny else args.preset,
-                        "--data", str(corpus), "--out", str(tmp / "run"), "--no-progress", f"train.steps={steps}",
+        corpus = args.data or next((str(d / "shared" / "data" / "tinyshakespeare.txt") for d in ROOT.parents
+                                    if (d / "shared" / "data" / "tinyshakespeare.txt").is_file()), None)
+        if corpus is None:
+            ap.error("--train: no shared/data/tinyshakespeare.txt above the repository; give --data PATH")
+        steps, preset = args.steps, "tiny" if args.train_tiny else args.preset
+        subprocess.run([sys.executable, "-m", "moetrain", "train", "--preset", preset, "--data", corpus, "--out", str(tmp / "run"), "--no-progress", f"train.steps={steps}",
                         f"train.eval_every={steps}", f"train.ckpt_every={steps}"], check=True,
                        stdout=subprocess.DEVNULL)
         model_dir = str(tmp / "run")
