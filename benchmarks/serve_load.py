@@ -410,7 +410,8 @@ def main() -> int:
         if corpus is None:
             ap.error("--train: no shared/data/tinyshakespeare.txt above the repository; give --data PATH")
         steps, preset = args.steps, "tiny" if args.train_tiny else args.preset
-        subprocess.run([sys.executable, "-m", "moetrain", "train", "--preset", preset, "--data", corpus, "--out", str(tmp / "run"), "--no-progress", f"train.steps={steps}",
+        subprocess.run([sys.executable, "-m", "moetrain", "train", "--preset", preset, "--data", corpus,
+                        "--out", str(tmp / "run"), "--no-progress", f"train.steps={steps}",
                         f"train.eval_every={steps}", f"train.ckpt_every={steps}"], check=True,
                        stdout=subprocess.DEVNULL)
         model_dir = str(tmp / "run")
