@@ -23,7 +23,8 @@ load that drifts on a shared machine weighs on all alike; with the per-round fig
    0: transformers serve samples only where the model's generation config sets ``do_sample``, which an exported
    run's does not, so greedy is the work both do).
 
-Each round gives each server ``--round-s`` seconds in turn (A B A B ..., each starting on an idle server: the next
+Each server is first warmed up with one round of the comparison's clients (not counted). Each round gives each
+server ``--round-s`` seconds in turn (A B A B ..., each starting on an idle server: the next
 waits until the last one has dropped what was cut off): its clients send ``--requests`` requests each, one after
 another; no request is sent after the deadline and none is waited for past it (cut off: counted, not in the
 figures). Tokens are the responses' ``usage.completion_tokens``. On a shared machine the rounds' speeds spread
@@ -305,7 +306,9 @@ async def compare(servers: list[Server], n_clients: int, args, temperature: floa
     for s in servers:
         await s.wait_ready("/v1/models")
         warm = Load(s, args, temperature)
-        await warm.round(2, 99_000, time.monotonic() + 120)  # first requests: allocations, thread pools
+        # a whole round of the comparison's clients: allocations, thread pools and the batch shapes of this load
+        # (transformers serve's first rounds at 16 clients ran at 1/3 of its later speed after a 2-client warm-up)
+        await warm.round(n_clients, 99_000, time.monotonic() + 120)
         if warm.failed:
             raise SystemExit(f"{s.name}: warm-up failed: {warm.failures[:2]}")
     loads = [Load(s, args, temperature) for s in servers]
