@@ -2,9 +2,14 @@
 rounds, with p50 / p99 request latency and generated tokens/s for each.
 
     python benchmarks/serve_load.py RUN_DIR [--clients 64] [--requests 4] [--max-tokens 32] [--rounds 5]
-    python benchmarks/serve_load.py --train-tiny            # trains a tiny run in a temporary directory first
+    python benchmarks/serve_load.py --train [--preset cpu-small] [--steps 40]  # trains a run in a temporary dir first
     python benchmarks/serve_load.py RUN_DIR --peer          # also: 16 clients against transformers serve
     python benchmarks/serve_load.py RUN_DIR --peer-only     # only that
+
+``--train`` trains the default job's model, what users serve (``moetrain train --preset cpu-small`` on ``--data``,
+by default ``shared/data/tinyshakespeare.txt`` in a directory above the repository, for ``--steps`` optimizer steps:
+the speed of serving does not depend on how well the model has learned); ``--train-tiny`` is ``--train --preset
+tiny``. The record names the preset (read from the run's ``config.json``).
 
 Comparisons (each a group of servers started as subprocesses on 127.0.0.1, port 0 or a free port, response cache
 off so that every request is generated; the group's servers run side by side and take turns, round by round, so a
@@ -18,7 +23,8 @@ load that drifts on a shared machine weighs on all alike; with the per-round fig
    0: transformers serve samples only where the model's generation config sets ``do_sample``, which an exported
    run's does not, so greedy is the work both do).
 
-Each round gives each server ``--round-s`` seconds in turn (A B A B ..., each starting on an idle server: the next
+Each server is first warmed up with one round of the comparison's clients (not counted). Each round gives each
+server ``--round-s`` seconds in turn (A B A B ..., each starting on an idle server: the next
 waits until the last one has dropped what was cut off): its clients send ``--requests`` requests each, one after
 another; no request is sent after the deadline and none is waited for past it (cut off: counted, not in the
 figures). Tokens are the responses' ``usage.completion_tokens``. On a shared machine the rounds' speeds spread
@@ -71,6 +77,14 @@ def commit() -> str:
                                capture_output=True, text=True).stdout.strip()
         return head + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def model_preset(model_dir: str) -> str:
+    """The preset a run was trained from (its ``config.json``), or ``unknown`` (an HF directory, no preset)."""
+    try:
+        return str(json.loads((Path(model_dir) / "config.json").read_text()).get("preset") or "unknown")
+    except (OSError, ValueError, AttributeError):
         return "unknown"
 
 
@@ -292,7 +306,9 @@ async def compare(servers: list[Server], n_clients: int, args, temperature: floa
     for s in servers:
         await s.wait_ready("/v1/models")
         warm = Load(s, args, temperature)
-        await warm.round(2, 99_000, time.monotonic() + 120)  # first requests: allocations, thread pools
+        # a whole round of the comparison's clients: allocations, thread pools and the batch shapes of this load
+        # (transformers serve's first rounds at 16 clients ran at 1/3 of its later speed after a 2-client warm-up)
+        await warm.round(n_clients, 99_000, time.monotonic() + 120)
         if warm.failed:
             raise SystemExit(f"{s.name}: warm-up failed: {warm.failures[:2]}")
     loads = [Load(s, args, temperature) for s in servers]
@@ -341,12 +357,14 @@ def as_record(entry: dict) -> dict:
                 rows.append([comparison, name, f["completed"], f["failed"], f["tokens_per_s"], f["p50_latency_s"],
                              f["p99_latency_s"], ratio])
                 ratio = ""  # the ratio is the first server's over the second's: on its row
-    return {"title": "moetrain serve under concurrent clients: " + "; ".join(entry["figures"]),
+    return {"title": f"moetrain serve under concurrent clients ({entry['model']} model): "
+                     + "; ".join(entry["figures"]),
             "section": "Serving", "date": entry["date"][:10], "cpu": entry["cpu"], "commit": entry["commit"],
             "command": "python benchmarks/" + entry["command"],
             "table": {"columns": ["clients", "server", "completed", "failed", "tokens/s", "p50 latency s",
                                   "p99 latency s", "median per-round tokens/s ratio"], "rows": rows},
-            "notes": f"{entry['cores']} cores, load average {entry['load_average']}; settings {entry['settings']}; "
+            "notes": f"model: preset {entry['model']}; {entry['cores']} cores, load average {entry['load_average']}; "
+                     f"settings {entry['settings']}; "
                      f"wall {entry['wall_s']} s"}
 
 
@@ -365,7 +383,12 @@ def record(results_dir: Path, entry: dict) -> Path:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model_dir", nargs="?")
-    ap.add_argument("--train-tiny", action="store_true", help="train a tiny run (tinyshakespeare) first")
+    ap.add_argument("--train", action="store_true", help="train a run of --preset (tinyshakespeare) first")
+    ap.add_argument("--preset", default="cpu-small", help="the preset --train trains (default: cpu-small)")
+    ap.add_argument("--steps", type=int, default=40, help="optimizer steps of --train")
+    ap.add_argument("--train-tiny", action="store_true", help="--train --preset tiny")
+    ap.add_argument("--data", help="the corpus of --train (default: shared/data/tinyshakespeare.txt in a directory "
+                                   "above the repository)")
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--requests", type=int, default=4, help="requests per client per round")
     ap.add_argument("--max-tokens", type=int, default=32)
@@ -382,14 +405,21 @@ def main() -> int:
     started = time.monotonic()
     tmp = Path(tempfile.mkdtemp(prefix="serve_load_"))
     model_dir = args.model_dir
-    if args.train_tiny:
-        corpus = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
-        subprocess.run([sys.executable, "-m", "moetrain", "train", "--preset", "tiny", "--data", str(corpus),
-                        "--out", str(tmp / "run"), "--no-progress", "train.threads=1"], check=True,
+    if args.train or args.train_tiny:
+        if model_dir is not None:
+            ap.error("give a model directory or --train, not both")
+        corpus = args.data or next((str(d / "shared" / "data" / "tinyshakespeare.txt") for d in ROOT.parents
+                                    if (d / "shared" / "data" / "tinyshakespeare.txt").is_file()), None)
+        if corpus is None:
+            ap.error("--train: no shared/data/tinyshakespeare.txt above the repository; give --data PATH")
+        steps, preset = args.steps, "tiny" if args.train_tiny else args.preset
+        subprocess.run([sys.executable, "-m", "moetrain", "train", "--preset", preset, "--data", corpus,
+                        "--out", str(tmp / "run"), "--no-progress", f"train.steps={steps}",
+                        f"train.eval_every={steps}", f"train.ckpt_every={steps}"], check=True,
                        stdout=subprocess.DEVNULL)
         model_dir = str(tmp / "run")
     if model_dir is None:
-        ap.error("give a model directory or --train-tiny")
+        ap.error("give a model directory or --train")
     figures: dict = {}
     if not args.peer_only:
         servers = [moetrain_server("moetrain serve (defaults)", model_dir, []),
@@ -414,6 +444,7 @@ def main() -> int:
     entry = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
              "cpu": cpu_model(), "cores": os.cpu_count(), "load_average": [round(x, 2) for x in os.getloadavg()],
              "commit": commit(), "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+             "model": model_preset(model_dir),
              "settings": {"max_tokens": args.max_tokens, "requests_per_client_per_round": args.requests,
                           "rounds": args.rounds, "round_s": args.round_s, "client": args.client,
                           "cache": "off"},

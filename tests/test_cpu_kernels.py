@@ -454,7 +454,7 @@ def test_fused_layer_with_and_without_the_kernels_agree(monkeypatch, dtype, reco
     used = []
     for name in ("swiglu_forward", "swiglu_backward", "sum_k"):
         real = getattr(cpu_kernels, name)
-        monkeypatch.setattr(cpu_kernels, name, lambda *a, _n=name, _f=real: used.append(_n) or _f(*a))
+        monkeypatch.setattr(cpu_kernels, name, lambda *a, _n=name, _f=real, **kw: used.append(_n) or _f(*a, **kw))
     with_kernels = _run(*case, recompute=recompute, weights_grad=weights_grad)
     assert set(used) == {"swiglu_forward", "swiglu_backward", "sum_k"}  # the kernels did run
     monkeypatch.setenv("MOETRAIN_CPU_KERNELS", "0")

@@ -7,7 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moetrain.model.sampling import SamplingError, SamplingParams, sample_rows, token_logprobs
+from moetrain.model.sampling import (
+    SamplingError,
+    SamplingParams,
+    argmax_rows,
+    inverse_cdf,
+    sample_rows,
+    token_logprobs,
+)
 
 
 def test_tiny_temperature_is_greedy_and_tiny_top_p_keeps_the_top_token():
@@ -55,6 +62,53 @@ def test_bias_and_penalties_follow_openais_formula():
 def test_out_of_range_parameters_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+def _first_above(mass, u):
+    """The inverse-CDF draw written out: the first index whose running (fp64) sum exceeds u * total."""
+    target, cum = u * sum(mass), 0.0
+    for j, m in enumerate(mass):
+        cum += m
+        if cum > target:
+            return j
+    return max(j for j, m in enumerate(mass) if m > 0)  # u * total rounded up to the total
+
+
+def test_inverse_cdf_equals_the_loop_and_never_draws_a_zero_mass_token():
+    torch.manual_seed(3)
+    mass = torch.rand(5, 300) ** 4  # V not a multiple of the block: padded with zero mass
+    mass[0, :250] = 0.0  # zero-mass blocks and columns before the only mass
+    mass[1, 10::2] = 0.0
+    mass[2] = 0.0
+    mass[2, 7] = 1e-30  # one token
+    mass[3, 129] = float("nan")  # cannot be sampled
+    us = [0.0, 1e-12, 0.25, 0.5, 0.999, 1.0 - 2.0 ** -53]
+    for u in us:
+        col, ok = inverse_cdf(mass, torch.full((5,), u, dtype=torch.float64), block=64)
+        assert ok == [True, True, True, False, True]
+        for r in (0, 1, 2, 4):
+            want = _first_above([float(m) for m in mass[r].double()], u)
+            assert int(col[r]) == want and mass[r, want] > 0, (r, u)
+    # drawn frequencies follow the masses (20,000 draws: within 4 standard deviations)
+    p = torch.tensor([0.5, 0.0, 0.2, 0.25, 0.05])
+    g = torch.Generator().manual_seed(0)
+    draws = [sample_rows(torch.log(p)[None], [SamplingParams(1.0)], [g])[0] for _ in range(20_000)]
+    counts = torch.bincount(torch.tensor(draws), minlength=5).double()
+    sd = (20_000 * p * (1 - p)).sqrt()
+    assert counts[1] == 0 and bool(((counts - 20_000 * p).abs() <= 4 * sd + 1e-9).all()), counts
+
+
+def test_argmax_rows_equals_torch_argmax():
+    """The first maximal index, ties and NaN (counted as maximal) as torch.argmax, for V a multiple of the block
+    or not."""
+    torch.manual_seed(4)
+    for v in (1024, 1000, 64):
+        x = (torch.randn(6, v) * 3).round()  # many ties
+        x[1, 300 % v] = float("nan")
+        x[1, 700 % v] = float("nan")
+        x[2] = float("-inf")
+        x[3, :] = 5.0
+        assert torch.equal(argmax_rows(x), x.argmax(dim=-1)), v
 
 
 def test_token_logprobs_are_the_models_log_softmax():

@@ -384,8 +384,9 @@ def test_a_request_load_policy_uses_the_servers_queue_depths(served):
 
 
 def test_batched_sampling_draws_what_each_row_draws_alone():
-    """sample_rows (one softmax / sort / cumsum per (temperature, top_p) group) gives each row the token that
-    generate()'s own lines give it as a batch of one with the same generator state."""
+    """sample_rows (one softmax / sort / cumsum per (temperature, top_p) group) gives each row the token that a
+    by-hand nucleus draw gives it alone with the same generator state (softmax, sort, the nucleus, then the first
+    token whose cumulative mass, summed in a Python loop, exceeds u times the total)."""
     from moetrain.model.sampling import SamplingParams, sample_rows
 
     torch.manual_seed(0)
@@ -393,13 +394,22 @@ def test_batched_sampling_draws_what_each_row_draws_alone():
     temps = [0.0, 0.8, 0.8, 1.3, 0.8, 0.0, 1.3, 0.5] * 3
     tops = [1.0, 1.0, 0.9, 0.95, 1.0, 1.0, 0.95, 0.3] * 3
 
-    def alone(row, t, p, g):  # moetrain.model.generate.generate's sampling, batch of one
+    def alone(row, t, p, g):
         if t == 0:
-            return int(row[None].argmax(dim=-1))
-        probs = torch.softmax(row[None] / t, dim=-1)
-        sorted_probs, sorted_ids = torch.sort(probs, dim=-1, descending=True)
-        keep = (sorted_probs.cumsum(dim=-1) - sorted_probs) < p
-        return int(sorted_ids.gather(-1, torch.multinomial(sorted_probs * keep, 1, generator=g)).squeeze(-1))
+            return int(row.argmax())
+        probs = torch.softmax(row / t, dim=-1)
+        ids = torch.arange(row.numel())
+        if p < 1:
+            probs, ids = torch.sort(probs, descending=True)
+            probs = probs * ((probs.cumsum(0) - probs) < p)
+        mass = probs.tolist()
+        target = float(torch.rand(1, dtype=torch.float64, generator=g)) * sum(mass)
+        cum = 0.0
+        for j, m in enumerate(mass):
+            cum += m
+            if cum > target:
+                return int(ids[j])
+        raise AssertionError("no token drawn")
 
     for draw in range(3):  # the generators advance alike in both
         gens_a = [torch.Generator().manual_seed(100 * draw + i) for i in range(24)]

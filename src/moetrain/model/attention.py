@@ -107,14 +107,19 @@ class KVCache:
             self.v[layer] = torch.zeros(shape, dtype=v.dtype, device=v.device)
         kc, vc = self.k[layer], self.v[layer]
         assert kc is not None and vc is not None
-        kc[batch.slots, :, batch.positions] = k.to(kc.dtype)
-        vc[batch.slots, :, batch.positions] = v.to(vc.dtype)
+        if k.dtype != kc.dtype:
+            k, v = k.to(kc.dtype), v.to(vc.dtype)
+        kc[batch.slots, :, batch.positions] = k
+        vc[batch.slots, :, batch.positions] = v
 
     def read(self, layer: int, slots: slice | torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [b, Hkv, length, Hd] of positions 0 .. length - 1 of ``slots`` (b of them)."""
         kc, vc = self.k[layer], self.v[layer]
         assert kc is not None and vc is not None, "KVCache.read before the layer's first write"
-        return kc[slots, :, :length], vc[slots, :, :length]
+        if isinstance(slots, slice):
+            return kc[slots, :, :length], vc[slots, :, :length]  # views
+        # positions cut first: indexing [slots, :, :length] at once gathered whole slots (max_len positions)
+        return kc[:, :, :length].index_select(0, slots), vc[:, :, :length].index_select(0, slots)
 
 
 @dataclass(frozen=True)
@@ -316,7 +321,9 @@ class Attention(nn.Module):
         hq, hd = q.shape[1], q.shape[2]
         keys, values = cache.read(self.layer_index, g.slots, g.keys)  # [b, Hkv, P, Hd]
         qg = q.view(g.b, g.s, hq, hd).transpose(1, 2)  # [b, H, s, Hd]
-        mask = None if g.mask is None else g.mask.to(q.device)  # built on the host, once per batch
-        o = F.scaled_dot_product_attention(qg, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask,
+        mask = g.mask if g.mask is None or g.mask.device == q.device else g.mask.to(q.device)  # built on the host
+        if keys.dtype != q.dtype:
+            keys, values = keys.to(q.dtype), values.to(q.dtype)
+        o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask,
                                            is_causal=mask is None, enable_gqa=True)  # [b, H, s, Hd]
         return o.transpose(1, 2).reshape(g.b * g.s, hq, hd)

@@ -28,11 +28,12 @@ from torch.autograd.function import once_differentiable
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward: (y [..., D] in x's dtype, rstd [..., 1] fp32 (fp64 for fp64))."""
     acc = torch.promote_types(x.dtype, torch.float32)
-    xf = x.to(acc)
+    xf = x if x.dtype == acc else x.to(acc)  # the dtype compared first: a no-op .to costs a dispatch (decode steps)
     squares = torch.matmul(xf.unsqueeze(-2), xf.unsqueeze(-1)).squeeze(-1)  # [..., 1] sum of x^2 over D
-    rstd = torch.rsqrt(squares / x.shape[-1] + eps)  # [..., 1] fp32 (fp64 for fp64)
+    rstd = squares.div_(x.shape[-1]).add_(eps).rsqrt_()  # [..., 1] fp32 (fp64 for fp64), in the product's memory
     y = torch.mul(xf, rstd)
-    return y.mul_(weight.to(acc)).to(x.dtype), rstd
+    y.mul_(weight if weight.dtype == acc else weight.to(acc))
+    return (y if y.dtype == x.dtype else y.to(x.dtype)), rstd
 
 
 class _RMSNormFunction(torch.autograd.Function):

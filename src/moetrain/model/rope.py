@@ -81,7 +81,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     halves equal, as :func:`rope_cos_sin` builds them) -> rotated x, same shape and dtype (computed in x's dtype,
     as transformers does)."""
     h = x.shape[-1] // 2
-    c, s = cos[..., :h].to(x.dtype), sin[..., :h].to(x.dtype)
+    c, s = cos[..., :h], sin[..., :h]
+    if c.dtype != x.dtype:
+        c, s = c.to(x.dtype), s.to(x.dtype)
     if not (torch.is_grad_enabled() and x.requires_grad):
         return _rotate(x, c, s)  # nothing to differentiate: without the Function's bookkeeping (a decode step's cost)
     rotated = _Rope.apply(x, c, s)  # type: ignore[no-untyped-call]

@@ -13,10 +13,14 @@ Per row, in this order (the order of OpenAI's API and vLLM's sampler):
    from ``softmax(logits / temperature)`` keep the smallest set of tokens whose mass reaches ``top_p`` (the most
    likely token always, so a ``top_p`` that underflows to 0 in fp32 keeps one token) and draw from it.
 
-Rows without bias or penalties are computed exactly as a batch of one would be (one softmax / sort / cumsum per
-group of rows sharing (temperature, top_p); the per-row work of those ops is the same code on the same values), so
-batching never changes a seeded draw. A row whose distribution cannot be sampled (not finite, e.g. from NaN
-logits) gets its own :class:`SamplingError`; the other rows are sampled as usual.
+The draw is by inverse CDF: one ``u ~ U[0, 1)`` (fp64) from the row's generator, the token is the first whose
+cumulative mass (fp64, in vocabulary order, or most likely first when ``top_p < 1``) exceeds ``u`` times the total
+mass; a token of zero mass is never drawn. With ``top_p == 1`` nothing is sorted (the sort of a [B, V] batch cost
+more than the model's decode step). Rows without bias or penalties are computed exactly as a batch of one would be
+(one softmax / sort / cumsum per group of rows sharing (temperature, top_p); the per-row work of those ops is the
+same code on the same values, and each row draws from its own generator), so batching never changes a seeded draw.
+A row whose distribution cannot be sampled (not finite, e.g. from NaN logits) gets its own :class:`SamplingError`;
+the other rows are sampled as usual.
 """
 
 from __future__ import annotations
@@ -116,7 +120,7 @@ def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
     """
     b = logits.shape[0]
     if all(p.greedy and not p.adjusts_logits for p in params):  # every row greedy as is: one argmax
-        return list(logits.argmax(dim=-1).tolist())
+        return list(argmax_rows(logits).tolist())
     out: list[int | SamplingError] = [0] * b
     rows_logits = logits
     adjusted = [i for i, p in enumerate(params) if p.adjusts_logits]
@@ -130,32 +134,78 @@ def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
     failed = {i for i, x in enumerate(out) if isinstance(x, SamplingError)}
     greedy = [i for i, p in enumerate(params) if p.greedy and i not in failed]
     if greedy:
-        for i, tok in zip(greedy, rows_logits[greedy].argmax(dim=-1).tolist()):
+        for i, tok in zip(greedy, argmax_rows(rows_logits[greedy]).tolist()):
             out[i] = tok
     groups: dict[tuple[float, float], list[int]] = {}
     for i, p in enumerate(params):
         if not p.greedy and i not in failed:
             groups.setdefault((p.temperature, p.top_p), []).append(i)
     for (t, top_p), rows in groups.items():
-        probs = torch.softmax(rows_logits[rows] / t, dim=-1)  # [R, V]; divided by the Python float
-        sorted_probs, sorted_ids = torch.sort(probs, dim=-1, descending=True)
-        # keep a token while the mass before it is < top_p; the most likely one always (top_p may round to 0)
-        keep = (sorted_probs.cumsum(dim=-1) - sorted_probs) < top_p
-        keep[:, 0] = True
-        masked = sorted_probs * keep
-        ok = (torch.isfinite(masked).all(dim=-1) & (masked.sum(dim=-1) > 0)).tolist()
+        x = rows_logits if len(rows) == b else rows_logits[rows]
+        probs = torch.softmax(x / t, dim=-1)  # [R, V]; divided by the Python float
+        ids: torch.Tensor | None = None  # the token of each column: the vocabulary's own order unless sorted
+        if top_p < 1:
+            probs, ids = torch.sort(probs, dim=-1, descending=True)
+            # keep a token while the mass before it is < top_p; the most likely one always (top_p may round to 0)
+            keep = (probs.cumsum(dim=-1) - probs) < top_p
+            keep[:, 0] = True
+            probs = probs * keep
+        u = torch.cat([torch.rand(1, dtype=torch.float64, generator=generators[i]) for i in rows])  # [R]
+        col, ok = inverse_cdf(probs, u)
+        picked = (col if ids is None else ids.gather(1, col[:, None])[:, 0]).tolist()
         for j, i in enumerate(rows):
-            if not ok[j]:
+            if ok[j]:
+                out[i] = picked[j]
+            else:
                 out[i] = SamplingError(f"the next-token distribution is not finite at temperature {t} (the "
                                        "model's logits hold NaN or infinity)")
-                continue
-            try:
-                choice = torch.multinomial(masked[j:j + 1], 1, generator=generators[i])  # [1, 1]
-            except RuntimeError as e:
-                out[i] = SamplingError(f"sampling failed: {e}")
-                continue
-            out[i] = int(sorted_ids[j, int(choice)])
     return out
+
+
+def inverse_cdf(mass: torch.Tensor, u: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, list[bool]]:
+    """The draw of :func:`sample_rows`: per row, the first column whose cumulative mass exceeds ``u`` times the row's
+    total mass (columns of zero mass are never drawn), in two levels so that nothing of [B, V] is converted or
+    cumulated: the blocks of ``block`` columns (fp64 sums, cumulated), then inside the one block drawn (fp64).
+
+    Args:
+        mass: [B, V] fp32 unnormalised probabilities (>= 0, or NaN / infinite for a row that cannot be sampled).
+        u: [B] fp64 uniforms in [0, 1).
+    Returns:
+        ([B] int64 drawn columns (0 for a row that cannot be sampled), B bools: whether the row could be sampled
+        (its total mass finite and > 0)).
+    """
+    b, v = mass.shape
+    if v % block:
+        mass = torch.nn.functional.pad(mass, (0, block - v % block))  # zero mass: never drawn
+    blocks = mass.view(b, -1, block)  # [B, nb, block]
+    cum = blocks.sum(dim=-1, dtype=torch.float64).cumsum(dim=-1)  # [B, nb] mass up to each block's end
+    total = cum[:, -1]  # [B]
+    ok = torch.isfinite(total) & (total > 0)
+    target = torch.where(ok, u * total, 0.0)[:, None]  # [B, 1]
+    # u * total may round up to the total: then the last block (and, below, its last column) of nonzero mass
+    nonzero = (cum > torch.cat([cum.new_zeros(b, 1), cum[:, :-1]], dim=1)).cumsum(dim=-1)  # [B, nb]
+    last_block = (nonzero == nonzero[:, -1:]).to(torch.int8).argmax(dim=-1, keepdim=True)  # [B, 1]
+    blk = torch.minimum(torch.searchsorted(cum, target, right=True), last_block)  # [B, 1]
+    start = torch.where(blk > 0, cum.gather(1, (blk - 1).clamp(min=0)), 0.0)  # mass before the block
+    inner = blocks[torch.arange(b), blk[:, 0]].to(torch.float64)  # [B, block]
+    inner_cum = inner.cumsum(dim=-1)
+    last_col = block - 1 - (inner > 0).flip(-1).to(torch.int8).argmax(dim=-1, keepdim=True)  # last nonzero column
+    col = torch.minimum(torch.searchsorted(inner_cum, target - start, right=True), last_col)
+    return torch.where(ok[:, None], blk * block + col, 0)[:, 0], ok.tolist()
+
+
+def argmax_rows(logits: torch.Tensor, block: int = 128) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` of [B, V] rows ([B] int64: the first maximal index, a NaN counting as maximal),
+    computed as the maximum of each block of ``block`` columns, the first best block, then the first maximum
+    inside it: ``torch.argmax`` over the last dim runs element by element on CPU (0.11 ms for [16, 8192] on an AMD
+    EPYC; this: ~0.02 ms). V not a multiple of ``block``: ``torch.argmax``."""
+    b, v = logits.shape
+    if v % block or v <= block:
+        return logits.argmax(dim=-1)
+    blocks = logits.view(b, v // block, block)
+    best = blocks.amax(dim=-1).argmax(dim=-1)  # [B] first block holding the maximum (amax propagates NaN)
+    inner = blocks[torch.arange(b), best].argmax(dim=-1)  # [B] first maximum inside it
+    return best * block + inner
 
 
 def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], top: int

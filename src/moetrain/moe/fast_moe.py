@@ -93,12 +93,15 @@ def _sum_k(rows: torch.Tensor, rows_of: torch.Tensor, native: bool = False) -> t
     rounding of the fp32 sum for every K.
     """
     k = rows_of.shape[1]
-    if native:
+    if native:  # rows (this module's buffers) and rows_of (the layout's) are contiguous, indices in range
         out = hugepages.advise(rows.new_empty(rows_of.shape[0], rows.shape[1]))
         t = rows_of.shape[0]
         shares = max(1, min(workers_for(rows.device), t)) if rows_of.numel() * rows.shape[1] >= PARALLEL_SUM_K else 1
+        if shares == 1:
+            cpu_kernels.sum_k(rows, rows_of, out, checked=False)
+            return out
         spans = [(t * i // shares, t * (i + 1) // shares) for i in range(shares)]
-        run_largest_first(lambda span: cpu_kernels.sum_k(rows, rows_of, out, *span), spans,
+        run_largest_first(lambda span: cpu_kernels.sum_k(rows, rows_of, out, *span, checked=False), spans,
                           [b - a for a, b in spans])
         return out
     buf = scratch("sum_k", (rows_of.shape[0], rows.shape[1]), rows.dtype, rows.device) if k > 1 else None  # [T, D]
@@ -226,7 +229,7 @@ def _forward_tiles(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, tok
         for e, r, m in experts:
             torch.mm(xs[r : r + m], w_in[e].T, out=hb[r : r + m])
         if native:  # one pass (moe/kernels/cpu/native.py)
-            cpu_kernels.swiglu_forward(hb, w_rows[s : s + n], a[:n])
+            cpu_kernels.swiglu_forward(hb, w_rows[s : s + n], a[:n], checked=False)  # this function's buffers
         else:
             act_forward(hb, a[:n], activation)
             a[:n].mul_(w_rows[s : s + n, None])
@@ -368,6 +371,23 @@ def _backward_grouped(dout: torch.Tensor, x: torch.Tensor, w_in: torch.Tensor, w
     return dx_rows, dw_rows, d_in, d_out
 
 
+def _forward(x: torch.Tensor, weights: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, token_ids: torch.Tensor,
+             rows_of: torch.Tensor, groups: list[int] | torch.Tensor, activation: str, block_rows: int, keep_h: bool
+             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, bool, bool]:
+    """The forward of :class:`_FusedMoE`: (combined output [T, D], ``h`` [N, I] or ``None`` unless ``keep_h``,
+    gating weight of each row [N] in x's dtype, native activation kernels used, native combine used)."""
+    w_rows = torch.zeros(token_ids.numel(), dtype=weights.dtype, device=x.device)
+    w_rows.scatter_(0, rows_of.reshape(-1), weights.reshape(-1))  # [N] gating weight of each row (0: padding)
+    w_rows_c = w_rows.to(x.dtype)
+    if isinstance(groups, list):
+        # moe/kernels/cpu/native.py: the activation's kernels, the combine's
+        native, native_sum = cpu_kernels.supports(x, activation), cpu_kernels.supports(x)
+        y, h = _forward_tiles(x, w_in, w_out, token_ids, w_rows_c, groups, activation, block_rows, native, keep_h)
+        return _sum_k(y, rows_of, native_sum), h, w_rows_c, native, native_sum
+    y, h_all = _forward_grouped(x, w_in, w_out, token_ids, w_rows_c, groups, activation)
+    return _sum_k(y, rows_of), h_all if keep_h else None, w_rows_c, False, False
+
+
 class _FusedMoE(torch.autograd.Function):
     """out = sum_k w_k * expert_k(x); ``groups`` is a list of host counts (tiles) or device offsets (grouped)."""
 
@@ -375,23 +395,17 @@ class _FusedMoE(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, weights: torch.Tensor, w_in: torch.Tensor,  # noqa: D102
                 w_out: torch.Tensor, token_ids: torch.Tensor, rows_of: torch.Tensor, groups: list[int] | torch.Tensor,
                 activation: str, block_rows: int, recompute: bool) -> torch.Tensor:
-        w_rows = torch.zeros(token_ids.numel(), dtype=weights.dtype, device=x.device)
-        w_rows.scatter_(0, rows_of.reshape(-1), weights.reshape(-1))  # [N] gating weight of each row (0: padding)
-        w_rows_c = w_rows.to(x.dtype)
-        ctx.native = ctx.native_sum = False  # moe/kernels/cpu/native.py: the activation's kernels, the combine's
+        out, h, w_rows_c, ctx.native, ctx.native_sum = _forward(x, weights, w_in, w_out, token_ids, rows_of, groups,
+                                                                activation, block_rows, keep_h=not recompute)
         if isinstance(groups, list):
-            ctx.native, ctx.native_sum = cpu_kernels.supports(x, activation), cpu_kernels.supports(x)
-            y, h = _forward_tiles(x, w_in, w_out, token_ids, w_rows_c, groups, activation, block_rows, ctx.native,
-                                  keep_h=not recompute)
             ctx.save_for_backward(x, w_in, w_out, h, token_ids, rows_of, w_rows_c)
         else:
-            y, h = _forward_grouped(x, w_in, w_out, token_ids, w_rows_c, groups, activation)
-            ctx.save_for_backward(x, w_in, w_out, None if recompute else h, token_ids, rows_of, w_rows_c, groups)
+            ctx.save_for_backward(x, w_in, w_out, h, token_ids, rows_of, w_rows_c, groups)
         ctx.counts = groups if isinstance(groups, list) else None
         ctx.activation = activation
         ctx.block_rows = block_rows
         ctx.weights_dtype = weights.dtype
-        return _sum_k(y, rows_of, ctx.native_sum)
+        return out
 
     @staticmethod
     @once_differentiable  # written with out= kernels: a second derivative raises instead of being silently wrong
@@ -479,7 +493,9 @@ def _prepare(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, mode: str
     """Operands in the compute dtype (x contiguous) and the mode ``auto`` resolves to: grouped on CUDA in bf16 with
     aligned rows, else tiles."""
     dtype = compute_dtype(x, w_in)
-    x, w_in, w_out = x.to(dtype).contiguous(), w_in.to(dtype), w_out.to(dtype)
+    if x.dtype != dtype or w_in.dtype != dtype or w_out.dtype != dtype:  # compared first: a decode step's no-op
+        x, w_in, w_out = x.to(dtype), w_in.to(dtype), w_out.to(dtype)  # .to calls cost more than its kernels
+    x = x.contiguous()
     if mode == "auto":
         mode = "grouped" if x.device.type == "cuda" and _grouped_ok(x, w_in, w_out) else "tiles"
     return x, w_in, w_out, mode
@@ -503,6 +519,9 @@ def _launch(x: torch.Tensor, weights: torch.Tensor, w_in: torch.Tensor, w_out: t
         if workers > 1 and isinstance(groups, list):
             per_block = -(-sum(groups) // (BLOCKS_PER_WORKER * workers))
             block_rows = min(block_rows, max(MIN_BLOCK_ROWS, per_block))
+    if not torch.is_grad_enabled():  # nothing to differentiate (generation, serving): without the Function's
+        return _forward(x, weights, w_in, w_out, token_ids, rows_of, groups, activation, max(1, block_rows),
+                        keep_h=False)[0]  # bookkeeping, nor the pre-activation it would save
     out = _FusedMoE.apply(x, weights, w_in, w_out, token_ids, rows_of, groups,  # type: ignore[no-untyped-call]
                           activation, max(1, block_rows), recompute)  # Function.apply is untyped in torch's stubs
     return cast(torch.Tensor, out)

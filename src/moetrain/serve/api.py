@@ -468,8 +468,10 @@ class Api:
                                      headers={"Cache-Control": "no-cache"})
         async for _ in events:
             pass
-        if any(c.finish is None for c in choices):
-            outcome["outcome"] = "cancelled"  # the client left: nobody reads this
+        # the client left: nobody reads this (also when it left during the last half second, which the wait for
+        # events polls: a generation that ends first is still the client's loss, not an answer)
+        if any(c.finish is None for c in choices) or await request.is_disconnected():
+            outcome["outcome"] = "cancelled"
             return error(499, "client closed the request", None)
         failed = next((c for c in choices if c.error is not None), None)
         if failed is not None:

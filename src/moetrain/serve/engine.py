@@ -239,15 +239,18 @@ class Engine:
             req.slot = None
 
     def _plan(self) -> list[GenRequest]:
-        """The step's sequences: every decoding one, and prompts to prefill up to ``max_prefill_tokens``."""
-        plan, budget = [], self.max_prefill_tokens
+        """The step's sequences: every decoding one, and prompts to prefill up to ``max_prefill_tokens``.
+
+        Decoding sequences come first, in slot order: they attend in one SDPA call whose keys are a view of the
+        cache when their slots are consecutive (a gather of every layer's keys and values otherwise)."""
+        prefill, budget = [], self.max_prefill_tokens
         for req in self.running:
             if req.cached == 0:
                 if budget < len(req.prompt_ids) and budget < self.max_prefill_tokens:
                     continue  # waits for the next step (holding its slot)
                 budget -= len(req.prompt_ids)
-            plan.append(req)
-        return plan
+                prefill.append(req)
+        return sorted((r for r in self.running if r.cached), key=lambda r: r.slot or 0) + prefill
 
     def _step(self) -> None:
         t0 = time.perf_counter()

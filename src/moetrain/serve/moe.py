@@ -13,6 +13,7 @@ device); the default policy even calls the layer's own router module, so outputs
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -36,7 +37,9 @@ class StepPolicies:
     segments: tuple[tuple[RoutingPolicy, int], ...]
     depth: int = 0
 
-    def all_default(self) -> bool:
+    @functools.cached_property
+    def default(self) -> bool:
+        """Every segment's policy is the default (asked by every MoE layer of the step)."""
         return all(p.is_default() for p, _ in self.segments)
 
 
@@ -80,7 +83,7 @@ def route_with_policy(layer, tokens: torch.Tensor, policies: StepPolicies, int8:
         (ids [T, Kmax] int64 best first, weights [T, Kmax] fp32 (zero where not kept), keep [T, Kmax] bool or
         ``None`` when every candidate is kept).
     """
-    if int8 is None and policies.all_default():
+    if int8 is None and policies.default:
         r = layer.router(tokens)
         return r.topk_ids, r.topk_weights, None
     from moetrain.moe.router import route

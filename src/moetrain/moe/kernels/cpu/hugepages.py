@@ -62,14 +62,14 @@ def advise(tensor: torch.Tensor, *, kept: bool = False) -> torch.Tensor:
     """
     # Tensor subclasses (fake tensors while tracing, wrappers) may have no real memory behind their storage.
     if (type(tensor) not in (torch.Tensor, torch.nn.Parameter) or tensor.device.type != "cpu"
-            or tensor.layout != torch.strided or not enabled()):
+            or tensor.layout != torch.strided):
         return tensor
     try:
         storage = tensor.untyped_storage()
     except NotImplementedError:  # no storage of its own (functorch's grad / vmap wrappers)
         return tensor
     start, nbytes = storage.data_ptr(), storage.nbytes()
-    if nbytes < OWN_MAPPING_BYTES and not kept:
+    if (nbytes < OWN_MAPPING_BYTES and not kept) or not enabled():  # the size first: no environment read per call
         return tensor
     first = -(-start // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
     end = (start + nbytes) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES

@@ -286,19 +286,24 @@ def _disjoint(outputs: dict[str, torch.Tensor | None], inputs: dict[str, torch.T
                                  f"memory no other argument uses")
 
 
-def swiglu_forward(h: torch.Tensor, w: torch.Tensor, a: torch.Tensor) -> None:
+def swiglu_forward(h: torch.Tensor, w: torch.Tensor, a: torch.Tensor, *, checked: bool = True) -> None:
     """a = w[:, None] * silu(gate) * up, written in place.
 
     Args:
         h: [n, 2F] pre-activation rows, gate half first; fp32 or bf16, contiguous.
         w: [n] gating weight of each row, h's dtype.
         a: [n, F] output, h's dtype.
+        checked: check the arguments (the kernel reads raw pointers); ``False`` only where the caller builds them
+            itself in the documented layout (moe/fast_moe.py: a decode step's checks cost more than its kernels).
     Raises:
-        ValueError: shapes, dtypes, devices or layouts that do not match (checked: the kernel reads raw pointers),
-            or an output that shares memory with another argument.
+        ValueError: shapes, dtypes, devices or layouts that do not match, or an output that shares memory with
+            another argument.
         TypeError: an argument that is not a tensor.
         RuntimeError: the kernels are not available (call :func:`supports` first).
     """
+    if not checked:
+        _function("swiglu_fwd", h.dtype)(h.data_ptr(), w.data_ptr(), a.data_ptr(), a.shape[0], a.shape[1])
+        return
     n, f = _dims("a", a, 2)
     dt = _dtype("h", h)
     ptrs = [_check("h", h, (n, 2 * f), dt), _check("w", w, (n,), dt), _check("a", a, (n, f), dt)]
@@ -329,8 +334,8 @@ def swiglu_backward(h: torch.Tensor, dz: torch.Tensor, w: torch.Tensor, aw: torc
     _function("swiglu_bwd", dt)(*ptrs, n, f)
 
 
-def sum_k(rows: torch.Tensor, rows_of: torch.Tensor, out: torch.Tensor, first: int = 0, last: int | None = None
-          ) -> None:
+def sum_k(rows: torch.Tensor, rows_of: torch.Tensor, out: torch.Tensor, first: int = 0, last: int | None = None,
+          *, checked: bool = True) -> None:
     """out[t] = sum_k rows[rows_of[t, k]] for tokens ``first <= t < last`` (all by default), in place: the MoE
     combine of K expert-output rows per token in one pass (moe/fast_moe.py: ``_sum_k``).
 
@@ -341,12 +346,18 @@ def sum_k(rows: torch.Tensor, rows_of: torch.Tensor, out: torch.Tensor, first: i
         rows: [N, D] fp32 or bf16, contiguous.
         rows_of: [T, K] int64, contiguous, every value in [0, N) (checked: the kernel reads raw pointers).
         out: [T, D], rows' dtype, contiguous.
+        checked: as :func:`swiglu_forward` (unchecked, ``first`` and ``last`` are taken as given).
     Raises:
         ValueError: shapes, dtypes, layouts, indices or token range that do not match, or ``out`` sharing memory
             with ``rows`` or ``rows_of``.
         TypeError: an argument that is not a tensor, or ``first`` / ``last`` not an integer.
         RuntimeError: the kernels are not available.
     """
+    if not checked:
+        t, k = rows_of.shape
+        _function("sum_k", rows.dtype)(rows.data_ptr(), rows_of.data_ptr(), out.data_ptr(), first,
+                                       t if last is None else last, k, rows.shape[1])
+        return
     n, d = _dims("rows", rows, 2)
     t, k = _dims("rows_of", rows_of, 2)
     _dtype("rows", rows)
