@@ -44,6 +44,8 @@ def test_export_trained_run(tmp_path, code_corpus, capsys):
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         assert (out / name).is_file(), name
     assert (out / "model.safetensors").is_file() or (out / "model.safetensors.index.json").is_file()
+    modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}  # weights as readable as config.json
+    assert len(set(modes.values())) == 1 and modes["config.json"] & 0o044, modes
 
     _, tok, ours, _ = load_run(str(run))
     text = "def function_1_2(value, count=2):\n    return value * 2"

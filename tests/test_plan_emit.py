@@ -139,3 +139,19 @@ def test_plan_prints_small_counts_and_rates_readably():
     assert _si(0.031e12, "FLOP/s") == "31 GFLOP/s" and _si(989.4e12, "FLOP/s") == "989 TFLOP/s"
     assert _si(12.4e9, "B/s") == "12.4 GB/s" and _si(3.35e12, "B/s") == "3.35 TB/s" and _si(450e9, "B/s") == "450 GB/s"
     assert _si(5.0, "B/s") == "5 B/s"
+
+
+def test_emit_keeps_an_existing_file_unless_overwrite_and_names_the_flag(tmp_path, capsys):
+    path = tmp_path / "t.toml"
+    path.write_text("# mine\n")
+    args = ["plan", "--preset", "tiny", "--devices", "2", "--device", "cpu", "--emit"]
+    assert main([*args, str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"moetrain: error: --emit {path}: exists; pass --overwrite") and path.read_text() == "# mine\n"
+    assert main([*args, str(path), "--overwrite"]) == 0 and tomllib.loads(path.read_text())["preset"] == "tiny"
+    capsys.readouterr()
+    assert main([*args, str(tmp_path)]) == 2  # a directory
+    assert capsys.readouterr().err.startswith(f"moetrain: error: --emit {tmp_path}: is a directory")
+    assert main([*args, str(tmp_path / "missing" / "t.toml")]) == 2  # no such parent directory
+    err = capsys.readouterr().err
+    assert err.startswith(f"moetrain: error: --emit {tmp_path / 'missing' / 't.toml'}: cannot write it"), err

@@ -3,7 +3,9 @@ estimated step time and communication share, and the recommended layout and BTA 
 
 from __future__ import annotations
 
-from moetrain.errors import ConfigError
+from pathlib import Path
+
+from moetrain.errors import ConfigError, MoetrainError
 
 
 def add_parser(sub) -> None:
@@ -23,6 +25,7 @@ def add_parser(sub) -> None:
                    help="write the recommended layout as a run config for `moetrain train --config FILE` (torchrun "
                         "with --devices processes; check it with `moetrain train --config FILE --dry-run "
                         "--world-size N`)")
+    p.add_argument("--overwrite", action="store_true", help="let --emit replace an existing FILE")
     p.add_argument("overrides", nargs="*", metavar="FIELD=VALUE", help="config overrides, e.g. model.moe.top_k=1")
     p.set_defaults(func=run)
 
@@ -33,10 +36,15 @@ def run(args) -> int:
     from moetrain.analysis.planner import plan
     from moetrain.analysis.shape import ModelShape
     from moetrain.config import build_config
-    from moetrain.commands import check_at_least
+    from moetrain.commands import check_at_least, check_output_path
     from moetrain.configlib import load_file, parse_overrides
 
     check_at_least(args, 1, "devices", "seq", "global_batch")
+    if args.emit:
+        emit = Path(args.emit)
+        check_output_path(emit, "--emit", kind="file")
+        if emit.exists() and not args.overwrite:
+            raise MoetrainError(f"--emit {emit}: exists; pass --overwrite to replace it, or choose another --emit")
     file_data = load_file(args.config) if args.config else None
     config = build_config(args.preset, file_data, parse_overrides(args.overrides))
     model = config.model
@@ -132,8 +140,6 @@ def _rank_memory(args, config, candidate) -> None:
 
 def _emit(args, config, candidate) -> None:
     """Write the recommendation (:func:`_run_config`) as a TOML run config."""
-    from pathlib import Path
-
     from moetrain.train.checkpoint import write_file_atomic
 
     data = _run_config(args, config, candidate)
@@ -141,7 +147,10 @@ def _emit(args, config, candidate) -> None:
     header = (f"# moetrain plan --preset {config.preset} --devices {args.devices} --device {args.device}: "
               f"{candidate.layout.label}\n# run: torchrun --nproc_per_node ... (WORLD_SIZE {args.devices}) -m moetrain "
               f"train --config {path.name}\n")
-    write_file_atomic(path, (header + _toml(data)).encode())  # a crash leaves the old file or the new one
+    try:
+        write_file_atomic(path, (header + _toml(data)).encode())  # a crash leaves the old file or the new one
+    except OSError as e:
+        raise MoetrainError(f"--emit {path}: cannot write it ({e.strerror})") from None
     print(f"wrote {path}: {candidate.layout.label} as parallel.pp={candidate.layout.pp} ep={candidate.layout.ep} "
           f"dp_shard={candidate.layout.dp} (FSDP2); check it with `moetrain train --config {path} --dry-run "
           f"--world-size {args.devices}`")

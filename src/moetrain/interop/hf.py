@@ -14,6 +14,7 @@ the config before it is read, and the expert layout is declared per format (see 
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -137,6 +138,7 @@ def to_hf(model: MoETransformer, out_dir: str | Path, tokenizer: Any = None, max
     hf = to_hf_model(model, tokenizer)
     out.mkdir(parents=True, exist_ok=True)
     hf.save_pretrained(out, max_shard_size=max_shard_size)
+    _readable_as_created(out.glob("*.safetensors"))
     eos = hf.config.eos_token_id
     tf.GenerationConfig(bos_token_id=None, eos_token_id=eos, pad_token_id=None).save_pretrained(out)
     if tokenizer is not None:
@@ -144,6 +146,15 @@ def to_hf(model: MoETransformer, out_dir: str | Path, tokenizer: Any = None, max
                                           model_max_length=model.config.max_seq_len)
         fast.save_pretrained(out)
     return out
+
+
+def _readable_as_created(paths) -> None:
+    """Give ``paths`` the mode a plain ``open(path, "w")`` would (``0o666`` less the umask): safetensors writes
+    through a ``0600`` temporary file, so another user or service account could not load an export."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in paths:
+        os.chmod(path, 0o666 & ~umask)
 
 
 # ---- HF -> ours -----------------------------------------------------------------------------------------------
