@@ -260,6 +260,21 @@ def test_records_without_a_drop_field_report_no_drop_fraction(tmp_path):
     assert ls.losses == {"aux_loss": 1.5}
 
 
+def test_a_monitor_enabled_at_a_resume_counts_its_interval_from_the_resumed_step(tmp_path):
+    """A disabled monitor saved no statistics; enabled when the run resumes at step 10, its first interval is steps
+    11..15 (it counted 15 steps when the disabled monitor's step-0 state was restored)."""
+    model, layer = make_model()
+    assert RoutingMonitor(model, MonitorConfig(enabled=False), tmp_path, log=lambda m: None).state_dict() is None
+    monitor = RoutingMonitor(model, MonitorConfig(), tmp_path, log=lambda m: None, start_step=10)
+    monitor.load_state_dict(None)
+    layer.train()
+    for step in range(11, 16):
+        layer(torch.tensor(X))
+        monitor.end_step(step, torch.tensor(2.0))
+    rec = monitor.flush(15)
+    assert rec["moe/interval_steps"] == 5 and sum(rec["moe/layer1/tokens"]) == 5 * 2 * len(X)
+
+
 def test_real_capacity_drops_and_expert_bias_are_reported(tmp_path):
     model, layer = make_model(capacity=CapacityConfig(factor=0.5), router=RouterConfig(expert_bias=True))
     monitor = RoutingMonitor(model, MonitorConfig(), tmp_path, log=lambda m: None)

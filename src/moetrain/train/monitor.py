@@ -258,8 +258,11 @@ class RoutingMonitor:
                 f"moe/layer{ls.layer}/load_heatmap", rgb, dataformats="HWC").value
         return out
 
-    def state_dict(self) -> dict[str, Any]:
-        """Statistics windows and alarm episodes, for exact continuation after a resume."""
+    def state_dict(self) -> dict[str, Any] | None:
+        """Statistics windows and alarm episodes, for exact continuation after a resume (``None`` when disabled: it
+        saw no step, so a resume that enables it starts afresh at the resumed step)."""
+        if not self.enabled:
+            return None
         return {"stats": self.stats.state_dict(), "alerts": self.alerts.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
