@@ -94,6 +94,18 @@ def test_a_dropless_run_gets_no_drop_figure_and_a_capacity_run_does(tmp_path, cl
     assert RunLog(tmp_path, None, []).dropless() is None  # unknown config: the figure is kept
 
 
+@pytest.mark.parametrize("model, moe", [({"n_layers": 2, "moe_every": 0}, False),
+                                        ({"n_layers": 2, "moe_every": 1, "first_k_dense": 2}, False),
+                                        ({"n_layers": 4, "moe_every": 2, "first_k_dense": 2}, True),
+                                        ({"n_layers": 2}, True), ({}, True)])
+def test_a_dense_run_gets_the_loss_figure_only(tmp_path, closed_figures, model, moe):
+    records = [{"step": s, "train_loss": 5.0 - s / 10, "lr": 1e-3} for s in (5, 10)]
+    log = RunLog(tmp_path, {"model": model}, records)
+    assert log.has_moe_layers() is moe
+    if not moe:
+        assert [p.name for p in write_figures(log, tmp_path / "f")] == ["loss_lr.png"]
+
+
 def test_compare_curves_start_at_step_0(tmp_path, closed_figures):
     from moetrain.commands.compare import write_figures as compare_figures
 

@@ -28,7 +28,9 @@ def run(args) -> int:
     report = build_report(args.run_dir, args.out)
     for path in report.figures:
         print(f"figure: {path}")
-    if log.dropless():
+    if not log.has_moe_layers():
+        print("figure: no routing figures: the model has no MoE layers (model.moe_every / first_k_dense)")
+    elif log.dropless():
         print("figure: no drop_fraction.png: the run is dropless (model.moe.capacity.factor=null), so no token is "
               "ever dropped")
     print(f"report: {report.html}")

@@ -25,6 +25,8 @@ def run(args) -> int:
     print()
     if rows:
         print(format_table(HEADER, rows))
+    elif not log.has_moe_layers():
+        print("no routing statistics: the model has no MoE layers (model.moe_every / first_k_dense)")
     elif monitor_enabled(log):
         print("no routing statistics logged yet")
     else:

@@ -93,10 +93,16 @@ class ModelConfig:
 
     def is_moe_layer(self, index: int) -> bool:
         """Whether block ``index`` (0-based) has an MoE FFN under the layer plan."""
-        if self.moe_every == 0 or index < self.first_k_dense:
-            return False
-        return (index + 1) % self.moe_every == 0
+        return is_moe_block(index, self.moe_every, self.first_k_dense)
 
     @property
     def moe_layer_indices(self) -> list[int]:
         return [i for i in range(self.n_layers) if self.is_moe_layer(i)]
+
+
+def is_moe_block(index: int, moe_every: int, first_k_dense: int) -> bool:
+    """Whether block ``index`` (0-based) has an MoE FFN: every ``moe_every``-th block (none for 0) after the first
+    ``first_k_dense`` (:class:`ModelConfig`'s fields of those names)."""
+    if moe_every == 0 or index < first_k_dense:
+        return False
+    return (index + 1) % moe_every == 0

@@ -199,8 +199,15 @@ FIGURES = {
 }
 
 
+ROUTING_FIGURES = ("expert_load.png", "drop_fraction.png", "routing_health.png")
+"""The figures of routing statistics, which a dense run (no MoE layer) does not log."""
+
+
 def figures_for(log: RunLog) -> list[str]:
-    """The names of :data:`FIGURES` that ``log`` gets: all but ``drop_fraction.png`` for a dropless run."""
+    """The names of :data:`FIGURES` that ``log`` gets: only ``loss_lr.png`` for a dense run, all but
+    ``drop_fraction.png`` for a dropless one."""
+    if not log.has_moe_layers():
+        return [name for name in FIGURES if name not in ROUTING_FIGURES]
     return [name for name in FIGURES if not (name == "drop_fraction.png" and log.dropless())]
 
 

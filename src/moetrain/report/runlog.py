@@ -78,6 +78,18 @@ class RunLog:
         except (KeyError, TypeError, ValueError):
             return None
 
+    def has_moe_layers(self) -> bool:
+        """Whether some block is MoE under the run's ``model.moe_every`` / ``first_k_dense`` (``True`` when the
+        config is unknown): a dense run logs no routing statistics."""
+        from moetrain.model.config import is_moe_block
+
+        model = self.config.get("model") if isinstance(self.config, dict) else None
+        try:
+            every, first = int(model.get("moe_every", 1)), int(model.get("first_k_dense", 0))  # type: ignore[union-attr]
+            return any(is_moe_block(i, every, first) for i in range(int(model["n_layers"])))  # type: ignore[index]
+        except (AttributeError, KeyError, TypeError, ValueError):
+            return True
+
     def dropless(self) -> bool | None:
         """Whether the run's MoE layers have no capacity (``model.moe.capacity.factor`` null), so they never drop a
         token; ``None`` when the config is unknown."""
