@@ -42,6 +42,11 @@ StopStr = Annotated[str, Field(strict=True, min_length=1)]
 MAX_CHOICES = 128  # n x prompts of one request, at most (and never more than the queue holds)
 PREFIX_CHARS_PER_TOKEN = 16  # a prompt longer than this x the context is first tokenised in part (Api._encode)
 PREFIX_MARGIN = 8  # tokens the cut at the prefix's end may add
+# Bodies up to this size are parsed and tokenised on the event loop (well under a millisecond); larger ones on a
+# worker thread, so that a huge prompt cannot freeze the loop. The hop to a worker and back costs more than the work
+# for a typical request, and the loop shares one GIL with the engine: inline, 16 clients gain ~10% tokens/s
+# (benchmarks/serve_load.py).
+INLINE_PREPARE_BYTES = 16 * 1024
 
 
 class _Strict(BaseModel):
@@ -445,7 +450,8 @@ class Api:
     async def handle(self, request: Request, chat: bool):
         raw = await request.body()
         try:
-            prep = await asyncio.to_thread(self.prepare, raw, chat)
+            prep = (self.prepare(raw, chat) if len(raw) <= INLINE_PREPARE_BYTES
+                    else await asyncio.to_thread(self.prepare, raw, chat))
         except ApiError as e:
             return e.response()
         rid = next_request_id().replace("cmpl-", "chatcmpl-", 1) if chat else next_request_id()  # as OpenAI
@@ -501,7 +507,7 @@ class Api:
                         "logit_bias": list(s.logit_bias), "logprobs": prep.logprobs, "stop": list(prep.stops),
                         "routing": effective.__dict__, "int8_router": engine.int8_router,
                         "int8_experts": getattr(engine, "int8_experts", None) is not None})
-                    hit = await asyncio.to_thread(self.cache.get, choice.key)
+                    hit = await self._cache_call(self.cache.get, choice.key)
                     if hit is not None:
                         engine.metrics.cache_hits.inc()
                         lps = tuple(TokenLogprob(t, lp, tuple((a, b) for a, b in top))
@@ -556,10 +562,14 @@ class Api:
                 if c.req is not None and c.req.finish_reason is None:
                     self.engine.cancel(c.req)  # the client left (or the stream was closed): free the slot
 
+    async def _cache_call(self, fn, *args):
+        """A response-cache call: on a worker thread when the cache does network I/O (Redis), else inline."""
+        return await asyncio.to_thread(fn, *args) if self.cache.remote else fn(*args)
+
     async def _save(self, choices: list[Choice]) -> None:
         for c in choices:
             if c.key is not None and c.req is not None and c.finish in ("stop", "length") and self.cache is not None:
-                await asyncio.to_thread(self.cache.put, c.key, {
+                await self._cache_call(self.cache.put, c.key, {
                     "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish,
                     "logprobs": [[x.token_id, x.logprob, [list(a) for a in x.top]] for x in c.logprobs]})
 

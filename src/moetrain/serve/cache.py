@@ -28,6 +28,7 @@ class LRUCache:
     """In-process LRU of at most ``capacity`` entries (thread-safe)."""
 
     kind = "memory"
+    remote = False  # called inline on the event loop (a dict lookup under a lock)
 
     def __init__(self, capacity: int = 1024):
         self.capacity = capacity
@@ -58,6 +59,7 @@ class RedisCache:
     """
 
     kind = "redis"
+    remote = True  # network round trips: called on a worker thread
 
     def __init__(self, url: str, ttl: int = 24 * 3600):
         import redis
