@@ -97,17 +97,12 @@ def policy_from_args(args):
         raise _flag_error(e) from None
 
 
-def build_app(args, mesh=None):
-    """(app, engine) from parsed arguments (loads the model). With an expert-parallel ``mesh``
-    (serve/expert_parallel.py) the experts are sharded over its ranks; the app is ``None`` on ranks other than 0,
-    whose engine only lends its step runner to :func:`moetrain.serve.expert_parallel.follow`."""
-    import torch
+def check_args(args) -> None:
+    """The flags' own errors, before anything is loaded.
 
-    from moetrain.serve.api import create_app
-    from moetrain.serve.cache import open_cache
-    from moetrain.serve.engine import Engine
-    from moetrain.serve.loader import load_served_model
-
+    Raises:
+        MoetrainError: naming the flag and value.
+    """
     check_at_least(args, 1, "slots", "max_queue", "max_body_bytes", "threads", "max_connections")
     for name in ("header_timeout", "read_timeout"):
         value = getattr(args, name)
@@ -119,7 +114,23 @@ def build_app(args, mesh=None):
         for flag, value in (("--hot-share", args.hot_share), ("--calibration-text", args.calibration_text)):
             if value is not None:
                 raise MoetrainError(f"{flag}: only with --expert-memory-budget (it ranks the experts kept resident)")
+    if args.int8_experts and args.expert_memory_budget is not None:
+        raise MoetrainError("--int8-experts: not with --expert-memory-budget (choose one way to shrink the experts)")
+
+
+def build_engine(args, mesh=None):
+    """The :class:`~moetrain.serve.engine.Engine` of parsed arguments (loads the model; sets the intra-op threads).
+    With an expert-parallel ``mesh`` (serve/expert_parallel.py) the experts are sharded over its ranks; on ranks
+    other than 0 the engine only lends its step runner to :func:`moetrain.serve.expert_parallel.follow`.
+
+    Raises:
+        MoetrainError: a flag that does not fit the model, or the loaders' errors.
+    """
+    import torch
+
     from moetrain.runtime.threads import serving_threads
+    from moetrain.serve.engine import Engine
+    from moetrain.serve.loader import load_served_model
 
     torch.set_num_threads(args.threads if args.threads is not None else serving_threads())
     policy = policy_from_args(args)
@@ -137,27 +148,52 @@ def build_app(args, mesh=None):
         engine = Engine(served, num_slots=args.slots, max_queue=args.max_queue, policy=policy,
                         int8_router=args.int8_router)
         if mesh.rank != 0:
-            return None, engine
+            return engine
         engine.runner = engine.peers = BroadcastRunner(engine.runner, mesh)
         # a heartbeat well within the collectives' time-out, so idle followers never time out
         engine.idle_s = min(HEARTBEAT_S, parallel_config(list(args.overrides)).timeout_s / 4)
-        return create_app(engine, open_cache(args.cache), args.max_body_bytes, args.read_timeout), engine
+        return engine
     if args.placement is not None:
         raise MoetrainError(f"--placement: {args.placement} places experts over EP ranks; serve it with torchrun "
                             "--nproc_per_node N -m moetrain serve ... parallel.ep=N")
-    int8_experts = args.int8_experts
-    if int8_experts and args.expert_memory_budget is not None:
-        raise MoetrainError("--int8-experts: not with --expert-memory-budget (choose one way to shrink the experts)")
-    if int8_experts and not served.model.moe_layers():
+    if args.int8_experts and not served.model.moe_layers():
         raise MoetrainError("--int8-experts: the model has no MoE layers")
-    store = open_store(args, served)
-    cache = open_cache(args.cache)
     engine = Engine(served, num_slots=args.slots, max_queue=args.max_queue, policy=policy,
-                    int8_router=args.int8_router, expert_store=store, int8_experts=int8_experts)
+                    int8_router=args.int8_router, expert_store=open_store(args, served), int8_experts=args.int8_experts)
     if engine.int8_experts is not None:
         engine.int8_experts.release_fp32()
         print(f"moetrain serve: int8 experts, {engine.int8_experts.nbytes():,} bytes (fp32: "
               f"{engine.int8_experts.fp32_bytes:,})", file=sys.stderr)
+    return engine
+
+
+def build_app(args, mesh=None):
+    """(app, engine) from parsed arguments; the model is loaded, the engine running.
+
+    On one process the engine runs in a child process of its own
+    (:class:`~moetrain.serve.engine_process.RemoteEngine`: the HTTP front and the engine's steps then each have a
+    core and an interpreter lock). With an expert-parallel ``mesh`` it runs in this process, rank 0 driving the
+    others; the app is ``None`` on ranks other than 0.
+
+    Raises:
+        MoetrainError: :func:`check_args`' and :func:`build_engine`'s errors.
+    """
+    import functools
+
+    from moetrain.serve.api import create_app
+    from moetrain.serve.cache import open_cache
+
+    check_args(args)
+    cache = open_cache(args.cache)
+    if mesh is not None:
+        engine = build_engine(args, mesh)
+        if mesh.rank != 0:
+            return None, engine
+    else:
+        from moetrain.serve.engine_process import RemoteEngine
+
+        engine = RemoteEngine(functools.partial(build_engine, args))
+        engine.start()
     return create_app(engine, cache, args.max_body_bytes, args.read_timeout), engine
 
 
@@ -267,10 +303,8 @@ def run(args) -> int:
     ep = f", experts over {mesh.ep} processes (parallel.ep)" if mesh is not None else ""
     if mesh is not None and args.placement is not None:
         ep += f" placed by {args.placement}"
-    import torch
-
     print(f"moetrain serve: {engine.served.name} ({engine.served.source}), {args.slots} slots, routing "
-          f"{engine.policy.policy}, cache {args.cache}, {torch.get_num_threads()} intra-op threads{ep}",
+          f"{engine.policy.policy}, cache {args.cache}, {engine.threads} intra-op threads{ep}",
           file=sys.stderr)
     server = BackgroundServer(app, args.host, args.port, log_level=args.log_level,
                               limits=limits_from_args(args))

@@ -315,7 +315,7 @@ class Api:
         self.created = int(time.time())
         self.chat_template = load_chat_template(getattr(self.served, "root", ""))
         # token ids a request may name (prompt, logit_bias): ones both the tokenizer and the embedding have
-        self.vocab = min(self.served.tokenizer.get_vocab_size(), engine.model.config.vocab_size)
+        self.vocab = min(self.served.tokenizer.get_vocab_size(), engine.vocab_size)
 
     # --- worker thread: parse, validate, tokenise -----------------------------------------------------------
     def prepare(self, raw: bytes, chat: bool) -> Prepared:
@@ -438,9 +438,8 @@ class Api:
             check_fields(body.routing.policy, body.routing.model_fields_set - {"policy"})  # none it would ignore
             # a request cannot set the load policy's queue depths: the server's (--load-low / --load-high) apply
             policy = RoutingPolicy(**body.routing.model_dump(), low=engine.policy.low, high=engine.policy.high)
-            if engine.moe_blocks:
-                c = engine.model.blocks[engine.moe_blocks[0]].ffn.config
-                policy.bounds(c.top_k, c.num_experts)
+            if engine.moe_shape is not None:
+                policy.bounds(*engine.moe_shape)
         except ValueError as e:
             name = str(e).split(":")[0]
             raise ApiError(400, f"routing.{e}", f"routing.{name}") from None
@@ -711,12 +710,12 @@ def create_app(engine, cache=None, max_body_bytes: int = 1 << 20, read_timeout_s
     async def health():
         if not engine.alive():
             return error(503, "engine not running", None, "server_error")
-        return {"status": "ok", "model": served.name, "running": len(engine.running), "waiting": len(engine.waiting),
-                "slots": engine.num_slots}
+        running, waiting = engine.occupancy()
+        return {"status": "ok", "model": served.name, "running": running, "waiting": waiting, "slots": engine.num_slots}
 
     @app.get("/metrics")
     async def prometheus():
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(await asyncio.to_thread(metrics.render), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     def model_card() -> dict:
         return {"id": served.name, "object": "model", "created": api.created, "owned_by": "moetrain"}

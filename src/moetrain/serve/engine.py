@@ -120,6 +120,9 @@ class Engine:
         self.metrics = metrics or ServeMetrics()
         self.cache = KVCache(cfg.n_layers, num_slots, cfg.max_seq_len)
         self.moe_blocks = [i for i, b in enumerate(self.model.blocks) if b.is_moe]
+        self.vocab_size, self.threads = cfg.vocab_size, torch.get_num_threads()
+        first = self.model.blocks[self.moe_blocks[0]].ffn.config if self.moe_blocks else None
+        self.moe_shape = (first.top_k, first.num_experts) if first is not None else None  # (K, E) a policy is checked by
         routers = {i: Int8Router(self.model.blocks[i].ffn.router.weight) for i in self.moe_blocks} if int8_router \
             else {}
         self.expert_store = expert_store
@@ -187,6 +190,10 @@ class Engine:
         with self.cond:
             req.cancelled = True
             self.cond.notify_all()
+
+    def occupancy(self) -> tuple[int, int]:
+        """(running, waiting) requests."""
+        return len(self.running), len(self.waiting)
 
     def depth(self) -> int:
         """Queue depth seen by the ``load`` policy: waiting + running requests."""
@@ -278,14 +285,14 @@ class Engine:
         if prompt_tokens:
             self.metrics.prompt_tokens.inc(prompt_tokens)
         self.metrics.generated_tokens.inc(len(plan))
-        self._flush()
-        with self.cond:
+        with self.cond:  # released before their last events go out: a client that got its answer sees its slot free
             for req in [r for r in self.running if r.finish_reason is not None]:
                 self.running.remove(req)
                 self._release(req)
                 if req.finish_reason != "error":
                     self.metrics.latency.observe(time.perf_counter() - req.admitted_at)
             self.metrics.running.set(len(self.running))
+        self._flush()
         self._record(plan, batch, stats, depth, time.perf_counter() - t0)
 
     def _logprobs(self, plan: list[GenRequest], logits: torch.Tensor, nxt: list) -> None:

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics import MetricWrapperBase
+
+
+FRONT_METRICS = ("requests", "cache_hits", "cache_misses")
+"""The metrics the HTTP front counts (the engine counts the others)."""
 
 
 class ServeMetrics:
@@ -10,10 +15,19 @@ class ServeMetrics:
 
     Rates: mean active experts per token over a window is ``rate(moetrain_expert_assignments_total) /
     rate(moetrain_routed_tokens_total)``; the gauge ``moetrain_active_experts_per_token`` is the last step's.
+
+    Args:
+        scope: which metrics :meth:`render` exports: ``all``; ``front`` (:data:`FRONT_METRICS`) or ``engine`` (the
+            others) when the engine runs in a process of its own (serve/engine_process.py). Every attribute
+            exists in each scope; those outside it count without being exported.
+    Raises:
+        ValueError: an unknown ``scope``.
     """
 
-    def __init__(self) -> None:
-        r = self.registry = CollectorRegistry()
+    def __init__(self, scope: str = "all") -> None:
+        if scope not in ("all", "front", "engine"):
+            raise ValueError(f"ServeMetrics: scope must be all, front or engine, got {scope!r}")
+        r = None  # registered below, by scope
         self.requests = Counter("moetrain_requests", "completion requests by outcome", ["outcome"], registry=r)
         self.prompt_tokens = Counter("moetrain_prompt_tokens", "prompt tokens prefilled", registry=r)
         self.generated_tokens = Counter("moetrain_generated_tokens", "tokens generated", registry=r)
@@ -40,6 +54,11 @@ class ServeMetrics:
         self.expert_pageins = Counter("moetrain_expert_pageins", "cold experts paged in", registry=r)
         self.expert_resident_bytes = Gauge("moetrain_expert_resident_bytes", "bytes of paged experts resident",
                                            registry=r)
+
+        self.registry = CollectorRegistry()
+        for name, metric in vars(self).items():
+            if isinstance(metric, MetricWrapperBase) and (scope == "all" or (name in FRONT_METRICS) == (scope == "front")):
+                self.registry.register(metric)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
