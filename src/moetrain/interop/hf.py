@@ -62,14 +62,6 @@ def transformers_module() -> Any:
 
 # ---- ours -> HF -----------------------------------------------------------------------------------------------
 
-def hf_state_dict(model: MoETransformer, family: Family) -> dict[str, torch.Tensor]:
-    """Our weights under the family's in-memory transformers names (fused experts), tied duplicates dropped; the
-    routed experts' ``down_proj`` carry the router's ``routed_scaling_factor`` where the family has no such field
-    (:func:`~moetrain.interop.families.fold_routed_scale`; a scaled copy, the rest share storage)."""
-    tensors = fold_routed_scale(model_tensors(model), model.config, family)
-    return {hf_name(name, family): t for name, t in tensors.items()}
-
-
 def to_hf_model(model: MoETransformer, tokenizer: Any = None, runnable: bool = False, **hf_kwargs: Any):
     """An in-memory transformers ``*ForCausalLM`` holding ``model``'s weights.
 
@@ -91,7 +83,10 @@ def to_hf_model(model: MoETransformer, tokenizer: Any = None, runnable: bool = F
                   pad_token_id=None)
     config = tf.AutoConfig.for_model(family.model_type, **kwargs)
     config.architectures = [family.architecture]
-    state = hf_state_dict(model, family)
+    # Our weights under the family's names (fused experts), tied duplicates dropped; the routed experts' down_proj
+    # carry the router's routed_scaling_factor where the family has no such field (a scaled copy, the rest shared).
+    tensors = fold_routed_scale(model_tensors(model), model.config, family)
+    state = {hf_name(name, family): t for name, t in tensors.items()}
     config.dtype = next(iter(state.values())).dtype
     with torch.device("cpu" if runnable else "meta"), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Initializing zero-element tensors")  # zero-width shared experts
