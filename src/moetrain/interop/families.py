@@ -10,10 +10,8 @@ The field correspondences are :func:`hf_config_dict` (ours -> HF) and :func:`mod
 K times, see moe/losses.py). Training-only fields with no HF field travel in the ``moetrain`` key of ``config.json``
 (transformers keeps unknown keys and ignores them).
 
-``moe.router.routed_scaling_factor`` multiplies every routed expert's output (the gating weight ``w`` of
-``w * down(silu(gate x) * up x)``), so in the families without the field (all but dots.llm1) it is folded into each
-routed expert's ``down_proj`` on export (:func:`fold_routed_scale`) and carried in ``config.json["moetrain"]``, and
-an import divides it back out: transformers computes the same function, and a round trip gives back the same config.
+``moe.router.routed_scaling_factor`` is folded into the routed experts' ``down_proj`` on export where the family has
+no such field (:func:`fold_routed_scale`), carried in ``config.json["moetrain"]`` and divided back out on import.
 
 Layer plans: ours is "block i is MoE iff i >= first_k_dense and (i + 1) % moe_every == 0"; Qwen2/3-MoE's
 ``decoder_sparse_step`` is ``moe_every`` and ``mlp_only_layers`` must be a prefix (-> ``first_k_dense``); dots.llm1's

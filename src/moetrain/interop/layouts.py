@@ -52,12 +52,6 @@ class ExpertLayout:
         """The name of expert 0's first tensor relative to ``p`` (its presence identifies the layout)."""
         return f"0.{self.parts[0]}.weight" if self.parts else "gate_up_proj"
 
-    def names(self, prefix: str, num_experts: int) -> list[str]:
-        """Every tensor name the layout stores for one layer, in a fixed order."""
-        if not self.parts:
-            return [f"{prefix}.gate_up_proj", f"{prefix}.down_proj"]
-        return [f"{prefix}.{e}.{part}.weight" for e in range(num_experts) for part in self.parts]
-
     def read(self, get: Getter, prefix: str, num_experts: int, hidden: int, ffn: int
              ) -> tuple[torch.Tensor, torch.Tensor]:
         """Read one layer's experts into our layout.
