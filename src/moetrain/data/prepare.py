@@ -28,7 +28,6 @@ from moetrain.data.corpus import (
     Document,
     ReadStats,
     digest_rows,
-    held_out,
     iter_documents,
     name_digest,
     read_stats,

@@ -27,8 +27,6 @@ from dataclasses import dataclass
 
 import torch
 
-from moetrain.errors import CheckpointError
-
 Getter = Callable[[str, tuple[int, ...]], torch.Tensor]
 """``get(name, expected_shape)`` returns the named tensor, raising CheckpointError when it is missing or its shape
 differs (the message names the tensor and both shapes)."""
