@@ -195,19 +195,9 @@ def digest_rows(digests: bytes) -> np.ndarray:
 
 
 def split_documents(docs: Sequence[Document], val_fraction: float) -> tuple[list[Document], list[Document]]:
-    """Hold out whole documents for validation, chosen by a hash of their names.
-
-    The ``round(len(docs) * val_fraction)`` documents (at least 1, at most ``len(docs) - 1``) whose name hashes
-    lowest are validation; both splits keep the input order. Adding or removing a file moves no other file between
-    splits. A single document is split by text instead: its last ``val_fraction`` of characters (starting after
-    a newline when there is one nearby) are validation, named ``<name>#val``.
-
-    Args:
-        docs: from :func:`read_documents` (non-empty).
-        val_fraction: in (0, 1).
-    Returns:
-        ``(train_docs, val_docs)``, disjoint; ``val_docs`` is empty only for a single one-character document.
-    """
+    """``(train_docs, val_docs)`` of ``docs`` (non-empty, from :func:`read_documents`), each in input order: whole
+    documents held out by :func:`held_out`, or a single document split by :func:`split_only` (``val_docs`` is then
+    empty for a one-character document). Adding or removing a file moves no other file between splits."""
     if len(docs) == 1:
         train, val_part = split_only(docs[0], val_fraction)
         return [train], [] if val_part is None else [val_part]

@@ -148,14 +148,13 @@ def _check_long_enough(train: int, val: int, cfg: DataConfig, source: str, bound
                         f"data.seq_len or raise data.val_fraction")
 
 
-def _most_tokens(found: Scan, val: np.ndarray | None, val_fraction: float) -> tuple[int, int]:
-    """Upper bounds of the (train, val) tokens, EOS included, from the scan: exact for pre-tokenized documents, and
-    a byte-level BPE tokenizer makes at most one token per UTF-8 byte."""
+def _split_sizes(found: Scan, val: np.ndarray | None, val_fraction: float) -> list[tuple[int, int]]:
+    """``[(documents, most tokens)]`` of the train and val splits from the scan; the tokens (EOS included) are exact
+    for pre-tokenized documents, and a byte-level BPE tokenizer makes at most one token per UTF-8 byte."""
     if found.only is not None:
-        train, val_part = split_only(found.only, val_fraction)
-        return size_of(train) + 1, 0 if val_part is None else size_of(val_part) + 1
+        return [(0, 0) if part is None else (1, size_of(part) + 1) for part in split_only(found.only, val_fraction)]
     assert val is not None
-    return int(found.sizes[~val].sum() + (~val).sum()), int(found.sizes[val].sum() + val.sum())
+    return [(int(m.sum()), int(found.sizes[m].sum() + m.sum())) for m in (~val, val)]
 
 
 def _cache_key(files: Sequence[Path], cfg: DataConfig, vocab_size: int, tokenizer_json: str | None) -> str:
@@ -209,13 +208,9 @@ def _build_entry(entry: Path, corpus: Corpus, source: str, cfg: DataConfig, voca
     t0 = time.perf_counter()
     found = scan(corpus, source)
     val = held_out(found.digests, cfg.val_fraction) if found.only is None else None
+    (n_train, most_train), (n_val, most_val) = _split_sizes(found, val, cfg.val_fraction)
     if given is None or corpus.pretokenized is not None:
-        _check_long_enough(*_most_tokens(found, val, cfg.val_fraction), cfg, source, "at most ")
-    if found.only is not None:
-        n_train, n_val = 1, int(split_only(found.only, cfg.val_fraction)[1] is not None)
-    else:
-        assert val is not None
-        n_train, n_val = int((~val).sum()), int(val.sum())
+        _check_long_enough(most_train, most_val, cfg, source, "at most ")
     log(f"data: read {found.stats.files} files -> {found.stats.documents} documents, {found.stats.describe()}, in "
         f"{time.perf_counter() - t0:.1f} s; split {n_train} train / {n_val} val")
     tok = given if given is not None else train_on_corpus(corpus, found, val, cfg, vocab_size, log)
@@ -224,7 +219,9 @@ def _build_entry(entry: Path, corpus: Corpus, source: str, cfg: DataConfig, voca
 
     entry.parent.mkdir(parents=True, exist_ok=True)
     _remove_abandoned_stages(entry)
-    stage = Path(tempfile.mkdtemp(dir=entry.parent, prefix=f".{entry.name}.{_builder_id()}.", suffix=".tmp"))
+    # host-pid in the name: a later build can tell an abandoned stage (_remove_abandoned_stages)
+    builder = f"{socket.gethostname()}-{os.getpid()}"
+    stage = Path(tempfile.mkdtemp(dir=entry.parent, prefix=f".{entry.name}.{builder}.", suffix=".tmp"))
     try:
         t0 = time.perf_counter()
         written = write_splits(stage, corpus, found, val, tok, eos_id, dtype, cfg.val_fraction)
@@ -242,11 +239,6 @@ def _build_entry(entry: Path, corpus: Corpus, source: str, cfg: DataConfig, voca
     finally:
         shutil.rmtree(stage, ignore_errors=True)
     return meta
-
-
-def _builder_id() -> str:
-    """``host-pid`` of this process: a staging directory's owner, so a later build can tell an abandoned one."""
-    return f"{socket.gethostname()}-{os.getpid()}"
 
 
 def _remove_abandoned_stages(entry: Path) -> None:

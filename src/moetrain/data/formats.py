@@ -202,7 +202,7 @@ def iter_text_documents(path: Path, name: str, text_field: str, counts: ReadStat
     except DataError:
         raise
     except (PermissionError, FileNotFoundError, IsADirectoryError):
-        counts.unreadable += 1  # as before: counted, not fatal
+        counts.unreadable += 1  # counted, not fatal
     except _read_errors() as e:
         if isinstance(e, OSError) and not compression_of(path) and inner_suffix(path) not in (".parquet", ".arrow"):
             counts.unreadable += 1  # another I/O error on a plain file
@@ -308,16 +308,14 @@ def _columns(path: Path, stem: str, text_field: str, counts: ReadStats) -> Itera
             schema, batches = reader.schema, reader if isinstance(reader, pa.ipc.RecordBatchStreamReader) else \
                 (reader.get_batch(i) for i in range(reader.num_record_batches))
         _text_column(path, schema, text_field)
-        row = 1
-        for batch in batches:
-            for text in batch.column(text_field).to_pylist():
-                if text is None:
-                    counts.bad_lines += 1
-                elif not text:
-                    counts.empty += 1
-                else:
-                    yield f"{stem}:{row}", text
-                row += 1
+        texts = (text for batch in batches for text in batch.column(text_field).to_pylist())
+        for row, text in enumerate(texts, start=1):
+            if text is None:
+                counts.bad_lines += 1
+            elif not text:
+                counts.empty += 1
+            else:
+                yield f"{stem}:{row}", text
 
 
 def _datasets_split(path: Path) -> Any:
@@ -498,4 +496,4 @@ def _check_ids(ids: np.ndarray, vocab_size: int, path: Path, offset: int, hint: 
         bad = lo if lo < 0 else hi
         at = offset + int(np.flatnonzero(ids == bad)[0])
         raise DataError(f"'{path}': token id {bad} at token {at:,} is outside the tokenizer's vocabulary of "
-                        f"{vocab_size} (data.tokenizer must be the tokenizer these ids were made with{hint or ''})")
+                        f"{vocab_size} (data.tokenizer must be the tokenizer these ids were made with{hint})")

@@ -27,9 +27,8 @@ from moetrain.data.batch import IGNORE_INDEX, PAD_DOCUMENT, PackedBatch
 OPEN_ROWS = 64
 # A token-budget pool holds chunks worth this many budgets: sorted by length, neighbours differ little.
 POOL_BUDGETS = 64
-# A token-budget row is at least this many times as wide as the shortest chunk left (capped at S): a row ends only
-# when no chunk left fits its room, so under ~1/32 of it is padding. Rows of one long chunk each stay as wide as
-# their chunks.
+# A token-budget row is at least this many times as wide as the shortest chunk left (capped at S), so under ~1/32
+# of it is padding (_pool_batches).
 ROW_FILL = 32
 
 

@@ -28,7 +28,6 @@ from moetrain.data.corpus import (
     Document,
     ReadStats,
     digest_rows,
-    held_out,
     iter_documents,
     name_digest,
     read_stats,
@@ -112,38 +111,27 @@ def scan(corpus: Corpus, source: str) -> Scan:
                 np.zeros(0, np.int64), stats, first if len(sizes) == 1 else None)
 
 
-def sample_plan(sizes: np.ndarray, max_bytes: int) -> list[tuple[int, int | None]]:
-    """Which training documents make the tokenizer's sample: ``(position, byte limit or None)`` in sample order.
-
-    Documents are visited in the order ``default_rng(0).permutation(len(sizes))`` so that a budget smaller than the
-    corpus still sees all of it (not only the alphabetically first files); the last one is cut to fit.
-
-    Args:
-        sizes: [n_train] UTF-8 bytes of the training documents, in corpus order.
-        max_bytes: ``data.tokenizer_max_bytes``.
-    """
-    plan: list[tuple[int, int | None]] = []
-    used = 0
-    for i in np.random.default_rng(0).permutation(len(sizes)).tolist():
-        if used >= max_bytes:
-            break
-        size = int(sizes[i])
-        cut = max_bytes - used if size > max_bytes - used else None
-        plan.append((i, cut))
-        used += size if cut is None else cut
-    return plan
-
-
 def _cut_text(text: str, limit: int | None) -> str:
     # a cut may split a multibyte character: drop it
     return text if limit is None else text.encode()[:limit].decode("utf-8", errors="ignore")
 
 
 def collect_sample(corpus: Corpus, found: Scan, val: np.ndarray, max_bytes: int) -> list[str]:
-    """Pass 2: the tokenizer sample of a corpus of n > 1 documents, read from the stream."""
+    """Pass 2: the tokenizer sample of a corpus of n > 1 documents, read from the stream: training documents in the
+    order ``default_rng(0).permutation(n_train)`` until ``max_bytes`` (``data.tokenizer_max_bytes``) are taken, the
+    last one cut to fit, so that a budget smaller than the corpus still sees all of it (not only the alphabetically
+    first files)."""
     train = np.flatnonzero(~val)
-    plan = sample_plan(found.sizes[train], max_bytes)
-    wanted = {int(train[pos]): cut for pos, cut in plan}
+    plan: list[tuple[int, int | None]] = []  # (document, byte limit or None) in sample order
+    used = 0
+    for i in train[np.random.default_rng(0).permutation(len(train))].tolist():
+        if used >= max_bytes:
+            break
+        size = int(found.sizes[i])
+        cut = max_bytes - used if size > max_bytes - used else None
+        plan.append((i, cut))
+        used += size if cut is None else cut
+    wanted = dict(plan)
     texts: dict[int, str] = {}
     for i, doc in enumerate(corpus.documents(ReadStats())):
         if i in wanted:
@@ -151,7 +139,7 @@ def collect_sample(corpus: Corpus, found: Scan, val: np.ndarray, max_bytes: int)
             texts[i] = _cut_text(doc.text, wanted[i])
             if len(texts) == len(wanted):
                 break  # closes the stream
-    return [texts[int(train[pos])] for pos, _ in plan]
+    return [texts[i] for i, _ in plan]
 
 
 def train_on_corpus(corpus: Corpus, found: Scan, val: np.ndarray | None, cfg: DataConfig, vocab_size: int,

@@ -81,12 +81,8 @@ def val_coverage_note(val_tokens: np.ndarray, eos_id: int, evaluated_windows: in
 
 def small_split_warning(val_tokens: int, val_documents: int, rows: int, batch_size: int, count: int,
                         seq_len: int) -> str | None:
-    """One log line when the validation split is too small for the evaluation ``train.eval_batches`` asks for,
-    else ``None``.
-
-    A split gives fewer full batches than asked when it has fewer than ``count * batch_size`` windows of
-    ``seq_len`` tokens (e.g. a one-file corpus at the default ``data.val_fraction=0.01``: its last 1% of text); then
-    ``val_loss`` averages fewer tokens than the run meant, and a few hundred tokens make it noisy.
+    """One log line when the validation split gives fewer than ``count * batch_size`` rows (the evaluation
+    ``train.eval_batches`` asks for), so that ``val_loss`` averages fewer tokens than the run meant, else ``None``.
 
     Args:
         val_tokens: tokens in the validation split (end-of-text tokens included).

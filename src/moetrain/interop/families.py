@@ -10,10 +10,8 @@ The field correspondences are :func:`hf_config_dict` (ours -> HF) and :func:`mod
 K times, see moe/losses.py). Training-only fields with no HF field travel in the ``moetrain`` key of ``config.json``
 (transformers keeps unknown keys and ignores them).
 
-``moe.router.routed_scaling_factor`` multiplies every routed expert's output (the gating weight ``w`` of
-``w * down(silu(gate x) * up x)``), so in the families without the field (all but dots.llm1) it is folded into each
-routed expert's ``down_proj`` on export (:func:`fold_routed_scale`) and carried in ``config.json["moetrain"]``, and
-an import divides it back out: transformers computes the same function, and a round trip gives back the same config.
+``moe.router.routed_scaling_factor`` is folded into the routed experts' ``down_proj`` on export where the family has
+no such field (:func:`fold_routed_scale`), carried in ``config.json["moetrain"]`` and divided back out on import.
 
 Layer plans: ours is "block i is MoE iff i >= first_k_dense and (i + 1) % moe_every == 0"; Qwen2/3-MoE's
 ``decoder_sparse_step`` is ``moe_every`` and ``mlp_only_layers`` must be a prefix (-> ``first_k_dense``); dots.llm1's
@@ -26,6 +24,7 @@ import dataclasses
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any, Literal
 
 from moetrain.configlib import from_dict
@@ -64,12 +63,6 @@ def flat_fields(config: Any, prefix: str = "") -> dict[str, Any]:
         else:
             out[f"{prefix}{f.name}"] = value
     return out
-
-
-def _get_path(config: Any, path: str) -> Any:
-    for part in path.split("."):
-        config = getattr(config, part)
-    return config
 
 
 @dataclass(frozen=True)
@@ -181,8 +174,7 @@ def _check_family(cfg: ModelConfig, family: Family) -> None:
     handled_moe = {"num_experts", "top_k", "experts.ffn_hidden", "router.norm_topk_prob", "shared_expert.ffn_hidden",
                    "shared_expert.gate", "router.routed_scaling_factor"}
     if family is DOTS1:
-        handled_moe |= {"router.score_func", "router.num_groups",
-                        "router.topk_groups", "router.expert_bias"}
+        handled_moe |= {"router.score_func", "router.num_groups", "router.topk_groups", "router.expert_bias"}
     _check_defaults(cfg, handled_model | {f"moe.{p}" for p in handled_moe}, name)
     if cfg.qk_norm != family.qk_norm:
         raise _err("model.qk_norm", cfg.qk_norm, f"{name} has qk_norm {family.qk_norm!r}")
@@ -231,7 +223,7 @@ def hf_config_dict(cfg: ModelConfig, family: Family) -> dict[str, Any]:
         "tie_word_embeddings": cfg.tie_embeddings, "initializer_range": cfg.init_std, "attention_dropout": 0.0,
         "num_experts_per_tok": moe.top_k, "router_aux_loss_coef": moe.losses.aux_loss_coeff / moe.top_k,
         family.num_experts_key: moe.num_experts, family.expert_ffn_key: moe.experts.ffn_hidden,
-        "moetrain": {key: _get_path(moe, path) for key, path in CARRIED.items()}, **family.fixed,
+        "moetrain": {key: attrgetter(path)(moe) for key, path in CARRIED.items()}, **family.fixed,
     }
     if family.dense_ffn_key is not None:
         out[family.dense_ffn_key] = cfg.ffn_hidden
@@ -370,10 +362,8 @@ def model_config_from_hf(hf: Any, family: Family) -> ModelConfig:
             ffn_hidden = int(_get(hf, family.dense_ffn_key))
     else:
         moe, moe_every, first_k, ffn_hidden = MoEConfig(), 0, 0, int(hf.intermediate_size)
-    if t == "qwen2":
-        attention_bias = True  # Qwen2Attention hard-codes q/k/v biases
-    else:
-        attention_bias = bool(_get(hf, "qkv_bias", False)) if t == "qwen2_moe" else False
+    # Qwen2Attention hard-codes q/k/v biases; Qwen2-MoE has the flag.
+    attention_bias = t == "qwen2" or (t == "qwen2_moe" and bool(_get(hf, "qkv_bias", False)))
     rope = _get(hf, "rope_parameters", {})
     return ModelConfig(
         vocab_size=int(hf.vocab_size), hidden=hidden, n_layers=n_layers, n_heads=n_heads,
@@ -386,21 +376,16 @@ def model_config_from_hf(hf: Any, family: Family) -> ModelConfig:
     )
 
 
-def folded_scale(cfg: ModelConfig, family: Family) -> float:
-    """The factor :func:`fold_routed_scale` multiplies the routed experts' ``down_proj`` by for ``family``: the
-    router's ``routed_scaling_factor`` where the family has no such field, else 1."""
-    return 1.0 if family is DOTS1 else cfg.moe.router.routed_scaling_factor
-
-
 def fold_routed_scale(tensors: dict[str, Any], cfg: ModelConfig, family: Family, *, inverse: bool = False
                       ) -> dict[str, Any]:
-    """``tensors`` (our names) with every routed expert's ``down_proj`` [E, D, F] multiplied by
-    :func:`folded_scale` (divided with ``inverse``, for an import); other tensors are passed through unchanged.
+    """``tensors`` (our names) with every routed expert's ``down_proj`` [E, D, F] multiplied by the router's
+    ``routed_scaling_factor`` where ``family`` has no such field (all but dots.llm1; divided with ``inverse``, for an
+    import); other tensors are passed through unchanged.
 
     Exact up to one rounding per weight (none for a power of two such as the ``cpu-small`` preset's 2.0): the
     gating weight multiplies the expert's output ``down @ h``, which is linear in ``down``.
     """
-    scale = folded_scale(cfg, family)
+    scale = 1.0 if family is DOTS1 else cfg.moe.router.routed_scaling_factor
     if scale == 1.0:
         return tensors
     return {name: ((t / scale) if inverse else (t * scale)) if name.endswith(".ffn.experts.down_proj") else t

@@ -62,14 +62,6 @@ def transformers_module() -> Any:
 
 # ---- ours -> HF -----------------------------------------------------------------------------------------------
 
-def hf_state_dict(model: MoETransformer, family: Family) -> dict[str, torch.Tensor]:
-    """Our weights under the family's in-memory transformers names (fused experts), tied duplicates dropped; the
-    routed experts' ``down_proj`` carry the router's ``routed_scaling_factor`` where the family has no such field
-    (:func:`~moetrain.interop.families.fold_routed_scale`; a scaled copy, the rest share storage)."""
-    tensors = fold_routed_scale(model_tensors(model), model.config, family)
-    return {hf_name(name, family): t for name, t in tensors.items()}
-
-
 def to_hf_model(model: MoETransformer, tokenizer: Any = None, runnable: bool = False, **hf_kwargs: Any):
     """An in-memory transformers ``*ForCausalLM`` holding ``model``'s weights.
 
@@ -91,7 +83,10 @@ def to_hf_model(model: MoETransformer, tokenizer: Any = None, runnable: bool = F
                   pad_token_id=None)
     config = tf.AutoConfig.for_model(family.model_type, **kwargs)
     config.architectures = [family.architecture]
-    state = hf_state_dict(model, family)
+    # Our weights under the family's names (fused experts), tied duplicates dropped; the routed experts' down_proj
+    # carry the router's routed_scaling_factor where the family has no such field (a scaled copy, the rest shared).
+    tensors = fold_routed_scale(model_tensors(model), model.config, family)
+    state = {hf_name(name, family): t for name, t in tensors.items()}
     config.dtype = next(iter(state.values())).dtype
     with torch.device("cpu" if runnable else "meta"), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Initializing zero-element tensors")  # zero-width shared experts
@@ -183,10 +178,6 @@ class TensorSource:
         return self._load(name)
 
     @classmethod
-    def from_state_dict(cls, state: dict[str, torch.Tensor], where: str) -> TensorSource:
-        return cls({k: tuple(v.shape) for k, v in state.items()}, state.__getitem__, where)
-
-    @classmethod
     def from_directory(cls, root: Path) -> TensorSource:
         """Lazily open ``model.safetensors`` or the shards listed in ``model.safetensors.index.json``.
 
@@ -250,16 +241,6 @@ def family_of(model_type: Any, where: str) -> Family:
     return known[model_type]
 
 
-def _expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Our tensor names and shapes for ``cfg`` (tied duplicates dropped), from a model built on the meta device."""
-    with torch.device("meta"):
-        model = MoETransformer(cfg)
-    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    if cfg.tie_embeddings:
-        del shapes["lm_head.weight"]
-    return shapes
-
-
 def _read_layer_experts(src: TensorSource, family: Family, cfg: ModelConfig, i: int, layouts: tuple[ExpertLayout, ...]
                         ) -> tuple[torch.Tensor, torch.Tensor, str]:
     """(gate_up_proj [E, 2F, D], down_proj [E, D, F], the MoE block's HF prefix) of block ``i``."""
@@ -286,7 +267,10 @@ def load_tensors(src: TensorSource, family: Family, cfg: ModelConfig, layouts: t
     """
     out: dict[str, torch.Tensor] = {}
     moe_block: dict[int, str] = {}
-    expected = _expected_tensors(cfg)
+    with torch.device("meta"):  # our names and shapes for cfg, without memory
+        expected = {name: tuple(t.shape) for name, t in MoETransformer(cfg).state_dict().items()}
+    if cfg.tie_embeddings:
+        del expected["lm_head.weight"]  # the tied copy of embed_tokens.weight
     for name, shape in expected.items():
         i = layer_index(name)
         if name.endswith("ffn.experts.gate_up_proj"):
@@ -354,9 +338,9 @@ def from_hf(path_or_model: Any, dtype: torch.dtype | None = torch.float32) -> Mo
     """
     tf = transformers_module()
     if isinstance(path_or_model, tf.PreTrainedModel):
-        hf_cfg = path_or_model.config
-        family = family_of(getattr(hf_cfg, "model_type", None), type(path_or_model).__name__)
-        src = TensorSource.from_state_dict(path_or_model.state_dict(), type(path_or_model).__name__)
+        hf_cfg, where, state = path_or_model.config, type(path_or_model).__name__, path_or_model.state_dict()
+        family = family_of(getattr(hf_cfg, "model_type", None), where)
+        src = TensorSource({k: tuple(v.shape) for k, v in state.items()}, state.__getitem__, where)
         layouts: tuple[ExpertLayout, ...] = (FUSED,)
     else:
         family, hf_cfg = read_hf_config(path_or_model)

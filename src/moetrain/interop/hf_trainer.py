@@ -95,35 +95,23 @@ class HFRoutingSums:
     def reset(self) -> None:
         self._sums.clear()
 
-    def tokens_per_expert(self, layer: int) -> torch.Tensor:
-        """[E] fp32 assignments per expert of ``layer`` since the last reset (zeros if none recorded)."""
-        return self._sums[layer].tokens_per_expert.clone() if layer in self._sums else torch.zeros(0)
-
     def summary(self, per_expert: bool = True, prefix: str = "moe") -> dict[str, float]:
         """Plain floats for loggers: per layer ``{prefix}/layer{i}/aux_loss`` and ``z_loss`` (means over the
         recorded forwards; Switch convention, balanced = 1.0), ``overload`` (max / mean tokens per expert) and,
         with ``per_expert``, ``expert_{e}_tokens`` (assignment counts); plus ``{prefix}/aux_loss`` and
         ``{prefix}/z_loss`` averaged over layers."""
         out: dict[str, float] = {}
-        auxes, zs = [], []
-        for layer in sorted(self._sums):
-            s = self._sums[layer]
-            if not s.forwards:
-                continue
+        layers = [(layer, s) for layer, s in sorted(self._sums.items()) if s.forwards]
+        for layer, s in layers:
             counts = s.tokens_per_expert.tolist()
-            aux, z = float(s.aux_loss) / s.forwards, float(s.z_loss) / s.forwards
-            auxes.append(aux)
-            zs.append(z)
             p = f"{prefix}/layer{layer}"  # the trainer's names (moe/layerL/<stat>, docs/routing-health.md)
-            out[f"{p}/aux_loss"], out[f"{p}/z_loss"] = aux, z
+            out[f"{p}/aux_loss"], out[f"{p}/z_loss"] = float(s.aux_loss) / s.forwards, float(s.z_loss) / s.forwards
             mean = sum(counts) / len(counts)
             out[f"{p}/overload"] = max(counts) / mean if mean > 0 else 0.0
             if per_expert:
-                for e, c in enumerate(counts):
-                    out[f"{p}/expert_{e}_tokens"] = c
-        if auxes:
-            out[f"{prefix}/aux_loss"] = sum(auxes) / len(auxes)
-            out[f"{prefix}/z_loss"] = sum(zs) / len(zs)
+                out.update({f"{p}/expert_{e}_tokens": c for e, c in enumerate(counts)})
+        for stat in ("aux_loss", "z_loss") if layers else ():
+            out[f"{prefix}/{stat}"] = sum(out[f"{prefix}/layer{layer}/{stat}"] for layer, _ in layers) / len(layers)
         return out
 
 

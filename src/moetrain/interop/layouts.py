@@ -27,8 +27,6 @@ from dataclasses import dataclass
 
 import torch
 
-from moetrain.errors import CheckpointError
-
 Getter = Callable[[str, tuple[int, ...]], torch.Tensor]
 """``get(name, expected_shape)`` returns the named tensor, raising CheckpointError when it is missing or its shape
 differs (the message names the tensor and both shapes)."""
@@ -51,12 +49,6 @@ class ExpertLayout:
     def probe(self) -> str:
         """The name of expert 0's first tensor relative to ``p`` (its presence identifies the layout)."""
         return f"0.{self.parts[0]}.weight" if self.parts else "gate_up_proj"
-
-    def names(self, prefix: str, num_experts: int) -> list[str]:
-        """Every tensor name the layout stores for one layer, in a fixed order."""
-        if not self.parts:
-            return [f"{prefix}.gate_up_proj", f"{prefix}.down_proj"]
-        return [f"{prefix}.{e}.{part}.weight" for e in range(num_experts) for part in self.parts]
 
     def read(self, get: Getter, prefix: str, num_experts: int, hidden: int, ffn: int
              ) -> tuple[torch.Tensor, torch.Tensor]:
