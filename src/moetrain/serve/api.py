@@ -6,7 +6,8 @@ field: 400 for a bad field or body (malformed JSON, a wrong type, a value out of
 implement, a prompt that does not fit the context), 404 for an unknown path or model (``code: model_not_found``),
 405 for a wrong method, 408 for a body that did not arrive within the read time-out, 413 for a body over
 ``max_body_bytes``, 429 (``Retry-After``) when the queue is full, 500 when generation failed, 503 when the engine is
-not running. Parsing, validation and tokenization run in worker threads, never on the event loop. Every request
+not running. Bodies over :data:`INLINE_PREPARE_BYTES` are parsed, validated and tokenized in worker threads, so
+that no request holds up the event loop for long. Every request
 but ``/health`` and ``/metrics`` is counted once in ``moetrain_requests_total{outcome}`` (:func:`outcome_of`).
 """
 
@@ -43,9 +44,8 @@ MAX_CHOICES = 128  # n x prompts of one request, at most (and never more than th
 PREFIX_CHARS_PER_TOKEN = 16  # a prompt longer than this x the context is first tokenised in part (Api._encode)
 PREFIX_MARGIN = 8  # tokens the cut at the prefix's end may add
 # Bodies up to this size are parsed and tokenised on the event loop (well under a millisecond); larger ones on a
-# worker thread, so that a huge prompt cannot freeze the loop. The hop to a worker and back costs more than the work
-# for a typical request, and the loop shares one GIL with the engine: inline, 16 clients gain ~10% tokens/s
-# (benchmarks/serve_load.py).
+# worker thread, so that a huge prompt cannot freeze the loop. For a typical request the hop to a worker and back
+# costs more than the work (inline, 16 clients gained ~10% tokens/s in benchmarks/serve_load.py).
 INLINE_PREPARE_BYTES = 16 * 1024
 
 
