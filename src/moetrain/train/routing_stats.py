@@ -112,19 +112,10 @@ def entropy_and_z_sums(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return entropy_sum, z_sum
 
 
-def find_drop_field(record: Any) -> str | None:
-    """Name of the dropped-count field of an MoE record (the first dataclass field whose name contains ``drop``),
-    or ``None`` when the record has none (dropless layers)."""
-    if not dataclasses.is_dataclass(record):
-        return None
-    return next((f.name for f in dataclasses.fields(record) if "drop" in f.name), None)
-
-
 def find_loss_fields(record: Any) -> list[str]:
     """Names of the scalar loss fields of an MoE record (dataclass fields whose name ends in ``loss``)."""
-    if not dataclasses.is_dataclass(record):
-        return []
-    return [f.name for f in dataclasses.fields(record) if f.name.endswith("loss")]
+    fields = dataclasses.fields(record) if dataclasses.is_dataclass(record) else ()
+    return [f.name for f in fields if f.name.endswith("loss")]
 
 
 def _device_index(cache: dict[tuple[int, ...], torch.Tensor], values: tuple[int, ...],
@@ -185,8 +176,9 @@ class StepSummary:
         """
         e, host, zero = self.num_experts, self._host[pos], self._zero
         kind = type(record)
-        if kind not in self._drop_field:
-            self._drop_field[kind] = find_drop_field(record)
+        if kind not in self._drop_field:  # the first dataclass field whose name contains "drop" (None: dropless)
+            fields = dataclasses.fields(record) if dataclasses.is_dataclass(record) else ()
+            self._drop_field[kind] = next((f.name for f in fields if "drop" in f.name), None)
         drop = self._drop_field[kind]
         dropped = getattr(record, drop) if drop else None
         per_expert, drop_sum = self._zero_e, zero
@@ -457,16 +449,13 @@ class RoutingStats:
                         window_steps=min(self.steps_seen, self.collapse_window))
         if self.spike is not None:
             snap.spike_ratio, snap.spike_step, snap.spike_loss = self.spike
-        self._reset_interval()
-        return snap
-
-    def _reset_interval(self) -> None:
-        self.counts.zero_()
+        self.counts.zero_()  # a new interval
         self.dropped.zero_()
         if self.scalars is not None:
             self.scalars.zero_()
         self.spike, self.nonfinite_count, self.nonfinite_last = None, 0, None
         self.interval_start = self.step
+        return snap
 
     # -- checkpointing -----------------------------------------------------------------------------------------
     _TENSORS = ("counts", "last_seen", "dropped", "window")

@@ -1,17 +1,11 @@
 """One optimizer step: gradient accumulation over micro-batches, clipping, AdamW, LR schedule, expert-bias update.
 
-Gradient accumulation is exact for every token-mean term: all micro-batches have the same number of tokens, so
-dividing each micro-batch's loss by ``grad_accum`` gives the mean over the whole step for the LM loss, the router
-z-loss and the sequence-level aux loss. The global-batch aux loss needs the expert counts of the *whole* step
-before the first backward (its ``f`` is a constant of the step, non-differentiable): when it is on and
-``grad_accum > 1``, a routing pass without gradients (:meth:`MoETransformer.moe_counts`, about one extra forward,
-i.e. ~+1/3 step compute) first collects the step's counts; every micro-batch then uses them, so its gradients
-equal one large batch's. With data parallelism a :data:`~moetrain.moe.balancing.CountReducer` sums those counts
-over ranks. The Switch loss (per micro-batch), the pooled transformers-style loss and the utilisation loss are not
-linear in the batch; they are averaged over micro-batches (Megatron-Core and transformers do the same).
-
-The aux-loss-free expert bias (``model.moe.router.expert_bias``) is updated once per optimizer step, after the
-optimizer, from the counts of all micro-batches (and ranks).
+Each micro-batch's loss is divided by ``grad_accum`` (or weighted by its real tokens: train/microbatch_weights.py),
+which is exact for every token-mean term. The global-batch aux loss first runs a no-grad routing pre-pass
+(:meth:`MoETransformer.moe_counts`, about one extra forward) for the whole step's counts, summed over data-parallel
+ranks by a :data:`~moetrain.moe.balancing.CountReducer`; the losses that are not linear in the batch are averaged
+over micro-batches (docs/routing.md, "Balancing losses"). The aux-loss-free expert bias is updated once per
+optimizer step, after the optimizer, from the counts of all micro-batches (and ranks).
 """
 
 from __future__ import annotations
@@ -90,13 +84,6 @@ class Accumulated:
 _STEP_MOE_TERMS = (*MOE_LOSS_TERMS, "moe_loss")
 
 
-def needs_global_counts(model: MoETransformer, grad_accum: int, count_reducer: CountReducer | None) -> bool:
-    """Whether the step must run the no-grad routing pre-pass: the global-batch aux loss is on, the model has MoE
-    layers, and the step spans several micro-batches or data-parallel ranks."""
-    coeff = model.config.moe.losses.global_aux_loss_coeff
-    return coeff > 0 and bool(model.moe_layers()) and (grad_accum > 1 or count_reducer is not None)
-
-
 def accumulate_gradients(
     model: MoETransformer,
     batches: Sequence[Batch],
@@ -125,7 +112,9 @@ def accumulate_gradients(
     batches = [to_device(b, device) for b in batches]
     weights = micro_batch_weights(batches)
     global_counts: torch.Tensor | None = None
-    if needs_global_counts(model, g, count_reducer):
+    # The routing pre-pass: the global-batch aux loss is on and the step spans several micro-batches or ranks.
+    pre_pass = model.config.moe.losses.global_aux_loss_coeff > 0 and (g > 1 or count_reducer is not None)
+    if pre_pass and model.moe_layers():
         # Same mode and the same random numbers (router jitter) as the passes below, so they route identically.
         devices = [device] if device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices), autocast_context(device, dtype):
