@@ -532,10 +532,8 @@ class CheckpointStore:
             os.rename(self.root / name, trash)
             shutil.rmtree(trash, ignore_errors=True)
         else:
-            try:
+            with contextlib.suppress(FileNotFoundError):  # an incomplete upload has none
                 self.fs.rm_file(self.path(name, MANIFEST))
-            except FileNotFoundError:  # an incomplete upload
-                pass
             self.fs.rm(self.path(name), recursive=True)
 
     def prune(self, keep: int, milestone_every: int = 0) -> list[str]:

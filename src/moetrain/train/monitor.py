@@ -15,6 +15,7 @@ stages' per-layer sums (:class:`~moetrain.train.routing_stats.StepSummary`) reac
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -122,11 +123,9 @@ class RoutingMonitor:
         self._writer: Any = None  # a SummaryWriter
         self._last_step: int | None = None
         self._heatmap_step: int | None = None
-        if self.enabled and config.tb_heatmap:
-            try:  # import Pillow now (a one-off ~0.1 s), not in the middle of training at the first heatmap
+        if self.enabled and config.tb_heatmap:  # import Pillow now (~0.1 s once), not in training at the first heatmap
+            with contextlib.suppress(ImportError):
                 import PIL.Image  # noqa: F401
-            except ImportError:
-                pass
         self._handles: list[RemovableHandle] = []
         self.attach()
 
