@@ -49,7 +49,6 @@ class StepResult:
             state, expert biases and LR schedule unchanged; gradients discarded).
         moe_losses: every MoE loss term of ``ModelOutput`` (``aux_loss``, ``pooled_aux_loss``, ``seq_aux_loss``,
             ``global_aux_loss``, ``z_loss``, ``util_loss``, ``moe_loss``), averaged over micro-batches.
-        dropped_per_expert: one [E] fp32 tensor per MoE layer, assignments dropped by capacity, summed.
     """
 
     lm_loss: torch.Tensor
@@ -58,7 +57,6 @@ class StepResult:
     tokens_per_expert: list[torch.Tensor] = field(default_factory=list)
     skipped: bool = False
     moe_losses: dict[str, torch.Tensor] = field(default_factory=dict)
-    dropped_per_expert: list[torch.Tensor] = field(default_factory=list)
 
 
 @dataclass
@@ -69,14 +67,12 @@ class Accumulated:
         lm_loss: scalar mean LM loss over the micro-batches.
         moe_losses: MoE loss terms averaged over micro-batches (names as in ``ModelOutput``).
         tokens_per_expert: [L, E] selection counts summed over micro-batches.
-        dropped_per_expert: [L, E] dropped counts summed over micro-batches.
         global_counts: [L, E] the counts of the pre-pass after the reducer (``None`` when no pre-pass ran).
     """
 
     lm_loss: torch.Tensor
     moe_losses: dict[str, torch.Tensor]
     tokens_per_expert: torch.Tensor
-    dropped_per_expert: torch.Tensor
     global_counts: torch.Tensor | None = None
 
 
@@ -126,7 +122,6 @@ def accumulate_gradients(
     lm = zero.clone()
     losses = {name: zero.clone() for name in _STEP_MOE_TERMS}
     counts: torch.Tensor | None = None
-    dropped: torch.Tensor | None = None
     for i, batch in enumerate(batches):
         inputs, targets, batch_kwargs = model_inputs(batch)  # + padding_mask, document_ids of a PackedBatch
         if grad_sync is not None:
@@ -141,12 +136,10 @@ def accumulate_gradients(
             losses[name] += term_share(model, out, name, weights, i, g)
         if out.moe:
             c = torch.stack([r.tokens_per_expert for r in out.moe])
-            d = torch.stack([r.dropped_per_expert for r in out.moe])
-            counts, dropped = (c, d) if counts is None or dropped is None else (counts + c, dropped + d)
-    if counts is None or dropped is None:  # no MoE layer
-        counts = dropped = torch.zeros(0, model.config.moe.num_experts, device=device)
-    return Accumulated(lm_loss=lm, moe_losses=losses, tokens_per_expert=counts, dropped_per_expert=dropped,
-                       global_counts=global_counts)
+            counts = c if counts is None else counts + c
+    if counts is None:  # no MoE layer
+        counts = torch.zeros(0, model.config.moe.num_experts, device=device)
+    return Accumulated(lm_loss=lm, moe_losses=losses, tokens_per_expert=counts, global_counts=global_counts)
 
 
 def finish_step(
@@ -181,8 +174,7 @@ def finish_step(
     grad_norm = clip(config.grad_clip if config.grad_clip > 0 else float("inf"))
     lr = float(scheduler.get_last_lr()[0])  # a float already (LambdaLR)
     result = StepResult(lm_loss=lm, grad_norm=grad_norm, lr=lr,
-                        tokens_per_expert=list(acc.tokens_per_expert.unbind(0)), moe_losses=acc.moe_losses,
-                        dropped_per_expert=list(acc.dropped_per_expert.unbind(0)))
+                        tokens_per_expert=list(acc.tokens_per_expert.unbind(0)), moe_losses=acc.moe_losses)
     # A non-finite loss or gradient would poison the weights and AdamW's moments for good: skip the update and
     # leave the schedule where it is (as Megatron-LM does). Costs one host sync per step (the trainer reads the
     # loss every step anyway). A non-finite gradient makes the norm non-finite, so the norm covers all of them.
