@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Any, TypedDict, cast
@@ -408,13 +409,10 @@ class RoutingStats:
         if losses is not None:
             parts.append(losses)
         parts += [b.detach().reshape(-1).to(self.device, torch.float64) for b in biases if b is not None]
-        host = torch.cat(parts).tolist()  # the one host sync of the interval
-        at = 0
+        host = iter(torch.cat(parts).tolist())  # the one host sync of the interval
 
         def take(n: int) -> list[float]:
-            nonlocal at
-            at += n
-            return host[at - n:at]
+            return list(itertools.islice(host, n))
 
         counts, last_seen, dropped, window = (take(n_layers * e) for _ in range(4))
         layout = self.summary
