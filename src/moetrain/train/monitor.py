@@ -16,6 +16,7 @@ stages' per-layer sums (:class:`~moetrain.train.routing_stats.StepSummary`) reac
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -132,7 +133,7 @@ class RoutingMonitor:
     def attach(self) -> None:
         """Start observing the MoE layers (forward hooks; done by the constructor; no-op when disabled or attached)."""
         if self.enabled and not self._handles:
-            self._handles = [layer.register_forward_hook(self._hook(pos))
+            self._handles = [layer.register_forward_hook(functools.partial(self._observe, pos))
                              for pos, (_, layer) in zip(self.positions, self.layers)]
 
     def detach(self) -> None:
@@ -141,15 +142,13 @@ class RoutingMonitor:
             handle.remove()
         self._handles = []
 
-    def _hook(self, pos: int) -> Callable[[torch.nn.Module, Any, Any], None]:
-        def hook(module: torch.nn.Module, inputs: Any, output: Any) -> None:
-            # Training forwards with gradients only: evaluation (model.eval()), generation, and the no-grad routing
-            # pre-pass of the global-batch aux loss (MoETransformer.moe_counts) must not count.
-            # A layer recomputed by activation checkpointing (moetrain.parallel.ac) runs again inside backward.
-            if module.training and torch.is_grad_enabled() and isinstance(output, tuple) and not in_recompute():
-                self.summary.add(pos, output[-1])
-
-        return hook
+    def _observe(self, pos: int, module: torch.nn.Module, inputs: Any, output: Any) -> None:
+        """The forward hook of MoE layer ``pos``: adds its record. Training forwards with gradients only: evaluation
+        (model.eval()), generation, and the no-grad routing pre-pass of the global-batch aux loss
+        (MoETransformer.moe_counts) must not count, nor a layer recomputed inside backward by activation
+        checkpointing (moetrain.parallel.ac)."""
+        if module.training and torch.is_grad_enabled() and isinstance(output, tuple) and not in_recompute():
+            self.summary.add(pos, output[-1])
 
     def end_step(self, step: int, lm_loss: torch.Tensor | float | None) -> None:
         """Close optimizer step ``step`` (steps done so far); ``lm_loss`` is the step's scalar LM loss (device

@@ -103,8 +103,6 @@ def accumulate_gradients(
             reduces the accumulated gradients over the ranks once, in the last backward; ``None`` on one rank.
     """
     g = len(batches)
-    # Token-budget micro-batches (PackedBatch) hold different real-token counts: weight each by its share
-    # (train/microbatch_weights.py); plain equal micro-batches keep the 1 / g below (weights None).
     batches = [to_device(b, device) for b in batches]
     weights = micro_batch_weights(batches)
     global_counts: torch.Tensor | None = None
