@@ -114,8 +114,8 @@ class StageModule(nn.Module):
     The stage adds its MoE layers' share of ``moe_loss`` (each per-layer term over the model's number of MoE
     layers) through :class:`_AttachLoss`. Pipelining fixes a stage's forward signature to the tensors passed
     between stages, so per step the runner sets ``step_counts`` ([L_s, E] global-batch counts from the routing
-    pre-pass) and reads and clears ``records`` (per micro-batch forward: the detached loss terms, ``counts`` and
-    ``dropped`` [L_s, E]). With tied embeddings the last stage holds its own copy of the embedding as its LM head,
+    pre-pass) and reads and clears ``records`` (per micro-batch forward: the detached loss terms and ``counts``
+    [L_s, E]). With tied embeddings the last stage holds its own copy of the embedding as its LM head,
     initialised and saved under the embedding's name (:func:`~moetrain.parallel.meta_init.saved_name`); the runner
     keeps the copies equal by summing their gradients (docs/scale-out.md).
 
@@ -196,7 +196,6 @@ class StageModule(nn.Module):
             terms = self.moe_terms(records)
             summary = {k: v.detach() for k, v in terms.items()}
             summary["counts"] = torch.stack([r.tokens_per_expert for r in records])  # [L_s, E]
-            summary["dropped"] = torch.stack([r.dropped_per_expert for r in records])
             self.records.append(summary)  # detached: keeps no graph alive
             # Before the LM head on the last stage: the copy is then [b, S, D], not [b, S, V] logits.
             h = cast(torch.Tensor, _AttachLoss.apply(h, terms["moe_loss"]))  # type: ignore[no-untyped-call]

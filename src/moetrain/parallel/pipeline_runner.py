@@ -271,12 +271,10 @@ class PipelineRunner:
         moe["pooled_aux_loss"] = zero
         e = self.config.moe.num_experts
         counts = [torch.stack([r["counts"] for r in m.records]).sum(0) for m in self.modules if m.records]
-        dropped = [torch.stack([r["dropped"] for r in m.records]).sum(0) for m in self.modules if m.records]
         tpe = torch.cat(counts) if counts else torch.zeros(0, e, device=device)
-        drp = torch.cat(dropped) if dropped else torch.zeros(0, e, device=device)
         steps = [m.step_counts for m in self.modules if m.step_counts is not None]
         return Accumulated(lm_loss=values[0], moe_losses={k: moe[k] for k in MOE_TERMS}, tokens_per_expert=tpe,
-                           dropped_per_expert=drp, global_counts=torch.cat(steps) if steps else None)
+                           global_counts=torch.cat(steps) if steps else None)
 
     def moe_layers(self) -> list[MoELayer]:
         return [layer for m in self.modules for layer in m.moe_layers()]

@@ -14,6 +14,7 @@ replacement, so a test can raise there.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -77,16 +78,12 @@ def _canonical(obj: Any) -> bytes:
 
 def _fsync_dir(path: Path) -> None:
     """fsync a directory so that renames and new entries in it survive a power loss (POSIX; a no-op elsewhere)."""
-    try:
+    with contextlib.suppress(OSError):  # some filesystems (and Windows) refuse to open or fsync a directory
         fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # some filesystems (and Windows) refuse fsync on directories
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def write_file_atomic(path: Path, data: bytes) -> None:
@@ -129,15 +126,6 @@ def _check(loc: str, info: dict[str, Any], size: int, sha256: str | None = None)
         raise CorruptCheckpoint(f"{loc}: {size} bytes, the manifest says {info['bytes']} (truncated?)")
     if sha256 is not None and sha256 != info["sha256"]:
         raise CorruptCheckpoint(f"{loc}: SHA-256 does not match the manifest (corrupt)")
-
-
-def _link(src: Path, dst: Path) -> bool:
-    """Hard-link ``src`` as ``dst`` (no bytes copied); ``False`` where the filesystem refuses."""
-    try:
-        os.link(src, dst)
-    except OSError:
-        return False
-    return True
 
 
 def _write_delay() -> None:
@@ -203,12 +191,9 @@ class LoadedCheckpoint:
         assert self.store is not None, "deferred files come from a store"
         loc = self.store.location(self.name, file)
         try:
-            with self.store.fs.open(self.store.path(self.name, file), "rb") as stream:
-                if copy_to is None:
-                    got = stream_digest(stream)
-                else:
-                    with open(copy_to, "wb") as out:
-                        got = stream_digest(stream, out)
+            with (self.store.fs.open(self.store.path(self.name, file), "rb") as stream,
+                  open(copy_to, "wb") if copy_to is not None else contextlib.nullcontext() as out):
+                got = stream_digest(stream, out)
         except (FileNotFoundError, IsADirectoryError):
             raise CorruptCheckpoint(f"{loc}: missing") from None
         _check(loc, info, got["bytes"], got["sha256"])
@@ -394,7 +379,7 @@ class CheckpointStore:
             manifest_path = self.path(name, MANIFEST)
             if self.fs.exists(manifest_path):  # invalidate the old checkpoint before touching its files
                 self.fs.rm_file(manifest_path)
-            return Staging(name, self.path(name), self.url.rstrip("/") + "/" + name)
+            return Staging(name, self.path(name), self.location(name))
         tmp = self.root / f".tmp-{name}-{os.getpid()}"
         with writing(f"checkpoint {name}", tmp):
             try:
@@ -465,7 +450,9 @@ class CheckpointStore:
             try:
                 tmp.mkdir(exist_ok=True)
                 for file, raw in [*files.items(), (MANIFEST, manifest)]:
-                    if file not in (link or {}) or not _link((link or {})[file], tmp / file):
+                    try:  # a hard link copies no bytes
+                        os.link((link or {})[file], tmp / file)
+                    except (KeyError, OSError):  # not to be linked, or the filesystem refuses: write the bytes
                         _write_synced(tmp / file, raw)
                         _write_delay()
                 _fsync_dir(tmp)
@@ -545,10 +532,8 @@ class CheckpointStore:
             os.rename(self.root / name, trash)
             shutil.rmtree(trash, ignore_errors=True)
         else:
-            try:
+            with contextlib.suppress(FileNotFoundError):  # an incomplete upload has none
                 self.fs.rm_file(self.path(name, MANIFEST))
-            except FileNotFoundError:  # an incomplete upload
-                pass
             self.fs.rm(self.path(name), recursive=True)
 
     def prune(self, keep: int, milestone_every: int = 0) -> list[str]:
@@ -570,13 +555,13 @@ class CheckpointStore:
         if self.local:
             os.rename(self.root / name, self.root / new)
             _fsync_dir(self.root)
-            return str(self.root / new)
-        src = self.path(name)
-        for obj in self.fs.find(src):  # object by object: prefix "directories" do not move as a whole everywhere
-            self.fs.copy(obj, self.path(new) + obj[len(src):])
-        self.fs.rm(src, recursive=True)
-        self.fs.invalidate_cache(self.root)
-        return self.url.rstrip("/") + "/" + new
+        else:
+            src = self.path(name)
+            for obj in self.fs.find(src):  # object by object: prefix "directories" do not move as a whole everywhere
+                self.fs.copy(obj, self.path(new) + obj[len(src):])
+            self.fs.rm(src, recursive=True)
+            self.fs.invalidate_cache(self.root)
+        return self.location(new)
 
 
 class CorruptCheckpoint(CheckpointError):

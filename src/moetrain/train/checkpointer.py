@@ -1,20 +1,11 @@
 """``Checkpointer``: the one way a :class:`~moetrain.train.state.TrainState` is saved and loaded, by the trainer
-(one process or a torchrun job), by the parallel launcher, and by eval / generate / export (docs/train-state.md).
+(one process or a torchrun job), by the parallel launcher, and by eval / generate / export.
 
-Two formats, one :class:`~moetrain.train.checkpoint.CheckpointStore` (manifest, atomic write, every byte verified
-before use), both with the run's ``tokenizer.json`` and ``config.json``:
-
-- **single** (one process): ``model.safetensors`` and ``train_state.pt``
-  (:meth:`TrainState.replicated_state_dict` plus ``optimizer``, the optimizer's own ``state_dict()``).
-- **sharded** (a torchrun job): DCP files (:mod:`moetrain.parallel.dcp`) holding the model and the optimizer keyed
-  by FQN, and ``train_state.pt`` with the optimizer groups' hyperparameters (``optimizer_groups``) instead of
-  ``optimizer``. Every rank writes and hashes its own shard file in the staging directory, rank 0 publishes
-  (:func:`save_sharded`); on load every rank verifies only the shard files it reads.
-
-Either format loads into any layout (DCP reshards). With ``optimizer_state="newest"`` the older kept checkpoints of
-the single format on local storage lose their ``optimizer`` entry (docs/checkpoints.md). The on-disk layout is
-format 1 (tests/data/legacy_checkpoints). A sharded run's local checkpoint location must be a file system every rank
-sees (as DCP's ``FileSystemWriter`` assumes); an object store (``s3://...``) needs nothing shared.
+Two formats (layout and who writes what: docs/train-state.md), one
+:class:`~moetrain.train.checkpoint.CheckpointStore`: **single** (one process: ``model.safetensors``, and
+``train_state.pt`` with ``optimizer``) and **sharded** (a torchrun job: DCP files keyed by FQN, and
+``train_state.pt`` with ``optimizer_groups`` instead). Either loads into any layout (DCP reshards). A sharded run's
+local checkpoint location must be a file system every rank sees; an object store (``s3://...``) needs nothing shared.
 """
 
 from __future__ import annotations
@@ -35,7 +26,6 @@ from moetrain.train.checkpoint import (
     STATE_FILE,
     CheckpointStore,
     LoadedCheckpoint,
-    Staging,
     checkpoint_name,
     encode_model,
     encode_state,
@@ -64,7 +54,7 @@ class Checkpointer:
         keep: after each save, keep the newest ``keep`` checkpoints (0: all) ...
         milestone_every: ... plus those of steps that are multiples of this (0: none).
         optimizer_state: ``"newest"``: after each save, the older kept checkpoints lose their optimizer state
-            (single format on local storage; see the module docstring); ``"all"``: every checkpoint keeps it.
+            (single format on local storage; docs/checkpoints.md); ``"all"``: every checkpoint keeps it.
     Raises:
         CheckpointError: an unknown or unavailable storage protocol.
         ValueError: ``optimizer_state`` is not one of :data:`OPTIMIZER_STATES`.
@@ -254,40 +244,6 @@ def _from_rank0(rank0: Callable[[], T] | None, what: str) -> T:
     return result
 
 
-def _own_digests(store: CheckpointStore, staging: Staging, rank: int) -> dict[str, dict[str, Any]] | str:
-    """Size and SHA-256 of each shard file ``rank`` wrote into ``staging``, read back from the store (what the
-    manifest will say, and this rank's check of what it wrote); a one-line reason instead if that failed."""
-    try:
-        return {f: store.digest(staging, f) for f in dcp.own_shard_files(store.staged_files(staging), rank)}
-    except OSError as e:
-        from moetrain.runtime.oserrors import os_error_line
-
-        return f"rank {rank}: {os_error_line(e)}"
-
-
-def _publish(store: CheckpointStore, step: int, staging: Staging, parts: list[dict[str, dict[str, Any]] | str],
-             files: dict[str, bytes]) -> str:
-    """Rank 0: the manifest of every rank's digests (``parts``), ``.metadata`` and ``files``; publish.
-
-    Raises:
-        CheckpointError: a rank failed to hash its files, or wrote them where rank 0 does not see them.
-    """
-    digests: dict[str, dict[str, Any]] = {}
-    for part in parts:
-        if isinstance(part, str):
-            raise CheckpointError(f"checkpoint {staging.name}: {part}")
-        digests.update(part)
-    present = set(store.staged_files(staging))
-    lost = sorted(set(digests) - present)
-    if lost:
-        raise CheckpointError(
-            f"train.checkpoint_url: {lost[0]} (written by rank {lost[0][2:].split('_')[0]}) is not in {staging.path} "
-            "as rank 0 sees it: a sharded run's local checkpoint directory must be on a file system every rank "
-            "shares (or use an object store URL)")
-    digests[dcp.METADATA] = store.digest(staging, dcp.METADATA)
-    return store.commit(step, staging, files, digests)
-
-
 def save_sharded(store: CheckpointStore, state: TrainState, layout: ShardLayout, run_files: dict[str, bytes]) -> str:
     """Write checkpoint ``state.step`` of a distributed layout (a collective): rank 0 opens the staging location
     (:meth:`CheckpointStore.begin`) and broadcasts it; every rank writes its shards there
@@ -307,18 +263,39 @@ def save_sharded(store: CheckpointStore, state: TrainState, layout: ShardLayout,
         if main:
             store.abort(staging)
         raise
-    mine = _own_digests(store, staging, mesh.rank)
+    # Size and SHA-256 of this rank's shard files, read back from the store: what the manifest will say, and this
+    # rank's check of what it wrote (a one-line reason instead if that failed).
+    mine: dict[str, dict[str, Any]] | str
+    try:
+        mine = {f: store.digest(staging, f) for f in dcp.own_shard_files(store.staged_files(staging), mesh.rank)}
+    except OSError as e:
+        from moetrain.runtime.oserrors import os_error_line
+
+        mine = f"rank {mesh.rank}: {os_error_line(e)}"
     parts: list[Any] | None = [None] * mesh.world_size if main else None
     with named_collective("gather_object (checkpoint shard digests to rank 0)"):
         dist.gather_object(mine, parts, dst=0)
 
     def publish() -> str:
+        """Rank 0: the manifest of every rank's digests, ``.metadata`` and the replicated files; publish."""
         assert parts is not None  # rank 0 allocated it
-        replicated = {**state.replicated_state_dict(),
-                      OPTIMIZER_GROUPS: dcp.param_groups(state.model, state.optimizer)}
-        files = {STATE_FILE: encode_state(replicated), dcp.MARKER: dcp.marker(layout), **run_files}
         try:
-            return _publish(store, state.step, staging, parts, files)
+            digests: dict[str, dict[str, Any]] = {}
+            for part in parts:
+                if isinstance(part, str):  # that rank failed to hash its files
+                    raise CheckpointError(f"checkpoint {staging.name}: {part}")
+                digests.update(part)
+            lost = sorted(set(digests) - set(store.staged_files(staging)))
+            if lost:
+                raise CheckpointError(
+                    f"train.checkpoint_url: {lost[0]} (written by rank {lost[0][2:].split('_')[0]}) is not in "
+                    f"{staging.path} as rank 0 sees it: a sharded run's local checkpoint directory must be on a file "
+                    "system every rank shares (or use an object store URL)")
+            digests[dcp.METADATA] = store.digest(staging, dcp.METADATA)
+            replicated = {**state.replicated_state_dict(),
+                          OPTIMIZER_GROUPS: dcp.param_groups(state.model, state.optimizer)}
+            files = {STATE_FILE: encode_state(replicated), dcp.MARKER: dcp.marker(layout), **run_files}
+            return store.commit(state.step, staging, files, digests)
         except BaseException:
             store.abort(staging)
             raise

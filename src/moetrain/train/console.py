@@ -1,16 +1,7 @@
 """What a training run prints while it runs, and the rates it logs (:class:`~moetrain.train.progress.StepLog`
-drives it; docs/robustness.md shows the output).
-
-On a terminal (stderr a TTY, progress on) a tqdm bar, every other line printed above it with ``tqdm.write``;
-otherwise (a log file, ``--no-progress``) one plain line per logging step::
-
-      step 20/300 | loss 5.1234 | lr 2.00e-03 | 5120 tokens/s | ETA 4m10s
-
-Rates logged in ``metrics.jsonl``: ``tokens_per_s`` since the last logging step (real tokens for packed
-documents), ``mfu`` (model FLOPs per token, ``moetrain.analysis``, x tokens/s / the calibrated GEMM peak in the
-compute dtype, :func:`moetrain.runtime.cpu.gemm_peak`; in [0, 1]), ``data_wait_s`` (seconds inside ``next_batch``)
-and ``monitor_s`` (seconds in :meth:`Console.monitoring` blocks: the monitor's ``end_step`` of every step and the
-previous logging step's ``flush`` and metrics writes).
+drives it; the output and the ``metrics.jsonl`` rates ``tokens_per_s``, ``mfu``, ``data_wait_s`` and ``monitor_s``:
+docs/robustness.md). On a terminal (stderr a TTY, progress on) a tqdm bar, every other line printed above it with
+``tqdm.write``; otherwise (a log file, ``--no-progress``) one plain line per logging step.
 """
 
 from __future__ import annotations
@@ -138,7 +129,7 @@ class Console:
             self._bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", refresh=False)
 
     def mfu(self, tokens_per_s: float) -> float | None:
-        """Model FLOPs utilisation at ``tokens_per_s`` (see the module doc); above 1 the peak is measured again and
+        """Model FLOPs utilisation at ``tokens_per_s`` (docs/robustness.md); above 1 the peak is measured again and
         the best peak kept (:attr:`MfuModel.recalibrate`), so a calibration taken under load does not report more
         than the machine can do."""
         m = self.mfu_model
@@ -152,8 +143,7 @@ class Console:
 
     def logging_step(self, loss: float, lr: float) -> dict[str, float]:
         """At a logging step: the rates since the last one (``tokens_per_s``, ``mfu``, ``data_wait_s``,
-        ``monitor_s``) for
-        ``metrics.jsonl``; prints the plain line (no bar) or updates the bar's postfix."""
+        ``monitor_s``) for ``metrics.jsonl``; prints the plain line (no bar) or updates the bar's postfix."""
         now = time.perf_counter()
         tokens = self._real_since if self._counts_real else self.tokens_per_step * self._steps_since
         tps = tokens / max(now - self._t_last, 1e-9)

@@ -1,11 +1,7 @@
-"""Each rank's measured memory, for ``metrics.jsonl``: what :mod:`moetrain.parallel.memory` predicts, measured
-(docs/scale-out.md, "Per-rank memory"), gathered from all ranks (one ``all_gather_object`` per logging step):
-
-- ``mem/rank{R}/peak_bytes``: CUDA ``torch.cuda.max_memory_allocated``; CPU the peak resident memory (``VmHWM``,
-  reset to the current resident memory when training starts through ``/proc/self/clear_refs``; else ``ru_maxrss``).
-- ``mem/rank{R}/baseline_bytes``: the same just before the model is built (``peak - baseline``: what training
-  added).
-- ``mem/rank{R}/tensor_bytes``: this rank's parameters, live gradients and optimizer state (local shards).
+"""Each rank's measured memory for ``metrics.jsonl`` (``mem/rank{R}/peak_bytes``, ``baseline_bytes`` and
+``tensor_bytes``: docs/scale-out.md, "Per-rank memory"), gathered from all ranks by one ``all_gather_object`` per
+logging step. The CPU peak is ``VmHWM``, reset to the current resident memory through ``/proc/self/clear_refs`` when
+training starts (``ru_maxrss`` where ``/proc`` is missing).
 """
 
 from __future__ import annotations
@@ -19,18 +15,19 @@ import torch
 _STATUS, _CLEAR_REFS = Path("/proc/self/status"), Path("/proc/self/clear_refs")
 
 
-def _status_bytes(key: str) -> int | None:
+def _status_bytes(key: str) -> int:
+    """``key`` of ``/proc/self/status`` in bytes; where it cannot be read, the peak resident memory (``ru_maxrss``)."""
     try:
         for line in _STATUS.read_text().splitlines():
             if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024  # kB
     except OSError:
         pass
-    return None
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def reset_peak(device: torch.device) -> int:
-    """Start a new peak and return the baseline (bytes, see the module docstring)."""
+    """Start a new peak and return the baseline: the memory in use now (bytes; CUDA allocated, CPU resident)."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         return int(torch.cuda.memory_allocated(device))
@@ -38,35 +35,25 @@ def reset_peak(device: torch.device) -> int:
         _CLEAR_REFS.write_text("5")  # resets VmHWM to the current VmRSS (Linux >= 4.0)
     except OSError:
         pass
-    rss = _status_bytes("VmRSS")
-    return rss if rss is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return _status_bytes("VmRSS")
 
 
 def peak_bytes(device: torch.device) -> int:
     """This process's peak since :func:`reset_peak` (bytes)."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
-    hwm = _status_bytes("VmHWM")
-    return hwm if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return _status_bytes("VmHWM")
 
 
 def tensor_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
     """Bytes of ``model``'s parameters and gradients and ``optimizer``'s state tensors held by this rank."""
-    def local(t: torch.Tensor) -> torch.Tensor:
-        return t.to_local() if hasattr(t, "to_local") else t
-
+    tensors = [t for p in model.parameters() for t in (p, p.grad) if t is not None]
+    states = optimizer.state.values() if optimizer is not None else []
+    tensors += [v for state in states for v in state.values() if isinstance(v, torch.Tensor)]
     seen: set[tuple[int, int, int]] = set()  # storage, offset, size: DTensor.to_local() returns a new object
     total = 0
-    tensors: list[torch.Tensor] = []
-    for p in model.parameters():
-        tensors.append(p)
-        if p.grad is not None:
-            tensors.append(p.grad)
-    if optimizer is not None:
-        for state in optimizer.state.values():
-            tensors.extend(v for v in state.values() if isinstance(v, torch.Tensor))
     for t in tensors:
-        t = local(t)
+        t = t.to_local() if hasattr(t, "to_local") else t
         key = (t.untyped_storage().data_ptr(), int(t.storage_offset()), t.numel()) if not t.is_meta else (0, 0, 0)
         if t.is_meta or key in seen:
             continue

@@ -17,39 +17,35 @@ class MetricsLogger:
     the file stays valid JSON).
     """
 
-    def __init__(self, run_dir: Path, tensorboard: bool = True, resume_step: int | None = None):
+    def __init__(self, run_dir: Path, resume_step: int | None = None):
         """``resume_step``: the run continues after this step (a resume), so records of later steps, written
         before a crash and about to be recomputed, are dropped from ``metrics.jsonl`` and from TensorBoard
         (``purge_step``); -1 drops everything."""
+        from torch.utils.tensorboard import SummaryWriter
+
         self.path = run_dir / "metrics.jsonl"
-        self.writer = None
         if resume_step is not None:
             truncate_records(self.path, resume_step)
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            purge = None if resume_step is None else max(resume_step + 1, 0)
-            self.writer = SummaryWriter(log_dir=str(run_dir / "tb"), purge_step=purge)
+        purge = None if resume_step is None else max(resume_step + 1, 0)
+        self.writer = SummaryWriter(log_dir=str(run_dir / "tb"), purge_step=purge)
 
     def log(self, record: dict[str, Any]) -> None:
         # a full disk fails the buffered write with an errno but no file name: name the file here
         with writing("the metrics log", self.path), open(self.path, "a") as f:
             f.write(json_line(record))
-        if self.writer is not None:
-            # All scalars of a record in one event (what add_scalar writes, but once): each event is a hand-over to
-            # the writer thread, which cost ~0.1 ms per key with the per-layer routing statistics.
-            from tensorboard.compat.proto.summary_pb2 import Summary
+        # All scalars of a record in one event (what add_scalar writes, but once): each event is a hand-over to the
+        # writer thread, which cost ~0.1 ms per key with the per-layer routing statistics.
+        from tensorboard.compat.proto.summary_pb2 import Summary
 
-            values = [Summary.Value(tag=key, simple_value=float(value)) for key, value in record.items()
-                      if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)]
-            if values:
-                writer = self.writer._get_file_writer()  # type: ignore[no-untyped-call]  # untyped in torch
-                writer.add_summary(Summary(value=values), record["step"])
+        values = [Summary.Value(tag=key, simple_value=float(value)) for key, value in record.items()
+                  if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)]
+        if values:
+            writer = self.writer._get_file_writer()  # type: ignore[no-untyped-call]  # untyped in torch
+            writer.add_summary(Summary(value=values), record["step"])
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.flush()
-            self.writer.close()
+        self.writer.flush()
+        self.writer.close()
 
 
 def json_line(record: dict[str, Any]) -> str:

@@ -3,13 +3,9 @@
 Legend: g = micro-batches of the step, n_i = real (non-padding) tokens of micro-batch i, N = sum n_i, r_i = rows
 of micro-batch i holding at least one real token, R = sum r_i.
 
-Every loss of :class:`~moetrain.model.transformer.ModelOutput` is a mean within its micro-batch. The large-batch
-mean of a token-mean term is ``sum_i (n_i / N) * mean_i``; of a sequence-mean term ``sum_i (r_i / R) * mean_i``.
-So with token-budget micro-batches (``train.tokens_per_batch``) each micro-batch's loss is weighted by
-``n_i / N`` (the LM loss, the router z-loss, the global-batch aux loss, whose ``f`` is the step's counts) and the
-sequence-level aux loss by ``r_i / R``; padding has no weight anywhere. The Switch, pooled and utilisation losses are
-not linear in the batch and are weighted by ``n_i / N`` too; their large-batch form is the global-batch aux loss.
-With plain ``(inputs, targets)`` micro-batches of equal shape the weights are ``None`` and the step divides by g.
+With token-budget micro-batches (``train.tokens_per_batch``) each micro-batch's loss is weighted by ``n_i / N`` and
+the sequence-level aux loss by ``r_i / R`` (which terms this makes exact: docs/data.md, "Dynamic batching"). With
+plain ``(inputs, targets)`` micro-batches of equal shape the weights are ``None`` and the step divides by g.
 """
 
 from __future__ import annotations

@@ -15,6 +15,8 @@ stages' per-layer sums (:class:`~moetrain.train.routing_stats.StepSummary`) reac
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -122,18 +124,16 @@ class RoutingMonitor:
         self._writer: Any = None  # a SummaryWriter
         self._last_step: int | None = None
         self._heatmap_step: int | None = None
-        if self.enabled and config.tb_heatmap:
-            try:  # import Pillow now (a one-off ~0.1 s), not in the middle of training at the first heatmap
+        if self.enabled and config.tb_heatmap:  # import Pillow now (~0.1 s once), not in training at the first heatmap
+            with contextlib.suppress(ImportError):
                 import PIL.Image  # noqa: F401
-            except ImportError:
-                pass
         self._handles: list[RemovableHandle] = []
         self.attach()
 
     def attach(self) -> None:
         """Start observing the MoE layers (forward hooks; done by the constructor; no-op when disabled or attached)."""
         if self.enabled and not self._handles:
-            self._handles = [layer.register_forward_hook(self._hook(pos))
+            self._handles = [layer.register_forward_hook(functools.partial(self._observe, pos))
                              for pos, (_, layer) in zip(self.positions, self.layers)]
 
     def detach(self) -> None:
@@ -142,15 +142,13 @@ class RoutingMonitor:
             handle.remove()
         self._handles = []
 
-    def _hook(self, pos: int) -> Callable[[torch.nn.Module, Any, Any], None]:
-        def hook(module: torch.nn.Module, inputs: Any, output: Any) -> None:
-            # Training forwards with gradients only: evaluation (model.eval()), generation, and the no-grad routing
-            # pre-pass of the global-batch aux loss (MoETransformer.moe_counts) must not count.
-            # A layer recomputed by activation checkpointing (moetrain.parallel.ac) runs again inside backward.
-            if module.training and torch.is_grad_enabled() and isinstance(output, tuple) and not in_recompute():
-                self.summary.add(pos, output[-1])
-
-        return hook
+    def _observe(self, pos: int, module: torch.nn.Module, inputs: Any, output: Any) -> None:
+        """The forward hook of MoE layer ``pos``: adds its record. Training forwards with gradients only: evaluation
+        (model.eval()), generation, and the no-grad routing pre-pass of the global-batch aux loss
+        (MoETransformer.moe_counts) must not count, nor a layer recomputed inside backward by activation
+        checkpointing (moetrain.parallel.ac)."""
+        if module.training and torch.is_grad_enabled() and isinstance(output, tuple) and not in_recompute():
+            self.summary.add(pos, output[-1])
 
     def end_step(self, step: int, lm_loss: torch.Tensor | float | None) -> None:
         """Close optimizer step ``step`` (steps done so far); ``lm_loss`` is the step's scalar LM loss (device

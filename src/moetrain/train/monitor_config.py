@@ -1,9 +1,6 @@
-"""Configuration of routing-health monitoring: what is collected, and when each alarm fires.
-
-The alarms and why each matters (Switch Transformer, Fedus et al., 2021, sec. 2.2; ST-MoE, Zoph et al., 2022,
-sec. 3): a *dead expert* receives no tokens and stops learning; a *collapse* sends most tokens to one expert, so
-the layer degenerates into a dense FFN; *token drops* (capacity-limited layers) silently skip the FFN for some
-tokens; a *loss spike* or a *non-finite loss* usually precedes divergence.
+"""Configuration of routing-health monitoring: what is collected, and when each alarm fires (the alarms and why
+each matters: docs/routing-health.md, after Switch Transformer, Fedus et al., 2021, sec. 2.2, and ST-MoE, Zoph et al.,
+2022, sec. 3).
 """
 
 from __future__ import annotations

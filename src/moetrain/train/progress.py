@@ -68,7 +68,7 @@ class StepLog:
 
     def __init__(self, metrics: Any, log: Callable[[str], None], total_steps: int, initial_step: int,
                  tokens_per_step: int, progress: bool, mfu: MfuModel | None = None):
-        self.metrics, self.log, self.tokens_per_step = metrics, log, tokens_per_step
+        self.metrics, self.log = metrics, log
         self.console = Console(total_steps, initial_step, tokens_per_step, mfu, use_bar(progress), log)
         self.t0 = time.perf_counter()
         self.elapsed_s = 0.0  # at the end of the latest step (see the module docstring)

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Any, TypedDict, cast
@@ -112,19 +113,10 @@ def entropy_and_z_sums(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return entropy_sum, z_sum
 
 
-def find_drop_field(record: Any) -> str | None:
-    """Name of the dropped-count field of an MoE record (the first dataclass field whose name contains ``drop``),
-    or ``None`` when the record has none (dropless layers)."""
-    if not dataclasses.is_dataclass(record):
-        return None
-    return next((f.name for f in dataclasses.fields(record) if "drop" in f.name), None)
-
-
 def find_loss_fields(record: Any) -> list[str]:
     """Names of the scalar loss fields of an MoE record (dataclass fields whose name ends in ``loss``)."""
-    if not dataclasses.is_dataclass(record):
-        return []
-    return [f.name for f in dataclasses.fields(record) if f.name.endswith("loss")]
+    fields = dataclasses.fields(record) if dataclasses.is_dataclass(record) else ()
+    return [f.name for f in fields if f.name.endswith("loss")]
 
 
 def _device_index(cache: dict[tuple[int, ...], torch.Tensor], values: tuple[int, ...],
@@ -185,8 +177,9 @@ class StepSummary:
         """
         e, host, zero = self.num_experts, self._host[pos], self._zero
         kind = type(record)
-        if kind not in self._drop_field:
-            self._drop_field[kind] = find_drop_field(record)
+        if kind not in self._drop_field:  # the first dataclass field whose name contains "drop" (None: dropless)
+            fields = dataclasses.fields(record) if dataclasses.is_dataclass(record) else ()
+            self._drop_field[kind] = next((f.name for f in fields if "drop" in f.name), None)
         drop = self._drop_field[kind]
         dropped = getattr(record, drop) if drop else None
         per_expert, drop_sum = self._zero_e, zero
@@ -416,13 +409,10 @@ class RoutingStats:
         if losses is not None:
             parts.append(losses)
         parts += [b.detach().reshape(-1).to(self.device, torch.float64) for b in biases if b is not None]
-        host = torch.cat(parts).tolist()  # the one host sync of the interval
-        at = 0
+        host = iter(torch.cat(parts).tolist())  # the one host sync of the interval
 
         def take(n: int) -> list[float]:
-            nonlocal at
-            at += n
-            return host[at - n:at]
+            return list(itertools.islice(host, n))
 
         counts, last_seen, dropped, window = (take(n_layers * e) for _ in range(4))
         layout = self.summary
@@ -457,16 +447,13 @@ class RoutingStats:
                         window_steps=min(self.steps_seen, self.collapse_window))
         if self.spike is not None:
             snap.spike_ratio, snap.spike_step, snap.spike_loss = self.spike
-        self._reset_interval()
-        return snap
-
-    def _reset_interval(self) -> None:
-        self.counts.zero_()
+        self.counts.zero_()  # a new interval
         self.dropped.zero_()
         if self.scalars is not None:
             self.scalars.zero_()
         self.spike, self.nonfinite_count, self.nonfinite_last = None, 0, None
         self.interval_start = self.step
+        return snap
 
     # -- checkpointing -----------------------------------------------------------------------------------------
     _TENSORS = ("counts", "last_seen", "dropped", "window")

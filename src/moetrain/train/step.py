@@ -1,17 +1,11 @@
 """One optimizer step: gradient accumulation over micro-batches, clipping, AdamW, LR schedule, expert-bias update.
 
-Gradient accumulation is exact for every token-mean term: all micro-batches have the same number of tokens, so
-dividing each micro-batch's loss by ``grad_accum`` gives the mean over the whole step for the LM loss, the router
-z-loss and the sequence-level aux loss. The global-batch aux loss needs the expert counts of the *whole* step
-before the first backward (its ``f`` is a constant of the step, non-differentiable): when it is on and
-``grad_accum > 1``, a routing pass without gradients (:meth:`MoETransformer.moe_counts`, about one extra forward,
-i.e. ~+1/3 step compute) first collects the step's counts; every micro-batch then uses them, so its gradients
-equal one large batch's. With data parallelism a :data:`~moetrain.moe.balancing.CountReducer` sums those counts
-over ranks. The Switch loss (per micro-batch), the pooled transformers-style loss and the utilisation loss are not
-linear in the batch; they are averaged over micro-batches (Megatron-Core and transformers do the same).
-
-The aux-loss-free expert bias (``model.moe.router.expert_bias``) is updated once per optimizer step, after the
-optimizer, from the counts of all micro-batches (and ranks).
+Each micro-batch's loss is divided by ``grad_accum`` (or weighted by its real tokens: train/microbatch_weights.py),
+which is exact for every token-mean term. The global-batch aux loss first runs a no-grad routing pre-pass
+(:meth:`MoETransformer.moe_counts`, about one extra forward) for the whole step's counts, summed over data-parallel
+ranks by a :data:`~moetrain.moe.balancing.CountReducer`; the losses that are not linear in the batch are averaged
+over micro-batches (docs/routing.md, "Balancing losses"). The aux-loss-free expert bias is updated once per
+optimizer step, after the optimizer, from the counts of all micro-batches (and ranks).
 """
 
 from __future__ import annotations
@@ -55,7 +49,6 @@ class StepResult:
             state, expert biases and LR schedule unchanged; gradients discarded).
         moe_losses: every MoE loss term of ``ModelOutput`` (``aux_loss``, ``pooled_aux_loss``, ``seq_aux_loss``,
             ``global_aux_loss``, ``z_loss``, ``util_loss``, ``moe_loss``), averaged over micro-batches.
-        dropped_per_expert: one [E] fp32 tensor per MoE layer, assignments dropped by capacity, summed.
     """
 
     lm_loss: torch.Tensor
@@ -64,7 +57,6 @@ class StepResult:
     tokens_per_expert: list[torch.Tensor] = field(default_factory=list)
     skipped: bool = False
     moe_losses: dict[str, torch.Tensor] = field(default_factory=dict)
-    dropped_per_expert: list[torch.Tensor] = field(default_factory=list)
 
 
 @dataclass
@@ -75,26 +67,17 @@ class Accumulated:
         lm_loss: scalar mean LM loss over the micro-batches.
         moe_losses: MoE loss terms averaged over micro-batches (names as in ``ModelOutput``).
         tokens_per_expert: [L, E] selection counts summed over micro-batches.
-        dropped_per_expert: [L, E] dropped counts summed over micro-batches.
         global_counts: [L, E] the counts of the pre-pass after the reducer (``None`` when no pre-pass ran).
     """
 
     lm_loss: torch.Tensor
     moe_losses: dict[str, torch.Tensor]
     tokens_per_expert: torch.Tensor
-    dropped_per_expert: torch.Tensor
     global_counts: torch.Tensor | None = None
 
 
 # The MoE loss terms of ``ModelOutput`` (the model owns the list) and their weighted sum, as a step reports them.
 _STEP_MOE_TERMS = (*MOE_LOSS_TERMS, "moe_loss")
-
-
-def needs_global_counts(model: MoETransformer, grad_accum: int, count_reducer: CountReducer | None) -> bool:
-    """Whether the step must run the no-grad routing pre-pass: the global-batch aux loss is on, the model has MoE
-    layers, and the step spans several micro-batches or data-parallel ranks."""
-    coeff = model.config.moe.losses.global_aux_loss_coeff
-    return coeff > 0 and bool(model.moe_layers()) and (grad_accum > 1 or count_reducer is not None)
 
 
 def accumulate_gradients(
@@ -120,12 +103,12 @@ def accumulate_gradients(
             reduces the accumulated gradients over the ranks once, in the last backward; ``None`` on one rank.
     """
     g = len(batches)
-    # Token-budget micro-batches (PackedBatch) hold different real-token counts: weight each by its share
-    # (train/microbatch_weights.py); plain equal micro-batches keep the 1 / g below (weights None).
     batches = [to_device(b, device) for b in batches]
     weights = micro_batch_weights(batches)
     global_counts: torch.Tensor | None = None
-    if needs_global_counts(model, g, count_reducer):
+    # The routing pre-pass: the global-batch aux loss is on and the step spans several micro-batches or ranks.
+    pre_pass = model.config.moe.losses.global_aux_loss_coeff > 0 and (g > 1 or count_reducer is not None)
+    if pre_pass and model.moe_layers():
         # Same mode and the same random numbers (router jitter) as the passes below, so they route identically.
         devices = [device] if device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices), autocast_context(device, dtype):
@@ -137,7 +120,6 @@ def accumulate_gradients(
     lm = zero.clone()
     losses = {name: zero.clone() for name in _STEP_MOE_TERMS}
     counts: torch.Tensor | None = None
-    dropped: torch.Tensor | None = None
     for i, batch in enumerate(batches):
         inputs, targets, batch_kwargs = model_inputs(batch)  # + padding_mask, document_ids of a PackedBatch
         if grad_sync is not None:
@@ -152,12 +134,10 @@ def accumulate_gradients(
             losses[name] += term_share(model, out, name, weights, i, g)
         if out.moe:
             c = torch.stack([r.tokens_per_expert for r in out.moe])
-            d = torch.stack([r.dropped_per_expert for r in out.moe])
-            counts, dropped = (c, d) if counts is None or dropped is None else (counts + c, dropped + d)
-    if counts is None or dropped is None:  # no MoE layer
-        counts = dropped = torch.zeros(0, model.config.moe.num_experts, device=device)
-    return Accumulated(lm_loss=lm, moe_losses=losses, tokens_per_expert=counts, dropped_per_expert=dropped,
-                       global_counts=global_counts)
+            counts = c if counts is None else counts + c
+    if counts is None:  # no MoE layer
+        counts = torch.zeros(0, model.config.moe.num_experts, device=device)
+    return Accumulated(lm_loss=lm, moe_losses=losses, tokens_per_expert=counts, global_counts=global_counts)
 
 
 def finish_step(
@@ -192,8 +172,7 @@ def finish_step(
     grad_norm = clip(config.grad_clip if config.grad_clip > 0 else float("inf"))
     lr = float(scheduler.get_last_lr()[0])  # a float already (LambdaLR)
     result = StepResult(lm_loss=lm, grad_norm=grad_norm, lr=lr,
-                        tokens_per_expert=list(acc.tokens_per_expert.unbind(0)), moe_losses=acc.moe_losses,
-                        dropped_per_expert=list(acc.dropped_per_expert.unbind(0)))
+                        tokens_per_expert=list(acc.tokens_per_expert.unbind(0)), moe_losses=acc.moe_losses)
     # A non-finite loss or gradient would poison the weights and AdamW's moments for good: skip the update and
     # leave the schedule where it is (as Megatron-LM does). Costs one host sync per step (the trainer reads the
     # loss every step anyway). A non-finite gradient makes the norm non-finite, so the norm covers all of them.

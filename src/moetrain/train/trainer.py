@@ -108,7 +108,6 @@ def evaluate(model: MoETransformer, batches: Iterable[Batch], device: torch.devi
     return total / max(count, 1)
 
 
-
 __all__ = ["CONFIG_FILE", "TOKENIZER_FILE", "TrainResult", "Trainer", "build_optimizer", "evaluate",
            "resolve_device", "resume_hint"]
 
