@@ -1,19 +1,15 @@
 """The sharded checkpoint format with ``torch.distributed.checkpoint`` (DCP): each rank writes its own shards,
-replicated tensors are written once, and loading reshards to any layout, one process included.
+replicated tensors are written once, and loading reshards to any layout, one process included (what is written,
+hashed and verified by whom: docs/scale-out.md, Checkpoints and resharding).
 
 Legend: E = experts, E_l = E / ep local experts.
 
-An expert shard [E_l, ...] is presented to DCP as a ``DTensor`` of global shape [E, ...] placed ``(Replicate(),
-Shard(0))`` on the ``(dp, ep)`` mesh, sharing storage with the parameter (no copy); every other tensor is a plain
-tensor, which DCP treats as replicated. The checkpoint's metadata thus describes global tensors and chunk offsets
-only, so an EP=4 checkpoint loads at EP=2 or in one process (whole [E, ...] tensors). The AdamW moments of an expert
-shard are sharded the same way.
-
-Files: DCP's ``.metadata`` (rank 0, DCP's coordinator), ``__<rank>_0.distcp`` (each rank) and ``moetrain.json``
-(world size, ep, dp), beside the ``train_state.pt`` and manifest of
-:class:`~moetrain.train.checkpoint.CheckpointStore`. :class:`~moetrain.train.checkpointer.Checkpointer` writes them
-(:func:`write_shards`) and reads them back through :class:`VerifiedReader`, which verifies only the shard files
-whose chunks this rank reads (:func:`load_checkpoint`).
+An expert shard [E_l, ...] is presented to DCP as a ``DTensor`` of global shape [E, ...] sharing storage with the
+parameter (no copy; :meth:`ShardLayout.global_view`); every other tensor is a plain tensor, which DCP treats as
+replicated, so the metadata describes global tensors and chunk offsets only. Files: DCP's ``.metadata``,
+``__<rank>_0.distcp`` (each rank) and ``moetrain.json`` (world size, ep, dp), beside the ``train_state.pt`` and
+manifest of :class:`~moetrain.train.checkpoint.CheckpointStore`; :class:`~moetrain.train.checkpointer.Checkpointer`
+writes them (:func:`write_shards`) and reads them back (:func:`load_checkpoint`, :func:`load_full`).
 """
 
 from __future__ import annotations
@@ -150,30 +146,16 @@ def materialise_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
         group["lr"] = lr
 
 
-def model_state_dict(model: nn.Module, layout: ShardLayout) -> dict[str, torch.Tensor]:
-    """What DCP writes for the model: ``model.state_dict()`` keyed by FQN, expert shards as global-shape DTensor
-    views (the analogue of ``torch.distributed.checkpoint.state_dict.get_model_state_dict``)."""
-    return {k: layout.global_view(k, v) for k, v in model.state_dict().items()}
-
-
-def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, layout: ShardLayout
-                         ) -> dict[str, dict[str, Any]]:
-    """What DCP writes for the optimizer: each parameter's state keyed by the parameter's FQN (not its index, so
-    that it survives a change of layout), moments of expert shards as global-shape DTensor views (the analogue
-    of ``get_optimizer_state_dict`` with flattened FQN keys)."""
-    names = _param_names(model)
-    return {
-        names[p]: {k: layout.global_view(names[p], v) if torch.is_tensor(v) and v.shape == p.shape else v
-                   for k, v in s.items()}
-        for p, s in optimizer.state.items()
-    }
-
-
 def _state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None, layout: ShardLayout) -> dict[str, Any]:
-    """The tensors DCP reads and writes: ``model`` and (with an optimizer) ``optim``."""
-    state: dict[str, Any] = {"model": model_state_dict(model, layout)}
+    """What DCP reads and writes (the analogue of ``torch.distributed.checkpoint.state_dict.get_state_dict`` with
+    flattened FQN keys): ``model``, ``model.state_dict()``, and with an optimizer ``optim``, each parameter's state
+    keyed by the parameter's FQN (not its index, so that it survives a change of layout); expert shards and their
+    moments as global-shape DTensor views."""
+    state: dict[str, Any] = {"model": {k: layout.global_view(k, v) for k, v in model.state_dict().items()}}
     if optimizer is not None:
-        state["optim"] = optimizer_state_dict(model, optimizer, layout)
+        names = _param_names(model)
+        state["optim"] = {names[p]: {k: layout.global_view(names[p], v) if torch.is_tensor(v) and v.shape == p.shape
+                                     else v for k, v in s.items()} for p, s in optimizer.state.items()}
     return state
 
 

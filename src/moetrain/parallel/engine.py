@@ -1,14 +1,8 @@
-"""The trainer's hooks for every ``torchrun`` job: the ``pp x dp_replicate x dp_shard x ep`` mesh (:mod:`.layout`),
-expert slicing and dispatchers, activation checkpointing (:mod:`.ac`), FSDP2 (:mod:`.fsdp`), pipeline stages
-(:mod:`.pipeline_runner`); the interface of :class:`~.launch.ParallelHooks`, the one-process hooks.
-
-- gradients are reduced during backward: by FSDP2 (reduce-scattered over the shards, all-reduced over the
-  replicas), or with one shard per replica and no pipeline (plain data parallelism) by ``replicate`` over the
-  replicas (:func:`.fsdp.apply_replicate`); ``sync_grads`` only clips (:func:`.fsdp.clip_grad_norm`);
-- counts and losses are reduced over the data-parallel ranks of a pipeline stage (``stage_group``), not the world:
-  the stages hold different layers;
-- a rank reads rows ``[d * B / D, (d + 1) * B / D)`` of each global micro-batch, d its data-parallel index within
-  the stage and D = dp_replicate * dp_shard * ep, so the data order (and a resumed sampler) is one process's.
+"""The trainer's hooks for every ``torchrun`` job (how a step runs on them: docs/scale-out.md): the
+``pp x dp_replicate x dp_shard x ep`` mesh (:mod:`.layout`), expert slicing and dispatchers, activation
+checkpointing (:mod:`.ac`), FSDP2 or ``replicate`` (:mod:`.fsdp`), pipeline stages (:mod:`.pipeline_runner`); the
+interface of :class:`~.launch.ParallelHooks`, the one-process hooks. Counts and losses are reduced over the
+data-parallel ranks of a pipeline stage (``stage_group``), not the world: the stages hold different layers.
 """
 
 from __future__ import annotations
@@ -17,11 +11,12 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed._composable.replicate import DDP
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -68,12 +63,6 @@ class ShardedLayout(ShardLayout):
         shape = shard.global_shape(tensor.shape)
         return DTensor.from_local(local, self.expert_mesh, [Shard(0), inner], run_check=False, shape=shape,
                                   stride=torch.empty(shape, device="meta").stride())
-
-
-class _GradientSync(Protocol):
-    """A module under ``replicate`` (or FSDP2): its gradient reduction can be turned off for a backward."""
-
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None: ...
 
 
 class ShardedHooks(ParallelHooks):
@@ -137,7 +126,8 @@ class ShardedHooks(ParallelHooks):
 
     def local_batch(self, next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]]
                     ) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
-        """This rank's rows of each global micro-batch (see the module docstring).
+        """This rank's rows ``[d * B / D, (d + 1) * B / D)`` of each global micro-batch of B, d its data-parallel
+        index within the stage and D = dp_replicate * dp_shard * ep, so the data order is one process's.
 
         Raises:
             ConfigError: B not divisible by the data-parallel ranks of a stage (on the first call).
@@ -201,7 +191,7 @@ class ShardedHooks(ParallelHooks):
         reducing every micro-batch: an unreduced gradient would be the whole, unsharded one."""
         if self.replicas_only:
             assert self.model is not None, "grad_sync before prepare_model"
-            cast(_GradientSync, self.model).set_requires_gradient_sync(last)
+            cast(DDP, self.model).set_requires_gradient_sync(last)
 
     def sync_grads(self, max_norm: float) -> torch.Tensor:
         """FSDP2 reduced the gradients during backward; clip them by the global norm and return it."""

@@ -2,13 +2,10 @@
 
     torchrun --nproc_per_node 4 -m moetrain train --preset tiny parallel.ep=2      # 2 replicas x ep 2
 
-Every ``torchrun`` job (``WORLD_SIZE > 1``) runs on one engine, FSDP2 on a ``pp x dp_replicate x dp_shard x ep``
-``DeviceMesh`` (:class:`moetrain.parallel.engine.ShardedHooks`): plain data parallelism is its ``dp_replicate``
-dimension (``replicate``), ZeRO its ``dp_shard``, expert parallelism its ``ep`` (expert slices and an all-to-all
-dispatcher), pipelining on top. One process runs the :class:`ParallelHooks` here, whose hooks are the identity;
-they are also the engine's base (data preparation on rank 0, the shared stop and alarm decisions, the
-token-exchange counters). Each hook that is a collective says so: every rank calls it at the same point. Only
-rank 0 writes logs, metrics and run files.
+Every ``torchrun`` job (``WORLD_SIZE > 1``) runs on one engine (:class:`moetrain.parallel.engine.ShardedHooks`;
+docs/scale-out.md). One process runs the :class:`ParallelHooks` here, whose hooks are the identity; they are also
+the engine's base. Each hook that is a collective says so: every rank calls it at the same point. Only rank 0
+writes logs, metrics and run files.
 """
 
 from __future__ import annotations
@@ -154,19 +151,18 @@ class ParallelHooks:
 
         # rank 0's outcome: ("ok", tokenizer.json bytes) or ("error", message)
         message: list[tuple[str, bytes | str] | None] = [None]
-        if self.is_main:
-            try:
+        try:
+            if self.is_main:
                 result = prepare()
                 message = [("ok", result[1])]
-            except Exception as e:  # the other ranks report it instead of waiting for a tokenizer
-                message = [("error", str(e) if isinstance(e, MoetrainError) else f"{type(e).__name__}: {e}")]
-                raise
-            finally:
-                with named_collective("broadcast_object_list (tokenizer from rank 0)"):
-                    dist.broadcast_object_list(message, src=0)
+        except Exception as e:  # the other ranks report it instead of waiting for a tokenizer
+            message = [("error", str(e) if isinstance(e, MoetrainError) else f"{type(e).__name__}: {e}")]
+            raise
+        finally:
+            with named_collective("broadcast_object_list (tokenizer from rank 0)"):
+                dist.broadcast_object_list(message, src=0)
+        if self.is_main:
             return result
-        with named_collective("broadcast_object_list (tokenizer from rank 0)"):
-            dist.broadcast_object_list(message, src=0)
         outcome = message[0]
         assert outcome is not None  # filled by rank 0's broadcast
         _, payload = outcome
@@ -217,8 +213,8 @@ class ParallelHooks:
         self._steps = 0
         names = {"tokens_received": "tokens_received", "dispatch_bytes_sent": "a2a_bytes_sent",
                  "dispatch_bytes_sent_remote": "a2a_bytes_sent_remote", "combine_bytes_sent": "combine_bytes_sent"}
-        ranks = [dict(zip(CommStats.field_names(), counters.tolist())) for counters in everyone]
-        return {f"ep/rank{rank}/{key}": values[field] / steps
+        ranks = [CommStats(*counters.tolist()) for counters in everyone]
+        return {f"ep/rank{rank}/{key}": getattr(values, field) / steps
                 for rank, values in enumerate(ranks) for field, key in names.items()}
 
     # -- checkpoints, monitoring, stopping ---------------------------------------------------------------------

@@ -1,23 +1,15 @@
 """The ``pp x dp_replicate x dp_shard x ep`` device mesh of the FSDP2 engine, from the ``parallel`` config and the
-``torchrun`` environment.
+``torchrun`` environment (what each dimension shards: docs/scale-out.md, The mesh).
 
 Legend: P = pp (pipeline stages), R = dp_replicate (HSDP replicas), S = dp_shard (FSDP shards), X = ep (expert
 parallel), W = P * R * S * X = WORLD_SIZE.
 
 Ranks fill a ``(P, R, S, X)`` grid, ``rank = ((p * R + r) * S + s) * X + x``: an EP group is X consecutive ranks
-(one node's GPUs when X <= nproc_per_node), pipeline stages are the outermost dimension (as in torchtitan). EP is
-borrowed from data parallelism: all ``R * S * X`` ranks of a stage read different rows of the global batch, so for
-the non-expert parameters they are all data-parallel ranks (FSDP2 shards them over the ``S * X`` ranks of a
-replica and replicates over R); an expert shard (E / X experts) is replicated by the ``R * S`` ranks with the same
-``x``, over which FSDP2 shards it (over S) and replicates it (over R).
-
+(one node's GPUs when X <= nproc_per_node), pipeline stages are the outermost dimension (as in torchtitan).
 Every process group is created with ``new_group(timeout=parallel.timeout_s)`` and wrapped by
 ``DeviceMesh.from_group``: ``init_device_mesh`` would give sub-groups the backend default time-out (30 min).
-
-Expert parallelism's view of a rank (:class:`ParallelMesh`: ``ep``, ``ep_rank``, its EP group) is what the
-dispatchers and the expert slicing (:func:`shard_experts`: E / X consecutive experts of every MoE layer per EP
-rank, :class:`ExpertShard`) read; the trainer and ``moetrain serve parallel.ep=N`` both join the job and build
-the mesh through :func:`init_layout_mesh`.
+The trainer and ``moetrain serve parallel.ep=N`` both join the job and build the mesh through
+:func:`init_layout_mesh`.
 """
 
 from __future__ import annotations
@@ -82,13 +74,6 @@ class Layout:
     def grid(self) -> torch.Tensor:
         """[P, R, S, X] int64: the global rank at each coordinate."""
         return torch.arange(self.world).view(self.pp, self.dp_replicate, self.dp_shard, self.ep)
-
-    def coords(self, rank: int) -> tuple[int, int, int, int]:
-        """(p, r, s, x) of ``rank``."""
-        x = rank % self.ep
-        s = rank // self.ep % self.dp_shard
-        r = rank // (self.ep * self.dp_shard) % self.dp_replicate
-        return rank // (self.ep * self.dp_shard * self.dp_replicate), r, s, x
 
     def describe(self) -> str:
         """One line: the sizes and what each dimension shards."""
@@ -321,7 +306,7 @@ def build_layout_mesh(layout: Layout, timeout_s: float, device: torch.device) ->
         raise ConfigError(f"parallel: the mesh needs {layout.world} ranks, the job has {world}")
     timeout = datetime.timedelta(seconds=timeout_s)
     grid = layout.grid
-    p, r, s, x = layout.coords(rank)
+    p, r, s, x = (grid == rank).nonzero()[0].tolist()
     with named_collective("new_group (building the pp x dp_replicate x dp_shard x ep mesh)"):
         ep_group, _ = _groups(grid, (3,), rank, timeout)
         rep_group, _ = _groups(grid, (1,), rank, timeout)  # same p, s, x: replicas (both FSDP meshes' first dim)

@@ -1,16 +1,10 @@
 """Runs one optimizer step of a pipeline-parallel job: the routing pre-pass, the ``torch.distributed.pipelining``
 schedule over the step's micro-batches, then clipping, AdamW and the expert-bias update, reporting what
-:func:`moetrain.train.step.train_step` reports for one process.
+:func:`moetrain.train.step.train_step` reports for one process (why that equals one process, tested in
+tests/test_pipeline_train.py: docs/scale-out.md, Pipeline parallelism).
 
 Legend: M = micro-batches per step (``train.grad_accum``), b = rows per rank and micro-batch, S = sequence,
 D = hidden, E = experts, L_s = MoE layers of this rank's stages.
-
-Equivalence with one process (tested in tests/test_pipeline_train.py): each micro-batch's loss is its mean LM
-loss plus the MoE losses, each stage adding its layers' share (:class:`~.pipeline.StageModule`); the schedule
-divides the gradients by M (``scale_grads``) as ``train_step`` divides each loss by ``grad_accum``; FSDP2 averages
-over the data-parallel ranks. The global-batch aux loss needs the step's counts before the first backward: a
-no-grad routing pass through the pipeline (point-to-point sends of the hidden states, stage by stage) collects
-them first, as ``MoETransformer.moe_counts`` does in one process (~1/3 more compute).
 """
 
 from __future__ import annotations
@@ -105,18 +99,15 @@ class PipelineRunner:
     def __init__(self, model: "MoETransformer", mesh: LayoutMesh, parallel: ParallelConfig, grad_accum: int,
                  dtype: str = "fp32", seed: int = 0, stats: CommStats | None = None,
                  micro_shape: tuple[int, int] | None = None):
-        layout = mesh.layout
         self.mesh, self.m, self.dtype = mesh, grad_accum, dtype
-        self.n_stages = layout.pp * parallel.pp_stages_per_rank
+        self.n_stages = mesh.layout.pp * parallel.pp_stages_per_rank
         check_microbatches(parallel, grad_accum)
-        config: ModelConfig = model.config
-        self.config = config
+        self.config: ModelConfig = model.config
         self.schedule_name = parallel.pp_schedule
-        self.ranges = stage_blocks(config, self.n_stages, micro_shape[1] if micro_shape else None,
+        self.ranges = stage_blocks(self.config, self.n_stages, micro_shape[1] if micro_shape else None,
                                    parallel.activation_checkpoint)
-        self.indices = rank_stages(mesh.pp_rank, layout.pp, parallel.pp_stages_per_rank, parallel.pp_schedule)
-        ranges = self.ranges
-        self.modules = [StageModule(model, ranges[i], i == 0, i == self.n_stages - 1) for i in self.indices]
+        self.indices = rank_stages(mesh.pp_rank, mesh.layout.pp, parallel.pp_stages_per_rank, parallel.pp_schedule)
+        self.modules = [StageModule(model, self.ranges[i], i == 0, i == self.n_stages - 1) for i in self.indices]
         self.plan: dict[str, ExpertShard] = {}
         for module in self.modules:
             plan = parallelize(module, mesh.ep_mesh, parallel.dispatcher, stats, parallel.activation_checkpoint)
@@ -133,7 +124,7 @@ class PipelineRunner:
             self.schedule = kind(stages, n_microbatches=grad_accum, loss_fn=lm_loss)
         else:
             self.schedule = kind(self.stages[0], n_microbatches=grad_accum, loss_fn=lm_loss)
-        self.global_aux = config.moe.losses.global_aux_loss_coeff > 0
+        self.global_aux = self.config.moe.losses.global_aux_loss_coeff > 0
 
     def _metadata(self, module: StageModule, micro_shape: tuple[int, int] | None) -> dict[str, Any]:
         """``input_args`` / ``output_args`` examples of a stage for micro-batches of ``micro_shape`` (meta
@@ -261,22 +252,21 @@ class PipelineRunner:
         for module in self.modules:  # without static shapes the first step adds a shape-inference forward first
             module.records = module.records[-self.m:]
         zero = torch.zeros((), device=device)
+        names = [n for n in MOE_TERMS if n != "pooled_aux_loss"]  # the pooled loss is refused with pp > 1
         values = torch.stack([sum(losses, zero).detach() / self.m if last else zero] + [
-            sum((r[name] for m in self.modules for r in m.records), zero) / self.m
-            for name in MOE_TERMS if name != "pooled_aux_loss"])
+            sum((r[name] for m in self.modules for r in m.records), zero) / self.m for name in names])
         with named_collective("all_reduce (pipeline step losses)", self.mesh.pp_group):
             dist.all_reduce(values, op=dist.ReduceOp.SUM, group=self.mesh.pp_group)
-        names = [n for n in MOE_TERMS if n != "pooled_aux_loss"]
-        moe = dict(zip(names, values[1:]))
-        moe["pooled_aux_loss"] = zero
-        e = self.config.moe.num_experts
-        counts = [torch.stack([r["counts"] for r in m.records]).sum(0) for m in self.modules if m.records]
-        dropped = [torch.stack([r["dropped"] for r in m.records]).sum(0) for m in self.modules if m.records]
-        tpe = torch.cat(counts) if counts else torch.zeros(0, e, device=device)
-        drp = torch.cat(dropped) if dropped else torch.zeros(0, e, device=device)
+        moe = {**dict(zip(names, values[1:])), "pooled_aux_loss": zero}
+
+        def per_layer(key: str) -> torch.Tensor:  # [L_s, E] summed over the step's micro-batches
+            sums = [torch.stack([r[key] for r in m.records]).sum(0) for m in self.modules if m.records]
+            return torch.cat(sums) if sums else torch.zeros(0, self.config.moe.num_experts, device=device)
+
         steps = [m.step_counts for m in self.modules if m.step_counts is not None]
-        return Accumulated(lm_loss=values[0], moe_losses={k: moe[k] for k in MOE_TERMS}, tokens_per_expert=tpe,
-                           dropped_per_expert=drp, global_counts=torch.cat(steps) if steps else None)
+        return Accumulated(lm_loss=values[0], moe_losses={k: moe[k] for k in MOE_TERMS},
+                           tokens_per_expert=per_layer("counts"), dropped_per_expert=per_layer("dropped"),
+                           global_counts=torch.cat(steps) if steps else None)
 
     def moe_layers(self) -> list[MoELayer]:
         return [layer for m in self.modules for layer in m.moe_layers()]
