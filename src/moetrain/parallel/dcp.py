@@ -42,6 +42,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch import nn
 from torch.futures import Future
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from moetrain.errors import CheckpointError
@@ -78,20 +79,21 @@ def _quiet(mesh: ParallelMesh) -> Iterator[None]:
 
 @dataclass(frozen=True)
 class ShardLayout:
-    """How this rank's tensors map onto the global ones: the mesh and the expert shards.
-
-    Here only routed-expert tensors are sharded (dim 0 over the EP group) and every other tensor is replicated;
-    the FSDP2 engine's :class:`~moetrain.parallel.engine.ShardedLayout` passes its DTensor parameters (which carry
-    their own placement) through and presents its expert shards on the ``(ep, dp_shard)`` mesh.
+    """How this rank's tensors map onto the global ones: the mesh and the expert shards. A DTensor parameter (an
+    FSDP2 one) carries its own placement, a plain tensor is replicated, and an expert shard is presented as a view
+    of the global [E, ...] tensor (:meth:`global_view`; replicas write the same chunks, which DCP deduplicates).
 
     Attributes:
         mesh: this rank's mesh position.
         plan: ``{parameter name: ExpertShard}`` (:func:`moetrain.parallel.layout.shard_experts`); empty: no
             sharding.
+        expert_mesh: the FSDP2 engine's ``(ep, dp_shard)`` mesh of the expert shards
+            (:attr:`~moetrain.parallel.layout.LayoutMesh.expert_global_mesh`); ``None``: experts not FSDP2-sharded.
     """
 
     mesh: ParallelMesh
     plan: dict[str, ExpertShard] = field(default_factory=dict)
+    expert_mesh: DeviceMesh | None = None
 
     @classmethod
     def single(cls, device: torch.device | str = "cpu") -> "ShardLayout":
@@ -108,12 +110,22 @@ class ShardLayout:
 
     def global_view(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` itself, or for an expert shard [E_l, ...] a DTensor view of it (no copy) of global shape
-        [E, ...] placed ``(Replicate(), Shard(0))`` on the ``(dp, ep)`` mesh."""
+        [E, ...]: on :attr:`expert_mesh` rows split over ep, then over dp_shard (FSDP2's ``Shard(0)``) or columns
+        over dp_shard (``Shard(1)``); without it placed ``(Replicate(), Shard(0))`` on the ``(dp, ep)`` mesh."""
         shard = self.plan.get(name)
-        if isinstance(tensor, DTensor) or shard is None or not self.mesh.distributed or self.mesh.ep == 1:
-            return tensor  # a DTensor (an FSDP2 parameter) already carries its placement
+        if shard is None or not self.mesh.distributed or self.mesh.ep == 1 or tensor.dim() == 0:
+            return tensor
+        mesh: DeviceMesh | None = self.expert_mesh
+        if mesh is not None:
+            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            inner = tensor.placements[-1] if isinstance(tensor, DTensor) else Replicate()
+            placements = [Shard(0), inner]
+        elif isinstance(tensor, DTensor):
+            return tensor  # already carries its placement
+        else:
+            local, mesh, placements = tensor, self.mesh.mesh, [Replicate(), Shard(0)]
         shape = shard.global_shape(tensor.shape)
-        return DTensor.from_local(tensor, self.mesh.mesh, [Replicate(), Shard(0)], run_check=False, shape=shape,
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape,
                                   stride=torch.empty(shape, device="meta").stride())
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from dataclasses import dataclass
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, cast
 
@@ -17,8 +16,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed._composable.replicate import DDP
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from moetrain.errors import ConfigError
 from moetrain.parallel.comm import named_collective
@@ -38,31 +35,6 @@ if TYPE_CHECKING:
     from moetrain.train.monitor import StageRouting
     from moetrain.train.monitor_config import MonitorConfig
     from moetrain.train.step import StepResult
-
-
-@dataclass(frozen=True)
-class ShardedLayout(ShardLayout):
-    """The checkpoint view of the FSDP2 engine's tensors. FSDP2 parameters (and AdamW moments) are DTensors that
-    carry their placement, except that an expert tensor's DTensor spans only this rank's E / ep experts: it is
-    presented as a view of the global [E, ...] tensor on the ``(ep, dp_shard)`` mesh, rows split over ep, then
-    over dp_shard (FSDP2's ``Shard(0)``) or columns over dp_shard (``Shard(1)``). No copy; replicas (dp_replicate)
-    write the same chunks, which DCP deduplicates.
-
-    Attributes:
-        expert_mesh: :attr:`LayoutMesh.expert_global_mesh`.
-    """
-
-    expert_mesh: DeviceMesh | None = None
-
-    def global_view(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        shard = self.plan.get(name)
-        if shard is None or self.mesh.ep == 1 or tensor.dim() == 0 or self.expert_mesh is None:
-            return super().global_view(name, tensor)
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        inner = tensor.placements[-1] if isinstance(tensor, DTensor) else Replicate()
-        shape = shard.global_shape(tensor.shape)
-        return DTensor.from_local(local, self.expert_mesh, [Shard(0), inner], run_check=False, shape=shape,
-                                  stride=torch.empty(shape, device="meta").stride())
 
 
 class ShardedHooks(ParallelHooks):
@@ -204,9 +176,9 @@ class ShardedHooks(ParallelHooks):
         return self.layout_mesh.stage_sum(values.clone(), "step losses") / self.layout_mesh.layout.data_parallel
 
     @property
-    def layout(self) -> ShardedLayout:
-        """This rank's checkpoint layout (:class:`ShardedLayout`), for the ``Checkpointer``."""
-        return ShardedLayout(self.mesh, self.plan, self.layout_mesh.expert_global_mesh)
+    def layout(self) -> ShardLayout:
+        """This rank's checkpoint layout, its experts on the ``(ep, dp_shard)`` mesh, for the ``Checkpointer``."""
+        return ShardLayout(self.mesh, self.plan, self.layout_mesh.expert_global_mesh)
 
     def train_step(self, model: nn.Module, next_batch: Callable[[], Batch], optimizer: torch.optim.Optimizer,
                    scheduler: torch.optim.lr_scheduler.LRScheduler, config: TrainConfig, device: torch.device

@@ -45,6 +45,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
+
 from moetrain.parallel.layout import Layout
 from moetrain.parallel.pipeline import rank_stages
 
@@ -247,16 +249,6 @@ def step_moments(units: list[Unit], acts: list[float], transient: float, c: int,
     return moments
 
 
-def _device(config: Config, device: str | None) -> str:
-    if device is not None:
-        return "cpu" if device == "cpu" else "cuda"
-    if config.train.device != "auto":
-        return config.train.device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 def rank_memory(config: Config, world: int, model: nn.Module | None = None, device: str | None = None
                 ) -> list[RankMemory]:
     """One :class:`RankMemory` per pipeline rank of ``config`` on ``world`` ranks (``model``: the meta model, built
@@ -275,7 +267,8 @@ def rank_memory(config: Config, world: int, model: nn.Module | None = None, devi
     model = build_meta(config.model) if model is None else model
     p, m, t = config.parallel, config.model, config.train
     per_stage = stage_elements(model, config, layout, stages)
-    cpu = _device(config, device) == "cpu"
+    device = device or config.train.device
+    cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
     gloo = p.backend == "gloo" or (p.backend == "auto" and cpu)
     compute_bytes = 2 if t.dtype == "bf16" else 4
     shape = ModelShape.from_config(m)

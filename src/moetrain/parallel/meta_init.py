@@ -1,18 +1,15 @@
 """Build on the meta device, then materialise only this rank's shards with values that depend on global indices
-only, so every layout (one process, EP=N, FSDP, PP) starts from the same weights without any rank holding the
-whole model (STYLE.md #6; torchtitan builds on meta and calls ``to_empty`` + ``init_weights`` the same way).
+only, so every layout starts from the same weights without any rank holding the whole model (STYLE.md #6;
+docs/scale-out.md, Meta-device build; torchtitan builds on meta and calls ``to_empty`` + ``init_weights`` alike).
 
 Legend: N = rows of a parameter (dim 0: experts for [E, ...] expert tensors, output features for matrices).
 
-The values of a parameter are cut into blocks of rows along dim 0: one expert per block for 3-D expert tensors (a
-shard on dim 1 draws its whole experts and keeps its columns), :data:`BLOCK_ROWS` rows for matrices, the whole
-tensor for vectors. Block k of parameter ``name`` is drawn from its own generator seeded with a hash of
-(``train.seed``, ``name``, k), so a rank holding rows [a, b) (an expert slice, an FSDP shard, or both) draws only
-the blocks overlapping them. Distribution per parameter as ``MoETransformer.reset_parameters``: Normal(0,
-init_std) for matrices and expert tensors, ``init_std / sqrt(2 * n_layers)`` for output projections, 1 for norm
-weights, 0 for biases; buffers (the router's expert bias) start at 0. The trainer initialises every layout this
-way, one process included, so ``train.seed`` alone fixes the initial weights (a bare ``MoETransformer(config)``,
-one global RNG stream, draws other values).
+Block k of rows of parameter ``name`` (one expert of a 3-D expert tensor, whose shard on dim 1 keeps its columns;
+:data:`BLOCK_ROWS` rows of a matrix; a whole vector) is drawn from its own generator seeded with a hash of
+(``train.seed``, ``name``, k), so a rank holding rows [a, b) draws only the blocks overlapping them. Distribution
+per parameter as ``MoETransformer.reset_parameters``: Normal(0, init_std) for matrices and expert tensors,
+``init_std / sqrt(2 * n_layers)`` for output projections, 1 for norm weights, 0 for biases; buffers (the router's
+expert bias) start at 0. A bare ``MoETransformer(config)``, one global RNG stream, draws other values.
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ from moetrain.model.config import ModelConfig
 from moetrain.moe.layer import MoEAux, MoELayer
 from moetrain.parallel.comm import CommStats, named_collective
 from moetrain.parallel.config import ParallelConfig
+from moetrain.parallel.dcp import ShardLayout
 from moetrain.parallel.fsdp import apply_fsdp, clip_grad_norm
 from moetrain.parallel.launch import parallelize
 from moetrain.parallel.layout import ExpertShard, LayoutMesh
@@ -37,7 +38,6 @@ from moetrain.train.step import Accumulated, StepResult, finish_step
 
 if TYPE_CHECKING:
     from moetrain.model.transformer import MoETransformer
-    from moetrain.parallel.engine import ShardedLayout
 
 IGNORE_INDEX = -100
 SCHEDULES: dict[str, type[PipelineScheduleSingle] | type[PipelineScheduleMulti]] = {
@@ -147,11 +147,9 @@ class PipelineRunner:
         return meta
 
     @property
-    def layout(self) -> "ShardedLayout":
-        """The checkpoint layout of this rank's stages (:class:`~moetrain.parallel.engine.ShardedLayout`)."""
-        from moetrain.parallel.engine import ShardedLayout
-
-        return ShardedLayout(self.mesh.ep_mesh, self.plan, self.mesh.expert_global_mesh)
+    def layout(self) -> ShardLayout:
+        """The checkpoint layout of this rank's stages."""
+        return ShardLayout(self.mesh.ep_mesh, self.plan, self.mesh.expert_global_mesh)
 
     def holder(self, stage: int) -> int:
         """Global rank holding pipeline stage ``stage`` in this rank's pipeline."""
