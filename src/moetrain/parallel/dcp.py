@@ -100,14 +100,6 @@ class ShardLayout:
         """One process, nothing sharded."""
         return cls(single_process(device))
 
-    @property
-    def distributed(self) -> bool:
-        return self.mesh.distributed
-
-    @property
-    def is_main(self) -> bool:
-        return self.mesh.is_main
-
     def global_view(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` itself, or for an expert shard [E_l, ...] a DTensor view of it (no copy) of global shape
         [E, ...]: on :attr:`expert_mesh` rows split over ep, then over dp_shard (FSDP2's ``Shard(0)``) or columns

@@ -7,7 +7,6 @@ data-parallel ranks of a pipeline stage (``stage_group``), not the world: the st
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, cast
@@ -33,7 +32,6 @@ if TYPE_CHECKING:
     from moetrain.model.transformer import MoETransformer
     from moetrain.train.config import TrainConfig
     from moetrain.train.monitor import StageRouting
-    from moetrain.train.monitor_config import MonitorConfig
     from moetrain.train.step import StepResult
 
 
@@ -123,12 +121,6 @@ class ShardedHooks(ParallelHooks):
         if self.layout_mesh.layout.data_parallel == 1:
             return None
         return functools.partial(self.layout_mesh.stage_sum, what="expert counts")
-
-    def monitor_config(self, config: MonitorConfig) -> MonitorConfig:
-        """Rank 0's routing monitor, and with pipeline stages also those of the other ranks of rank 0's pipeline
-        (they observe the later stages' MoE layers and reduce them to rank 0 each step); disabled elsewhere."""
-        mine = self.is_main or (self.runner is not None and self.layout_mesh.data_rank == 0)
-        return config if mine else dataclasses.replace(config, enabled=False)
 
     def stage_routing(self) -> StageRouting | None:
         """The monitor's exchange with rank 0 on the ranks of rank 0's pipeline (``pp > 1``): every MoE layer's

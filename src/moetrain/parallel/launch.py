@@ -225,9 +225,11 @@ class ParallelHooks:
         return ShardLayout(self.mesh, self.plan)
 
     def monitor_config(self, config: MonitorConfig) -> MonitorConfig:
-        """The routing monitor's config for this rank: rank 0's only (it sees rank 0's tokens and writes the
-        alerts); disabled on the others."""
-        return config if self.is_main else dataclasses.replace(config, enabled=False)
+        """The routing monitor's config for this rank: enabled on rank 0 (it sees rank 0's tokens and writes the
+        alerts) and on the ranks whose :meth:`stage_routing` reaches rank 0 (the later stages' MoE layers of rank 0's
+        pipeline); disabled on the others."""
+        mine = self.is_main or self.stage_routing() is not None
+        return config if mine else dataclasses.replace(config, enabled=False)
 
     def stage_routing(self) -> StageRouting | None:
         """How this rank's routing monitor reaches rank 0 when the model is split into pipeline stages

@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,9 +26,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from moetrain.errors import ConfigError
 from moetrain.moe.layer import MoELayer
-from moetrain.parallel import rendezvous
 from moetrain.parallel.comm import named_collective
 from moetrain.parallel.config import ParallelConfig
+from moetrain.train.restart import torchrun_restart
 
 
 @dataclass(frozen=True)
@@ -277,9 +278,7 @@ def _groups(grid: torch.Tensor, vary: tuple[int, ...], rank: int, timeout: datet
 
 def _mesh(groups: list[dist.ProcessGroup], ranks: torch.Tensor, names: tuple[str, ...], device_type: str
           ) -> DeviceMesh:
-    if len(groups) == 1:
-        return DeviceMesh.from_group(groups[0], device_type, mesh=ranks.flatten(), mesh_dim_names=names)
-    return DeviceMesh.from_group(groups, device_type, mesh=ranks, mesh_dim_names=names)
+    return DeviceMesh.from_group(groups, device_type, mesh=ranks, mesh_dim_names=names)  # one dim per group
 
 
 def process_groups(layout: Layout) -> int:
@@ -332,7 +331,7 @@ def build_layout_mesh(layout: Layout, timeout_s: float, device: torch.device) ->
     else:
         dense = _mesh([shard_ep_group], stage.flatten(), ("dp_shard_ep",), dtype)
         expert = _mesh([shard_group], stage[0, :, x], ("dp_shard",), dtype)
-    # Experts as checkpoints see them: rows split over ep, then each EP slice over dp_shard (moetrain.parallel.engine).
+    # Experts as checkpoints see them: rows split over ep, then each EP slice over dp_shard (dcp.ShardLayout).
     expert_global = _mesh([ep_group, shard_group], grid[p, r].T, ("ep", "dp_shard"), dtype)
     ep_view = _mesh([edp_group, ep_group], stage.reshape(-1, layout.ep), ("dp", "ep"), dtype)
     ep_mesh = ParallelMesh(world_size=world, rank=rank, ep=layout.ep, ep_rank=x,
@@ -356,6 +355,21 @@ def nccl_error_handling(backend: str) -> None:
     """
     if backend == "nccl":
         os.environ.setdefault(NCCL_ERROR_HANDLING, "2")
+
+
+def _store_kwargs(timeout: datetime.timedelta) -> dict[str, Any]:
+    """Extra keyword arguments of ``dist.init_process_group``: under torchrun's agent store
+    (``TORCHELASTIC_USE_AGENT_STORE=True``, ``--rdzv-backend c10d``), which the agent keeps across the restarts of
+    ``--max-restarts``, a client of it with a prefix per restart, ``moetrain/restart_<TORCHELASTIC_RESTART_COUNT>``
+    (and the ``rank`` / ``world_size`` an explicit store needs); otherwise none (``env://``). Without the prefix,
+    restarted workers find their predecessors' keys (each rank's gloo address) and connect to dead ports: ``Gloo
+    connectFullMesh failed ... Connection refused``, seen in torch 2.13 on 2 of 3 restarts."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timeout)
+    return {"store": dist.PrefixStore(f"moetrain/restart_{torchrun_restart()}", store),
+            "rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}
 
 
 def init_layout_mesh(config: ParallelConfig, device_type: str) -> tuple[LayoutMesh, bool]:
@@ -387,6 +401,6 @@ def init_layout_mesh(config: ParallelConfig, device_type: str) -> tuple[LayoutMe
         with named_collective("init_process_group (rendezvous at MASTER_ADDR:MASTER_PORT)"):
             timeout = datetime.timedelta(seconds=config.timeout_s)  # sub-groups get it in build_layout_mesh
             dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None,
-                                    **rendezvous.init_kwargs(timeout))
+                                    **_store_kwargs(timeout))
         owns = True
     return build_layout_mesh(layout, config.timeout_s, device), owns

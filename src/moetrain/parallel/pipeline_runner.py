@@ -32,14 +32,13 @@ from moetrain.parallel.fsdp import apply_fsdp, clip_grad_norm
 from moetrain.parallel.launch import parallelize
 from moetrain.parallel.layout import ExpertShard, LayoutMesh
 from moetrain.parallel.pipeline import StageModule, rank_stages, stage_blocks, stage_rank
-from moetrain.model.transformer import MOE_LOSS_TERMS
+from moetrain.model.transformer import IGNORE_INDEX, MOE_LOSS_TERMS
 from moetrain.train.config import TrainConfig
 from moetrain.train.step import Accumulated, StepResult, finish_step
 
 if TYPE_CHECKING:
     from moetrain.model.transformer import MoETransformer
 
-IGNORE_INDEX = -100
 SCHEDULES: dict[str, type[PipelineScheduleSingle] | type[PipelineScheduleMulti]] = {
     "1f1b": Schedule1F1B, "gpipe": ScheduleGPipe, "interleaved_1f1b": ScheduleInterleaved1F1B,
     "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}
