@@ -26,6 +26,7 @@ from moetrain.parallel.all_gather import AllGatherDispatcher
 from moetrain.parallel.all_to_all import AllToAllDispatcher
 from moetrain.parallel.comm import CommStats, named_collective
 from moetrain.parallel.dcp import ShardLayout
+from moetrain.parallel.exchange import all_gather_rows
 from moetrain.parallel.layout import (ExpertShard, Layout, ParallelMesh, init_layout_mesh, moe_layers, shard_experts,
                                       single_process)
 
@@ -204,10 +205,8 @@ class ParallelHooks:
         ranks) and ``ep/rank{R}/combine_bytes_sent``. Counters cover training forward passes only."""
         if not self.mesh.distributed or self.mesh.ep == 1:
             return {}
-        local = self.stats.as_tensor().to(self.mesh.device)
-        everyone = [torch.empty_like(local) for _ in range(self.mesh.world_size)]
-        with named_collective("all_gather (communication counters)"):
-            dist.all_gather(everyone, local)
+        everyone = all_gather_rows(self.stats.as_tensor().to(self.mesh.device)[None], None, self.mesh.world_size,
+                                   "all_gather (communication counters)")  # [W, 6]
         steps = max(self._steps, 1)
         self.stats.reset()
         self._steps = 0

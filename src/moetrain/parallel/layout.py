@@ -28,6 +28,7 @@ from moetrain.errors import ConfigError
 from moetrain.moe.layer import MoELayer
 from moetrain.parallel.comm import named_collective
 from moetrain.parallel.config import ParallelConfig
+from moetrain.parallel.exchange import all_gather_rows
 from moetrain.train.restart import torchrun_restart
 
 
@@ -194,10 +195,7 @@ def gather_full(local: torch.Tensor, shard: ExpertShard, mesh: ParallelMesh) -> 
     for checks and exports, not the training path)."""
     if mesh.ep == 1:
         return local.detach().clone()
-    pieces = [torch.empty_like(local) for _ in range(mesh.ep)]
-    with named_collective("all_gather (expert weights)", mesh.ep_group):
-        dist.all_gather(pieces, local.detach().contiguous(), group=mesh.ep_group)
-    return torch.cat(pieces, dim=0)
+    return all_gather_rows(local.detach(), mesh.ep_group, mesh.ep, "all_gather (expert weights)")
 
 
 @dataclass

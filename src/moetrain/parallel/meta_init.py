@@ -76,14 +76,13 @@ def normal_rows(seed: int, name: str, shape: torch.Size, start: int, stop: int, 
     return torch.cat(pieces) if pieces else torch.empty((0, *rest))
 
 
-def _offsets(p: torch.Tensor) -> tuple[torch.Size, tuple[int, ...]]:
-    """(global shape over FSDP, offset of the local block in each dim) of ``p`` (a DTensor or a plain tensor)."""
+def _offsets(p: torch.Tensor) -> tuple[int, ...]:
+    """The offset of ``p``'s local block in each dim: a DTensor's FSDP shard, or zeros for a plain tensor."""
     if not isinstance(p, DTensor):
-        return p.shape, (0,) * p.dim()
+        return (0,) * p.dim()
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-    return p.shape, tuple(offset)
+    return tuple(compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)[1])
 
 
 @torch.no_grad()
@@ -105,12 +104,9 @@ def init_parameters(model: nn.Module, config: ModelConfig, seed: int,
         if std is None:
             local.fill_(0.0 if name.endswith(".bias") else 1.0)
             continue
-        shape, offset = _offsets(p)
-        start = offset[0]
-        shard = plan.get(name)
-        if shard is not None:
-            start += shard.offset
-            shape = torch.Size((shard.global_rows, *shape[1:]))
+        offset, shard = _offsets(p), plan.get(name)  # p.shape: the global shape over FSDP
+        start = offset[0] + (shard.offset if shard is not None else 0)
+        shape = p.shape if shard is None else shard.global_shape(p.shape)
         rows = normal_rows(seed, saved_name(config, name), shape, start, start + local.shape[0], std)
         if local.dim() > 1 and local.shape[1] != shape[1]:  # sharded on dim 1 too (experts: FSDP2 Shard(1))
             rows = rows[:, offset[1]: offset[1] + local.shape[1]]

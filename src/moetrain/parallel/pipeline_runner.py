@@ -160,16 +160,12 @@ class PipelineRunner:
         states [b, S, D] passed point-to-point (sent with ``isend``, so no rank waits on a send while its peer
         waits on another). Returns, per local stage, one (output, MoE records) per input: the trunk's hidden
         states, or on the last stage the logits [b, S, V] when ``what`` is ``"logits"``."""
-        mine = dict(zip(self.indices, self.modules))
         carried: list[torch.Tensor] = list(inputs)
         pending: list[Any] = []
         out: dict[int, list[tuple[torch.Tensor, list[MoEAux]]]] = {}
         hidden = self.config.hidden
         group = self.mesh.pp_group
-        for i in range(self.n_stages):
-            if i not in mine:
-                continue
-            module = mine[i]
+        for i, module in zip(self.indices, self.modules):  # stage order: rank_stages lists them ascending
             if i > 0 and self.holder(i - 1) != self.mesh.rank:
                 carried = []
                 for x in inputs:
@@ -201,12 +197,9 @@ class PipelineRunner:
         M micro-batches ``inputs`` ([b, S] each) and all data-parallel ranks of the stage (an all-reduce)."""
         passes = self._chain(inputs, "routing")
         for i, module in zip(self.indices, self.modules):
-            counts = None
-            for _, records in passes[i]:
-                if records:
-                    c = torch.stack([r.tokens_per_expert for r in records])
-                    counts = c if counts is None else counts + c
-            module.step_counts = None if counts is None else self.mesh.stage_sum(counts, "pipeline expert counts")
+            counts = [torch.stack([r.tokens_per_expert for r in records]) for _, records in passes[i] if records]
+            module.step_counts = (self.mesh.stage_sum(sum(counts[1:], counts[0]), "pipeline expert counts")
+                                  if counts else None)
 
     @torch.no_grad()
     def evaluate(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> float:
