@@ -54,12 +54,11 @@ from moetrain.train.checkpoint import CorruptCheckpoint, LoadedCheckpoint
 
 MARKER = "moetrain.json"
 METADATA = ".metadata"
-SHARD_SUFFIX = ".distcp"
 
 
 def is_shard_file(name: str) -> bool:
     """Whether ``name`` is a DCP shard file (``__<rank>_<i>.distcp``): the files a rank verifies when it reads one."""
-    return name.endswith(SHARD_SUFFIX)
+    return name.endswith(".distcp")
 
 
 def own_shard_files(names: list[str], rank: int) -> list[str]:

@@ -24,7 +24,7 @@ from torch.distributed.pipelining.stage import _PipelineStageBase
 
 from moetrain.errors import ConfigError
 from moetrain.model.config import ModelConfig
-from moetrain.moe.layer import MoEAux, MoELayer
+from moetrain.moe.layer import MoEAux
 from moetrain.parallel.comm import CommStats, named_collective
 from moetrain.parallel.config import ParallelConfig
 from moetrain.parallel.dcp import ShardLayout
@@ -258,9 +258,6 @@ class PipelineRunner:
                            tokens_per_expert=per_layer("counts"), dropped_per_expert=per_layer("dropped"),
                            global_counts=torch.cat(steps) if steps else None)
 
-    def moe_layers(self) -> list[MoELayer]:
-        return [layer for m in self.modules for layer in m.moe_layers()]
-
     @property
     def tied(self) -> nn.Parameter | None:
         """This rank's share of a tied embedding: the first stage's embedding or the last stage's LM head copy
@@ -269,11 +266,6 @@ class PipelineRunner:
         if not self.config.tie_embeddings or not ends or ends[0] is None:
             return None
         return cast(nn.Parameter, ends[0].weight)
-
-    @property
-    def tied_copy(self) -> nn.Parameter | None:
-        """The last stage's copy of a tied embedding (left out of the gradient norm: the first stage counts it)."""
-        return self.tied if any(m.last for m in self.modules) else None
 
     @torch.no_grad()
     def sum_tied_grads(self) -> None:
@@ -303,7 +295,9 @@ class PipelineRunner:
         acc = self.forward_backward([next_batch() for _ in range(self.m)])
 
         def clip(max_norm: float) -> torch.Tensor:
-            self.sum_tied_grads()
-            return clip_grad_norm(self.local, self.mesh, max_norm, self.tied_copy)
+            self.sum_tied_grads()  # a tied embedding's last-stage copy is left out of the norm: the first counts it
+            copy = self.tied if any(m.last for m in self.modules) else None
+            return clip_grad_norm(self.local, self.mesh, max_norm, copy)
 
-        return finish_step(acc, self.moe_layers(), optimizer, scheduler, config, clip, count_reducer, reduce_mean)
+        layers = [layer for m in self.modules for layer in m.moe_layers()]
+        return finish_step(acc, layers, optimizer, scheduler, config, clip, count_reducer, reduce_mean)
