@@ -61,7 +61,8 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, dispatcher: str = "all_to_
         ConfigError: an unknown dispatcher or checkpointing mode, or ``ep`` not dividing a layer's experts.
     """
     if dispatcher not in DISPATCHERS:
-        raise ConfigError(f"parallel.dispatcher: unknown dispatcher {dispatcher!r}; choose one of {sorted(DISPATCHERS)}")
+        raise ConfigError(f"parallel.dispatcher: unknown dispatcher {dispatcher!r}; choose one of "
+                          f"{sorted(DISPATCHERS)}")
     plan = shard_experts(model, mesh)
     if mesh.ep > 1:
         for name, layer in moe_layers(model):

@@ -15,10 +15,10 @@ if TYPE_CHECKING:
     from moetrain.config import Config
 
 
-def given(*sources: dict[str, Any] | None, section: str = "train", name: str = "grad_accum") -> bool:
+def given(*sources: dict[str, Any] | None) -> bool:
     """Whether any of the nested config dicts ``sources`` (a preset's, a ``--config`` file's, the overrides) sets
-    ``section.name``."""
-    return any(isinstance(s, dict) and isinstance(s.get(section), dict) and name in s[section] for s in sources)
+    ``train.grad_accum``."""
+    return any(isinstance(s, dict) and isinstance(s.get("train"), dict) and "grad_accum" in s["train"] for s in sources)
 
 
 def choose(config: Config, world: int) -> tuple[Config, str | None]:
