@@ -1,21 +1,12 @@
 """Activation checkpointing of transformer blocks, attached from outside the model
-(``torch.distributed._composable.checkpoint``: non-reentrant, parameter names unchanged, composes with FSDP2).
+(``torch.distributed._composable.checkpoint``: non-reentrant, parameter names unchanged, composes with FSDP2);
+the modes and what they cost: docs/scale-out.md, Activation checkpointing.
 
-Modes (``parallel.activation_checkpoint``):
-
-- ``full``: each block keeps only its input; its whole forward (attention, router, dispatch, experts, combine) is
-  recomputed when backward reaches it: about one more forward per step (+1/3 compute), activations of one block
-  alive at a time. With expert parallelism the recompute repeats the block's all-to-alls (as in torchtitan).
-- ``selective``: the attention module and the routed-experts module of each block are recomputed; norms, router
-  and dispatch metadata are kept. With BTA (``bta_tiles > 1``) attention tiles are already recomputed
-  (model/bta.py), so only the experts are added. Every expert backend runs inside the experts module, the fused
-  one's dispatch + experts + combine included (moe/experts.py), so this covers them all.
-
-Random numbers (router jitter) are replayed (``preserve_rng_state``), so the recompute routes identically and the
-gradients equal those without checkpointing up to summation order.
-
-A forward hook of a recomputed module runs again during backward; :func:`in_recompute` tells such hooks (the
-routing monitor's) apart from the real forward.
+``selective`` recomputes the attention module (left to BTA when ``bta_tiles > 1``: model/bta.py recomputes its
+tiles already) and the routed-experts module, inside which every expert backend runs (the fused one's dispatch +
+experts + combine included: moe/experts.py). Random numbers (router jitter) are replayed (``preserve_rng_state``),
+so the recompute routes identically. A forward hook of a recomputed module runs again during backward;
+:func:`in_recompute` tells such hooks (the routing monitor's) apart from the real forward.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ Each token travels only to the ranks holding its experts (Megatron-Core ``MoEAll
 
 ``combine`` undoes 4 and 3 (the reverse exchange) and hands the rows to the local dispatcher's combine, so the
 weighted sum over each token's K outputs is the reference's own code. Gradients flow back through the same
-exchanges reversed (:class:`~moetrain.parallel.exchange.AllToAll`).
+exchanges reversed (:func:`~moetrain.parallel.exchange.all_to_all`).
 
 Capacity (token dropping) is decided by the layer on this rank's tokens before dispatch, so C bounds what one
 rank's micro-batch sends to one expert (Megatron-Core computes it from the local tokens too).
@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from moetrain.moe.dispatch import DispatchMeta
 from moetrain.parallel.ep_dispatcher import EPDispatcher
-from moetrain.parallel.exchange import AllToAll, KeepGradPath, all_to_all_rows, wire_dtype
+from moetrain.parallel.exchange import KeepGradPath, all_to_all, all_to_all_rows, wire_dtype
 
 
 @dataclass(frozen=True)
@@ -88,9 +88,8 @@ class AllToAllDispatcher(EPDispatcher):
                                       f"all_to_all_single (MoE token counts, {self.name})").view(p, e_local)
         # One host sync for both split lists (all_to_all_single takes Python ints).
         send, recv = torch.stack([counts.view(p, e_local).sum(1), counts_recv.sum(1)]).tolist()
-        received = cast(torch.Tensor, AllToAll.apply(  # type: ignore[no-untyped-call]
-            rows[: sum(send)], recv, send, self.group,
-            f"all_to_all_single (MoE token dispatch, {self.name})"))  # [R, D]
+        received = all_to_all(rows[: sum(send)], recv, send, self.group,
+                              f"all_to_all_single (MoE token dispatch, {self.name})")  # [R, D]
         block_expert = torch.arange(e_local, device=tokens.device).repeat(p)  # [P * E_l] expert of each (source, e)
         row_expert = torch.repeat_interleave(block_expert, counts_recv.reshape(-1), output_size=sum(recv))  # [R]
         regroup = torch.sort(row_expert, stable=True).indices  # [R]
@@ -115,9 +114,8 @@ class AllToAllDispatcher(EPDispatcher):
         y = y[: meta.regroup.numel()]
         inverse = torch.empty_like(meta.regroup)
         inverse[meta.regroup] = torch.arange(meta.regroup.numel(), device=meta.regroup.device)
-        back = cast(torch.Tensor, AllToAll.apply(  # type: ignore[no-untyped-call]
-            y[inverse], meta.send_splits, meta.recv_splits, self.group,
-            f"all_to_all_single (MoE combine, {self.name})"))  # [S, D] in this rank's layout
+        back = all_to_all(y[inverse], meta.send_splits, meta.recv_splits, self.group,
+                          f"all_to_all_single (MoE combine, {self.name})")  # [S, D] in this rank's layout
         if (stats := self.counting()) is not None:
             stats.combine_bytes_sent += y.shape[0] * y.shape[1] * y.element_size()
         # Dropped rows were never sent; the local combine ignores them, zeros stand in.

@@ -117,7 +117,3 @@ class CommStats:
     def as_tensor(self) -> torch.Tensor:
         """[6] int64 in field order (for an all-gather to rank 0)."""
         return torch.tensor([getattr(self, f.name) for f in fields(self)], dtype=torch.int64)
-
-    @classmethod
-    def field_names(cls) -> list[str]:
-        return [f.name for f in fields(cls)]

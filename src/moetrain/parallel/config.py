@@ -15,12 +15,8 @@ from moetrain.configlib import require, require_at_least
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
-    """Expert parallelism (EP) carved out of data parallelism (DP), as in torchtitan / Megatron-Core.
-
-    Every rank reads a different slice of the global batch (``train.batch_size`` sequences per micro-batch are
-    split over all ``WORLD_SIZE`` ranks); the ranks form a ``dp x ep`` mesh; each EP group of ``ep`` ranks shares
-    the ``E`` experts of every MoE layer (``E / ep`` each) and exchanges tokens with the dispatcher; the ``dp``
-    EP groups are replicas of each other.
+    """The ``pp x dp_replicate x dp_shard x ep`` mesh and how each dimension runs (docs/scale-out.md), expert
+    parallelism (EP) carved out of data parallelism as in torchtitan / Megatron-Core.
 
     Fields:
         ep: expert-parallel size (ranks per EP group); must divide ``model.moe.num_experts`` and ``WORLD_SIZE``.

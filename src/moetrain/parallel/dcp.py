@@ -1,19 +1,15 @@
 """The sharded checkpoint format with ``torch.distributed.checkpoint`` (DCP): each rank writes its own shards,
-replicated tensors are written once, and loading reshards to any layout, one process included.
+replicated tensors are written once, and loading reshards to any layout, one process included (what is written,
+hashed and verified by whom: docs/scale-out.md, Checkpoints and resharding).
 
 Legend: E = experts, E_l = E / ep local experts.
 
-An expert shard [E_l, ...] is presented to DCP as a ``DTensor`` of global shape [E, ...] placed ``(Replicate(),
-Shard(0))`` on the ``(dp, ep)`` mesh, sharing storage with the parameter (no copy); every other tensor is a plain
-tensor, which DCP treats as replicated. The checkpoint's metadata thus describes global tensors and chunk offsets
-only, so an EP=4 checkpoint loads at EP=2 or in one process (whole [E, ...] tensors). The AdamW moments of an expert
-shard are sharded the same way.
-
-Files: DCP's ``.metadata`` (rank 0, DCP's coordinator), ``__<rank>_0.distcp`` (each rank) and ``moetrain.json``
-(world size, ep, dp), beside the ``train_state.pt`` and manifest of
-:class:`~moetrain.train.checkpoint.CheckpointStore`. :class:`~moetrain.train.checkpointer.Checkpointer` writes them
-(:func:`write_shards`) and reads them back through :class:`VerifiedReader`, which verifies only the shard files
-whose chunks this rank reads (:func:`load_checkpoint`).
+An expert shard [E_l, ...] is presented to DCP as a ``DTensor`` of global shape [E, ...] sharing storage with the
+parameter (no copy; :meth:`ShardLayout.global_view`); every other tensor is a plain tensor, which DCP treats as
+replicated, so the metadata describes global tensors and chunk offsets only. Files: DCP's ``.metadata``,
+``__<rank>_0.distcp`` (each rank) and ``moetrain.json`` (world size, ep, dp), beside the ``train_state.pt`` and
+manifest of :class:`~moetrain.train.checkpoint.CheckpointStore`; :class:`~moetrain.train.checkpointer.Checkpointer`
+writes them (:func:`write_shards`) and reads them back (:func:`load_checkpoint`, :func:`load_full`).
 """
 
 from __future__ import annotations
@@ -46,6 +42,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch import nn
 from torch.futures import Future
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from moetrain.errors import CheckpointError
@@ -57,12 +54,11 @@ from moetrain.train.checkpoint import CorruptCheckpoint, LoadedCheckpoint
 
 MARKER = "moetrain.json"
 METADATA = ".metadata"
-SHARD_SUFFIX = ".distcp"
 
 
 def is_shard_file(name: str) -> bool:
     """Whether ``name`` is a DCP shard file (``__<rank>_<i>.distcp``): the files a rank verifies when it reads one."""
-    return name.endswith(SHARD_SUFFIX)
+    return name.endswith(".distcp")
 
 
 def own_shard_files(names: list[str], rank: int) -> list[str]:
@@ -82,42 +78,45 @@ def _quiet(mesh: ParallelMesh) -> Iterator[None]:
 
 @dataclass(frozen=True)
 class ShardLayout:
-    """How this rank's tensors map onto the global ones: the mesh and the expert shards.
-
-    Here only routed-expert tensors are sharded (dim 0 over the EP group) and every other tensor is replicated;
-    the FSDP2 engine's :class:`~moetrain.parallel.engine.ShardedLayout` passes its DTensor parameters (which carry
-    their own placement) through and presents its expert shards on the ``(ep, dp_shard)`` mesh.
+    """How this rank's tensors map onto the global ones: the mesh and the expert shards. A DTensor parameter (an
+    FSDP2 one) carries its own placement, a plain tensor is replicated, and an expert shard is presented as a view
+    of the global [E, ...] tensor (:meth:`global_view`; replicas write the same chunks, which DCP deduplicates).
 
     Attributes:
         mesh: this rank's mesh position.
         plan: ``{parameter name: ExpertShard}`` (:func:`moetrain.parallel.layout.shard_experts`); empty: no
             sharding.
+        expert_mesh: the FSDP2 engine's ``(ep, dp_shard)`` mesh of the expert shards
+            (:attr:`~moetrain.parallel.layout.LayoutMesh.expert_global_mesh`); ``None``: experts not FSDP2-sharded.
     """
 
     mesh: ParallelMesh
     plan: dict[str, ExpertShard] = field(default_factory=dict)
+    expert_mesh: DeviceMesh | None = None
 
     @classmethod
     def single(cls, device: torch.device | str = "cpu") -> "ShardLayout":
         """One process, nothing sharded."""
         return cls(single_process(device))
 
-    @property
-    def distributed(self) -> bool:
-        return self.mesh.distributed
-
-    @property
-    def is_main(self) -> bool:
-        return self.mesh.is_main
-
     def global_view(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` itself, or for an expert shard [E_l, ...] a DTensor view of it (no copy) of global shape
-        [E, ...] placed ``(Replicate(), Shard(0))`` on the ``(dp, ep)`` mesh."""
+        [E, ...]: on :attr:`expert_mesh` rows split over ep, then over dp_shard (FSDP2's ``Shard(0)``) or columns
+        over dp_shard (``Shard(1)``); without it placed ``(Replicate(), Shard(0))`` on the ``(dp, ep)`` mesh."""
         shard = self.plan.get(name)
-        if isinstance(tensor, DTensor) or shard is None or not self.mesh.distributed or self.mesh.ep == 1:
-            return tensor  # a DTensor (an FSDP2 parameter) already carries its placement
+        if shard is None or not self.mesh.distributed or self.mesh.ep == 1 or tensor.dim() == 0:
+            return tensor
+        mesh: DeviceMesh | None = self.expert_mesh
+        if mesh is not None:
+            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            inner = tensor.placements[-1] if isinstance(tensor, DTensor) else Replicate()
+            placements = [Shard(0), inner]
+        elif isinstance(tensor, DTensor):
+            return tensor  # already carries its placement
+        else:
+            local, mesh, placements = tensor, self.mesh.mesh, [Replicate(), Shard(0)]
         shape = shard.global_shape(tensor.shape)
-        return DTensor.from_local(tensor, self.mesh.mesh, [Replicate(), Shard(0)], run_check=False, shape=shape,
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape,
                                   stride=torch.empty(shape, device="meta").stride())
 
 
@@ -150,30 +149,16 @@ def materialise_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
         group["lr"] = lr
 
 
-def model_state_dict(model: nn.Module, layout: ShardLayout) -> dict[str, torch.Tensor]:
-    """What DCP writes for the model: ``model.state_dict()`` keyed by FQN, expert shards as global-shape DTensor
-    views (the analogue of ``torch.distributed.checkpoint.state_dict.get_model_state_dict``)."""
-    return {k: layout.global_view(k, v) for k, v in model.state_dict().items()}
-
-
-def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, layout: ShardLayout
-                         ) -> dict[str, dict[str, Any]]:
-    """What DCP writes for the optimizer: each parameter's state keyed by the parameter's FQN (not its index, so
-    that it survives a change of layout), moments of expert shards as global-shape DTensor views (the analogue
-    of ``get_optimizer_state_dict`` with flattened FQN keys)."""
-    names = _param_names(model)
-    return {
-        names[p]: {k: layout.global_view(names[p], v) if torch.is_tensor(v) and v.shape == p.shape else v
-                   for k, v in s.items()}
-        for p, s in optimizer.state.items()
-    }
-
-
 def _state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None, layout: ShardLayout) -> dict[str, Any]:
-    """The tensors DCP reads and writes: ``model`` and (with an optimizer) ``optim``."""
-    state: dict[str, Any] = {"model": model_state_dict(model, layout)}
+    """What DCP reads and writes (the analogue of ``torch.distributed.checkpoint.state_dict.get_state_dict`` with
+    flattened FQN keys): ``model``, ``model.state_dict()``, and with an optimizer ``optim``, each parameter's state
+    keyed by the parameter's FQN (not its index, so that it survives a change of layout); expert shards and their
+    moments as global-shape DTensor views."""
+    state: dict[str, Any] = {"model": {k: layout.global_view(k, v) for k, v in model.state_dict().items()}}
     if optimizer is not None:
-        state["optim"] = optimizer_state_dict(model, optimizer, layout)
+        names = _param_names(model)
+        state["optim"] = {names[p]: {k: layout.global_view(names[p], v) if torch.is_tensor(v) and v.shape == p.shape
+                                     else v for k, v in s.items()} for p, s in optimizer.state.items()}
     return state
 
 

@@ -1,14 +1,6 @@
 """``moetrain train --dry-run --world-size N``: validate a config and lay it out for N ranks without a process
-group, data or memory (the model is built on the meta device).
-
-What it checks, each failure one line naming the field: the mesh sizes multiply to N (:class:`.layout.Layout`),
-``ep`` divides the experts, the pipeline has at least one block per stage, tied embeddings are not asked of a
-V-shaped schedule (both ends on one rank), the pooled aux loss is not split over pipeline stages, document packing
-is not asked of several ranks, the micro-batch splits over the data-parallel ranks and into the BTA tiles. What it
-prints: the mesh, the stages with their blocks (:func:`.pipeline.stage_blocks`), the busiest rank's bytes of
-parameters + gradients + AdamW state counted from the meta model's shapes (with FSDP2's row padding) next to the
-planner's figure, each pipeline rank's memory (:mod:`.memory`), and the AdamW groups as the trainer builds them
-(:func:`moetrain.train.param_groups.param_groups`).
+group, data or memory (the model is built on the meta device). What it checks (:func:`check`, each failure one line
+naming the field) and prints (:func:`dry_run`): docs/expert-parallel.md and docs/scale-out.md, Planning.
 """
 
 from __future__ import annotations
@@ -70,7 +62,10 @@ def check(config: Config, world: int) -> tuple[Layout, list[range]]:
 
 
 def dry_run(config: Config, world: int) -> DryRun:
-    """Validate and lay out ``config`` for ``world`` ranks (see the module docstring).
+    """Validate and lay out ``config`` for ``world`` ranks: the mesh, the stages with their blocks, the busiest
+    rank's bytes of parameters + gradients + AdamW state from the meta model's shapes (with FSDP2's row padding)
+    next to the planner's figure, each pipeline rank's memory (:mod:`.memory`) and the AdamW groups as the trainer
+    builds them (:func:`optimizer_lines`).
 
     Raises:
         ConfigError: see :func:`check`.

@@ -1,29 +1,20 @@
-"""The trainer's hooks for every ``torchrun`` job: the ``pp x dp_replicate x dp_shard x ep`` mesh (:mod:`.layout`),
-expert slicing and dispatchers, activation checkpointing (:mod:`.ac`), FSDP2 (:mod:`.fsdp`), pipeline stages
-(:mod:`.pipeline_runner`); the interface of :class:`~.launch.ParallelHooks`, the one-process hooks.
-
-- gradients are reduced during backward: by FSDP2 (reduce-scattered over the shards, all-reduced over the
-  replicas), or with one shard per replica and no pipeline (plain data parallelism) by ``replicate`` over the
-  replicas (:func:`.fsdp.apply_replicate`); ``sync_grads`` only clips (:func:`.fsdp.clip_grad_norm`);
-- counts and losses are reduced over the data-parallel ranks of a pipeline stage (``stage_group``), not the world:
-  the stages hold different layers;
-- a rank reads rows ``[d * B / D, (d + 1) * B / D)`` of each global micro-batch, d its data-parallel index within
-  the stage and D = dp_replicate * dp_shard * ep, so the data order (and a resumed sampler) is one process's.
+"""The trainer's hooks for every ``torchrun`` job (how a step runs on them: docs/scale-out.md): the
+``pp x dp_replicate x dp_shard x ep`` mesh (:mod:`.layout`), expert slicing and dispatchers, activation
+checkpointing (:mod:`.ac`), FSDP2 or ``replicate`` (:mod:`.fsdp`), pipeline stages (:mod:`.pipeline_runner`); the
+interface of :class:`~.launch.ParallelHooks`, the one-process hooks. Counts and losses are reduced over the
+data-parallel ranks of a pipeline stage (``stage_group``), not the world: the stages hold different layers.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from dataclasses import dataclass
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed._composable.replicate import DDP
 
 from moetrain.errors import ConfigError
 from moetrain.parallel.comm import named_collective
@@ -41,39 +32,7 @@ if TYPE_CHECKING:
     from moetrain.model.transformer import MoETransformer
     from moetrain.train.config import TrainConfig
     from moetrain.train.monitor import StageRouting
-    from moetrain.train.monitor_config import MonitorConfig
     from moetrain.train.step import StepResult
-
-
-@dataclass(frozen=True)
-class ShardedLayout(ShardLayout):
-    """The checkpoint view of the FSDP2 engine's tensors. FSDP2 parameters (and AdamW moments) are DTensors that
-    carry their placement, except that an expert tensor's DTensor spans only this rank's E / ep experts: it is
-    presented as a view of the global [E, ...] tensor on the ``(ep, dp_shard)`` mesh, rows split over ep, then
-    over dp_shard (FSDP2's ``Shard(0)``) or columns over dp_shard (``Shard(1)``). No copy; replicas (dp_replicate)
-    write the same chunks, which DCP deduplicates.
-
-    Attributes:
-        expert_mesh: :attr:`LayoutMesh.expert_global_mesh`.
-    """
-
-    expert_mesh: DeviceMesh | None = None
-
-    def global_view(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        shard = self.plan.get(name)
-        if shard is None or self.mesh.ep == 1 or tensor.dim() == 0 or self.expert_mesh is None:
-            return super().global_view(name, tensor)
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        inner = tensor.placements[-1] if isinstance(tensor, DTensor) else Replicate()
-        shape = shard.global_shape(tensor.shape)
-        return DTensor.from_local(local, self.expert_mesh, [Shard(0), inner], run_check=False, shape=shape,
-                                  stride=torch.empty(shape, device="meta").stride())
-
-
-class _GradientSync(Protocol):
-    """A module under ``replicate`` (or FSDP2): its gradient reduction can be turned off for a backward."""
-
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None: ...
 
 
 class ShardedHooks(ParallelHooks):
@@ -137,7 +96,8 @@ class ShardedHooks(ParallelHooks):
 
     def local_batch(self, next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]]
                     ) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
-        """This rank's rows of each global micro-batch (see the module docstring).
+        """This rank's rows ``[d * B / D, (d + 1) * B / D)`` of each global micro-batch of B, d its data-parallel
+        index within the stage and D = dp_replicate * dp_shard * ep, so the data order is one process's.
 
         Raises:
             ConfigError: B not divisible by the data-parallel ranks of a stage (on the first call).
@@ -161,12 +121,6 @@ class ShardedHooks(ParallelHooks):
         if self.layout_mesh.layout.data_parallel == 1:
             return None
         return functools.partial(self.layout_mesh.stage_sum, what="expert counts")
-
-    def monitor_config(self, config: MonitorConfig) -> MonitorConfig:
-        """Rank 0's routing monitor, and with pipeline stages also those of the other ranks of rank 0's pipeline
-        (they observe the later stages' MoE layers and reduce them to rank 0 each step); disabled elsewhere."""
-        mine = self.is_main or (self.runner is not None and self.layout_mesh.data_rank == 0)
-        return config if mine else dataclasses.replace(config, enabled=False)
 
     def stage_routing(self) -> StageRouting | None:
         """The monitor's exchange with rank 0 on the ranks of rank 0's pipeline (``pp > 1``): every MoE layer's
@@ -201,7 +155,7 @@ class ShardedHooks(ParallelHooks):
         reducing every micro-batch: an unreduced gradient would be the whole, unsharded one."""
         if self.replicas_only:
             assert self.model is not None, "grad_sync before prepare_model"
-            cast(_GradientSync, self.model).set_requires_gradient_sync(last)
+            cast(DDP, self.model).set_requires_gradient_sync(last)
 
     def sync_grads(self, max_norm: float) -> torch.Tensor:
         """FSDP2 reduced the gradients during backward; clip them by the global norm and return it."""
@@ -214,9 +168,9 @@ class ShardedHooks(ParallelHooks):
         return self.layout_mesh.stage_sum(values.clone(), "step losses") / self.layout_mesh.layout.data_parallel
 
     @property
-    def layout(self) -> ShardedLayout:
-        """This rank's checkpoint layout (:class:`ShardedLayout`), for the ``Checkpointer``."""
-        return ShardedLayout(self.mesh, self.plan, self.layout_mesh.expert_global_mesh)
+    def layout(self) -> ShardLayout:
+        """This rank's checkpoint layout, its experts on the ``(ep, dp_shard)`` mesh, for the ``Checkpointer``."""
+        return ShardLayout(self.mesh, self.plan, self.layout_mesh.expert_global_mesh)
 
     def train_step(self, model: nn.Module, next_batch: Callable[[], Batch], optimizer: torch.optim.Optimizer,
                    scheduler: torch.optim.lr_scheduler.LRScheduler, config: TrainConfig, device: torch.device

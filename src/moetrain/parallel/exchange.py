@@ -9,6 +9,7 @@ order, in forward and in backward.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -32,22 +33,6 @@ def all_to_all_rows(
     return out
 
 
-class AllToAll(torch.autograd.Function):
-    """``all_to_all_single`` with uneven splits; backward sends the gradients back with the splits swapped."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, output_splits: list[int], input_splits: list[int],  # noqa: D102
-                group: dist.ProcessGroup | None, name: str) -> torch.Tensor:
-        ctx.splits, ctx.group, ctx.name = (output_splits, input_splits), group, name
-        return all_to_all_rows(x, output_splits, input_splits, group, name)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:  # noqa: D102
-        output_splits, input_splits = ctx.splits
-        g = all_to_all_rows(grad, input_splits, output_splits, ctx.group, f"{ctx.name} [backward]")
-        return g, None, None, None, None
-
-
 def all_gather_rows(x: torch.Tensor, group: dist.ProcessGroup | None, size: int, name: str) -> torch.Tensor:
     """Non-differentiable all-gather along dim 0: [R, ...] on each of ``size`` ranks -> [size * R, ...]."""
     out = x.new_empty((size * x.shape[0], *x.shape[1:]))
@@ -64,30 +49,44 @@ def reduce_scatter_rows(x: torch.Tensor, group: dist.ProcessGroup | None, size: 
     return out
 
 
-class GatherScatter(torch.autograd.Function):
-    """All-gather (``gather``) or sum-reduce-scatter along dim 0; backward: the other one of the gradient (an
-    all-gather's rows collect the gradient every rank computed for them)."""
+class Exchange(torch.autograd.Function):
+    """A collective ``forward(x)`` whose backward is the reverse collective ``backward(grad)``."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup | None, size: int,  # noqa: D102
-                name: str, gather: bool) -> torch.Tensor:
-        ctx.group, ctx.size, ctx.name, ctx.gather = group, size, name, gather
-        return (all_gather_rows if gather else reduce_scatter_rows)(x, group, size, name)
+    def forward(ctx: Any, x: torch.Tensor, forward: Callable[[torch.Tensor], torch.Tensor],  # noqa: D102
+                backward: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        ctx.reverse = backward
+        return forward(x)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:  # noqa: D102
-        back = reduce_scatter_rows if ctx.gather else all_gather_rows
-        return back(grad, ctx.group, ctx.size, f"{ctx.name} [backward]"), None, None, None, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # noqa: D102
+        return ctx.reverse(grad), None, None
+
+
+def _exchange(x: torch.Tensor, forward: Callable[[torch.Tensor], torch.Tensor],
+              backward: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    return cast(torch.Tensor, Exchange.apply(x, forward, backward))  # type: ignore[no-untyped-call]
+
+
+def all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group: dist.ProcessGroup | None,
+               name: str) -> torch.Tensor:
+    """Differentiable :func:`all_to_all_rows` (uneven splits); backward sends the gradients back with the splits
+    swapped."""
+    return _exchange(x, lambda t: all_to_all_rows(t, output_splits, input_splits, group, name),
+                     lambda g: all_to_all_rows(g, input_splits, output_splits, group, f"{name} [backward]"))
 
 
 def all_gather(x: torch.Tensor, group: dist.ProcessGroup | None, size: int, name: str) -> torch.Tensor:
-    """Differentiable :func:`all_gather_rows`."""
-    return cast(torch.Tensor, GatherScatter.apply(x, group, size, name, True))  # type: ignore[no-untyped-call]
+    """Differentiable :func:`all_gather_rows`; backward: the sum-reduce-scatter of the gradient (the gathered rows
+    collect the gradient every rank computed for them)."""
+    return _exchange(x, lambda t: all_gather_rows(t, group, size, name),
+                     lambda g: reduce_scatter_rows(g, group, size, f"{name} [backward]"))
 
 
 def reduce_scatter(x: torch.Tensor, group: dist.ProcessGroup | None, size: int, name: str) -> torch.Tensor:
-    """Differentiable :func:`reduce_scatter_rows`."""
-    return cast(torch.Tensor, GatherScatter.apply(x, group, size, name, False))  # type: ignore[no-untyped-call]
+    """Differentiable :func:`reduce_scatter_rows`; backward: the all-gather of the gradient."""
+    return _exchange(x, lambda t: reduce_scatter_rows(t, group, size, name),
+                     lambda g: all_gather_rows(g, group, size, f"{name} [backward]"))
 
 
 class KeepGradPath(torch.autograd.Function):

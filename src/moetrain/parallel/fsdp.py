@@ -1,20 +1,9 @@
 """FSDP2 (``torch.distributed.fsdp.fully_shard``) on the MoE transformer, composed with expert parallelism the way
-torchtitan does it (``torchtitan/distributed/fsdp.py: apply_fsdp_to_decoder``; mesh in :mod:`.layout`); the
-units and the reasons for them are in docs/scale-out.md.
+torchtitan does it (``torchtitan/distributed/fsdp.py: apply_fsdp_to_decoder``; mesh in :mod:`.layout`), and
+``replicate`` for plain data parallelism; the units, their meshes and the reasons for them are in docs/scale-out.md
+(FSDP2).
 
 Legend: E = experts, X = ep, S = dp_shard, R = dp_replicate.
-
-Units, innermost first (each ``fully_shard`` call is one all-gather / reduce-scatter unit): each MoE block's routed
-experts (this rank's E / X, :func:`.layout.shard_experts`) over the S ranks holding them, their reduce-scatter
-divided by all R * S * X data-parallel ranks (an expert's gradient already sums its EP group: torchtitan's
-``gradient_divide_factor``); each router with an fp32 ``MixedPrecisionPolicy`` (a bf16 gate would change which
-experts are chosen); each block over the S * X ranks of a replica; the embedding; the final norm + LM head (one
-unit with the embedding when tied); the root. Plain data parallelism (S * X == 1, no pipeline) is
-:func:`apply_replicate`; a pipeline stage with one shard per replica is one FSDP2 unit.
-
-``reshard_after_forward=True`` is ZeRO-3, ``False`` ZeRO-2 (parameters stay gathered from forward to backward).
-With bf16, parameters are all-gathered and computed in bf16 and gradients reduced in fp32 into fp32 sharded master
-weights.
 """
 
 from __future__ import annotations
@@ -44,7 +33,7 @@ PlacementFn = Callable[[nn.Parameter], Shard | None]
 
 def mixed_precision(dtype: str) -> tuple[MixedPrecisionPolicy, MixedPrecisionPolicy]:
     """(policy of every unit, policy of the router) for ``train.dtype``: bf16 compute with fp32 reduction and fp32
-    master weights, the router all fp32; fp32: no casts."""
+    master weights, the router all fp32 (a bf16 gate would change which experts are chosen); fp32: no casts."""
     fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     if dtype == "bf16":
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
@@ -100,6 +89,7 @@ def apply_fsdp(model: nn.Module, mesh: LayoutMesh, parallel: ParallelConfig, dty
             local = next(experts.parameters()).shape[0]  # E / ep
             if ep > 1:
                 shard(experts, mesh.expert_mesh, placement=expert_placement(experts, local, mesh.layout.dp_shard))
+                # over all R * S * X data-parallel ranks: an expert's gradient already sums its EP group's tokens
                 cast(FSDPModule, experts).set_gradient_divide_factor(float(mesh.layout.data_parallel))
                 expert_units.add(experts)
             else:
@@ -137,10 +127,9 @@ def apply_fsdp(model: nn.Module, mesh: LayoutMesh, parallel: ParallelConfig, dty
 def apply_replicate(model: nn.Module, mesh: LayoutMesh, cpu_offload: bool = False, seed: int = 0,
                     plan: dict[str, ExpertShard] | None = None) -> nn.Module:
     """Plain data parallelism (``dp_shard * ep == 1``, no pipeline): ``torch.distributed._composable.replicate``
-    (DDP's reducer, composable, on a ``DeviceMesh``; torchtitan's ``apply_ddp``) of ``model`` in place over the
-    ``dp_replicate`` ranks. Parameters stay whole, plain tensors; DDP averages every gradient over the replicas
-    in buckets of up to 100 MiB (torchtitan's size) during backward, the gradients being views into the buckets
-    (no copy out), and :meth:`set_requires_gradient_sync` turns that off for the first micro-batches of a step.
+    (DDP's reducer on a ``DeviceMesh``; torchtitan's ``apply_ddp``) of ``model`` in place over the ``dp_replicate``
+    ranks: whole plain-tensor parameters, gradients averaged in buckets of up to 100 MiB (torchtitan's size) during
+    backward, as views into the buckets (docs/scale-out.md, FSDP2).
 
     No initial broadcast (``init_sync=False``): every rank materialised the same weights from global indices, or
     loads the same checkpoint. No buffer broadcast before each forward (``forward_sync_buffers=False``): the

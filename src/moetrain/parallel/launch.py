@@ -2,13 +2,10 @@
 
     torchrun --nproc_per_node 4 -m moetrain train --preset tiny parallel.ep=2      # 2 replicas x ep 2
 
-Every ``torchrun`` job (``WORLD_SIZE > 1``) runs on one engine, FSDP2 on a ``pp x dp_replicate x dp_shard x ep``
-``DeviceMesh`` (:class:`moetrain.parallel.engine.ShardedHooks`): plain data parallelism is its ``dp_replicate``
-dimension (``replicate``), ZeRO its ``dp_shard``, expert parallelism its ``ep`` (expert slices and an all-to-all
-dispatcher), pipelining on top. One process runs the :class:`ParallelHooks` here, whose hooks are the identity;
-they are also the engine's base (data preparation on rank 0, the shared stop and alarm decisions, the
-token-exchange counters). Each hook that is a collective says so: every rank calls it at the same point. Only
-rank 0 writes logs, metrics and run files.
+Every ``torchrun`` job (``WORLD_SIZE > 1``) runs on one engine (:class:`moetrain.parallel.engine.ShardedHooks`;
+docs/scale-out.md). One process runs the :class:`ParallelHooks` here, whose hooks are the identity; they are also
+the engine's base. Each hook that is a collective says so: every rank calls it at the same point. Only rank 0
+writes logs, metrics and run files.
 """
 
 from __future__ import annotations
@@ -29,6 +26,7 @@ from moetrain.parallel.all_gather import AllGatherDispatcher
 from moetrain.parallel.all_to_all import AllToAllDispatcher
 from moetrain.parallel.comm import CommStats, named_collective
 from moetrain.parallel.dcp import ShardLayout
+from moetrain.parallel.exchange import all_gather_rows
 from moetrain.parallel.layout import (ExpertShard, Layout, ParallelMesh, init_layout_mesh, moe_layers, shard_experts,
                                       single_process)
 
@@ -63,7 +61,8 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, dispatcher: str = "all_to_
         ConfigError: an unknown dispatcher or checkpointing mode, or ``ep`` not dividing a layer's experts.
     """
     if dispatcher not in DISPATCHERS:
-        raise ConfigError(f"parallel.dispatcher: unknown dispatcher {dispatcher!r}; choose one of {sorted(DISPATCHERS)}")
+        raise ConfigError(f"parallel.dispatcher: unknown dispatcher {dispatcher!r}; choose one of "
+                          f"{sorted(DISPATCHERS)}")
     plan = shard_experts(model, mesh)
     if mesh.ep > 1:
         for name, layer in moe_layers(model):
@@ -154,19 +153,18 @@ class ParallelHooks:
 
         # rank 0's outcome: ("ok", tokenizer.json bytes) or ("error", message)
         message: list[tuple[str, bytes | str] | None] = [None]
-        if self.is_main:
-            try:
+        try:
+            if self.is_main:
                 result = prepare()
                 message = [("ok", result[1])]
-            except Exception as e:  # the other ranks report it instead of waiting for a tokenizer
-                message = [("error", str(e) if isinstance(e, MoetrainError) else f"{type(e).__name__}: {e}")]
-                raise
-            finally:
-                with named_collective("broadcast_object_list (tokenizer from rank 0)"):
-                    dist.broadcast_object_list(message, src=0)
+        except Exception as e:  # the other ranks report it instead of waiting for a tokenizer
+            message = [("error", str(e) if isinstance(e, MoetrainError) else f"{type(e).__name__}: {e}")]
+            raise
+        finally:
+            with named_collective("broadcast_object_list (tokenizer from rank 0)"):
+                dist.broadcast_object_list(message, src=0)
+        if self.is_main:
             return result
-        with named_collective("broadcast_object_list (tokenizer from rank 0)"):
-            dist.broadcast_object_list(message, src=0)
         outcome = message[0]
         assert outcome is not None  # filled by rank 0's broadcast
         _, payload = outcome
@@ -208,17 +206,15 @@ class ParallelHooks:
         ranks) and ``ep/rank{R}/combine_bytes_sent``. Counters cover training forward passes only."""
         if not self.mesh.distributed or self.mesh.ep == 1:
             return {}
-        local = self.stats.as_tensor().to(self.mesh.device)
-        everyone = [torch.empty_like(local) for _ in range(self.mesh.world_size)]
-        with named_collective("all_gather (communication counters)"):
-            dist.all_gather(everyone, local)
+        everyone = all_gather_rows(self.stats.as_tensor().to(self.mesh.device)[None], None, self.mesh.world_size,
+                                   "all_gather (communication counters)")  # [W, 6]
         steps = max(self._steps, 1)
         self.stats.reset()
         self._steps = 0
         names = {"tokens_received": "tokens_received", "dispatch_bytes_sent": "a2a_bytes_sent",
                  "dispatch_bytes_sent_remote": "a2a_bytes_sent_remote", "combine_bytes_sent": "combine_bytes_sent"}
-        ranks = [dict(zip(CommStats.field_names(), counters.tolist())) for counters in everyone]
-        return {f"ep/rank{rank}/{key}": values[field] / steps
+        ranks = [CommStats(*counters.tolist()) for counters in everyone]
+        return {f"ep/rank{rank}/{key}": getattr(values, field) / steps
                 for rank, values in enumerate(ranks) for field, key in names.items()}
 
     # -- checkpoints, monitoring, stopping ---------------------------------------------------------------------
@@ -229,9 +225,11 @@ class ParallelHooks:
         return ShardLayout(self.mesh, self.plan)
 
     def monitor_config(self, config: MonitorConfig) -> MonitorConfig:
-        """The routing monitor's config for this rank: rank 0's only (it sees rank 0's tokens and writes the
-        alerts); disabled on the others."""
-        return config if self.is_main else dataclasses.replace(config, enabled=False)
+        """The routing monitor's config for this rank: enabled on rank 0 (it sees rank 0's tokens and writes the
+        alerts) and on the ranks whose :meth:`stage_routing` reaches rank 0 (the later stages' MoE layers of rank 0's
+        pipeline); disabled on the others."""
+        mine = self.is_main or self.stage_routing() is not None
+        return config if mine else dataclasses.replace(config, enabled=False)
 
     def stage_routing(self) -> StageRouting | None:
         """How this rank's routing monitor reaches rank 0 when the model is split into pipeline stages

@@ -1,23 +1,15 @@
 """The ``pp x dp_replicate x dp_shard x ep`` device mesh of the FSDP2 engine, from the ``parallel`` config and the
-``torchrun`` environment.
+``torchrun`` environment (what each dimension shards: docs/scale-out.md, The mesh).
 
 Legend: P = pp (pipeline stages), R = dp_replicate (HSDP replicas), S = dp_shard (FSDP shards), X = ep (expert
 parallel), W = P * R * S * X = WORLD_SIZE.
 
 Ranks fill a ``(P, R, S, X)`` grid, ``rank = ((p * R + r) * S + s) * X + x``: an EP group is X consecutive ranks
-(one node's GPUs when X <= nproc_per_node), pipeline stages are the outermost dimension (as in torchtitan). EP is
-borrowed from data parallelism: all ``R * S * X`` ranks of a stage read different rows of the global batch, so for
-the non-expert parameters they are all data-parallel ranks (FSDP2 shards them over the ``S * X`` ranks of a
-replica and replicates over R); an expert shard (E / X experts) is replicated by the ``R * S`` ranks with the same
-``x``, over which FSDP2 shards it (over S) and replicates it (over R).
-
+(one node's GPUs when X <= nproc_per_node), pipeline stages are the outermost dimension (as in torchtitan).
 Every process group is created with ``new_group(timeout=parallel.timeout_s)`` and wrapped by
 ``DeviceMesh.from_group``: ``init_device_mesh`` would give sub-groups the backend default time-out (30 min).
-
-Expert parallelism's view of a rank (:class:`ParallelMesh`: ``ep``, ``ep_rank``, its EP group) is what the
-dispatchers and the expert slicing (:func:`shard_experts`: E / X consecutive experts of every MoE layer per EP
-rank, :class:`ExpertShard`) read; the trainer and ``moetrain serve parallel.ep=N`` both join the job and build
-the mesh through :func:`init_layout_mesh`.
+The trainer and ``moetrain serve parallel.ep=N`` both join the job and build the mesh through
+:func:`init_layout_mesh`.
 """
 
 from __future__ import annotations
@@ -25,6 +17,7 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,9 +26,10 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from moetrain.errors import ConfigError
 from moetrain.moe.layer import MoELayer
-from moetrain.parallel import rendezvous
 from moetrain.parallel.comm import named_collective
 from moetrain.parallel.config import ParallelConfig
+from moetrain.parallel.exchange import all_gather_rows
+from moetrain.train.restart import torchrun_restart
 
 
 @dataclass(frozen=True)
@@ -82,13 +76,6 @@ class Layout:
     def grid(self) -> torch.Tensor:
         """[P, R, S, X] int64: the global rank at each coordinate."""
         return torch.arange(self.world).view(self.pp, self.dp_replicate, self.dp_shard, self.ep)
-
-    def coords(self, rank: int) -> tuple[int, int, int, int]:
-        """(p, r, s, x) of ``rank``."""
-        x = rank % self.ep
-        s = rank // self.ep % self.dp_shard
-        r = rank // (self.ep * self.dp_shard) % self.dp_replicate
-        return rank // (self.ep * self.dp_shard * self.dp_replicate), r, s, x
 
     def describe(self) -> str:
         """One line: the sizes and what each dimension shards."""
@@ -208,10 +195,7 @@ def gather_full(local: torch.Tensor, shard: ExpertShard, mesh: ParallelMesh) -> 
     for checks and exports, not the training path)."""
     if mesh.ep == 1:
         return local.detach().clone()
-    pieces = [torch.empty_like(local) for _ in range(mesh.ep)]
-    with named_collective("all_gather (expert weights)", mesh.ep_group):
-        dist.all_gather(pieces, local.detach().contiguous(), group=mesh.ep_group)
-    return torch.cat(pieces, dim=0)
+    return all_gather_rows(local.detach(), mesh.ep_group, mesh.ep, "all_gather (expert weights)")
 
 
 @dataclass
@@ -292,9 +276,7 @@ def _groups(grid: torch.Tensor, vary: tuple[int, ...], rank: int, timeout: datet
 
 def _mesh(groups: list[dist.ProcessGroup], ranks: torch.Tensor, names: tuple[str, ...], device_type: str
           ) -> DeviceMesh:
-    if len(groups) == 1:
-        return DeviceMesh.from_group(groups[0], device_type, mesh=ranks.flatten(), mesh_dim_names=names)
-    return DeviceMesh.from_group(groups, device_type, mesh=ranks, mesh_dim_names=names)
+    return DeviceMesh.from_group(groups, device_type, mesh=ranks, mesh_dim_names=names)  # one dim per group
 
 
 def process_groups(layout: Layout) -> int:
@@ -321,7 +303,7 @@ def build_layout_mesh(layout: Layout, timeout_s: float, device: torch.device) ->
         raise ConfigError(f"parallel: the mesh needs {layout.world} ranks, the job has {world}")
     timeout = datetime.timedelta(seconds=timeout_s)
     grid = layout.grid
-    p, r, s, x = layout.coords(rank)
+    p, r, s, x = (grid == rank).nonzero()[0].tolist()
     with named_collective("new_group (building the pp x dp_replicate x dp_shard x ep mesh)"):
         ep_group, _ = _groups(grid, (3,), rank, timeout)
         rep_group, _ = _groups(grid, (1,), rank, timeout)  # same p, s, x: replicas (both FSDP meshes' first dim)
@@ -347,7 +329,7 @@ def build_layout_mesh(layout: Layout, timeout_s: float, device: torch.device) ->
     else:
         dense = _mesh([shard_ep_group], stage.flatten(), ("dp_shard_ep",), dtype)
         expert = _mesh([shard_group], stage[0, :, x], ("dp_shard",), dtype)
-    # Experts as checkpoints see them: rows split over ep, then each EP slice over dp_shard (moetrain.parallel.engine).
+    # Experts as checkpoints see them: rows split over ep, then each EP slice over dp_shard (dcp.ShardLayout).
     expert_global = _mesh([ep_group, shard_group], grid[p, r].T, ("ep", "dp_shard"), dtype)
     ep_view = _mesh([edp_group, ep_group], stage.reshape(-1, layout.ep), ("dp", "ep"), dtype)
     ep_mesh = ParallelMesh(world_size=world, rank=rank, ep=layout.ep, ep_rank=x,
@@ -371,6 +353,21 @@ def nccl_error_handling(backend: str) -> None:
     """
     if backend == "nccl":
         os.environ.setdefault(NCCL_ERROR_HANDLING, "2")
+
+
+def _store_kwargs(timeout: datetime.timedelta) -> dict[str, Any]:
+    """Extra keyword arguments of ``dist.init_process_group``: under torchrun's agent store
+    (``TORCHELASTIC_USE_AGENT_STORE=True``, ``--rdzv-backend c10d``), which the agent keeps across the restarts of
+    ``--max-restarts``, a client of it with a prefix per restart, ``moetrain/restart_<TORCHELASTIC_RESTART_COUNT>``
+    (and the ``rank`` / ``world_size`` an explicit store needs); otherwise none (``env://``). Without the prefix,
+    restarted workers find their predecessors' keys (each rank's gloo address) and connect to dead ports: ``Gloo
+    connectFullMesh failed ... Connection refused``, seen in torch 2.13 on 2 of 3 restarts."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timeout)
+    return {"store": dist.PrefixStore(f"moetrain/restart_{torchrun_restart()}", store),
+            "rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}
 
 
 def init_layout_mesh(config: ParallelConfig, device_type: str) -> tuple[LayoutMesh, bool]:
@@ -402,6 +399,6 @@ def init_layout_mesh(config: ParallelConfig, device_type: str) -> tuple[LayoutMe
         with named_collective("init_process_group (rendezvous at MASTER_ADDR:MASTER_PORT)"):
             timeout = datetime.timedelta(seconds=config.timeout_s)  # sub-groups get it in build_layout_mesh
             dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None,
-                                    **rendezvous.init_kwargs(timeout))
+                                    **_store_kwargs(timeout))
         owns = True
     return build_layout_mesh(layout, config.timeout_s, device), owns

@@ -1,6 +1,6 @@
 """Per-rank memory of a layout, before anything is allocated: the peak of what a training step holds on each
-pipeline rank (the ranks of one stage hold the same), term by term; docs/scale-out.md explains the terms, this
-gives their sources.
+pipeline rank (the ranks of one stage hold the same), term by term; docs/scale-out.md (Per-rank memory) explains
+the terms, this gives their sources.
 
 Legend: P = pp, S = dp_shard, X = ep, M = micro-batches per step (``train.grad_accum``), b = rows per rank and
 micro-batch (``train.batch_size / (R * S * X)``), U = one FSDP2 unit's unsharded bytes on this rank, c = bytes of
@@ -9,29 +9,24 @@ the compute dtype (``train.dtype``).
 Counted from the meta model's shapes (so FSDP2's padding of dim 0 to a multiple of the shards is included):
 
 - **parameters, gradients** (fp32) and **AdamW state** (two fp32 moments): this rank's shards as
-  :mod:`moetrain.parallel.fsdp` makes them (non-expert tensors over ``S * X``, each expert shard over ``S``, on
-  dim 1 when fewer experts than shards). At the peak only the gradients that exist then
-  (:attr:`RankMemory.grads_at_peak`: sharded ones of the units already reduced, unsharded ones not yet).
+  :mod:`moetrain.parallel.fsdp` makes them; at the peak only the gradients that exist then
+  (:attr:`RankMemory.grads_at_peak`).
 - **gathered**: FSDP2's unsharded copies (compute dtype), also where a unit has one shard (FSDP2 then copies the
-  shard: ``_fsdp_param_group.py`` ``wait_for_unshard``). ZeRO-3: the unit whose backward runs; ZeRO-2, and the
-  single unit of a stage without data parallelism: every unit from its forward until its own backward.
+  shard: ``_fsdp_param_group.py`` ``wait_for_unshard``).
 - **communication**: the reduce-scatter's flat fp32 input (U), kept until the next unit's reduce-scatter starts
   (``reduce_scatter_max_input_buffers = 1``, ``_fsdp_param_group.py`` ``post_backward``); under ZeRO-3 the next
   unit's prefetched all-gather (U in the compute dtype, ``_fsdp_collectives.py``); on gloo a second U per
   collective (``ProcessGroupGloo::reduce_scatter_tensor_coalesced`` reduces a clone of its input, its all-gather
-  writes a flat output first: ``torch/csrc/distributed/c10d/ProcessGroupGloo.cpp``). NCCL has neither copy.
-- **activations**: what the micro-batches still to be run backward saved
-  (:func:`moetrain.analysis.activations.model_activations`, b rows, the rank's blocks); in the first backward of a
-  pipeline rank the micro-batches in flight (:func:`moetrain.analysis.step.in_flight`).
-- **MoE scratch** (CPU, the fused experts path): moe/kernels/cpu/workspace.py keeps each buffer at the largest size
-  a call asked for (:func:`moe_scratch`; the evaluation's forward runs ``train.batch_size`` rows on every rank
-  without a pipeline).
+  writes a flat output first: ``torch/csrc/distributed/c10d/ProcessGroupGloo.cpp``).
+- **activations**: :func:`moetrain.analysis.activations.model_activations` (b rows, the rank's blocks); in a
+  pipeline rank's first backward those of the micro-batches in flight (:func:`moetrain.analysis.step.in_flight`).
+- **MoE scratch** (CPU): moe/kernels/cpu/workspace.py keeps each buffer at the largest size a call asked for
+  (:func:`moe_scratch`).
 - **runtime** (CPU): :data:`RUNTIME_CPU_BYTES` per process. On CUDA the measured peak is the caching allocator's
   tensors (``torch.cuda.max_memory_allocated``), so neither this nor the scratch counts there.
 
 The peak is the largest of the moments (:func:`step_moments`): each unit's backward, each unit's reduce-scatter
-(copy-in, then the collective), a pipeline rank's first backward and the optimizer step. With ``M > 1`` the
-unsharded gradients accumulate until the last micro-batch reduces them (``set_requires_gradient_sync``), and each
+(copy-in, then the collective), a pipeline rank's first backward and the optimizer step; with ``M > 1`` each
 micro-batch's backward adds a fresh gradient of one unit's routed experts (moe/fast_moe.py).
 
 Not counted: the token batches (preflight.py adds them), a checkpoint being written, gloo's all-reduce of
@@ -44,6 +39,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+import torch
 
 from moetrain.parallel.layout import Layout
 from moetrain.parallel.pipeline import rank_stages
@@ -247,16 +244,6 @@ def step_moments(units: list[Unit], acts: list[float], transient: float, c: int,
     return moments
 
 
-def _device(config: Config, device: str | None) -> str:
-    if device is not None:
-        return "cpu" if device == "cpu" else "cuda"
-    if config.train.device != "auto":
-        return config.train.device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 def rank_memory(config: Config, world: int, model: nn.Module | None = None, device: str | None = None
                 ) -> list[RankMemory]:
     """One :class:`RankMemory` per pipeline rank of ``config`` on ``world`` ranks (``model``: the meta model, built
@@ -275,7 +262,8 @@ def rank_memory(config: Config, world: int, model: nn.Module | None = None, devi
     model = build_meta(config.model) if model is None else model
     p, m, t = config.parallel, config.model, config.train
     per_stage = stage_elements(model, config, layout, stages)
-    cpu = _device(config, device) == "cpu"
+    device = device or config.train.device
+    cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
     gloo = p.backend == "gloo" or (p.backend == "auto" and cpu)
     compute_bytes = 2 if t.dtype == "bf16" else 4
     shape = ModelShape.from_config(m)

@@ -1,18 +1,15 @@
 """Build on the meta device, then materialise only this rank's shards with values that depend on global indices
-only, so every layout (one process, EP=N, FSDP, PP) starts from the same weights without any rank holding the
-whole model (STYLE.md #6; torchtitan builds on meta and calls ``to_empty`` + ``init_weights`` the same way).
+only, so every layout starts from the same weights without any rank holding the whole model (STYLE.md #6;
+docs/scale-out.md, Meta-device build; torchtitan builds on meta and calls ``to_empty`` + ``init_weights`` alike).
 
 Legend: N = rows of a parameter (dim 0: experts for [E, ...] expert tensors, output features for matrices).
 
-The values of a parameter are cut into blocks of rows along dim 0: one expert per block for 3-D expert tensors (a
-shard on dim 1 draws its whole experts and keeps its columns), :data:`BLOCK_ROWS` rows for matrices, the whole
-tensor for vectors. Block k of parameter ``name`` is drawn from its own generator seeded with a hash of
-(``train.seed``, ``name``, k), so a rank holding rows [a, b) (an expert slice, an FSDP shard, or both) draws only
-the blocks overlapping them. Distribution per parameter as ``MoETransformer.reset_parameters``: Normal(0,
-init_std) for matrices and expert tensors, ``init_std / sqrt(2 * n_layers)`` for output projections, 1 for norm
-weights, 0 for biases; buffers (the router's expert bias) start at 0. The trainer initialises every layout this
-way, one process included, so ``train.seed`` alone fixes the initial weights (a bare ``MoETransformer(config)``,
-one global RNG stream, draws other values).
+Block k of rows of parameter ``name`` (one expert of a 3-D expert tensor, whose shard on dim 1 keeps its columns;
+:data:`BLOCK_ROWS` rows of a matrix; a whole vector) is drawn from its own generator seeded with a hash of
+(``train.seed``, ``name``, k), so a rank holding rows [a, b) draws only the blocks overlapping them. Distribution
+per parameter as ``MoETransformer.reset_parameters``: Normal(0, init_std) for matrices and expert tensors,
+``init_std / sqrt(2 * n_layers)`` for output projections, 1 for norm weights, 0 for biases; buffers (the router's
+expert bias) start at 0. A bare ``MoETransformer(config)``, one global RNG stream, draws other values.
 """
 
 from __future__ import annotations
@@ -79,14 +76,13 @@ def normal_rows(seed: int, name: str, shape: torch.Size, start: int, stop: int, 
     return torch.cat(pieces) if pieces else torch.empty((0, *rest))
 
 
-def _offsets(p: torch.Tensor) -> tuple[torch.Size, tuple[int, ...]]:
-    """(global shape over FSDP, offset of the local block in each dim) of ``p`` (a DTensor or a plain tensor)."""
+def _offsets(p: torch.Tensor) -> tuple[int, ...]:
+    """The offset of ``p``'s local block in each dim: a DTensor's FSDP shard, or zeros for a plain tensor."""
     if not isinstance(p, DTensor):
-        return p.shape, (0,) * p.dim()
+        return (0,) * p.dim()
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-    return p.shape, tuple(offset)
+    return tuple(compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)[1])
 
 
 @torch.no_grad()
@@ -108,12 +104,9 @@ def init_parameters(model: nn.Module, config: ModelConfig, seed: int,
         if std is None:
             local.fill_(0.0 if name.endswith(".bias") else 1.0)
             continue
-        shape, offset = _offsets(p)
-        start = offset[0]
-        shard = plan.get(name)
-        if shard is not None:
-            start += shard.offset
-            shape = torch.Size((shard.global_rows, *shape[1:]))
+        offset, shard = _offsets(p), plan.get(name)  # p.shape: the global shape over FSDP
+        start = offset[0] + (shard.offset if shard is not None else 0)
+        shape = p.shape if shard is None else shard.global_shape(p.shape)
         rows = normal_rows(seed, saved_name(config, name), shape, start, start + local.shape[0], std)
         if local.dim() > 1 and local.shape[1] != shape[1]:  # sharded on dim 1 too (experts: FSDP2 Shard(1))
             rows = rows[:, offset[1]: offset[1] + local.shape[1]]

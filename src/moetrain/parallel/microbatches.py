@@ -1,12 +1,7 @@
-"""The pipeline's micro-batches per step, chosen from the layout when ``train.grad_accum`` was not given.
-
-Every schedule but GPipe needs at least one micro-batch per stage (``parallel.pp x pp_stages_per_rank``,
-:func:`moetrain.parallel.pipeline_runner.check_microbatches`), so the default ``grad_accum = 1`` cannot run
-``parallel.pp = 2``. When the user did not set ``train.grad_accum`` this chooses ``grad_accum = stages`` and, where
-it splits evenly over ``stages x data-parallel ranks x model.execution.bta_tiles``, ``batch_size / stages`` per
-micro-batch (the step keeps its sequences, as torchtitan's ``local_batch_size / pipeline_parallel_microbatch_size``);
-else ``batch_size`` stays and the step grows ``stages``-fold. The chosen values go into ``config.json``, so a resume
-keeps them.
+"""The pipeline's micro-batches per step, chosen from the layout when ``train.grad_accum`` was not given (every
+schedule but GPipe needs one per stage: :func:`moetrain.parallel.pipeline_runner.check_microbatches`); the rule
+is in docs/scale-out.md, Pipeline micro-batches (the step keeps its sequences where they split, as torchtitan's
+``local_batch_size / pipeline_parallel_microbatch_size``).
 """
 
 from __future__ import annotations
@@ -20,10 +15,10 @@ if TYPE_CHECKING:
     from moetrain.config import Config
 
 
-def given(*sources: dict[str, Any] | None, section: str = "train", name: str = "grad_accum") -> bool:
+def given(*sources: dict[str, Any] | None) -> bool:
     """Whether any of the nested config dicts ``sources`` (a preset's, a ``--config`` file's, the overrides) sets
-    ``section.name``."""
-    return any(isinstance(s, dict) and isinstance(s.get(section), dict) and name in s[section] for s in sources)
+    ``train.grad_accum``."""
+    return any(isinstance(s, dict) and isinstance(s.get("train"), dict) and "grad_accum" in s["train"] for s in sources)
 
 
 def choose(config: Config, world: int) -> tuple[Config, str | None]:

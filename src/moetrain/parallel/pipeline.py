@@ -1,14 +1,8 @@
 """Pipeline parallelism: the block stack split into stages (``parallel.pp`` ranks x ``pp_stages_per_rank``
-virtual stages), scheduled by ``torch.distributed.pipelining``.
+virtual stages), scheduled by ``torch.distributed.pipelining``; placement, balancing and the MoE losses' path are in
+docs/scale-out.md (Pipeline parallelism), after torchtitan's ``torchtitan/distributed/pipeline_parallel.py``.
 
 Legend: L = blocks, P = pp ranks, V = stages per rank, N = P * V stages.
-
-Placement follows torchtitan's recipe (``generate_llm_fqn_per_model_part`` and ``pipeline_module_split`` in
-torchtitan/distributed/pipeline_parallel.py): stage 0 also holds the embedding, the last stage the final norm and
-LM head; the blocks are split into contiguous stages balanced by the cost model
-(:func:`moetrain.analysis.stages.split_stages`). Stage ``i`` lives on rank ``i % P`` (looped), or, for the
-V-shaped schedules (ZBV, DualPipeV: two stages per rank), rank ``r`` holds stages ``r`` and ``2P - 1 - r``
-(torchtitan's ``style="v"``), so rank 0 holds both ends.
 """
 
 from __future__ import annotations
@@ -90,9 +84,7 @@ def stage_rank(stage: int, pp: int, schedule: str = "1f1b") -> int:
 class _AttachLoss(torch.autograd.Function):
     """An alias of ``h`` in forward; in backward ``h``'s gradient passes through and ``loss`` receives gradient 1
     (Megatron-Core's ``MoEAuxLossAutoScaler``): a stage's MoE losses enter the step's loss as in one process without
-    travelling to the last stage. The alias is ``h.detach()`` (no copy), not a view: a view returned by a sharded
-    module loses FSDP2's pre-backward hook to an in-place op, and ZBV / DualPipeV ``detach_()`` the stage's output
-    (docs/scale-out.md)."""
+    travelling to the last stage. The alias is ``h.detach()`` (no copy), not a view (docs/scale-out.md says why)."""
 
     @staticmethod
     def forward(ctx: Any, h: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
@@ -109,15 +101,11 @@ class StageModule(nn.Module):
     """One pipeline stage of an ``MoETransformer``: (embedding) -> its blocks -> (final norm -> LM head), a slice
     of the model run by the model's own forward steps (``embed``, ``run_blocks``, ``logits``), as torchtitan's
     stages are slices of the model. Parameter names equal the whole model's (``blocks`` is a ``ModuleDict`` keyed
-    by the global block index), so expert slices, initialisation and checkpoints use one naming for every layout.
-
-    The stage adds its MoE layers' share of ``moe_loss`` (each per-layer term over the model's number of MoE
-    layers) through :class:`_AttachLoss`. Pipelining fixes a stage's forward signature to the tensors passed
-    between stages, so per step the runner sets ``step_counts`` ([L_s, E] global-batch counts from the routing
-    pre-pass) and reads and clears ``records`` (per micro-batch forward: the detached loss terms and ``counts``
-    [L_s, E]). With tied embeddings the last stage holds its own copy of the embedding as its LM head,
-    initialised and saved under the embedding's name (:func:`~moetrain.parallel.meta_init.saved_name`); the runner
-    keeps the copies equal by summing their gradients (docs/scale-out.md).
+    by the global block index). The stage adds its MoE layers' share of ``moe_loss`` through :class:`_AttachLoss`.
+    Pipelining fixes a stage's forward signature to the tensors passed between stages, so per step the runner sets
+    ``step_counts`` ([L_s, E] global-batch counts from the routing pre-pass) and reads and clears ``records`` (per
+    micro-batch forward: the detached loss terms and ``counts`` [L_s, E]). With tied embeddings the
+    last stage holds its own copy of the embedding as its LM head (docs/scale-out.md).
 
     Args:
         model: the whole model (meta or real); its modules are shared, not copied (the tied LM head excepted).
@@ -136,9 +124,7 @@ class StageModule(nn.Module):
         check_losses(config)
         self.config = config
         self.first, self.last = first, last
-        # The model's own code runs the stage (MoETransformer.embed / run_blocks / logits) on the modules the stage
-        # shares with it. A plain attribute, not a submodule: the model's other parts are not the stage's to
-        # shard, step or save (built on the meta device, they hold no memory).
+        # A plain attribute, not a submodule: the model's other parts are not the stage's to shard, step or save.
         object.__setattr__(self, "model", model)
         all_blocks = [cast(Block, b) for b in model.blocks]
         self.embed_tokens: nn.Module | None = model.embed_tokens if first else None

@@ -1,16 +1,10 @@
 """Runs one optimizer step of a pipeline-parallel job: the routing pre-pass, the ``torch.distributed.pipelining``
 schedule over the step's micro-batches, then clipping, AdamW and the expert-bias update, reporting what
-:func:`moetrain.train.step.train_step` reports for one process.
+:func:`moetrain.train.step.train_step` reports for one process (why that equals one process, tested in
+tests/test_pipeline_train.py: docs/scale-out.md, Pipeline parallelism).
 
 Legend: M = micro-batches per step (``train.grad_accum``), b = rows per rank and micro-batch, S = sequence,
 D = hidden, E = experts, L_s = MoE layers of this rank's stages.
-
-Equivalence with one process (tested in tests/test_pipeline_train.py): each micro-batch's loss is its mean LM
-loss plus the MoE losses, each stage adding its layers' share (:class:`~.pipeline.StageModule`); the schedule
-divides the gradients by M (``scale_grads``) as ``train_step`` divides each loss by ``grad_accum``; FSDP2 averages
-over the data-parallel ranks. The global-batch aux loss needs the step's counts before the first backward: a
-no-grad routing pass through the pipeline (point-to-point sends of the hidden states, stage by stage) collects
-them first, as ``MoETransformer.moe_counts`` does in one process (~1/3 more compute).
 """
 
 from __future__ import annotations
@@ -30,22 +24,21 @@ from torch.distributed.pipelining.stage import _PipelineStageBase
 
 from moetrain.errors import ConfigError
 from moetrain.model.config import ModelConfig
-from moetrain.moe.layer import MoEAux, MoELayer
+from moetrain.moe.layer import MoEAux
 from moetrain.parallel.comm import CommStats, named_collective
 from moetrain.parallel.config import ParallelConfig
+from moetrain.parallel.dcp import ShardLayout
 from moetrain.parallel.fsdp import apply_fsdp, clip_grad_norm
 from moetrain.parallel.launch import parallelize
 from moetrain.parallel.layout import ExpertShard, LayoutMesh
 from moetrain.parallel.pipeline import StageModule, rank_stages, stage_blocks, stage_rank
-from moetrain.model.transformer import MOE_LOSS_TERMS
+from moetrain.model.transformer import IGNORE_INDEX, MOE_LOSS_TERMS
 from moetrain.train.config import TrainConfig
 from moetrain.train.step import Accumulated, StepResult, finish_step
 
 if TYPE_CHECKING:
     from moetrain.model.transformer import MoETransformer
-    from moetrain.parallel.engine import ShardedLayout
 
-IGNORE_INDEX = -100
 SCHEDULES: dict[str, type[PipelineScheduleSingle] | type[PipelineScheduleMulti]] = {
     "1f1b": Schedule1F1B, "gpipe": ScheduleGPipe, "interleaved_1f1b": ScheduleInterleaved1F1B,
     "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}
@@ -105,18 +98,15 @@ class PipelineRunner:
     def __init__(self, model: "MoETransformer", mesh: LayoutMesh, parallel: ParallelConfig, grad_accum: int,
                  dtype: str = "fp32", seed: int = 0, stats: CommStats | None = None,
                  micro_shape: tuple[int, int] | None = None):
-        layout = mesh.layout
         self.mesh, self.m, self.dtype = mesh, grad_accum, dtype
-        self.n_stages = layout.pp * parallel.pp_stages_per_rank
+        self.n_stages = mesh.layout.pp * parallel.pp_stages_per_rank
         check_microbatches(parallel, grad_accum)
-        config: ModelConfig = model.config
-        self.config = config
+        self.config: ModelConfig = model.config
         self.schedule_name = parallel.pp_schedule
-        self.ranges = stage_blocks(config, self.n_stages, micro_shape[1] if micro_shape else None,
+        self.ranges = stage_blocks(self.config, self.n_stages, micro_shape[1] if micro_shape else None,
                                    parallel.activation_checkpoint)
-        self.indices = rank_stages(mesh.pp_rank, layout.pp, parallel.pp_stages_per_rank, parallel.pp_schedule)
-        ranges = self.ranges
-        self.modules = [StageModule(model, ranges[i], i == 0, i == self.n_stages - 1) for i in self.indices]
+        self.indices = rank_stages(mesh.pp_rank, mesh.layout.pp, parallel.pp_stages_per_rank, parallel.pp_schedule)
+        self.modules = [StageModule(model, self.ranges[i], i == 0, i == self.n_stages - 1) for i in self.indices]
         self.plan: dict[str, ExpertShard] = {}
         for module in self.modules:
             plan = parallelize(module, mesh.ep_mesh, parallel.dispatcher, stats, parallel.activation_checkpoint)
@@ -133,7 +123,7 @@ class PipelineRunner:
             self.schedule = kind(stages, n_microbatches=grad_accum, loss_fn=lm_loss)
         else:
             self.schedule = kind(self.stages[0], n_microbatches=grad_accum, loss_fn=lm_loss)
-        self.global_aux = config.moe.losses.global_aux_loss_coeff > 0
+        self.global_aux = self.config.moe.losses.global_aux_loss_coeff > 0
 
     def _metadata(self, module: StageModule, micro_shape: tuple[int, int] | None) -> dict[str, Any]:
         """``input_args`` / ``output_args`` examples of a stage for micro-batches of ``micro_shape`` (meta
@@ -156,11 +146,9 @@ class PipelineRunner:
         return meta
 
     @property
-    def layout(self) -> "ShardedLayout":
-        """The checkpoint layout of this rank's stages (:class:`~moetrain.parallel.engine.ShardedLayout`)."""
-        from moetrain.parallel.engine import ShardedLayout
-
-        return ShardedLayout(self.mesh.ep_mesh, self.plan, self.mesh.expert_global_mesh)
+    def layout(self) -> ShardLayout:
+        """The checkpoint layout of this rank's stages."""
+        return ShardLayout(self.mesh.ep_mesh, self.plan, self.mesh.expert_global_mesh)
 
     def holder(self, stage: int) -> int:
         """Global rank holding pipeline stage ``stage`` in this rank's pipeline."""
@@ -172,16 +160,12 @@ class PipelineRunner:
         states [b, S, D] passed point-to-point (sent with ``isend``, so no rank waits on a send while its peer
         waits on another). Returns, per local stage, one (output, MoE records) per input: the trunk's hidden
         states, or on the last stage the logits [b, S, V] when ``what`` is ``"logits"``."""
-        mine = dict(zip(self.indices, self.modules))
         carried: list[torch.Tensor] = list(inputs)
         pending: list[Any] = []
         out: dict[int, list[tuple[torch.Tensor, list[MoEAux]]]] = {}
         hidden = self.config.hidden
         group = self.mesh.pp_group
-        for i in range(self.n_stages):
-            if i not in mine:
-                continue
-            module = mine[i]
+        for i, module in zip(self.indices, self.modules):  # stage order: rank_stages lists them ascending
             if i > 0 and self.holder(i - 1) != self.mesh.rank:
                 carried = []
                 for x in inputs:
@@ -213,12 +197,9 @@ class PipelineRunner:
         M micro-batches ``inputs`` ([b, S] each) and all data-parallel ranks of the stage (an all-reduce)."""
         passes = self._chain(inputs, "routing")
         for i, module in zip(self.indices, self.modules):
-            counts = None
-            for _, records in passes[i]:
-                if records:
-                    c = torch.stack([r.tokens_per_expert for r in records])
-                    counts = c if counts is None else counts + c
-            module.step_counts = None if counts is None else self.mesh.stage_sum(counts, "pipeline expert counts")
+            counts = [torch.stack([r.tokens_per_expert for r in records]) for _, records in passes[i] if records]
+            module.step_counts = (self.mesh.stage_sum(sum(counts[1:], counts[0]), "pipeline expert counts")
+                                  if counts else None)
 
     @torch.no_grad()
     def evaluate(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> float:
@@ -261,23 +242,18 @@ class PipelineRunner:
         for module in self.modules:  # without static shapes the first step adds a shape-inference forward first
             module.records = module.records[-self.m:]
         zero = torch.zeros((), device=device)
+        names = [n for n in MOE_TERMS if n != "pooled_aux_loss"]  # the pooled loss is refused with pp > 1
         values = torch.stack([sum(losses, zero).detach() / self.m if last else zero] + [
-            sum((r[name] for m in self.modules for r in m.records), zero) / self.m
-            for name in MOE_TERMS if name != "pooled_aux_loss"])
+            sum((r[name] for m in self.modules for r in m.records), zero) / self.m for name in names])
         with named_collective("all_reduce (pipeline step losses)", self.mesh.pp_group):
             dist.all_reduce(values, op=dist.ReduceOp.SUM, group=self.mesh.pp_group)
-        names = [n for n in MOE_TERMS if n != "pooled_aux_loss"]
-        moe = dict(zip(names, values[1:]))
-        moe["pooled_aux_loss"] = zero
+        moe = {**dict(zip(names, values[1:])), "pooled_aux_loss": zero}
         e = self.config.moe.num_experts
         counts = [torch.stack([r["counts"] for r in m.records]).sum(0) for m in self.modules if m.records]
         tpe = torch.cat(counts) if counts else torch.zeros(0, e, device=device)
         steps = [m.step_counts for m in self.modules if m.step_counts is not None]
         return Accumulated(lm_loss=values[0], moe_losses={k: moe[k] for k in MOE_TERMS}, tokens_per_expert=tpe,
                            global_counts=torch.cat(steps) if steps else None)
-
-    def moe_layers(self) -> list[MoELayer]:
-        return [layer for m in self.modules for layer in m.moe_layers()]
 
     @property
     def tied(self) -> nn.Parameter | None:
@@ -287,11 +263,6 @@ class PipelineRunner:
         if not self.config.tie_embeddings or not ends or ends[0] is None:
             return None
         return cast(nn.Parameter, ends[0].weight)
-
-    @property
-    def tied_copy(self) -> nn.Parameter | None:
-        """The last stage's copy of a tied embedding (left out of the gradient norm: the first stage counts it)."""
-        return self.tied if any(m.last for m in self.modules) else None
 
     @torch.no_grad()
     def sum_tied_grads(self) -> None:
@@ -321,7 +292,9 @@ class PipelineRunner:
         acc = self.forward_backward([next_batch() for _ in range(self.m)])
 
         def clip(max_norm: float) -> torch.Tensor:
-            self.sum_tied_grads()
-            return clip_grad_norm(self.local, self.mesh, max_norm, self.tied_copy)
+            self.sum_tied_grads()  # a tied embedding's last-stage copy is left out of the norm: the first counts it
+            copy = self.tied if any(m.last for m in self.modules) else None
+            return clip_grad_norm(self.local, self.mesh, max_norm, copy)
 
-        return finish_step(acc, self.moe_layers(), optimizer, scheduler, config, clip, count_reducer, reduce_mean)
+        layers = [layer for m in self.modules for layer in m.moe_layers()]
+        return finish_step(acc, layers, optimizer, scheduler, config, clip, count_reducer, reduce_mean)

@@ -94,9 +94,9 @@ class Checkpointer:
             CheckpointError: a rank's shards are not where rank 0 looks (no shared file system), or another rank's
                 failure.
         """
-        if self.layout.distributed:
+        if self.layout.mesh.distributed:
             where = save_sharded(self.store, state, self.layout, run_files or {})
-            if not self.layout.is_main:
+            if not self.layout.mesh.is_main:
                 return where
         else:
             where = self.store.save(state.step, {
@@ -180,7 +180,7 @@ def load_weights(ckpt: LoadedCheckpoint, model: nn.Module, optimizer: torch.opti
         dcp.load_checkpoint(ckpt, model, optimizer, layout, (saved or {}).get(OPTIMIZER_GROUPS))
         return
     optim = saved.get("optimizer") if saved is not None and optimizer is not None else None
-    if layout.distributed:
+    if layout.mesh.distributed:
         dcp.load_full(ckpt.model_tensors(), optim, model, optimizer, layout, ckpt.location)
     else:
         load_model_weights(model, ckpt.model_tensors(), f"{ckpt.location}/{MODEL_FILE}")
@@ -190,7 +190,7 @@ def load_weights(ckpt: LoadedCheckpoint, model: nn.Module, optimizer: torch.opti
         warn(f"warning: checkpoint {ckpt.location} holds no optimizer state (train.optimizer_state=newest keeps it "
              "in the newest checkpoint only): weights loaded, AdamW moments start afresh")
         return
-    if layout.distributed:
+    if layout.mesh.distributed:
         return
     try:  # PyTorch's param_names (written since the DCP route reads them) would stay in the groups: dropped
         optimizer.load_state_dict({**optim, "param_groups": [{**dcp.saved_group(g, mine), "params": g["params"]}
@@ -255,7 +255,7 @@ def save_sharded(store: CheckpointStore, state: TrainState, layout: ShardLayout,
         MachineError: a write failed on some rank (every rank raises).
         CheckpointError: a rank's files are not where rank 0 looks, or another failure (every rank raises).
     """
-    mesh, main = layout.mesh, layout.is_main
+    mesh, main = layout.mesh, layout.mesh.is_main
     staging = _from_rank0((lambda: store.begin(state.step)) if main else None, "checkpoint staging location")
     try:
         dcp.write_shards(staging.checkpoint_id, state.model, state.optimizer, layout, remote=not store.local)
