@@ -106,11 +106,9 @@ def assemble_moe_losses(
     counts = torch.stack([r.tokens_per_expert for r in records])  # [L, E]
     prob_sums = torch.stack([r.prob_sum for r in records])  # [L, E]
     num_tokens = torch.stack([r.num_tokens for r in records])  # [L]
-    out.aux_loss = torch.stack([r.aux_loss for r in records]).mean()
+    for name in ("aux_loss", "seq_aux_loss", "z_loss", "util_loss"):  # per-layer losses: the mean over layers
+        setattr(out, name, torch.stack([getattr(r, name) for r in records]).mean())
     out.pooled_aux_loss = pooled_load_balancing_loss(counts, prob_sums, num_tokens)
-    out.seq_aux_loss = torch.stack([r.seq_aux_loss for r in records]).mean()
-    out.z_loss = torch.stack([r.z_loss for r in records]).mean()
-    out.util_loss = torch.stack([r.util_loss for r in records]).mean()
     out.entropy_loss = torch.stack([zero if r.entropy_loss is None else r.entropy_loss for r in records]).mean()
     if global_counts is None:
         global_counts = counts
@@ -192,7 +190,7 @@ class MoETransformer(nn.Module):
                 return self.forward(input_ids, targets, padding_mask, kv_cache, global_counts, count_reducer,
                                     return_logits, document_ids)
         batch = None if kv_cache is None else kv_cache.append(*input_ids.shape)
-        x, records = self._trunk(input_ids, padding_mask, kv_cache, document_ids, batch)
+        x, records = self.run_blocks(self.embed(input_ids), None, padding_mask, kv_cache, document_ids, batch)
         fused_loss = targets is not None and not return_logits
         logits = None if fused_loss else self.logits(x)  # [B, S, V]
         out = ModelOutput(logits=logits, moe=records)
@@ -209,14 +207,6 @@ class MoETransformer(nn.Module):
             out.lm_loss = lm_loss
             out.loss = lm_loss + out.moe_loss
         return out
-
-    def _trunk(
-        self, input_ids: torch.Tensor, padding_mask: torch.Tensor | None, kv_cache: KVCache | None = None,
-        document_ids: torch.Tensor | None = None, batch: RaggedBatch | None = None,
-    ) -> tuple[torch.Tensor, list[MoEAux]]:
-        """Embedding and blocks: ([B, S, D] hidden states before the final norm, the MoE records); with a KV
-        cache, ``batch`` is where the tokens go in it."""
-        return self.run_blocks(self.embed(input_ids), None, padding_mask, kv_cache, document_ids, batch)
 
     # The three steps of the forward, public so that a pipeline stage (parallel/pipeline.py) runs its slice of the
     # model through this code: the first stage embeds, every stage runs its own blocks, the last one has the head.
@@ -241,9 +231,7 @@ class MoETransformer(nn.Module):
             x: [B, S, D] hidden states (the embeddings, or a previous pipeline stage's output).
             blocks: the :class:`Block` modules to run (a pipeline stage's own, in global order); ``None``: all of
                 the model's.
-            padding_mask: [B, S] bool, as in :meth:`forward`.
-            kv_cache: past keys/values, as in :meth:`forward`.
-            document_ids: [B, S] int64, as in :meth:`forward`.
+            padding_mask, kv_cache, document_ids: as in :meth:`forward` ([B, S] bool, past keys/values, [B, S] int64).
             batch: where the tokens go in ``kv_cache`` (``kv_cache.append``).
         Returns:
             ([B, S, D] hidden states, one :class:`MoEAux` per MoE block run, in block order).
@@ -276,7 +264,7 @@ class MoETransformer(nn.Module):
         forward pass: with gradient accumulation this adds roughly a third to the step's compute. Call it in the
         same mode (train / eval) and RNG state as the pass it prepares, so that both route identically.
         """
-        _, records = self._trunk(input_ids, padding_mask, document_ids=document_ids)
+        _, records = self.run_blocks(self.embed(input_ids), padding_mask=padding_mask, document_ids=document_ids)
         if not records:
             return torch.zeros(0, self.config.moe.num_experts, device=input_ids.device)
         return torch.stack([r.tokens_per_expert for r in records])
