@@ -14,6 +14,7 @@ backward ("FlexAttention does not support backward on CPU"), and its CPU forward
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -175,9 +176,7 @@ class RaggedBatch:
         """
         if not chunks or min(n for _, _, n in chunks) < 1:
             raise ValueError(f"RaggedBatch: need at least one sequence with at least one new token, got {chunks}")
-        offsets = [0]
-        for _, _, n in chunks:
-            offsets.append(offsets[-1] + n)
+        offsets = [0, *itertools.accumulate(n for _, _, n in chunks)]  # [B + 1] first token of each sequence
         if len(offsets) - 1 == offsets[-1]:  # one new token per sequence (every decoding step)
             pos = [start for _, start, _ in chunks]
             slot_of = [slot for slot, _, _ in chunks]

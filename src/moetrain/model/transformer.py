@@ -38,16 +38,11 @@ class ModelOutput:
         logits: [B, S, V] in the compute dtype; ``None`` after ``forward(..., return_logits=False)``.
         loss: scalar fp32 ``lm_loss + moe_loss`` (``None`` without targets).
         lm_loss: scalar fp32 mean cross-entropy over targets != -100 (``None`` without targets).
-        aux_loss: Switch loss per layer (balanced = 1.0), ``aux_loss_coeff``.
-        pooled_aux_loss: transformers' ``load_balancing_loss_func`` pooled over layers (balanced = K),
-            ``pooled_aux_loss_coeff``.
-        seq_aux_loss: sequence-level balance loss (DeepSeek-V3; balanced = 1.0), ``seq_aux_loss_coeff``.
-        global_aux_loss: Switch loss with the step's global counts (balanced = 1.0), ``global_aux_loss_coeff``.
-        z_loss: router z-loss, ``z_loss_coeff``.
-        util_loss: std of the experts' mean routing probability, ``util_loss_coeff``.
-        entropy_loss: gate-output smoothing, the mean entropy deficit of the routing distributions (uniform = 0,
-            one-hot = 1; moe/gate_smoothing.py), ``entropy_loss_coeff``.
-        moe_loss: scalar fp32 sum of coefficient * loss over the terms above.
+        aux_loss, seq_aux_loss, z_loss, util_loss, entropy_loss: the layers' :class:`MoEAux` losses of those names
+            (Switch, sequence-level, z-loss, utilisation, gate-output smoothing), averaged over layers.
+        pooled_aux_loss: transformers' ``load_balancing_loss_func`` pooled over layers (balanced = K).
+        global_aux_loss: Switch loss with the step's global counts (balanced = 1.0).
+        moe_loss: scalar fp32 sum of ``<name>_coeff`` * loss over the terms above (:data:`MOE_LOSS_TERMS`).
         moe: one :class:`MoEAux` per MoE block, in block order.
     """
 

@@ -159,8 +159,7 @@ def loop_experts(
 ) -> torch.Tensor:
     """Reference: a plain Python loop over experts, one pair of dense matmuls each (:func:`expert_loop`; same
     arguments as :func:`grouped_experts`); every other path is tested against it, and :func:`grouped_experts` falls
-    back to it for unaligned rows. Syncs with the host once to read the counts; rows after the last group are
-    zero."""
+    back to it for unaligned rows."""
     every = range(w_in.shape[0])  # idle experts too: their weights get exact zero gradients
     return expert_loop(x, tokens_per_expert, lambda used: ((e, w_in[e], w_out[e], None, None) for e in every),
                        activation, compute_dtype(x, w_in))
