@@ -17,7 +17,7 @@ from torch import nn
 from moetrain.model.attention import KVCache, RaggedBatch
 from moetrain.model.block import Block
 from moetrain.model.config import ModelConfig
-from moetrain.model.fused_ce import linear_cross_entropy
+from moetrain.model.fused_ce import IGNORE_INDEX, linear_cross_entropy
 from moetrain.model.norm import make_norm
 from moetrain.moe.balancing import CountReducer
 from moetrain.moe.config import MoEConfig
@@ -25,8 +25,6 @@ from moetrain.moe.layer import MoEAux, MoELayer
 from moetrain.moe.losses import global_load_balancing_loss, pooled_load_balancing_loss
 from moetrain.moe.weight_init import deferred_init
 from moetrain.runtime.cpu import bf16_autocast_is_slow
-
-IGNORE_INDEX = -100
 
 
 @dataclass

@@ -220,7 +220,6 @@ class RoutedExperts(nn.Module):
         if activation not in ACTIVATIONS:
             raise ValueError(f"model.moe.experts.activation: unknown activation {activation!r}; choose one of "
                              f"{list(ACTIVATIONS)}")
-        self.backend = backend
         self.kernel = BACKENDS[backend]
         self.activation = activation
         self.recompute = recompute
