@@ -57,15 +57,14 @@ def document_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
 class KVCache:
     """The KV cache of generation and serving: per layer, one pre-allocated block of ``max_len`` positions for each
     of ``num_slots`` sequences (a sequence owns a slot; ``moetrain generate`` uses slots 0 .. B - 1, the serving
-    engine one slot per running request).
+    engine one slot per running request). Blocks, not pages (vLLM, transformers' ``PagedAttentionCache``): why, in
+    docs/serving.md.
 
     The interface :class:`Attention` uses: :meth:`write` stores keys and values where a :class:`RaggedBatch` puts
     its tokens, :meth:`read` returns [b, Hkv, p, Hd] blocks that ``F.scaled_dot_product_attention`` reads directly
-    (a view for consecutive slots, a gather otherwise). Blocks, not pages (vLLM, transformers'
-    ``PagedAttentionCache``): a slot holds at most the model's context (cpu-small fp32: 2 MiB per slot), so the
-    waste is small and known at start-up, SDPA has no block-table read, and admission never fails half-way for lack
-    of pages. A layer's block is allocated at its first write, in the keys' dtype and device, as zeros (positions
-    past a sequence's length are masked; a masked zero cannot turn into NaN).
+    (a view for consecutive slots, a gather otherwise). A layer's block is allocated at its first write, in the
+    keys' dtype and device, as zeros (positions past a sequence's length are masked; a masked zero cannot turn into
+    NaN).
 
     Args:
         n_layers: L.
