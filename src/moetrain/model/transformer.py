@@ -224,7 +224,9 @@ class MoETransformer(nn.Module):
             x: [B, S, D] hidden states (the embeddings, or a previous pipeline stage's output).
             blocks: the :class:`Block` modules to run (a pipeline stage's own, in global order); ``None``: all of
                 the model's.
-            padding_mask, kv_cache, document_ids: as in :meth:`forward` ([B, S] bool, past keys/values, [B, S] int64).
+            padding_mask: [B, S] bool, as in :meth:`forward`.
+            kv_cache: past keys/values, as in :meth:`forward`.
+            document_ids: [B, S] int64, as in :meth:`forward`.
             batch: where the tokens go in ``kv_cache`` (``kv_cache.append``).
         Returns:
             ([B, S, D] hidden states, one :class:`MoEAux` per MoE block run, in block order).

@@ -521,7 +521,9 @@ def fused_experts(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, toke
         w_out: [E, D, F].
         tokens_per_expert: [E] int rows per expert (sum <= R; zeros allowed).
         activation: ``swiglu`` or ``gelu``.
-        mode, block_rows, recompute: as :func:`fused_moe`.
+        mode: as :func:`fused_moe`.
+        block_rows: as :func:`fused_moe`.
+        recompute: as :func:`fused_moe`.
     Returns:
         [R, D] in the compute dtype (the autocast dtype under autocast, else the weights' dtype).
     Raises:
