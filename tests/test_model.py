@@ -98,7 +98,7 @@ def test_ragged_batch_matches_each_sequence_alone(qk_norm):
         run([(1, 0, seqs[1][:4]), (2, 0, seqs[2][:8]), (5, 0, seqs[3][:3])])  # earlier steps fill the cache
         got = run([(3, 0, seqs[0]), (1, 4, seqs[1][4:]), (2, 8, seqs[2][8:]), (5, 3, seqs[3][3:]),
                    (0, 0, seqs[4])])
-        alone = [model._trunk(s[None], None)[0][0] for s in seqs]
+        alone = [model.run_blocks(model.embed(s[None]))[0][0] for s in seqs]
     want = torch.cat([alone[0], alone[1][4:], alone[2][8:], alone[3][3:], alone[4]])
     assert (got - want).abs().max() <= 1e-5
 

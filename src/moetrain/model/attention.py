@@ -9,14 +9,12 @@ numbers them (-1 for padding). Query i attends key j only when ``j <= i`` and bo
 rotary positions restart at 0 with every document, so each document's outputs equal those of the document run
 alone (tests/test_packing.py). The mask is a block-diagonal causal bool mask [B, 1, S, S] given to
 ``F.scaled_dot_product_attention``. Why not ``flex_attention`` with a ``BlockMask``: in torch 2.13 it has no CPU
-backward ("FlexAttention does not support backward on CPU"), and its CPU forward was slower. Measured 2026-12-01 on
-an AMD EPYC (2 shared cores, 1 thread), cpu-small shapes B=16, S=256, H=8, Hkv=4, Hd=32, fp32, 5 documents per row:
-SDPA with the bool mask 19.0 ms forward / 59.6 ms forward + backward (plain causal SDPA: 17.0 / 56.7 ms);
-flex_attention 195 ms forward eager, 34 ms compiled (after a 16 s compile), no backward (docs/data.md).
+backward ("FlexAttention does not support backward on CPU"), and its CPU forward was slower (docs/data.md).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -59,15 +57,14 @@ def document_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
 class KVCache:
     """The KV cache of generation and serving: per layer, one pre-allocated block of ``max_len`` positions for each
     of ``num_slots`` sequences (a sequence owns a slot; ``moetrain generate`` uses slots 0 .. B - 1, the serving
-    engine one slot per running request).
+    engine one slot per running request). Blocks, not pages (vLLM, transformers' ``PagedAttentionCache``): why, in
+    docs/serving.md.
 
     The interface :class:`Attention` uses: :meth:`write` stores keys and values where a :class:`RaggedBatch` puts
     its tokens, :meth:`read` returns [b, Hkv, p, Hd] blocks that ``F.scaled_dot_product_attention`` reads directly
-    (a view for consecutive slots, a gather otherwise). Blocks, not pages (vLLM, transformers'
-    ``PagedAttentionCache``): a slot holds at most the model's context (cpu-small fp32: 2 MiB per slot), so the
-    waste is small and known at start-up, SDPA has no block-table read, and admission never fails half-way for lack
-    of pages. A layer's block is allocated at its first write, in the keys' dtype and device, as zeros (positions
-    past a sequence's length are masked; a masked zero cannot turn into NaN).
+    (a view for consecutive slots, a gather otherwise). A layer's block is allocated at its first write, in the
+    keys' dtype and device, as zeros (positions past a sequence's length are masked; a masked zero cannot turn into
+    NaN).
 
     Args:
         n_layers: L.
@@ -178,9 +175,7 @@ class RaggedBatch:
         """
         if not chunks or min(n for _, _, n in chunks) < 1:
             raise ValueError(f"RaggedBatch: need at least one sequence with at least one new token, got {chunks}")
-        offsets = [0]
-        for _, _, n in chunks:
-            offsets.append(offsets[-1] + n)
+        offsets = [0, *itertools.accumulate(n for _, _, n in chunks)]  # [B + 1] first token of each sequence
         if len(offsets) - 1 == offsets[-1]:  # one new token per sequence (every decoding step)
             pos = [start for _, start, _ in chunks]
             slot_of = [slot for slot, _, _ in chunks]
@@ -242,12 +237,10 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(d, self.n_kv_heads * hd, bias=bias)
         self.o_proj = nn.Linear(self.n_heads * hd, d, bias=False)
         self.qk_norm = config.qk_norm
-        if config.qk_norm == "head":
-            self.q_norm = nn.RMSNorm(hd, eps=config.norm_eps)
-            self.k_norm = nn.RMSNorm(hd, eps=config.norm_eps)
-        elif config.qk_norm == "full":
-            self.q_norm = nn.RMSNorm(self.n_heads * hd, eps=config.norm_eps)
-            self.k_norm = nn.RMSNorm(self.n_kv_heads * hd, eps=config.norm_eps)
+        if config.qk_norm != "none":  # "head": over each head's Hd; "full": over all heads' H * Hd (Hkv * Hd for k)
+            full = config.qk_norm == "full"
+            self.q_norm = nn.RMSNorm(hd * (self.n_heads if full else 1), eps=config.norm_eps)
+            self.k_norm = nn.RMSNorm(hd * (self.n_kv_heads if full else 1), eps=config.norm_eps)
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None,
                 document_ids: torch.Tensor | None = None, batch: RaggedBatch | None = None) -> torch.Tensor:
@@ -278,11 +271,8 @@ class Attention(nn.Module):
             cos, sin = (t.view(b, 1, s, self.head_size)  # [B, 1, S, Hd]: broadcast over heads
                         for t in rope_cos_sin(positions, self.head_size, self.rope_theta))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if document_ids is not None:
-            mask = document_causal_mask(document_ids)  # [B, 1, S, S]
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        mask = None if document_ids is None else document_causal_mask(document_ids)  # [B, 1, S, S]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
         y: torch.Tensor = self.o_proj(out.transpose(1, 2).reshape(b, s, self.n_heads * self.head_size))
         return y
 

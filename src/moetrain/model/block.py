@@ -47,12 +47,10 @@ class Block(nn.Module):
         Raises:
             ConfigError: ``bta_tiles`` does not divide B (training only; generation with a KV cache never tiles).
         """
-        if document_ids is not None:
-            h = x + self._dropout(tiled_attention(self.attend_documents, x, self.bta_tiles, document_ids))
-        elif kv_cache is None:
-            h = x + self._dropout(tiled_attention(self.attend, x, self.bta_tiles))  # untiled when bta_tiles == 1
+        if kv_cache is None or document_ids is not None:  # untiled when bta_tiles == 1
+            h = x + self._dropout(tiled_attention(self.attend, x, self.bta_tiles, document_ids))
         else:
-            h = x + self._dropout(self.attend(x, kv_cache, batch))
+            h = x + self._dropout(self.attend(x, None, kv_cache, batch))
         if self.is_moe:
             y, aux = self.ffn(self.post_attn_norm(h), padding_mask, routing=routing)
             return h + self._dropout(y), aux
@@ -62,13 +60,9 @@ class Block(nn.Module):
         """Residual dropout (``model.dropout``) of a branch's output; the identity in eval mode or at 0."""
         return F.dropout(y, self.dropout, self.training) if self.dropout > 0 else y
 
-    def attend(self, x: torch.Tensor, kv_cache: KVCache | None = None, batch: RaggedBatch | None = None
-               ) -> torch.Tensor:
-        """The attention branch ``attn(input_norm(x))``: [b, S, D] -> [b, S, D] (what BTA tiles and recomputes)."""
-        y: torch.Tensor = self.attn(self.input_norm(x), kv_cache, batch=batch)
-        return y
-
-    def attend_documents(self, x: torch.Tensor, document_ids: torch.Tensor) -> torch.Tensor:
-        """:meth:`attend` for packed documents: x [b, S, D], document_ids [b, S] int64 -> [b, S, D]."""
-        y: torch.Tensor = self.attn(self.input_norm(x), document_ids=document_ids)
+    def attend(self, x: torch.Tensor, document_ids: torch.Tensor | None = None, kv_cache: KVCache | None = None,
+               batch: RaggedBatch | None = None) -> torch.Tensor:
+        """The attention branch ``attn(input_norm(x))``: [b, S, D] -> [b, S, D] (what BTA tiles and recomputes);
+        ``document_ids`` [b, S] int64 for packed documents."""
+        y: torch.Tensor = self.attn(self.input_norm(x), kv_cache, document_ids, batch)
         return y

@@ -26,15 +26,6 @@ from torch.utils.checkpoint import checkpoint
 from moetrain.errors import ConfigError
 
 
-def check_tiles(tiles: int, batch: int) -> None:
-    """Raise :class:`ConfigError` unless ``tiles`` (>= 1) divides ``batch`` sequences."""
-    if tiles < 1 or batch % tiles != 0:
-        raise ConfigError(
-            f"model.execution.bta_tiles: {tiles} attention tiles do not divide the micro-batch of {batch} sequences "
-            f"(train.batch_size={batch}); choose a divisor of it"
-        )
-
-
 def tiled_attention(fn: Callable[..., torch.Tensor], x: torch.Tensor, tiles: int,
                     per_sequence: torch.Tensor | None = None) -> torch.Tensor:
     """``fn`` applied to G tiles of ``x`` along the batch, concatenated: equal to ``fn(x)`` for per-sequence ``fn``.
@@ -57,7 +48,10 @@ def tiled_attention(fn: Callable[..., torch.Tensor], x: torch.Tensor, tiles: int
         # Without autograd nothing is saved for backward, so tiling would only add kernel launches (and an
         # evaluation batch shorter than the micro-batch need not divide by G).
         return fn(x) if per_sequence is None else fn(x, per_sequence)
-    check_tiles(tiles, x.shape[0])
+    batch = x.shape[0]
+    if tiles < 1 or batch % tiles != 0:
+        raise ConfigError(f"model.execution.bta_tiles: {tiles} attention tiles do not divide the micro-batch of "
+                          f"{batch} sequences (train.batch_size={batch}); choose a divisor of it")
     outs = []
     extras = [()] * tiles if per_sequence is None else [(p,) for p in per_sequence.chunk(tiles, dim=0)]
     for tile, extra in zip(x.chunk(tiles, dim=0), extras):  # [B / G, S, D] views, no copy

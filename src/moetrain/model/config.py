@@ -68,18 +68,12 @@ class ModelConfig:
         require_at_least(self, 1, "vocab_size", "hidden", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden",
                          "max_seq_len")
         if self.head_dim is None:
-            require(
-                self.hidden % self.n_heads == 0,
-                "hidden",
-                f"hidden size {self.hidden} is not divisible by the number of heads n_heads={self.n_heads}",
-            )
+            require(self.hidden % self.n_heads == 0, "hidden",
+                    f"hidden size {self.hidden} is not divisible by the number of heads n_heads={self.n_heads}")
         else:
             require_at_least(self, 1, "head_dim")
-        require(
-            self.n_heads % self.n_kv_heads == 0,
-            "n_kv_heads",
-            f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}",
-        )
+        require(self.n_heads % self.n_kv_heads == 0, "n_kv_heads",
+                f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
         require(self.head_size % 2 == 0, "head_dim", f"rotary embeddings need an even head size, got {self.head_size}")
         require_at_least(self, 0, "moe_every", "first_k_dense")
         require(self.rope_theta > 0, "rope_theta", f"must be > 0, got {self.rope_theta}")

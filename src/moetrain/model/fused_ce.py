@@ -25,6 +25,7 @@ from typing import Any, cast
 
 import torch
 
+from moetrain.moe.expert_ops import compute_dtype
 from moetrain.moe.kernels.cpu.workspace import scratch
 
 IGNORE_INDEX = -100
@@ -111,10 +112,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
             targets.shape != hidden.shape[:1]):
         raise ValueError(f"linear_cross_entropy: shapes do not match: hidden {tuple(hidden.shape)}, weight "
                          f"{tuple(weight.shape)}, targets {tuple(targets.shape)}")
-    if torch.is_autocast_enabled(hidden.device.type):
-        dtype = torch.get_autocast_dtype(hidden.device.type)
-    else:
-        dtype = weight.dtype
+    dtype = compute_dtype(hidden, weight)  # the autocast dtype under autocast, else the weight's
     rows = chunk_rows or max(1, CHUNK_ELEMENTS // weight.shape[0])
     with torch.autocast(hidden.device.type, enabled=False):
         loss = _LinearCrossEntropy.apply(  # type: ignore[no-untyped-call]  # Function.apply: untyped in torch

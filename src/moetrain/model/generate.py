@@ -3,8 +3,6 @@ sampler ``moetrain serve`` uses too)."""
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from moetrain.model.attention import KVCache
@@ -33,18 +31,14 @@ def generate(
         ValueError: the prompt plus new tokens exceed ``model.config.max_seq_len``, or temperature is negative or not
             finite, or top_p not in (0, 1], or the logits could not be sampled (not finite).
     """
-    if not (temperature >= 0 and math.isfinite(temperature)):  # NaN fails both; inf would sample uniformly
-        raise ValueError(f"--temperature must be finite and >= 0, got {temperature}")
+    params = SamplingParams(temperature, top_p)  # validates both (inf would sample uniformly, NaN fails)
     if max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
-    if not 0 < top_p <= 1:  # also rejects NaN
-        raise ValueError(f"--top-p must be in (0, 1], got {top_p}")
     if input_ids.shape[1] + max_new_tokens > model.config.max_seq_len:
         raise ValueError(
             f"prompt ({input_ids.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
             f"model.max_seq_len={model.config.max_seq_len}"
         )
-    params = SamplingParams(temperature, top_p)
     model.eval()
     cache = KVCache(model.config.n_layers, input_ids.shape[0], input_ids.shape[1] + max_new_tokens)
     out = input_ids

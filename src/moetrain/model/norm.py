@@ -111,12 +111,10 @@ class LayerNorm(nn.LayerNorm):
     the output cast back; ``layer_norm`` is on autocast's fp32 list as well). Parameters ``weight`` and ``bias`` [D]
     (start at 1 and 0; no weight decay, being 1-D), so state dicts are ``torch.nn.LayerNorm``'s.
 
-    Why offer it beside RMSNorm: the seed lists LayerNorm among the remedies for early loss oscillation. LayerNorm
-    also removes the mean of every hidden vector, which RMSNorm (Zhang & Sennrich, 2019: "re-centring invariance"
-    dropped for speed) lets through to the router and the attention; its bias is a learned offset RMSNorm cannot
-    express. It costs one more reduction per token and D more parameters per norm. The Hugging Face MoE families
-    we export (Mixtral, Qwen2/3-MoE, OLMoE, dots.llm1) all use RMSNorm, so an export of a LayerNorm model is refused
-    naming ``model.norm`` (interop/families.py). Measured effect on a short run: docs/data.md.
+    Why offer it beside RMSNorm (it also removes each hidden vector's mean, which RMSNorm lets through to the router
+    and the attention, and its bias is an offset RMSNorm cannot express; one more reduction per token, D more
+    parameters per norm) and its measured effect: docs/data.md. The Hugging Face MoE families we export (Mixtral,
+    Qwen2/3-MoE, OLMoE, dots.llm1) all use RMSNorm, so exporting it is refused naming ``model.norm``.
 
     Shapes:
         x: [..., D] fp32 or bf16 -> same shape and dtype.

@@ -7,7 +7,7 @@ Legend: B = batch, H = heads, S = sequence, Hd = head size, h = Hd / 2.
 ``apply_rotary_pos_emb``). :func:`apply_rope` computes it as one autograd Function on the two halves, ``y1 = x1 c -
 x2 s``, ``y2 = x2 c + x1 s`` (the tables' two halves are equal), writing into one output with no temporaries and
 saving nothing but the tables; its backward is the inverse rotation, ``dx1 = g1 c + g2 s``, ``dx2 = g2 c - g1 s``.
-The composite form (``_rotate_half``, kept as the reference in tests/test_model.py) builds a negated copy, a
+The composite form (``_rotate_half``, kept as the reference in tests/test_rope.py) builds a negated copy, a
 concatenation and two products per call, and its backward the same again.
 """
 

@@ -13,12 +13,11 @@ Per row, in this order (the order of OpenAI's API and vLLM's sampler):
    from ``softmax(logits / temperature)`` keep the smallest set of tokens whose mass reaches ``top_p`` (the most
    likely token always, so a ``top_p`` that underflows to 0 in fp32 keeps one token) and draw from it.
 
-The draw is by inverse CDF: one ``u ~ U[0, 1)`` (fp64) from the row's generator, the token is the first whose
-cumulative mass (fp64, in vocabulary order, or most likely first when ``top_p < 1``) exceeds ``u`` times the total
-mass; a token of zero mass is never drawn. With ``top_p == 1`` nothing is sorted (the sort of a [B, V] batch cost
-more than the model's decode step). Rows without bias or penalties are computed exactly as a batch of one would be
-(one softmax / sort / cumsum per group of rows sharing (temperature, top_p); the per-row work of those ops is the
-same code on the same values, and each row draws from its own generator), so batching never changes a seeded draw.
+The draw is by inverse CDF (:func:`inverse_cdf`) from one ``u ~ U[0, 1)`` (fp64) of the row's generator, over the
+vocabulary in its own order, or most likely first when ``top_p < 1`` (with ``top_p == 1`` nothing is sorted; the
+cost: docs/serving.md). Rows without bias or penalties are computed exactly as a batch of one would be (one softmax
+/ sort / cumsum per group of rows sharing (temperature, top_p), the same per-row code on the same values, each row
+drawing from its own generator), so batching never changes a seeded draw.
 A row whose distribution cannot be sampled (not finite, e.g. from NaN logits) gets its own :class:`SamplingError`;
 the other rows are sampled as usual.
 """

@@ -17,7 +17,7 @@ from torch import nn
 from moetrain.model.attention import KVCache, RaggedBatch
 from moetrain.model.block import Block
 from moetrain.model.config import ModelConfig
-from moetrain.model.fused_ce import linear_cross_entropy
+from moetrain.model.fused_ce import IGNORE_INDEX, linear_cross_entropy
 from moetrain.model.norm import make_norm
 from moetrain.moe.balancing import CountReducer
 from moetrain.moe.config import MoEConfig
@@ -25,8 +25,6 @@ from moetrain.moe.layer import MoEAux, MoELayer
 from moetrain.moe.losses import global_load_balancing_loss, pooled_load_balancing_loss
 from moetrain.moe.weight_init import deferred_init
 from moetrain.runtime.cpu import bf16_autocast_is_slow
-
-IGNORE_INDEX = -100
 
 
 @dataclass
@@ -38,16 +36,11 @@ class ModelOutput:
         logits: [B, S, V] in the compute dtype; ``None`` after ``forward(..., return_logits=False)``.
         loss: scalar fp32 ``lm_loss + moe_loss`` (``None`` without targets).
         lm_loss: scalar fp32 mean cross-entropy over targets != -100 (``None`` without targets).
-        aux_loss: Switch loss per layer (balanced = 1.0), ``aux_loss_coeff``.
-        pooled_aux_loss: transformers' ``load_balancing_loss_func`` pooled over layers (balanced = K),
-            ``pooled_aux_loss_coeff``.
-        seq_aux_loss: sequence-level balance loss (DeepSeek-V3; balanced = 1.0), ``seq_aux_loss_coeff``.
-        global_aux_loss: Switch loss with the step's global counts (balanced = 1.0), ``global_aux_loss_coeff``.
-        z_loss: router z-loss, ``z_loss_coeff``.
-        util_loss: std of the experts' mean routing probability, ``util_loss_coeff``.
-        entropy_loss: gate-output smoothing, the mean entropy deficit of the routing distributions (uniform = 0,
-            one-hot = 1; moe/gate_smoothing.py), ``entropy_loss_coeff``.
-        moe_loss: scalar fp32 sum of coefficient * loss over the terms above.
+        aux_loss, seq_aux_loss, z_loss, util_loss, entropy_loss: the layers' :class:`MoEAux` losses of those names
+            (Switch, sequence-level, z-loss, utilisation, gate-output smoothing), averaged over layers.
+        pooled_aux_loss: transformers' ``load_balancing_loss_func`` pooled over layers (balanced = K).
+        global_aux_loss: Switch loss with the step's global counts (balanced = 1.0).
+        moe_loss: scalar fp32 sum of ``<name>_coeff`` * loss over the terms above (:data:`MOE_LOSS_TERMS`).
         moe: one :class:`MoEAux` per MoE block, in block order.
     """
 
@@ -106,11 +99,9 @@ def assemble_moe_losses(
     counts = torch.stack([r.tokens_per_expert for r in records])  # [L, E]
     prob_sums = torch.stack([r.prob_sum for r in records])  # [L, E]
     num_tokens = torch.stack([r.num_tokens for r in records])  # [L]
-    out.aux_loss = torch.stack([r.aux_loss for r in records]).mean()
+    for name in ("aux_loss", "seq_aux_loss", "z_loss", "util_loss"):  # per-layer losses: the mean over layers
+        setattr(out, name, torch.stack([getattr(r, name) for r in records]).mean())
     out.pooled_aux_loss = pooled_load_balancing_loss(counts, prob_sums, num_tokens)
-    out.seq_aux_loss = torch.stack([r.seq_aux_loss for r in records]).mean()
-    out.z_loss = torch.stack([r.z_loss for r in records]).mean()
-    out.util_loss = torch.stack([r.util_loss for r in records]).mean()
     out.entropy_loss = torch.stack([zero if r.entropy_loss is None else r.entropy_loss for r in records]).mean()
     if global_counts is None:
         global_counts = counts
@@ -192,7 +183,7 @@ class MoETransformer(nn.Module):
                 return self.forward(input_ids, targets, padding_mask, kv_cache, global_counts, count_reducer,
                                     return_logits, document_ids)
         batch = None if kv_cache is None else kv_cache.append(*input_ids.shape)
-        x, records = self._trunk(input_ids, padding_mask, kv_cache, document_ids, batch)
+        x, records = self.run_blocks(self.embed(input_ids), None, padding_mask, kv_cache, document_ids, batch)
         fused_loss = targets is not None and not return_logits
         logits = None if fused_loss else self.logits(x)  # [B, S, V]
         out = ModelOutput(logits=logits, moe=records)
@@ -209,14 +200,6 @@ class MoETransformer(nn.Module):
             out.lm_loss = lm_loss
             out.loss = lm_loss + out.moe_loss
         return out
-
-    def _trunk(
-        self, input_ids: torch.Tensor, padding_mask: torch.Tensor | None, kv_cache: KVCache | None = None,
-        document_ids: torch.Tensor | None = None, batch: RaggedBatch | None = None,
-    ) -> tuple[torch.Tensor, list[MoEAux]]:
-        """Embedding and blocks: ([B, S, D] hidden states before the final norm, the MoE records); with a KV
-        cache, ``batch`` is where the tokens go in it."""
-        return self.run_blocks(self.embed(input_ids), None, padding_mask, kv_cache, document_ids, batch)
 
     # The three steps of the forward, public so that a pipeline stage (parallel/pipeline.py) runs its slice of the
     # model through this code: the first stage embeds, every stage runs its own blocks, the last one has the head.
@@ -276,7 +259,7 @@ class MoETransformer(nn.Module):
         forward pass: with gradient accumulation this adds roughly a third to the step's compute. Call it in the
         same mode (train / eval) and RNG state as the pass it prepares, so that both route identically.
         """
-        _, records = self._trunk(input_ids, padding_mask, document_ids=document_ids)
+        _, records = self.run_blocks(self.embed(input_ids), padding_mask=padding_mask, document_ids=document_ids)
         if not records:
             return torch.zeros(0, self.config.moe.num_experts, device=input_ids.device)
         return torch.stack([r.tokens_per_expert for r in records])

@@ -4,12 +4,9 @@ capacity and the auxiliary losses, composed by :class:`MoEConfig` (``model.moe.*
 Every class here describes the function the layer computes; how it is executed (the expert backend, recomputation)
 is :class:`moetrain.execution.ExecutionConfig` (``model.execution.*``), which a resumed run may change.
 
-Sources of the conventions: Switch Transformer (Fedus et al., 2021, eq. 4-6) for the load-balancing loss and the
-capacity factor; ST-MoE (Zoph et al., 2022, eq. 5) for the router z-loss; Mixtral / Qwen3-MoE (transformers) for
-softmax top-k routing with optional renormalisation; DeepSeek-V3 (DeepSeek-AI, 2024, sec. 2.1.2) for sigmoid
-scores, group-limited routing, the aux-loss-free expert bias and the sequence-level aux loss; Qwen2-MoE for the
-sigmoid-gated shared expert; Megatron-Core (``moe_utils``) for capacity, drop policies and padding to capacity;
-MegaBlocks (Gale et al., 2022) for dropless grouped-GEMM experts.
+Each field names the convention it follows: Switch Transformer (Fedus et al., 2021), ST-MoE (Zoph et al., 2022),
+Mixtral / Qwen (transformers), DeepSeek-V3 (DeepSeek-AI, 2024), Megatron-Core (``moe_utils``), MegaBlocks (Gale et
+al., 2022).
 
 Each class validates its own fields when built; :class:`MoEConfig` checks the combinations across components. An
 error names the field path relative to the class (``capacity.factor: must be > 0 ...``); built through

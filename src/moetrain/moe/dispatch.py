@@ -57,25 +57,17 @@ class DispatchMeta:
 
     Attributes:
         token_ids: [R] int64 source token of each dispatched row (any valid index for an empty row).
-        row_valid: [R] bool, True for rows that hold a kept assignment.
         rows: [T, K] int64 row holding each assignment (any valid row for a dropped one).
         kept: [T, K] bool, False for dropped assignments.
         topk_weights: [T, K] fp32 gating weights.
-        tokens_per_expert: [E] int64 rows per expert in the dispatched layout.
-        num_tokens: T.
-        capacity: C for the capacity layout, ``None`` for the grouped layout.
         dropless: every assignment kept in the grouped layout (R = N, ``rows`` a permutation): dispatch and combine
             then run as gathers both ways (:func:`permute_rows`, :func:`combine_rows`).
     """
 
     token_ids: torch.Tensor
-    row_valid: torch.Tensor
     rows: torch.Tensor
     kept: torch.Tensor
     topk_weights: torch.Tensor
-    tokens_per_expert: torch.Tensor
-    num_tokens: int
-    capacity: int | None = None
     dropless: bool = False
 
 
@@ -107,16 +99,13 @@ class LocalDispatcher(Dispatcher):
         t, k = topk_ids.shape
         if keep is None and capacity is None:  # every row valid: a gather, whose backward is a gather too
             token_ids, rows, tokens_per_expert = route_dropless(topk_ids, self.num_experts)
-            meta = DispatchMeta(token_ids=token_ids, row_valid=torch.ones_like(token_ids, dtype=torch.bool),
-                                rows=rows, kept=torch.ones_like(topk_ids, dtype=torch.bool), topk_weights=topk_weights,
-                                tokens_per_expert=tokens_per_expert, num_tokens=t, dropless=True)
+            meta = DispatchMeta(token_ids=token_ids, rows=rows, kept=torch.ones_like(topk_ids, dtype=torch.bool),
+                                topk_weights=topk_weights, dropless=True)
             return permute_rows(tokens, token_ids, rows), tokens_per_expert, meta
         kept = torch.ones_like(topk_ids, dtype=torch.bool) if keep is None else keep.bool()
         token_ids, row_valid, rows, tokens_per_expert = _dropping_layout(topk_ids, kept, self.num_experts, capacity)
         x_rows = torch.where(row_valid[:, None], tokens[token_ids], 0)  # [R, D]; empty rows are exact zeros
-        meta = DispatchMeta(token_ids=token_ids, row_valid=row_valid, rows=rows.reshape(t, k), kept=kept,
-                            topk_weights=topk_weights, tokens_per_expert=tokens_per_expert, num_tokens=t,
-                            capacity=capacity)
+        meta = DispatchMeta(token_ids=token_ids, rows=rows.reshape(t, k), kept=kept, topk_weights=topk_weights)
         return x_rows, tokens_per_expert, meta
 
     def combine(self, expert_out: torch.Tensor, meta: DispatchMeta) -> torch.Tensor:

@@ -5,11 +5,9 @@ Legend: T = tokens, D = hidden, E = experts, K = top-k, R = rows handed to the e
 
 Model code is single-device (torchtitan's ``token_dispatcher.py``): the layer routes, decides capacity, then calls
 ``dispatch`` -> its experts -> ``combine``; everything that moves tokens lives behind this interface, and parallel
-code attaches its own dispatcher from outside (``MoELayer.set_dispatcher``). Implementations:
-``moetrain.moe.dispatch.LocalDispatcher`` (one device, the reference), ``moetrain.moe.fast_moe.FusedLocalDispatcher``
-(plus :meth:`Dispatcher.forward`: the ``fused`` backend's one Function), ``moetrain.parallel.all_to_all`` and
-``moetrain.parallel.all_gather`` (expert parallelism). Capabilities are class attributes, never probed;
-tests/test_dispatcher_conformance.py checks every implementation against the per-expert loop.
+code attaches its own dispatcher from outside (``MoELayer.set_dispatcher``; the implementations: the table in
+docs/dispatchers.md). Capabilities are class attributes, never probed; tests/test_dispatcher_conformance.py checks
+every implementation against the per-expert loop.
 """
 
 from __future__ import annotations

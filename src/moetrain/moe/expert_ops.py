@@ -43,6 +43,14 @@ def grouped_mm_aligned(dtype: torch.dtype, *widths: int) -> bool:
     return hasattr(F, "grouped_mm") and all(w * size % GROUPED_MM_ALIGN_BYTES == 0 for w in widths)
 
 
+def zero_idle(grad: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    """An [E, ...] weight gradient with exact zeros for experts with no rows: a grouped-GEMM kernel need not write an
+    empty group's gradient (the memory may hold anything, NaN included), and ``torch.where`` clears it where a
+    multiply would not (0 * NaN = NaN). One elementwise pass, no host sync."""
+    active = (tokens_per_expert > 0).reshape(-1, *([1] * (grad.dim() - 1)))
+    return torch.where(active, grad, 0.0)
+
+
 def activate(h: torch.Tensor, activation: str) -> torch.Tensor:
     """Autograd activation: [.., 2F] -> silu(gate) * up for ``swiglu``; [.., F] -> gelu for ``gelu``."""
     if activation == "swiglu":

@@ -7,18 +7,12 @@ Weight layout follows transformers' ``MixtralExperts``: SwiGLU experts hold ``ga
 first) and ``down_proj`` [E, D, F], expert e computing ``down_e(silu(gate_e x) * up_e x)``; GELU experts hold
 ``up_proj`` [E, F, D] and ``down_proj`` [E, D, F], computing ``down_e(gelu(up_e x))`` (exact erf GELU, no biases).
 
-Every backend (:data:`BACKENDS`, ``model.execution.moe_backend``) computes ``fn(x [R, D], w_in, w_out,
-tokens_per_expert [E], activation) -> [R, D]`` on rows a dispatcher laid out (rows of expert e follow those of
-expert e - 1; rows after the last expert's are ignored) and passes one conformance suite against the ``loop``
-reference (tests/test_moe_backends.py). ``fused`` (moe/fast_moe.py), the default and fastest on CPU, is the only one
-with a ``fused`` form (dropless dispatch + experts + combine as one Function); ``grouped_mm`` is the no-sync path
-(and ``moetrain.hf.accelerate``'s experts); ``padded`` the only static-shape path (``pad_to_capacity``).
-
-Weights are arguments, not module state: :meth:`RoutedExperts.forward` passes its own parameters unless handed
-``weights=(w_in, w_out)`` (experts with no rows may be left out of both the weights and ``tokens_per_expert``). A
-weight provider (:data:`ExpertWeights`: serving's int8 experts, the hot/cold expert store) yields the weights of the
-experts a step uses one at a time to the per-expert loop (:func:`expert_loop`), so at most one expert is converted
-or paged in at once.
+Every backend (:data:`BACKENDS`, ``model.execution.moe_backend``; the table in docs/experts.md) computes
+``fn(x [R, D], w_in, w_out, tokens_per_expert [E], activation) -> [R, D]`` on rows a dispatcher laid out (rows of
+expert e follow those of expert e - 1; rows after the last expert's are ignored) and passes one conformance suite
+against the ``loop`` reference (tests/test_moe_backends.py); ``grouped_mm`` is also ``moetrain.hf.accelerate``'s.
+Weights are arguments, not module state (:meth:`RoutedExperts.forward`'s ``weights``; a weight provider,
+:data:`ExpertWeights`, feeds the per-expert loop one expert at a time).
 """
 
 from __future__ import annotations
@@ -33,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from moetrain.moe.expert_ops import ACTIVATIONS, activate, compute_dtype, grouped_mm_aligned
+from moetrain.moe.expert_ops import ACTIVATIONS, activate, compute_dtype, grouped_mm_aligned, zero_idle
 from moetrain.moe.fast_moe import fused_experts, fused_moe
 from moetrain.moe.weight_init import DEFAULT_STD, initialise_now
 
@@ -54,12 +48,8 @@ class _ContiguousGrad(torch.autograd.Function):
 
 
 class _ZeroIdleGrad(torch.autograd.Function):
-    """Identity on an [E, ...] expert weight whose backward zeroes the gradient of experts with no rows.
-
-    A grouped-GEMM kernel need not write the weight gradient of an empty group (the memory it returns may hold
-    anything, NaN included); ``torch.where`` (not a multiply: 0 * NaN = NaN) makes idle experts' gradient exactly
-    zero. Costs one elementwise pass over the weight gradient, no host sync.
-    """
+    """Identity on an [E, ...] expert weight whose backward zeroes the gradient of experts with no rows
+    (:func:`~moetrain.moe.expert_ops.zero_idle`)."""
 
     @staticmethod
     def forward(ctx: Any, weight: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:  # noqa: D102
@@ -69,8 +59,7 @@ class _ZeroIdleGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: D102
         (tokens_per_expert,) = ctx.saved_tensors
-        active = (tokens_per_expert > 0).reshape(-1, *([1] * (grad.dim() - 1)))
-        return torch.where(active, grad, 0.0), None
+        return zero_idle(grad, tokens_per_expert), None
 
 
 def grouped_experts(
@@ -170,8 +159,7 @@ def loop_experts(
 ) -> torch.Tensor:
     """Reference: a plain Python loop over experts, one pair of dense matmuls each (:func:`expert_loop`; same
     arguments as :func:`grouped_experts`); every other path is tested against it, and :func:`grouped_experts` falls
-    back to it for unaligned rows. Syncs with the host once to read the counts; rows after the last group are
-    zero."""
+    back to it for unaligned rows."""
     every = range(w_in.shape[0])  # idle experts too: their weights get exact zero gradients
     return expert_loop(x, tokens_per_expert, lambda used: ((e, w_in[e], w_out[e], None, None) for e in every),
                        activation, compute_dtype(x, w_in))
@@ -232,7 +220,6 @@ class RoutedExperts(nn.Module):
         if activation not in ACTIVATIONS:
             raise ValueError(f"model.moe.experts.activation: unknown activation {activation!r}; choose one of "
                              f"{list(ACTIVATIONS)}")
-        self.backend = backend
         self.kernel = BACKENDS[backend]
         self.activation = activation
         self.recompute = recompute

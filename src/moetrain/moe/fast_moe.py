@@ -5,31 +5,26 @@ docs/performance.md).
 Legend: T = tokens, D = hidden, E = experts, K = top-k, N = T * K rows (assignments, grouped by expert), F = expert
 FFN hidden, I = input-projection width (2F for SwiGLU, F for GELU), n = rows of one block of experts.
 
-Two entry points run the same Function: :func:`fused_moe` (through :class:`FusedLocalDispatcher`), dropless on one
-device, tokens in and combined outputs out; :func:`fused_experts`, the experts alone on rows a dispatcher laid out
-(a capacity factor, expert parallelism): each row a "token" routed to its own expert with weight 1 (exact).
-
-:func:`fused_moe` computes what LocalDispatcher dropless dispatch -> routed experts -> gating-weighted combine
-computes (same stable sort, same row order), ``out[t] = sum_k w[t, k] * expert_{e(t,k)}(x[t])``, but:
+:func:`fused_moe` (through :class:`FusedLocalDispatcher`, dropless on one device) computes what LocalDispatcher
+dropless dispatch -> routed experts -> gating-weighted combine computes (same stable sort, same row order),
+``out[t] = sum_k w[t, k] * expert_{e(t,k)}(x[t])``; :func:`fused_experts` runs the same Function on rows a
+dispatcher laid out (a capacity factor, expert parallelism), each row a "token" routed to its own expert with
+weight 1 (exact). Unlike the unfused layer:
 
 - **No [N, D] copy of the input is kept**: rows are gathered per block of consecutive experts (about
   :data:`BLOCK_ELEMENTS` scratch elements) right before its GEMMs, and again in backward; only the pre-activation
   ``h`` [N, I] is saved (nothing with ``recompute``), and the activation is recomputed from it in backward.
 - **The gating weight scales the activation** before the down projection (``(w * a) @ W_down^T``), so the combine
   is a plain sum of K gathered rows (:func:`_sum_k`, fixed order: deterministic) and dL/dw comes from the same tiles.
-- **Scratch buffers are reused** from call to call on CPU (moe/kernels/cpu/workspace.py) and large buffers ask for
-  2 MiB pages (moe/kernels/cpu/hugepages.py); the CPU elementwise work is native code where available
-  (moe/kernels/cpu/native.py: SwiGLU in fp32 / bf16), PyTorch ops otherwise.
+  In bf16 the weight is rounded to bf16 once (relative error 2^-9, the rounding the activation already had); the
+  unfused path multiplies the bf16 expert output by the fp32 weight.
 
-Precision: in bf16 the gating weight is rounded to bf16 once and multiplied into the bf16 activation (relative
-error 2^-9, the rounding the activation already had); the unfused path multiplies the bf16 expert output by the
-fp32 weight.
-
-Execution: ``tiles`` mode runs one ``torch.mm`` per expert and projection (CPU; counts read on the host; in bf16 /
+Execution: ``tiles`` mode (CPU) runs one ``torch.mm`` per expert and projection (counts read on the host; in bf16 /
 fp16 each expert's rows padded to one of a few sizes, :func:`pad_groups`), blocks handed largest-first to
-single-threaded workers (moe/kernels/cpu/workers.py). ``grouped`` mode runs each projection as one
-``torch.nn.functional.grouped_mm`` with device offsets (no host sync; CUDA bf16). Both are tested against the unfused
-layer (tests/test_perf_experts.py).
+single-threaded workers (moe/kernels/cpu/workers.py), scratch reused between calls (workspace.py), 2 MiB pages for
+large buffers (hugepages.py) and the elementwise work in native code where available (native.py). ``grouped`` mode
+runs each projection as one ``torch.nn.functional.grouped_mm`` with device offsets (no host sync; CUDA bf16). Both
+are tested against the unfused layer (tests/test_perf_experts.py).
 """
 
 from __future__ import annotations
@@ -49,6 +44,7 @@ from moetrain.moe.expert_ops import (
     act_recompute,
     compute_dtype,
     grouped_mm_aligned,
+    zero_idle,
 )
 from moetrain.moe.kernels.cpu import hugepages
 from moetrain.moe.kernels.cpu import native as cpu_kernels
@@ -318,17 +314,6 @@ def _backward_tiles(dout: torch.Tensor, x: torch.Tensor, w_in: torch.Tensor, w_o
     return dx_rows, dw_rows, d_in, d_out
 
 
-def _grouped_ok(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor) -> bool:
-    """Whether the grouped mode suits these operands on CUDA: bf16 with 16-byte aligned rows (D, I and F)."""
-    return x.dtype == torch.bfloat16 and grouped_mm_aligned(x.dtype, x.shape[1], w_in.shape[1], w_out.shape[2])
-
-
-def _zero_idle(grad: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """Exact zeros for experts with no rows (a ragged-K grouped GEMM need not write them), no host sync."""
-    counts = torch.diff(offs, prepend=offs.new_zeros(1))
-    return torch.where((counts > 0).view(-1, 1, 1), grad, 0)
-
-
 def _forward_grouped(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, token_ids: torch.Tensor,
                      w_rows: torch.Tensor, offs: torch.Tensor, activation: str) -> tuple[torch.Tensor, torch.Tensor]:
     x_rows = x.index_select(0, token_ids)  # [N, D]
@@ -343,6 +328,7 @@ def _backward_grouped(dout: torch.Tensor, x: torch.Tensor, w_in: torch.Tensor, w
                       h: torch.Tensor | None, token_ids: torch.Tensor, w_rows: torch.Tensor, offs: torch.Tensor,
                       activation: str, needs: _Needs) -> _RowGrads:
     need_x, need_w, need_in, need_out = needs
+    counts = torch.diff(offs, prepend=offs.new_zeros(1))  # [E] rows per expert, for the idle experts' exact zeros
     if h is None:  # recompute the pre-activation (one more grouped GEMM)
         h = F.grouped_mm(x.index_select(0, token_ids), w_in.transpose(-2, -1), offs=offs)
     g = dout.index_select(0, token_ids)  # [N, D]
@@ -360,14 +346,14 @@ def _backward_grouped(dout: torch.Tensor, x: torch.Tensor, w_in: torch.Tensor, w
     if need_out:
         assert a is not None
         a.mul_(w_rows[:, None])
-        d_out = _zero_idle(F.grouped_mm(g.T, a, offs=offs), offs)  # [E, D, F]
+        d_out = zero_idle(F.grouped_mm(g.T, a, offs=offs), counts)  # [E, D, F]
     dz.mul_(w_rows[:, None])
     dh = torch.empty_like(h)
     act_grad(dz, h, dh, sg, activation)
     if need_x:
         dx_rows = F.grouped_mm(dh, w_in, offs=offs)  # [N, D]
     if need_in:
-        d_in = _zero_idle(F.grouped_mm(dh.T, x.index_select(0, token_ids), offs=offs), offs)  # [E, I, D]
+        d_in = zero_idle(F.grouped_mm(dh.T, x.index_select(0, token_ids), offs=offs), counts)  # [E, I, D]
     return dx_rows, dw_rows, d_in, d_out
 
 
@@ -397,11 +383,9 @@ class _FusedMoE(torch.autograd.Function):
                 activation: str, block_rows: int, recompute: bool) -> torch.Tensor:
         out, h, w_rows_c, ctx.native, ctx.native_sum = _forward(x, weights, w_in, w_out, token_ids, rows_of, groups,
                                                                 activation, block_rows, keep_h=not recompute)
-        if isinstance(groups, list):
-            ctx.save_for_backward(x, w_in, w_out, h, token_ids, rows_of, w_rows_c)
-        else:
-            ctx.save_for_backward(x, w_in, w_out, h, token_ids, rows_of, w_rows_c, groups)
         ctx.counts = groups if isinstance(groups, list) else None
+        offs = [] if isinstance(groups, list) else [groups]
+        ctx.save_for_backward(x, w_in, w_out, h, token_ids, rows_of, w_rows_c, *offs)
         ctx.activation = activation
         ctx.block_rows = block_rows
         ctx.weights_dtype = weights.dtype
@@ -414,13 +398,12 @@ class _FusedMoE(torch.autograd.Function):
             None, None, None, None, None, None]:
         needs = tuple(ctx.needs_input_grad[:4])
         dout = dout.contiguous()
+        x, w_in, w_out, h, token_ids, rows_of, w_rows, *offs = ctx.saved_tensors
         if ctx.counts is not None:
-            x, w_in, w_out, h, token_ids, rows_of, w_rows = ctx.saved_tensors
             dx_rows, dw_rows, d_in, d_out = _backward_tiles(dout, x, w_in, w_out, h, token_ids, w_rows, ctx.counts,
                                                             ctx.activation, needs, ctx.block_rows, ctx.native)
         else:
-            x, w_in, w_out, h, token_ids, rows_of, w_rows, offs = ctx.saved_tensors
-            dx_rows, dw_rows, d_in, d_out = _backward_grouped(dout, x, w_in, w_out, h, token_ids, w_rows, offs,
+            dx_rows, dw_rows, d_in, d_out = _backward_grouped(dout, x, w_in, w_out, h, token_ids, w_rows, offs[0],
                                                               ctx.activation, needs)
         dx = _sum_k(dx_rows, rows_of, ctx.native_sum) if dx_rows is not None else None
         dw = None
@@ -464,19 +447,21 @@ def fused_moe(
     Raises:
         ValueError: unknown mode or activation, or mismatched shapes.
     """
-    _check(mode, activation, x, w_in, w_out,
-           topk_ids.shape == topk_weights.shape and topk_ids.dim() == 2 and topk_ids.shape[0] == x.shape[0],
-           f"fused_moe: shapes do not match: x {tuple(x.shape)}, topk_ids {tuple(topk_ids.shape)}, "
-           f"topk_weights {tuple(topk_weights.shape)}, w_in {tuple(w_in.shape)}, w_out {tuple(w_out.shape)}")
-    x, w_in, w_out, mode = _prepare(x, w_in, w_out, mode)
+    x, w_in, w_out, mode = _prepare(
+        mode, activation, x, w_in, w_out,
+        topk_ids.shape == topk_weights.shape and topk_ids.dim() == 2 and topk_ids.shape[0] == x.shape[0],
+        f"fused_moe: shapes do not match: x {tuple(x.shape)}, topk_ids {tuple(topk_ids.shape)}, "
+        f"topk_weights {tuple(topk_weights.shape)}, w_in {tuple(w_in.shape)}, w_out {tuple(w_out.shape)}")
     token_ids, rows_of, counts = route_dropless(topk_ids, w_in.shape[0])
     return _launch(x, topk_weights, w_in, w_out, (token_ids, rows_of, topk_ids, counts), activation, mode, block_rows,
                    recompute)
 
 
-def _check(mode: str, activation: str, x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, routing_ok: bool,
-           message: str) -> None:
-    """ValueError for an unknown mode or activation, or operand shapes that do not fit together."""
+def _prepare(mode: str, activation: str, x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, routing_ok: bool,
+             message: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]:
+    """Operands in the compute dtype (x contiguous) and the mode ``auto`` resolves to (grouped on CUDA in bf16 with
+    16-byte aligned rows, else tiles); ValueError (``message`` for the shapes) for an unknown mode or activation, or
+    operand shapes that do not fit together."""
     if mode not in MODES:
         raise ValueError(f"mode: unknown mode {mode!r}; choose one of {list(MODES)}")
     if activation not in ACTIVATIONS:
@@ -486,18 +471,13 @@ def _check(mode: str, activation: str, x: torch.Tensor, w_in: torch.Tensor, w_ou
     if (not routing_ok or x.dim() != 2 or x.shape[1] != hidden or w_out.shape != (e, hidden, ffn)
             or width != (2 * ffn if activation == "swiglu" else ffn)):
         raise ValueError(message)
-
-
-def _prepare(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, mode: str
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]:
-    """Operands in the compute dtype (x contiguous) and the mode ``auto`` resolves to: grouped on CUDA in bf16 with
-    aligned rows, else tiles."""
     dtype = compute_dtype(x, w_in)
     if x.dtype != dtype or w_in.dtype != dtype or w_out.dtype != dtype:  # compared first: a decode step's no-op
         x, w_in, w_out = x.to(dtype), w_in.to(dtype), w_out.to(dtype)  # .to calls cost more than its kernels
     x = x.contiguous()
     if mode == "auto":
-        mode = "grouped" if x.device.type == "cuda" and _grouped_ok(x, w_in, w_out) else "tiles"
+        grouped = x.dtype == torch.bfloat16 and grouped_mm_aligned(x.dtype, x.shape[1], w_in.shape[1], w_out.shape[2])
+        mode = "grouped" if x.device.type == "cuda" and grouped else "tiles"
     return x, w_in, w_out, mode
 
 
@@ -549,10 +529,10 @@ def fused_experts(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, toke
     Raises:
         ValueError: unknown mode or activation, mismatched shapes, or counts that exceed the rows.
     """
-    _check(mode, activation, x, w_in, w_out, tokens_per_expert.shape == (w_in.shape[0],),
-           f"fused experts: shapes do not match: x {tuple(x.shape)}, w_in {tuple(w_in.shape)}, "
-           f"w_out {tuple(w_out.shape)}, tokens_per_expert {tuple(tokens_per_expert.shape)}")
-    x, w_in, w_out, mode = _prepare(x, w_in, w_out, mode)
+    x, w_in, w_out, mode = _prepare(mode, activation, x, w_in, w_out, tokens_per_expert.shape == (w_in.shape[0],),
+                                    f"fused experts: shapes do not match: x {tuple(x.shape)}, w_in "
+                                    f"{tuple(w_in.shape)}, w_out {tuple(w_out.shape)}, tokens_per_expert "
+                                    f"{tuple(tokens_per_expert.shape)}")
     rows = x.shape[0]
     if mode == "tiles":  # the counts are read on the host anyway: compute the grouped rows only
         used = int(tokens_per_expert.sum())

@@ -2,10 +2,8 @@
 explicit record of losses and counts.
 
 The layer is single-device code: every movement of tokens goes through its dispatcher
-(:class:`~moetrain.moe.dispatcher.Dispatcher`). The default is chosen from the backend when the layer is built
-(:func:`local_dispatcher`: the ``fused`` backend's hands tokens and routing to the experts module, which runs
-dispatch + experts + combine as one Function); expert parallelism attaches its own (``moetrain.parallel``) through
-:meth:`MoELayer.set_dispatcher`.
+(:class:`~moetrain.moe.dispatcher.Dispatcher`): its own (:func:`local_dispatcher`), or expert parallelism's, attached
+through :meth:`MoELayer.set_dispatcher` (docs/dispatchers.md).
 
 Legend: B = batch, S = sequence, T = B * S tokens, D = hidden, E = experts, K = top-k, C = capacity.
 """
@@ -156,7 +154,10 @@ class MoELayer(nn.Module):
         if routing is not None:
             ids, weights, keep = routing(self, tokens)
             return self._compute(tokens, ids, weights, keep, None).reshape(shape), None
-        _check_padding_mask(padding_mask, shape)
+        if padding_mask is not None and padding_mask.numel() != shape[:-1].numel():
+            raise ValueError(f"padding_mask: shape {tuple(padding_mask.shape)} does not match the tokens' shape "
+                             f"{tuple(shape[:-1])} (one entry per token this layer computes; during cached "
+                             f"generation the new tokens only)")
         r = self.router(tokens)
         keep, capacity, layout = self._capacity(r, padding_mask)
         y = self._compute(tokens, r.topk_ids, r.topk_weights, keep, layout)
@@ -255,13 +256,3 @@ def local_dispatcher(num_experts: int, backend: str) -> Dispatcher:
     backend with a fused form (``fused``), else :class:`~moetrain.moe.dispatch.LocalDispatcher` (the reference)."""
     fused = BACKENDS[backend].fused is not None
     return FusedLocalDispatcher(num_experts) if fused else LocalDispatcher(num_experts)
-
-
-def _check_padding_mask(padding_mask: torch.Tensor | None, shape: torch.Size) -> None:
-    """Raises ValueError unless the mask has one entry per token of ``shape`` ([B, S, D] or [T, D]); with a KV cache
-    the mask must cover the new tokens only, not past + new."""
-    tokens = shape[:-1]
-    if padding_mask is not None and padding_mask.numel() != tokens.numel():
-        raise ValueError(f"padding_mask: shape {tuple(padding_mask.shape)} does not match the tokens' shape "
-                         f"{tuple(tokens)} (one entry per token this layer computes; during cached generation the "
-                         f"new tokens only)")

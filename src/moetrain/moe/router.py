@@ -80,8 +80,8 @@ def softmax_experts(logits: torch.Tensor) -> torch.Tensor:
 
     On CPU with E < 16 the softmax runs over dim 0 of the transposed view, copied back to a contiguous [T, E] (the
     router may be an FSDP2 unit of its own, which must not return views): PyTorch's last-dim CPU kernel handles a
-    row shorter than one vector register lane by lane (E = 8: 0.87 -> 0.21 ms forward + backward, T = 4096; from
-    E = 16 the last-dim kernel is faster). Same maths, rounded within an ulp of the last-dim kernel's.
+    row shorter than one vector register lane by lane (figures: docs/results.md; from E = 16 the last-dim kernel is
+    faster). Same maths, rounded within an ulp of the last-dim kernel's.
     """
     if logits.device.type == "cpu" and logits.dim() == 2 and logits.shape[-1] < 16:
         return torch.softmax(logits.t(), dim=0).t().contiguous()
@@ -145,8 +145,7 @@ def route(
     """
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     if score_func == "softmax":
-        scores = softmax_experts(logits)
-        probs = scores
+        scores = probs = softmax_experts(logits)
     elif score_func == "sigmoid":
         scores = torch.sigmoid(logits)
         probs = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)

@@ -1,11 +1,10 @@
 """Transparent huge pages for the fused MoE path's large CPU buffers (Linux ``madvise(MADV_HUGEPAGE)``; about 4% off
 the layer's time, docs/performance.md).
 
-Why: glibc's ``malloc`` (PyTorch's CPU allocator) maps large blocks afresh and unmaps them on free, so a fresh
-buffer is faulted in 4 KiB at a time on first touch; most Linux systems ship huge pages in ``madvise`` mode, where a
-region gets 2 MiB pages only if the program asks. PyTorch's own ``THP_MEM_ALLOC_ENABLE=1`` advises every allocation
-of 2 MiB or more; this module advises only buffers the fused path allocates and fills itself.
-``MOETRAIN_HUGEPAGES=0`` turns it off.
+Why: glibc's ``malloc`` (PyTorch's CPU allocator) maps large blocks afresh, so a fresh buffer is faulted in 4 KiB at
+a time; most Linux systems give 2 MiB pages only to regions the program asks them for. Unlike PyTorch's own
+``THP_MEM_ALLOC_ENABLE=1`` (every allocation of 2 MiB or more), this advises only buffers the fused path allocates and
+fills itself. ``MOETRAIN_HUGEPAGES=0`` turns it off.
 
 The advice changes nothing but the page size, and belongs to the address range, not the tensor: on ``malloc``'s heap
 later, unrelated allocations at those addresses would get huge pages too. So a buffer freed after one call is

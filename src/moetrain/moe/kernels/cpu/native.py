@@ -6,14 +6,13 @@ counting sort. Why and what it saves (3 and 9 PyTorch ops replaced, 6-12% of the
 Legend: n = rows of one block, F = expert FFN hidden, h = [gate | up] pre-activation [n, 2F], T = tokens,
 K = top-k, N = T * K rows, D = hidden.
 
-``native.c`` beside this file is built on first use with the system C compiler (``$CC``, else ``cc``, ``gcc`` or
-``clang``; ``-O3 -march=native``, retried without) and loaded with :mod:`ctypes`, which releases the GIL, so the CPU
-workers (moe/kernels/cpu/workers.py) run the kernels in parallel. The library is cached in ``kernels/`` under
-``$MOETRAIN_CACHE`` (else ``~/.cache/moetrain``; if not writable, a private ``moetrain-<uid>`` in the temporary
-directory), named by a hash of the source, compiler, flags and CPU, renamed into place once whole and loaded only if
-its SHA-256 matches the one written beside it (loading a truncated library kills the process). Without a compiler,
-or if the build fails, :func:`available` is ``False``, one warning says why, and the callers run the same maths as
-PyTorch ops. ``MOETRAIN_CPU_KERNELS=0`` turns the kernels off.
+``native.c`` beside this file is built on first use with the system C compiler (:func:`_compiler`; ``-O3
+-march=native``, retried without), cached under a hash of the source, compiler, flags and CPU in :func:`cache_dir`
+(else :func:`_build_dir`), renamed into place once whole and loaded only if intact (:func:`_intact`: a truncated
+library kills the process), with :mod:`ctypes`, which releases the GIL, so the CPU workers
+(moe/kernels/cpu/workers.py) run the kernels in parallel. Without a compiler, or if the build fails, :func:`available`
+is ``False``, one warning says why, and the callers run the same maths as PyTorch ops. ``MOETRAIN_CPU_KERNELS=0``
+turns the kernels off.
 
 Numerics (the C file's header has the formulas): fp32 arithmetic throughout; bf16 inputs widened exactly, each
 output rounded once; ``exp`` is Cephes' ``expf`` polynomial, NaN propagated (tests/test_cpu_kernels.py: against an
@@ -36,6 +35,7 @@ import threading
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -252,12 +252,13 @@ def _dtype(name: str, t: torch.Tensor) -> torch.dtype:
     return t.dtype
 
 
-def _function(name: str, dtype: torch.dtype) -> Callable[..., None]:
-    """The library's ``moetrain_<name>_<f32|bf16>``; RuntimeError when the kernels are not available."""
+def _function(name: str, dtype: torch.dtype | None = None) -> Callable[..., Any]:
+    """The library's ``moetrain_<name>_<f32|bf16>`` (``moetrain_<name>`` without a dtype); RuntimeError when the
+    kernels are not available."""
     lib = library()
     if lib is None:
         raise RuntimeError(f"native CPU kernel {name} unavailable: {_why_not}")
-    fn: Callable[..., None] = getattr(lib, f"moetrain_{name}_{_SUFFIX[dtype]}")  # restype None (_build)
+    fn: Callable[..., Any] = getattr(lib, f"moetrain_{name}" if dtype is None else f"moetrain_{name}_{_SUFFIX[dtype]}")
     return fn
 
 
@@ -398,13 +399,11 @@ def route_dropless(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tens
     _check("topk_ids", topk_ids, (t, k), torch.int64)
     if num_experts < 1:
         raise ValueError(f"num_experts: expected at least 1, got {num_experts}")
-    lib = library()
-    if lib is None:
-        raise RuntimeError(f"native CPU kernel route_dropless unavailable: {_why_not}")
+    layout = _function("route_dropless")
     counts, starts = torch.empty(2, num_experts, dtype=torch.int64)
     rows_of = torch.empty(t, k, dtype=torch.int64)
     token_ids = torch.empty(t * k, dtype=torch.int64)
-    if lib.moetrain_route_dropless(topk_ids.data_ptr(), t * k, k, num_experts, counts.data_ptr(), starts.data_ptr(),
-                                   rows_of.data_ptr(), token_ids.data_ptr()) != 0:
+    if layout(topk_ids.data_ptr(), t * k, k, num_experts, counts.data_ptr(), starts.data_ptr(), rows_of.data_ptr(),
+              token_ids.data_ptr()) != 0:
         raise ValueError(f"topk_ids: expert ids outside [0, {num_experts})")
     return token_ids, rows_of, counts

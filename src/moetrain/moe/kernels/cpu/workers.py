@@ -11,10 +11,9 @@ weight gradients. The calling thread is one of the workers. While they run, PyTo
 ``torch.inference_mode`` state (thread-local: a worker outside it may not write a buffer allocated inside it).
 
 The workers are PyTorch's own OpenMP threads where PyTorch runs on an OpenMP runtime this module can find (Linux,
-``GOMP_parallel``, which libgomp, Intel's and LLVM's runtimes provide): one parallel region started through
-``ctypes`` with a Python callback per thread, because a separate pool thread would share its core with an OpenMP
-thread still spinning after the previous op. Otherwise (``MOETRAIN_OMP_TEAM=0``, a forked child: libgomp's threads
-do not survive a fork) a thread pool of this module's own.
+``GOMP_parallel``, which libgomp, Intel's and LLVM's runtimes provide; why: docs/performance.md): one parallel region
+started through ``ctypes`` with a Python callback per thread. Otherwise (``MOETRAIN_OMP_TEAM=0``, a forked child:
+libgomp's threads do not survive a fork) a thread pool of this module's own.
 """
 
 from __future__ import annotations
