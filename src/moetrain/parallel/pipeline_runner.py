@@ -32,7 +32,8 @@ from moetrain.parallel.fsdp import apply_fsdp, clip_grad_norm
 from moetrain.parallel.launch import parallelize
 from moetrain.parallel.layout import ExpertShard, LayoutMesh
 from moetrain.parallel.pipeline import StageModule, rank_stages, stage_blocks, stage_rank
-from moetrain.model.transformer import IGNORE_INDEX, MOE_LOSS_TERMS
+from moetrain.model.fused_ce import IGNORE_INDEX
+from moetrain.model.transformer import MOE_LOSS_TERMS
 from moetrain.train.config import TrainConfig
 from moetrain.train.step import Accumulated, StepResult, finish_step
 
