@@ -77,6 +77,12 @@ def _join(path: str, name: str) -> str:
     return f"{path}.{name}" if path else name
 
 
+# A scalar field's type -> the Python types its value may have, and what an error says it expects.
+_SCALARS: dict[Any, tuple[tuple[type, ...], str]] = {
+    bool: ((bool,), "true or false"), int: ((int,), "an integer"), float: ((int, float), "a number"),
+    str: ((str,), "a string")}
+
+
 def _coerce(value: Any, tp: Any, path: str, legacy: Mapping[str, str] | None = None) -> Any:
     """Check (and minimally convert: int -> float) ``value`` against the annotation ``tp``."""
     origin = typing.get_origin(tp)
@@ -115,23 +121,13 @@ def _coerce(value: Any, tp: Any, path: str, legacy: Mapping[str, str] | None = N
         return from_dict(tp, value, path, legacy)
     if tp is Any:
         return value
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{path}: expected true or false, got {format_value(value)}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{path}: expected an integer, got {format_value(value)}")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{path}: expected a number, got {format_value(value)}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{path}: expected a string, got {format_value(value)}")
-        return value
-    raise ConfigError(f"{path}: unsupported field type {getattr(tp, '__name__', tp)}")
+    if tp not in _SCALARS:
+        raise ConfigError(f"{path}: unsupported field type {getattr(tp, '__name__', tp)}")
+    accepted, what = _SCALARS[tp]
+    valid = isinstance(value, accepted) and (tp is bool or not isinstance(value, bool))  # bool is an int subclass
+    if not valid:
+        raise ConfigError(f"{path}: expected {what}, got {format_value(value)}")
+    return float(value) if tp is float else value
 
 
 def _field_types(cls: type) -> dict[str, Any]:
