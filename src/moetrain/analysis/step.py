@@ -33,7 +33,7 @@ from moetrain.analysis.comm import (
 from moetrain.analysis.flops import step_flops
 from moetrain.analysis.hardware import Hardware
 from moetrain.analysis.intensity import expert_intensity, tokens_per_expert
-from moetrain.analysis.params import ParamCounts, StateBytes, count_params, local_params, state_memory
+from moetrain.analysis.params import GRAD_BYTES, ParamCounts, count_params, local_params, state_memory
 from moetrain.analysis.shape import ModelShape
 from moetrain.analysis.stages import split_stages
 
@@ -86,7 +86,6 @@ class Workload:
     checkpoint: bool = False
     recompute_experts: bool = False
     act_bytes: int = 2
-    state: StateBytes = StateBytes()
 
 
 @dataclass(frozen=True)
@@ -192,9 +191,9 @@ def estimate(
     a2a = all_to_all_bytes(shape, tokens, layout.ep, n_moe, work.act_bytes) * m
     t_a2a = transfer_time(a2a, group_bandwidth(hw, layout.ep), hw)
     dense_local, expert_local = local_params(counts, shape.n_layers, layout.ep, layout.pp, placed)
-    t_ar = transfer_time(all_reduce_bytes(dense_local, layout.data_parallel, work.state.grad),
+    t_ar = transfer_time(all_reduce_bytes(dense_local, layout.data_parallel, GRAD_BYTES),
                          group_bandwidth(hw, layout.data_parallel), hw)
-    t_ar += transfer_time(all_reduce_bytes(expert_local, layout.dp, work.state.grad),
+    t_ar += transfer_time(all_reduce_bytes(expert_local, layout.dp, GRAD_BYTES),
                           group_bandwidth(hw, layout.dp, stride=layout.ep), hw)
     t_pp = transfer_time(pipeline_bytes(tokens, shape.hidden, layout.pp, work.act_bytes) * m,
                          group_bandwidth(hw, layout.pp, stride=layout.data_parallel), hw)
@@ -203,7 +202,7 @@ def estimate(
 
     # Memory of the busiest device.
     state = state_memory(counts, shape.n_layers, layout.ep, layout.pp, layout.data_parallel, layout.dp,
-                         layout.zero1, work.state, placed)
+                         layout.zero1, placed)
     if work.recompute_experts:
         shape = replace(shape, recompute_experts=True)
     if layout.ep > 1:  # the fused Function is the single-device path; EP dispatches through the all-to-all

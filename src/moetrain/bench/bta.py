@@ -83,8 +83,6 @@ def run(args) -> int:
     from moetrain.model.transformer import MoETransformer
 
     _check(args)
-    if args.threads:
-        torch.set_num_threads(args.threads)
     g = args.tiles
     model_dict = {
         "vocab_size": args.vocab, "hidden": args.hidden, "n_layers": args.layers, "n_heads": args.heads,

@@ -23,7 +23,7 @@ temporaries; the weights and AdamW states, allocated before and equal for both m
 
 from __future__ import annotations
 
-from moetrain.bench import add_measurement_args, check_device, choose, write_report
+from moetrain.bench import add_measurement_args, choose, write_report
 from moetrain.errors import ConfigError
 
 OURS_BACKENDS = ("fused", "grouped_mm", "loop", "padded")
@@ -104,9 +104,6 @@ def run(args) -> int:
 
     from moetrain.bench.common import interleaved_times, machine_info, peak_tensor_bytes, summary
 
-    check_device(args.device)
-    if args.threads:
-        torch.set_num_threads(args.threads)
     cfg, models, batch, seq = build_models(args)
     models = {name: model.to(args.device) for name, model in models.items()}
     gen = torch.Generator().manual_seed(args.seed)
