@@ -34,9 +34,7 @@ def field_docs(cls: type) -> dict[str, str]:
         if _SECTION.match(stripped) and indent == 0:
             in_section, entry_indent, current = True, None, None
             continue
-        if not in_section:
-            continue
-        if not stripped:
+        if not in_section or not stripped:
             continue
         if indent == 0:  # the section ended
             in_section, current = False, None

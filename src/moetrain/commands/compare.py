@@ -6,6 +6,7 @@ losses per token and per second (docs/compare.md: the variants, the waves, what 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -315,10 +316,8 @@ def summarize_run(out: Path, run: Run) -> dict[str, Any]:
     tokens_per_step = cfg.train.batch_size * cfg.train.grad_accum * cfg.data.seq_len
     run_dir = out / "runs" / run.name
     records: list[dict[str, Any]] = []
-    try:
+    with contextlib.suppress(MoetrainError):  # the run failed before writing anything
         records = load_run_log(run_dir).records
-    except MoetrainError:  # the run failed before writing anything
-        pass
     evals: dict[int, dict[str, Any]] = {}
     for rec in records:
         if rec.get("val_loss") is not None:

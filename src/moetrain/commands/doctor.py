@@ -114,9 +114,7 @@ def step_flops(config) -> float:
 def run_processes(run_dir: str | None) -> int | None:
     """How many processes the run trained in: 1 for a single-format checkpoint (``model.safetensors``), the ranks of
     a sharded one (``__<rank>_0.distcp`` files, a torchrun job); ``None`` without a run or a checkpoint."""
-    if run_dir is None:
-        return None
-    ckpts = sorted((Path(run_dir) / "checkpoints").glob("step_*"))
+    ckpts = sorted((Path(run_dir) / "checkpoints").glob("step_*")) if run_dir is not None else []
     if not ckpts:
         return None
     shards = {p.name.split("_")[2] for p in ckpts[-1].glob("__*_*.distcp")}
@@ -171,9 +169,7 @@ def _wall(run_dir: str, records: list[dict]) -> float:
 
 def compare_with_run(d: dict) -> str | None:
     """Why the run's logged MFU differs from the profiled window's (``None`` without the run's MFU), as the product
-    of two measured ratios: the run's tokens/s over the window's (its wall time also holds data loading and
-    monitoring, given with their measured shares, and evaluations, checkpoints and the first step's warm-up, under
-    the load of its own time) and the window's peak over the one the run calibrated at its start."""
+    of two measured ratios (docs/robustness.md, "Why the run's MFU and doctor's differ")."""
     run = d["run"] or {}
     if "mfu" not in run:
         return None
