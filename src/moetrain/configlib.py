@@ -130,9 +130,15 @@ def _coerce(value: Any, tp: Any, path: str, legacy: Mapping[str, str] | None = N
     return float(value) if tp is float else value
 
 
-def _field_types(cls: type) -> dict[str, Any]:
+def _field_types(cls: type, data: dict[str, Any], path: str, legacy: Mapping[str, str] | None) -> dict[str, Any]:
+    """The types of ``cls``'s init fields, after refusing a key of ``data`` that is none of them
+    (:func:`_unknown_key`)."""
     hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init}
+    types_ = {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init}
+    for key in data:
+        if key not in types_:
+            raise _unknown_key(key, path, list(types_), legacy)
+    return types_
 
 
 def _unknown_key(key: str, path: str, known: list[str], legacy: Mapping[str, str] | None) -> ConfigError:
@@ -160,10 +166,7 @@ def from_dict(cls: type[T], data: dict[str, Any], path: str = "", legacy: Mappin
         ConfigError: an unknown key (with a close-match suggestion), a value of the wrong type, or a value the
             config's own validation rejects; the message starts with the full field path.
     """
-    types_ = _field_types(cls)
-    for key in data:
-        if key not in types_:
-            raise _unknown_key(key, path, list(types_), legacy)
+    types_ = _field_types(cls, data, path, legacy)
     kwargs = {k: _coerce(v, types_[k], _join(path, k), legacy) for k, v in data.items()}
     try:
         return cls(**kwargs)
@@ -180,10 +183,8 @@ def check_types(cls: type, data: dict[str, Any], path: str = "", legacy: Mapping
     Raises:
         ConfigError: an unknown key or a value of the wrong type; the message starts with the full field path.
     """
-    types_ = _field_types(cls)
+    types_ = _field_types(cls, data, path, legacy)
     for key, value in data.items():
-        if key not in types_:
-            raise _unknown_key(key, path, list(types_), legacy)
         tp = types_[key]
         if isinstance(tp, type) and dataclasses.is_dataclass(tp) and isinstance(value, dict):
             check_types(tp, value, _join(path, key), legacy)

@@ -153,16 +153,9 @@ class StateMemory:
         return self.weights + self.grads + self.optimizer
 
 
-def state_memory(
-    counts: ParamCounts,
-    n_layers: int,
-    ep: int = 1,
-    pp: int = 1,
-    dense_replicas: int = 1,
-    expert_replicas: int = 1,
-    zero1: bool = False,
-    stages: Sequence[Placement] | None = None,
-) -> StateMemory:
+def state_memory(counts: ParamCounts, n_layers: int, ep: int = 1, pp: int = 1, dense_replicas: int = 1,
+                 expert_replicas: int = 1, zero1: bool = False,
+                 stages: Sequence[Placement] | None = None) -> StateMemory:
     """Weights, gradients and optimizer states on the busiest device.
 
     Args:

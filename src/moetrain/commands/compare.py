@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import re
@@ -237,19 +238,13 @@ def plan_waves(runs: list[Run], parallel: int) -> list[list[Run]]:
     """The waves ``runs`` (seed-major, the variants in command-line order) start in; sets each run's ``wave``.
     With V variants a wave holds ``parallel // V`` whole seeds when ``parallel >= V``, else ``parallel`` of one
     seed's variants in order: one seed's variants never straddle waves to fill a slot."""
-    seeds: dict[int, list[Run]] = {}
-    for r in runs:
-        seeds.setdefault(r.seed, []).append(r)
-    groups = list(seeds.values())
+    groups = [list(g) for _, g in itertools.groupby(runs, key=lambda r: r.seed)]
     width = max((len(g) for g in groups), default=1)
-    waves: list[list[Run]] = []
     if parallel >= width:
         per_wave = parallel // width
-        for i in range(0, len(groups), per_wave):
-            waves.append([r for g in groups[i:i + per_wave] for r in g])
+        waves = [[r for g in groups[i:i + per_wave] for r in g] for i in range(0, len(groups), per_wave)]
     else:
-        for g in groups:
-            waves += [g[i:i + parallel] for i in range(0, len(g), parallel)]
+        waves = [g[i:i + parallel] for g in groups for i in range(0, len(g), parallel)]
     for n, wave in enumerate(waves):
         for r in wave:
             r.wave = n
