@@ -148,8 +148,7 @@ def run(args) -> int:
         config = build_config(args.preset, file_data, overrides)
         print(f"config fields of preset {config.preset!r} (set one with FIELD=VALUE or in a --config file; "
               "each in full: docs/configuration.md)")
-        for line in field_lines(config):
-            print(line)
+        print(*field_lines(config), sep="\n")
         return 0
     init = None
     if args.init_from:
@@ -210,10 +209,7 @@ def run(args) -> int:
             print(f"resuming would change the config: {describe(changes)}")
         if resume:
             _check_steps_cover_checkpoint(config, Path(args.out))
-        for note in notes:
-            print(note)
-        for line in dry_run(config, world).lines:
-            print(line)
+        print(*notes, *dry_run(config, world).lines, sep="\n")
         what = f"the resumed run {args.out}'s config" if resume else "the config"
         print(f"dry run: {what} is valid for {world} rank(s); nothing was written")
         return 0

@@ -6,6 +6,7 @@ with the measurements: docs/robustness.md, "bf16 policy".
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import time
@@ -33,12 +34,10 @@ def isa_limit() -> str | None:
 
 def _cpuinfo(key: str) -> str | None:
     """The value of the first ``key`` line of ``/proc/cpuinfo`` (``None`` where there is none)."""
-    try:
+    with contextlib.suppress(OSError):
         for line in open("/proc/cpuinfo"):
             if line.startswith(key):
                 return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
     return None
 
 
