@@ -22,14 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from moetrain.analysis.activations import model_activations
-from moetrain.analysis.comm import (
-    CommTimes,
-    all_reduce_bytes,
-    all_to_all_bytes,
-    group_bandwidth,
-    pipeline_bytes,
-    transfer_time,
-)
+from moetrain.analysis.comm import all_reduce_bytes, all_to_all_bytes, group_bandwidth, pipeline_bytes, transfer_time
 from moetrain.analysis.flops import step_flops
 from moetrain.analysis.hardware import Hardware
 from moetrain.analysis.intensity import expert_intensity, tokens_per_expert
@@ -99,7 +92,6 @@ class Estimate:
     activation_bytes: float
     compute_s: float
     bubble_s: float
-    comm: CommTimes
     exposed_comm_s: float
     tokens_per_expert: float
     expert_intensity: float
@@ -197,7 +189,6 @@ def estimate(
                           group_bandwidth(hw, layout.dp, stride=layout.ep), hw)
     t_pp = transfer_time(pipeline_bytes(tokens, shape.hidden, layout.pp, work.act_bytes) * m,
                          group_bandwidth(hw, layout.pp, stride=layout.data_parallel), hw)
-    comm = CommTimes(all_to_all=t_a2a, all_reduce=t_ar, pipeline=t_pp)
     exposed = t_a2a + t_pp + max(0.0, t_ar - micro_s * 2 / 3)
 
     # Memory of the busiest device.
@@ -215,6 +206,6 @@ def estimate(
         acts = max(acts, (sum(a.blocks) + a.other) * in_flight(layout.pp, m, i) + a.transient)
     return Estimate(
         layout=layout, workload=work, grad_accum=m, state_bytes=state.total,
-        activation_bytes=acts, compute_s=compute, bubble_s=bubble, comm=comm, exposed_comm_s=exposed,
+        activation_bytes=acts, compute_s=compute, bubble_s=bubble, exposed_comm_s=exposed,
         tokens_per_expert=tpe, expert_intensity=inten.intensity, ridge=hw.ridge, mem_capacity=hw.mem_bytes,
     )
