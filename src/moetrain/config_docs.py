@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import operator
 import re
 import types
 import typing
@@ -106,9 +107,7 @@ def field_lines(config: Any) -> list[str]:
     for path, cls in sections(type(config)):
         if not path:
             continue
-        section: Any = config
-        for part in path.split("."):
-            section = getattr(section, part)
+        section = operator.attrgetter(path)(config)
         docs, nested, kinds = field_docs(cls), nested_configs(cls), field_types(cls)
         for f in dataclasses.fields(cls):
             if f.name in nested or not f.init:

@@ -249,8 +249,7 @@ def bench_shape(shape: Shape, dtype_name: str, names: list[str], reps: int, warm
             "peak_bytes": peak_tensor_bytes(built[name][0], device) if memory else None,
             "max_rel_err_vs_loop": errors.get(name),
         }
-    hf = [rows[n]["median_s"] for n in ("hf-eager", "hf-grouped_mm") if n in rows]
-    best_hf = min(hf) if hf else None
+    best_hf = min((rows[n]["median_s"] for n in ("hf-eager", "hf-grouped_mm") if n in rows), default=None)
     for row in rows.values():
         row["speedup_vs_best_hf"] = best_hf / row["median_s"] if best_hf else None
     return {"shape": asdict(shape), "label": shape.label(), "dtype": dtype_name, "active_gflop": shape.flops / 1e9,
