@@ -330,16 +330,13 @@ def _train(args, config, run_dir: Path, resume: bool, init, notes: list[str], ch
     again = resume_hint(run_dir, hooks.mesh.distributed)
     if result.preempted:
         say(f"stopped by {result.preempted} after step {result.steps} with a checkpoint; continue with: {again}")
-        return 0
-    if result.out_of_time:
+    elif result.out_of_time:
         say(f"stopped after step {result.steps} of {config.train.steps}: train.time_budget_s="
             f"{config.train.time_budget_s:g} s ran out; evaluated and checkpointed; continue with: {again}")
-        return 0
-    if result.steps < config.train.steps:
+    elif result.steps < config.train.steps:
         say(f"stopped after step {result.steps} of {config.train.steps} (--stop-at-step) with a checkpoint; "
             f"continue with: {again}")
-        return 0
-    # The default corpus is Python source; any other corpus gets a placeholder rather than a guess.
-    prompt = "'def '" if config.data.path is None else "'YOUR TEXT'"
-    say(f"done: {result.steps} steps; try: moetrain generate {shlex.quote(str(run_dir))} --prompt {prompt}")
+    else:  # the default corpus is Python source; any other corpus gets a placeholder rather than a guess
+        prompt = "'def '" if config.data.path is None else "'YOUR TEXT'"
+        say(f"done: {result.steps} steps; try: moetrain generate {shlex.quote(str(run_dir))} --prompt {prompt}")
     return 0
