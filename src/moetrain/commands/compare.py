@@ -264,7 +264,8 @@ def run_waves(out: Path, runs: list[Run], parallel: int, threads: int) -> None:
         try:
             for r in wave:
                 command = [sys.executable, "-m", "moetrain", "train", "--config",
-                           str(out / "configs" / f"{r.name}.json"), "--out", str(out / "runs" / r.name), "--no-progress"]
+                           str(out / "configs" / f"{r.name}.json"), "--out", str(out / "runs" / r.name),
+                           "--no-progress"]
                 with open(out / "logs" / f"{r.name}.log", "wb") as log:
                     procs.append((r, subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
                                                       stdin=subprocess.DEVNULL, env=env), time.perf_counter()))
