@@ -65,17 +65,11 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
-        require(
-            self.model.moe.num_experts % self.parallel.ep == 0,
-            "parallel.ep",
-            f"expert-parallel size {self.parallel.ep} does not divide model.moe.num_experts="
-            f"{self.model.moe.num_experts} (each EP rank holds num_experts / ep experts)",
-        )
-        require(
-            self.data.seq_len <= self.model.max_seq_len,
-            "data.seq_len",
-            f"sequence length {self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}",
-        )
+        require(self.model.moe.num_experts % self.parallel.ep == 0, "parallel.ep",
+                f"expert-parallel size {self.parallel.ep} does not divide model.moe.num_experts="
+                f"{self.model.moe.num_experts} (each EP rank holds num_experts / ep experts)")
+        require(self.data.seq_len <= self.model.max_seq_len, "data.seq_len",
+                f"sequence length {self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}")
         tokens = self.train.tokens_per_batch
         if tokens:
             require(self.data.packing == "documents", "train.tokens_per_batch",
@@ -83,12 +77,9 @@ class Config:
                     "documents")
             require(tokens >= self.data.seq_len, "train.tokens_per_batch",
                     f"{tokens} is below data.seq_len={self.data.seq_len}: the longest document chunk would not fit")
-        require(
-            self.train.batch_size % self.model.execution.bta_tiles == 0,
-            "model.execution.bta_tiles",
-            f"{self.model.execution.bta_tiles} attention tiles do not divide the micro-batch "
-            f"train.batch_size={self.train.batch_size}; choose a divisor of it",
-        )
+        require(self.train.batch_size % self.model.execution.bta_tiles == 0, "model.execution.bta_tiles",
+                f"{self.model.execution.bta_tiles} attention tiles do not divide the micro-batch "
+                f"train.batch_size={self.train.batch_size}; choose a divisor of it")
 
     def to_dict(self) -> dict[str, Any]:
         return to_dict(self)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import operator
 import re
 import types
 import typing
@@ -34,9 +35,7 @@ def field_docs(cls: type) -> dict[str, str]:
         if _SECTION.match(stripped) and indent == 0:
             in_section, entry_indent, current = True, None, None
             continue
-        if not in_section:
-            continue
-        if not stripped:
+        if not in_section or not stripped:
             continue
         if indent == 0:  # the section ended
             in_section, current = False, None
@@ -108,9 +107,7 @@ def field_lines(config: Any) -> list[str]:
     for path, cls in sections(type(config)):
         if not path:
             continue
-        section: Any = config
-        for part in path.split("."):
-            section = getattr(section, part)
+        section = operator.attrgetter(path)(config)
         docs, nested, kinds = field_docs(cls), nested_configs(cls), field_types(cls)
         for f in dataclasses.fields(cls):
             if f.name in nested or not f.init:

@@ -77,6 +77,12 @@ def _join(path: str, name: str) -> str:
     return f"{path}.{name}" if path else name
 
 
+# A scalar field's type -> the Python types its value may have, and what an error says it expects.
+_SCALARS: dict[Any, tuple[tuple[type, ...], str]] = {
+    bool: ((bool,), "true or false"), int: ((int,), "an integer"), float: ((int, float), "a number"),
+    str: ((str,), "a string")}
+
+
 def _coerce(value: Any, tp: Any, path: str, legacy: Mapping[str, str] | None = None) -> Any:
     """Check (and minimally convert: int -> float) ``value`` against the annotation ``tp``."""
     origin = typing.get_origin(tp)
@@ -115,28 +121,24 @@ def _coerce(value: Any, tp: Any, path: str, legacy: Mapping[str, str] | None = N
         return from_dict(tp, value, path, legacy)
     if tp is Any:
         return value
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{path}: expected true or false, got {format_value(value)}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{path}: expected an integer, got {format_value(value)}")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{path}: expected a number, got {format_value(value)}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{path}: expected a string, got {format_value(value)}")
-        return value
-    raise ConfigError(f"{path}: unsupported field type {getattr(tp, '__name__', tp)}")
+    if tp not in _SCALARS:
+        raise ConfigError(f"{path}: unsupported field type {getattr(tp, '__name__', tp)}")
+    accepted, what = _SCALARS[tp]
+    valid = isinstance(value, accepted) and (tp is bool or not isinstance(value, bool))  # bool is an int subclass
+    if not valid:
+        raise ConfigError(f"{path}: expected {what}, got {format_value(value)}")
+    return float(value) if tp is float else value
 
 
-def _field_types(cls: type) -> dict[str, Any]:
+def _field_types(cls: type, data: dict[str, Any], path: str, legacy: Mapping[str, str] | None) -> dict[str, Any]:
+    """The types of ``cls``'s init fields, after refusing a key of ``data`` that is none of them
+    (:func:`_unknown_key`)."""
     hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init}
+    types_ = {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init}
+    for key in data:
+        if key not in types_:
+            raise _unknown_key(key, path, list(types_), legacy)
+    return types_
 
 
 def _unknown_key(key: str, path: str, known: list[str], legacy: Mapping[str, str] | None) -> ConfigError:
@@ -164,10 +166,7 @@ def from_dict(cls: type[T], data: dict[str, Any], path: str = "", legacy: Mappin
         ConfigError: an unknown key (with a close-match suggestion), a value of the wrong type, or a value the
             config's own validation rejects; the message starts with the full field path.
     """
-    types_ = _field_types(cls)
-    for key in data:
-        if key not in types_:
-            raise _unknown_key(key, path, list(types_), legacy)
+    types_ = _field_types(cls, data, path, legacy)
     kwargs = {k: _coerce(v, types_[k], _join(path, k), legacy) for k, v in data.items()}
     try:
         return cls(**kwargs)
@@ -184,10 +183,8 @@ def check_types(cls: type, data: dict[str, Any], path: str = "", legacy: Mapping
     Raises:
         ConfigError: an unknown key or a value of the wrong type; the message starts with the full field path.
     """
-    types_ = _field_types(cls)
+    types_ = _field_types(cls, data, path, legacy)
     for key, value in data.items():
-        if key not in types_:
-            raise _unknown_key(key, path, list(types_), legacy)
         tp = types_[key]
         if isinstance(tp, type) and dataclasses.is_dataclass(tp) and isinstance(value, dict):
             check_types(tp, value, _join(path, key), legacy)

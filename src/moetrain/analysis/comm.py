@@ -12,8 +12,6 @@ activations forward and their gradient back, per micro-batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from moetrain.analysis.hardware import Hardware
 from moetrain.analysis.shape import ModelShape
 
@@ -44,19 +42,6 @@ def group_bandwidth(hw: Hardware, group: int, stride: int = 1) -> float:
     the group fits in one node, else the inter-node share (the slowest link bounds a ring or an all-to-all)."""
     span = (group - 1) * stride + 1
     return hw.intra_bw if span <= hw.devices_per_node else hw.inter_bw
-
-
-@dataclass(frozen=True)
-class CommTimes:
-    """Seconds per step, per device."""
-
-    all_to_all: float
-    all_reduce: float
-    pipeline: float
-
-    @property
-    def total(self) -> float:
-        return self.all_to_all + self.all_reduce + self.pipeline
 
 
 def transfer_time(nbytes: float, bandwidth: float, hw: Hardware) -> float:

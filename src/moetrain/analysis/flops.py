@@ -18,8 +18,6 @@ from dataclasses import dataclass
 
 from moetrain.analysis.shape import ModelShape
 
-PARTS = ("attn_proj", "attn_scores", "router", "experts", "shared_experts", "dense_ffn", "lm_head")
-
 
 @dataclass(frozen=True)
 class PartFlops:
@@ -35,7 +33,8 @@ class PartFlops:
 
 
 def forward_flops(shape: ModelShape, batch: int, seq: int) -> dict[str, float]:
-    """Forward FLOPs per part (keys :data:`PARTS`) for ``batch`` sequences of ``seq`` tokens, whole model."""
+    """Forward FLOPs per part (``attn_proj``, ``attn_scores``, ``router``, ``experts``, ``shared_experts``,
+    ``dense_ffn``, ``lm_head``) for ``batch`` sequences of ``seq`` tokens, whole model."""
     t = batch * seq
     d, q, kv = shape.hidden, shape.q_width, shape.kv_width
     rows = shape.expert_rows(t)

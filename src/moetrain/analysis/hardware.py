@@ -150,8 +150,8 @@ class PeakMeasurement:
 
 
 def measure_peaks(dtypes: tuple[str, ...] = ("fp32", "bf16"), rounds: int = 3, size: int = 1024,
-                  repeats: int = 3, device: str = "cpu") -> PeakMeasurement:
-    """GEMM FLOP/s of each of ``dtypes`` in ``rounds`` interleaved rounds, each the best of ``repeats``
+                  repeats: int = 3) -> PeakMeasurement:
+    """GEMM FLOP/s of each of ``dtypes`` on the CPU in ``rounds`` interleaved rounds, each the best of ``repeats``
     [size, size] @ [size, size] products (:func:`moetrain.runtime.cpu.gemm_peak`, uncached), with the cores other
     processes kept busy sampled before and after.
 
@@ -169,14 +169,12 @@ def measure_peaks(dtypes: tuple[str, ...] = ("fp32", "bf16"), rounds: int = 3, s
     unknown = [d for d in dtypes if d not in torch_dtypes]
     if unknown:
         raise ValueError(f"unknown dtype {unknown[0]!r}; choose from {sorted(torch_dtypes)}")
-    samples = [others_busy_cores(0.05)] if device == "cpu" else []
+    before = others_busy_cores(0.05)
     rates: dict[str, list[float]] = {d: [] for d in dtypes}
     for _ in range(rounds):
         for d in dtypes:
-            rates[d].append(gemm_peak(torch_dtypes[d], device, size, repeats, fresh=True))
-    if device == "cpu":
-        samples.append(others_busy_cores(0.05))
-    busy = [b for b in samples if b is not None]
+            rates[d].append(gemm_peak(torch_dtypes[d], "cpu", size, repeats, fresh=True))
+    busy = [b for b in (before, others_busy_cores(0.05)) if b is not None]
     return PeakMeasurement(rates, max(busy) if busy else None)
 
 

@@ -2,9 +2,8 @@
 
 Legend: V = vocabulary, D = hidden, L = blocks, E = experts, K = top-k, F = expert FFN hidden.
 
-Bytes per parameter follow moetrain's trainer by default: fp32 weights (bf16 runs autocast and keep fp32 master
-weights), fp32 gradients, and AdamW's two fp32 moments (``exp_avg``, ``exp_avg_sq``): 4 + 4 + 8 = 16 bytes.
-Megatron-style mixed precision (bf16 weights, fp32 main gradients, fp32 master copy + moments) is 2 + 4 + 12 = 18.
+Bytes per parameter follow moetrain's trainer: fp32 weights (bf16 runs autocast and keep fp32 master weights), fp32
+gradients, and AdamW's two fp32 moments (``exp_avg``, ``exp_avg_sq``): 4 + 4 + 8 = 16 bytes.
 """
 
 from __future__ import annotations
@@ -138,13 +137,7 @@ def sharded_params(counts: ParamCounts, n_layers: int, ep: int = 1, pp: int = 1,
     return max(d / (dp_shard * ep) + e / dp_shard for d, e in placed)
 
 
-@dataclass(frozen=True)
-class StateBytes:
-    """Bytes per parameter of the training state."""
-
-    weight: int = 4
-    grad: int = 4
-    optimizer: int = 8  # AdamW exp_avg + exp_avg_sq in fp32 (plus a fp32 master copy in Megatron's layout)
+WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 4, 4, 8  # per parameter: fp32 weight, gradient, AdamW's two moments
 
 
 @dataclass(frozen=True)
@@ -160,17 +153,9 @@ class StateMemory:
         return self.weights + self.grads + self.optimizer
 
 
-def state_memory(
-    counts: ParamCounts,
-    n_layers: int,
-    ep: int = 1,
-    pp: int = 1,
-    dense_replicas: int = 1,
-    expert_replicas: int = 1,
-    zero1: bool = False,
-    state: StateBytes = StateBytes(),
-    stages: Sequence[Placement] | None = None,
-) -> StateMemory:
+def state_memory(counts: ParamCounts, n_layers: int, ep: int = 1, pp: int = 1, dense_replicas: int = 1,
+                 expert_replicas: int = 1, zero1: bool = False,
+                 stages: Sequence[Placement] | None = None) -> StateMemory:
     """Weights, gradients and optimizer states on the busiest device.
 
     Args:
@@ -182,10 +167,9 @@ def state_memory(
         dense_replicas: devices holding a copy of the same dense parameters (the data-parallel group size); with
             ``zero1`` the optimizer states are sharded across them (ZeRO stage 1, Megatron's distributed optimizer).
         expert_replicas: the same for the expert parameters.
-        state: bytes per parameter.
         stages: each pipeline rank's :data:`Placement` (default: the even split of :func:`local_params`).
     """
     dense, experts = local_params(counts, n_layers, ep, pp, stages)
     params = dense + experts
     opt = dense / dense_replicas + experts / expert_replicas if zero1 else params
-    return StateMemory(weights=params * state.weight, grads=params * state.grad, optimizer=opt * state.optimizer)
+    return StateMemory(weights=params * WEIGHT_BYTES, grads=params * GRAD_BYTES, optimizer=opt * OPTIMIZER_BYTES)

@@ -1,17 +1,10 @@
 """Parallel-layout planner: candidate layouts for N devices, each with the micro-batch, BTA tile count and
-checkpointing that fit memory and train fastest, and a recommendation with its reason.
+checkpointing that fit memory and train fastest (analysis/step.py), and a recommendation with its reason.
 
-The choice follows the practice of choosing by expert count, then refining by memory fit:
-<= 8 experts: data parallel (DP); 9-32 experts: expert + data parallel (EP x DP); more than 32: expert sharding +
-pipeline (EP x PP). The preferred family is tried first; if none of its layouts fits in memory, the next larger
-sharding is tried (DP -> EP x DP -> EP x PP), and only then smaller ones (e.g. one device: DP). Within a family the
-fastest fitting layout wins (analysis/step.py).
-
-BTA: for each layout the micro-batch (a power of two dividing the per-rank batch), G, full activation
-checkpointing and recomputed experts (``model.execution.recompute_experts``) are searched; G > 1 is recommended when it
-lets a larger micro-batch fit (more tokens per expert GEMM) and that is faster than the best untiled option, by at
-least ``BTA_MIN_GAIN``. Recomputed experts are the cheaper memory lever (one more input projection of the experts,
-against a whole block forward for checkpointing; docs/bta.md).
+The family by expert count (:func:`preferred_family`), refined by memory fit: the next larger sharding when the
+preferred family does not fit (DP -> EP x DP -> EP x PP), and only then smaller ones (e.g. one device: DP). G > 1
+only where it lets a larger micro-batch fit and is at least ``BTA_MIN_GAIN`` faster than the best untiled option.
+The rule, its search and what it prints: docs/bta.md, "moetrain plan".
 """
 
 from __future__ import annotations

@@ -123,9 +123,6 @@ def saved_bytes_per_block(model: MoETransformer, input_ids: torch.Tensor, target
                 tile_inputs.append((block, args[0]))
         return hook
 
-    def leave(block, args, out):
-        counter.use("other")
-
     def ffn(i):
         return lambda module, args: counter.use(f"block{i}.ffn")
 
@@ -133,7 +130,7 @@ def saved_bytes_per_block(model: MoETransformer, input_ids: torch.Tensor, target
     for i, block in enumerate(blocks):
         handles.append(block.register_forward_pre_hook(enter(i)))
         handles.append(block.post_attn_norm.register_forward_pre_hook(ffn(i)))
-        handles.append(block.register_forward_hook(leave))
+        handles.append(block.register_forward_hook(lambda *_: counter.use("other")))
     try:
         with counter:
             out = model(input_ids, targets, return_logits=return_logits)

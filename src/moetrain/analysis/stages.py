@@ -4,19 +4,10 @@ the final norm + LM head (and the loss) on the last, split into contiguous stage
 Legend: L = blocks, N = stages, S = sequence length, D = hidden, V = vocabulary.
 
 Cost of a part = its FLOPs per token of one training micro-batch (forward + backward + recomputation:
-:func:`moetrain.analysis.flops.step_flops` at batch 1; every part is linear in the batch, the attention scores'
-S^2 makes the split depend on S). Deliberately hardware-free, so that every rank, the dry run and the planner
-compute the same split without a device or a measurement. A block costs its attention plus, for an MoE block,
-router, routed and shared experts, for a dense block its dense FFN; the embedding is a gather (no FLOPs); the last
-stage adds the LM head, 2 * D * V per token forward and twice that backward (for a large vocabulary several
-blocks' worth).
-
-Placement as torchtitan's ``generate_llm_fqn_per_model_part`` (torchtitan/distributed/pipeline_parallel.py) and
-Megatron-Core's ``account_for_embedding_in_pipeline_split`` / ``account_for_loss_in_pipeline_split``: the
-embedding on stage 0, norm + LM head on the last stage; here weighted by the cost model instead of as whole
-layers, and split by an exact minimisation (:func:`balanced_split`) instead of equal counts.
-
-Not modelled: memory-bound experts (small tokens per expert; :mod:`.intensity`), communication, element-wise work.
+:func:`moetrain.analysis.flops.step_flops` at batch 1; the attention scores' S^2 makes the split depend on S); the
+embedding is a gather (no FLOPs). Hardware-free, so that every rank, the dry run and the planner compute the same
+split. The placement (as torchtitan's and Megatron-Core's), what is not modelled and a worked example:
+docs/scale-out.md, "Pipeline parallelism".
 """
 
 from __future__ import annotations

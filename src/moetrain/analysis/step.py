@@ -22,18 +22,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from moetrain.analysis.activations import model_activations
-from moetrain.analysis.comm import (
-    CommTimes,
-    all_reduce_bytes,
-    all_to_all_bytes,
-    group_bandwidth,
-    pipeline_bytes,
-    transfer_time,
-)
+from moetrain.analysis.comm import all_reduce_bytes, all_to_all_bytes, group_bandwidth, pipeline_bytes, transfer_time
 from moetrain.analysis.flops import step_flops
 from moetrain.analysis.hardware import Hardware
 from moetrain.analysis.intensity import expert_intensity, tokens_per_expert
-from moetrain.analysis.params import ParamCounts, StateBytes, count_params, local_params, state_memory
+from moetrain.analysis.params import GRAD_BYTES, ParamCounts, count_params, local_params, state_memory
 from moetrain.analysis.shape import ModelShape
 from moetrain.analysis.stages import split_stages
 
@@ -86,7 +79,6 @@ class Workload:
     checkpoint: bool = False
     recompute_experts: bool = False
     act_bytes: int = 2
-    state: StateBytes = StateBytes()
 
 
 @dataclass(frozen=True)
@@ -100,7 +92,6 @@ class Estimate:
     activation_bytes: float
     compute_s: float
     bubble_s: float
-    comm: CommTimes
     exposed_comm_s: float
     tokens_per_expert: float
     expert_intensity: float
@@ -192,18 +183,17 @@ def estimate(
     a2a = all_to_all_bytes(shape, tokens, layout.ep, n_moe, work.act_bytes) * m
     t_a2a = transfer_time(a2a, group_bandwidth(hw, layout.ep), hw)
     dense_local, expert_local = local_params(counts, shape.n_layers, layout.ep, layout.pp, placed)
-    t_ar = transfer_time(all_reduce_bytes(dense_local, layout.data_parallel, work.state.grad),
+    t_ar = transfer_time(all_reduce_bytes(dense_local, layout.data_parallel, GRAD_BYTES),
                          group_bandwidth(hw, layout.data_parallel), hw)
-    t_ar += transfer_time(all_reduce_bytes(expert_local, layout.dp, work.state.grad),
+    t_ar += transfer_time(all_reduce_bytes(expert_local, layout.dp, GRAD_BYTES),
                           group_bandwidth(hw, layout.dp, stride=layout.ep), hw)
     t_pp = transfer_time(pipeline_bytes(tokens, shape.hidden, layout.pp, work.act_bytes) * m,
                          group_bandwidth(hw, layout.pp, stride=layout.data_parallel), hw)
-    comm = CommTimes(all_to_all=t_a2a, all_reduce=t_ar, pipeline=t_pp)
     exposed = t_a2a + t_pp + max(0.0, t_ar - micro_s * 2 / 3)
 
     # Memory of the busiest device.
     state = state_memory(counts, shape.n_layers, layout.ep, layout.pp, layout.data_parallel, layout.dp,
-                         layout.zero1, work.state, placed)
+                         layout.zero1, placed)
     if work.recompute_experts:
         shape = replace(shape, recompute_experts=True)
     if layout.ep > 1:  # the fused Function is the single-device path; EP dispatches through the all-to-all
@@ -216,6 +206,6 @@ def estimate(
         acts = max(acts, (sum(a.blocks) + a.other) * in_flight(layout.pp, m, i) + a.transient)
     return Estimate(
         layout=layout, workload=work, grad_accum=m, state_bytes=state.total,
-        activation_bytes=acts, compute_s=compute, bubble_s=bubble, comm=comm, exposed_comm_s=exposed,
+        activation_bytes=acts, compute_s=compute, bubble_s=bubble, exposed_comm_s=exposed,
         tokens_per_expert=tpe, expert_intensity=inten.intensity, ridge=hw.ridge, mem_capacity=hw.mem_bytes,
     )

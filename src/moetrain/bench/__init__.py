@@ -57,11 +57,3 @@ def choose(text: str, allowed: tuple[str, ...], flag: str) -> list[str]:
     if unknown:
         raise ConfigError(f"--{flag}: unknown {unknown}; choose from {list(allowed)}")
     return names
-
-
-def check_device(device: str) -> None:
-    """Raises ConfigError for ``--device cuda`` when PyTorch sees no CUDA device."""
-    import torch
-
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda: this PyTorch sees no CUDA device (torch.cuda.is_available() is False)")

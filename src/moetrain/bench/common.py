@@ -17,6 +17,7 @@ keeps mapped (RSS). On CUDA it uses ``torch.cuda.max_memory_allocated`` the same
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import platform
 import statistics
@@ -109,11 +110,7 @@ def peak_tensor_bytes(fn: Callable[[], None], device: torch.device | str = "cpu"
         size = getattr(node.extra_fields, "alloc_size", None)
         if size is not None and getattr(node.extra_fields, "device", device).type == "cpu":
             events.append((node.start_time_ns, size))
-    live = peak = 0
-    for _, size in sorted(events, key=lambda e: e[0]):
-        live += size
-        peak = max(peak, live)
-    return peak
+    return max(itertools.accumulate((size for _, size in sorted(events, key=lambda e: e[0])), initial=0))
 
 
 def cpu_line(info: dict) -> str:

@@ -28,12 +28,13 @@ expert FLOPs, and the peak of torch tensor bytes during one forward + backward (
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from moetrain.bench import add_measurement_args, check_device, choose, write_report
+from moetrain.bench import add_measurement_args, choose, write_report
 from moetrain.errors import ConfigError
 
 CANDIDATES = ("dense", "hf-eager", "hf-grouped_mm", "loop", "padded", "grouped_mm", "fused")
@@ -192,13 +193,12 @@ def _refresher(leaf, seed: int, enabled: bool):
     import torch
 
     gen = torch.Generator().manual_seed(seed + 1)
-    pool = [torch.randn(leaf.shape, generator=gen).to(leaf.device, leaf.dtype) for _ in range(VARY_POOL)]
-    calls = [0]
+    pool = itertools.cycle([torch.randn(leaf.shape, generator=gen).to(leaf.device, leaf.dtype)
+                            for _ in range(VARY_POOL)])
 
     def refresh():
         with torch.no_grad():
-            leaf.copy_(pool[calls[0] % VARY_POOL])
-        calls[0] += 1
+            leaf.copy_(next(pool))
 
     return refresh
 
@@ -249,8 +249,7 @@ def bench_shape(shape: Shape, dtype_name: str, names: list[str], reps: int, warm
             "peak_bytes": peak_tensor_bytes(built[name][0], device) if memory else None,
             "max_rel_err_vs_loop": errors.get(name),
         }
-    hf = [rows[n]["median_s"] for n in ("hf-eager", "hf-grouped_mm") if n in rows]
-    best_hf = min(hf) if hf else None
+    best_hf = min((rows[n]["median_s"] for n in ("hf-eager", "hf-grouped_mm") if n in rows), default=None)
     for row in rows.values():
         row["speedup_vs_best_hf"] = best_hf / row["median_s"] if best_hf else None
     return {"shape": asdict(shape), "label": shape.label(), "dtype": dtype_name, "active_gflop": shape.flops / 1e9,
@@ -281,14 +280,9 @@ def _warn_if_busy(info: dict) -> None:
 
 
 def run(args) -> int:
-    import torch
-
     from moetrain.bench.common import cpu_line, machine_info
 
     shapes, names = _shapes(args), _candidates(args)
-    check_device(args.device)
-    if args.threads:
-        torch.set_num_threads(args.threads)
     dtypes = DTYPES if args.dtype == "both" else (args.dtype,)
     info = machine_info()
     print(f"bench moe: {len(shapes)} shapes x {list(dtypes)}, {args.reps} timed rounds (+{args.warmup} warm-up), "

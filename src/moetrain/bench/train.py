@@ -23,7 +23,10 @@ temporaries; the weights and AdamW states, allocated before and equal for both m
 
 from __future__ import annotations
 
-from moetrain.bench import add_measurement_args, check_device, choose, write_report
+import functools
+from collections.abc import Callable
+
+from moetrain.bench import add_measurement_args, choose, write_report
 from moetrain.errors import ConfigError
 
 OURS_BACKENDS = ("fused", "grouped_mm", "loop", "padded")
@@ -104,9 +107,6 @@ def run(args) -> int:
 
     from moetrain.bench.common import interleaved_times, machine_info, peak_tensor_bytes, summary
 
-    check_device(args.device)
-    if args.threads:
-        torch.set_num_threads(args.threads)
     cfg, models, batch, seq = build_models(args)
     models = {name: model.to(args.device) for name, model in models.items()}
     gen = torch.Generator().manual_seed(args.seed)
@@ -129,19 +129,14 @@ def run(args) -> int:
             lm_loss[name] = float(loss_of(name, model)[1])
     opts = {n: torch.optim.AdamW(m.parameters(), lr=args.lr, fused=True) for n, m in models.items()}
 
-    def stepper(name):
-        model, opt = models[name], opts[name]
+    def step(name: str) -> None:
+        with autocast:
+            loss = loss_of(name, models[name])[0]
+        loss.backward()
+        opts[name].step()
+        opts[name].zero_grad(set_to_none=True)
 
-        def step():
-            with autocast:
-                loss = loss_of(name, model)[0]
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        return step
-
-    steps = {n: stepper(n) for n in models}
+    steps: dict[str, Callable[[], None]] = {n: functools.partial(step, n) for n in models}
     sync = torch.cuda.synchronize if args.device == "cuda" else None
     times = interleaved_times(steps, rounds=args.steps, warmup=args.warmup, sync=sync, clock=args.clock)
     tokens = batch * seq

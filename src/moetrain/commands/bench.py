@@ -2,11 +2,11 @@
 
 Each benchmark lives in ``moetrain.bench.<name>`` and defines ``add_parser(sub)`` (which calls
 ``set_defaults(func=run)``); add one by adding its name to :data:`BENCHES`. The arguments benchmarks share
-(``--threads``, ``--steps`` / ``--reps``, ``--warmup``, ``--json``, ``--overwrite``, and ``bench train``'s
-``--batch`` / ``--seq`` / ``--lr``) are checked
-here before the benchmark starts, so a bad value is a one-line error rather than a traceback minutes later. The JSON
-goes where ``--json`` says, else to a new file under the temp directory (:func:`moetrain.bench.default_output`),
-never into the current directory; an existing ``--json`` file is replaced only with ``--overwrite``.
+(``--threads``, ``--steps`` / ``--reps``, ``--warmup``, ``--json``, ``--overwrite``, ``--device``, and ``bench
+train``'s ``--batch`` / ``--seq`` / ``--lr``) are checked here before the benchmark starts, so a bad value is a
+one-line error rather than a traceback minutes later. The JSON goes where ``--json`` says, else to a new file under
+the temp directory (:func:`moetrain.bench.default_output`), never into the current directory; an existing ``--json``
+file is replaced only with ``--overwrite``.
 """
 
 from __future__ import annotations
@@ -46,6 +46,12 @@ def _checked(func, args) -> int:
     elif Path(args.json).exists() and not Path(args.json).is_dir() and not args.overwrite:
         raise MoetrainError(f"--json {args.json}: exists; pass --overwrite to replace it or choose another file")
     check_output_path(Path(args.json), "--json", "file")
+    import torch
+
+    if getattr(args, "device", "cpu") == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: this PyTorch sees no CUDA device (torch.cuda.is_available() is False)")
+    if args.threads:  # 0 (bench bta) or none: PyTorch's default
+        torch.set_num_threads(args.threads)
     return func(args)
 
 

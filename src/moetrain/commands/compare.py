@@ -6,6 +6,8 @@ losses per token and per second (docs/compare.md: the variants, the waves, what 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
 import json
 import os
 import re
@@ -18,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from moetrain.commands.compare_leads import last_trained_eval, lead_rows, leads_markdown
+from moetrain.commands.compare_leads import last_trained_eval, lead_rows, leads_markdown, num
 from moetrain.commands import check_at_least, check_output_path
 from moetrain.errors import ConfigError, MoetrainError
 from moetrain.results import markdown_table as results_table
@@ -223,13 +225,6 @@ def count_params(config: Any) -> tuple[int, int]:
     return count_parameters(model)
 
 
-def default_parallel(threads_per_run: int) -> int:
-    """Runs at a time: the usable cores (``os.sched_getaffinity``) // ``threads_per_run``, at least 1."""
-    from moetrain.runtime.threads import usable_cores
-
-    return max(1, usable_cores() // threads_per_run)
-
-
 def _child_env(threads: int) -> dict[str, str]:
     """This environment for a child run: one process (no torchrun variables), ``threads`` OpenMP threads,
     unbuffered output (its log grows as it runs)."""
@@ -239,29 +234,17 @@ def _child_env(threads: int) -> dict[str, str]:
     return env
 
 
-def child_command(out: Path, run: Run) -> list[str]:
-    """The child's command line."""
-    return [sys.executable, "-m", "moetrain", "train", "--config", str(out / "configs" / f"{run.name}.json"),
-            "--out", str(out / "runs" / run.name), "--no-progress"]
-
-
 def plan_waves(runs: list[Run], parallel: int) -> list[list[Run]]:
     """The waves ``runs`` (seed-major, the variants in command-line order) start in; sets each run's ``wave``.
     With V variants a wave holds ``parallel // V`` whole seeds when ``parallel >= V``, else ``parallel`` of one
     seed's variants in order: one seed's variants never straddle waves to fill a slot."""
-    seeds: dict[int, list[Run]] = {}
-    for r in runs:
-        seeds.setdefault(r.seed, []).append(r)
-    groups = list(seeds.values())
+    groups = [list(g) for _, g in itertools.groupby(runs, key=lambda r: r.seed)]
     width = max((len(g) for g in groups), default=1)
-    waves: list[list[Run]] = []
     if parallel >= width:
         per_wave = parallel // width
-        for i in range(0, len(groups), per_wave):
-            waves.append([r for g in groups[i:i + per_wave] for r in g])
+        waves = [[r for g in groups[i:i + per_wave] for r in g] for i in range(0, len(groups), per_wave)]
     else:
-        for g in groups:
-            waves += [g[i:i + parallel] for i in range(0, len(g), parallel)]
+        waves = [g[i:i + parallel] for g in groups for i in range(0, len(g), parallel)]
     for n, wave in enumerate(waves):
         for r in wave:
             r.wave = n
@@ -280,8 +263,11 @@ def run_waves(out: Path, runs: list[Run], parallel: int, threads: int) -> None:
         procs: list[tuple[Run, subprocess.Popen[bytes], float]] = []
         try:
             for r in wave:
+                command = [sys.executable, "-m", "moetrain", "train", "--config",
+                           str(out / "configs" / f"{r.name}.json"), "--out", str(out / "runs" / r.name),
+                           "--no-progress"]
                 with open(out / "logs" / f"{r.name}.log", "wb") as log:
-                    procs.append((r, subprocess.Popen(child_command(out, r), stdout=log, stderr=subprocess.STDOUT,
+                    procs.append((r, subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
                                                       stdin=subprocess.DEVNULL, env=env), time.perf_counter()))
             pending = list(procs)
             while pending:
@@ -326,10 +312,8 @@ def summarize_run(out: Path, run: Run) -> dict[str, Any]:
     tokens_per_step = cfg.train.batch_size * cfg.train.grad_accum * cfg.data.seq_len
     run_dir = out / "runs" / run.name
     records: list[dict[str, Any]] = []
-    try:
+    with contextlib.suppress(MoetrainError):  # the run failed before writing anything
         records = load_run_log(run_dir).records
-    except MoetrainError:  # the run failed before writing anything
-        pass
     evals: dict[int, dict[str, Any]] = {}
     for rec in records:
         if rec.get("val_loss") is not None:
@@ -377,13 +361,8 @@ def machine_info() -> dict[str, Any]:
 def eval_columns(summaries: list[dict[str, Any]]) -> list[int]:
     """The steps that get a column of their own: every evaluation step > 0 but a run's last one when a time budget
     stopped it there (those only show as its final loss)."""
-    steps: set[int] = set()
-    for s in summaries:
-        for e in s["evals"]:
-            last_of_budget = s["stopped_by"] == "time budget" and e["step"] == s["steps"]
-            if e["step"] > 0 and not last_of_budget:
-                steps.add(e["step"])
-    return sorted(steps)
+    return sorted({e["step"] for s in summaries for e in s["evals"]
+                   if e["step"] > 0 and not (s["stopped_by"] == "time budget" and e["step"] == s["steps"])})
 
 
 def _millions(n: int) -> str:
@@ -398,16 +377,13 @@ def markdown_table(summaries: list[dict[str, Any]]) -> str:
               "final val loss", "median tokens/s"]
     rows = []
     for s in summaries:
-        by_step = {e["step"]: e for e in s["evals"]}
+        by_step = {e["step"]: e["val_loss"] for e in s["evals"]}
         cells = [s["variant"], str(s["seed"]), f"{_millions(s['params_total'])} ({_millions(s['params_active'])})"]
-        cells += [f"{by_step[c]['val_loss']:.3f}" if c in by_step and by_step[c]["val_loss"] is not None else "-"
-                  for c in columns]
+        cells += [num(by_step.get(c), ".3f") for c in columns]
         last = last_trained_eval(s["evals"])
-        seconds = last["seconds"] if last is not None else None
         steps = str(s["steps"]) if s["exit_code"] == 0 else f"{s['steps']} (exit {s['exit_code']})"
-        cells += [steps, "-" if seconds is None else f"{seconds:.1f}",
-                  "-" if s["final_val_loss"] is None else f"{s['final_val_loss']:.3f}",
-                  "-" if s["median_tokens_per_s"] is None else f"{s['median_tokens_per_s']:.0f}"]
+        cells += [steps, num(None if last is None else last["seconds"], ".1f"), num(s["final_val_loss"], ".3f"),
+                  num(s["median_tokens_per_s"], ".0f")]
         rows.append(cells)
     return "\n".join(results_table(header, rows))
 
@@ -518,9 +494,7 @@ def write_figures(out: Path, summaries: list[dict[str, Any]]) -> list[Path]:
                 ax.yaxis.set_major_formatter(ticker.FormatStrFormatter("%.1f"))
         else:
             _empty(ax, "no validation losses logged")
-        ax.set_xlabel(label)
-        ax.set_ylabel("validation loss (nats/token)")
-        ax.set_title(f"Validation loss against {label}")
+        ax.set(xlabel=label, ylabel="validation loss (nats/token)", title=f"Validation loss against {label}")
         ax.grid(alpha=0.3)
         paths.append(_save(plt, fig, out / name))
     return paths
@@ -596,7 +570,9 @@ def run(args: argparse.Namespace) -> int:
     for path in dict.fromkeys(r.config.data.path for r in runs):
         check_data_path(path)
     # torch (runtime.threads) only after the configs and data paths passed: a mistyped field answers at once
-    parallel = args.parallel or default_parallel(args.threads_per_run)
+    from moetrain.runtime.threads import usable_cores
+
+    parallel = args.parallel or max(1, usable_cores() // args.threads_per_run)
     out = Path(args.out)
     check_output_path(out, "--out", overwrite=args.overwrite, overwrite_does="replace an earlier compare there")
     if out.is_dir() and any(out.iterdir()) and not (out / MARKER).is_file():

@@ -91,18 +91,15 @@ def lead_rows(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def _seconds(value: float) -> str:
-    return f"{value:.1f}" if value >= 1 else f"{value:.3f}"
+def num(value: float | None, fmt: str) -> str:
+    """``value`` formatted with ``fmt``, ``-`` for ``None`` (a run without it)."""
+    return "-" if value is None else format(value, fmt)
 
 
 def leads_markdown(rows: list[dict[str, Any]]) -> str:
     """The rows as a markdown section for ``compare.md`` (empty when there is one variant)."""
     if not rows:
         return ""
-
-    def num(value: float | None, fmt: str) -> str:
-        return "-" if value is None else format(value, fmt)
-
     lines = [f"Leads over `{rows[0]['baseline']}`: its validation loss minus the variant's (positive: the variant "
              "is lower).", "",
              "- per token: at the most tokens both runs were evaluated at;",
@@ -113,6 +110,6 @@ def leads_markdown(rows: list[dict[str, Any]]) -> str:
                "tokens/s ratio", "note"]
     lines += markdown_table(columns, [
         [r["variant"], r["seed"], num(r["tokens"], "d"), num(r["lead_per_token"], "+.3f"),
-         "-" if r["seconds"] is None else _seconds(r["seconds"]), num(r["lead_same_seconds"], "+.3f"),
+         num(r["seconds"], ".1f" if (r["seconds"] or 0) >= 1 else ".3f"), num(r["lead_same_seconds"], "+.3f"),
          num(r["speed_ratio"], ".2f"), r["note"] or ""] for r in rows])
     return "\n".join(lines)

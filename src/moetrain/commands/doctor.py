@@ -22,13 +22,6 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _config(run_dir: str | None):
-    from moetrain.commands.run_dir import read_run_config
-    from moetrain.config import Config, build_config
-
-    return build_config() if run_dir is None else Config.from_dict(read_run_config(run_dir))
-
-
 def batch_shape(config) -> tuple[int, int]:
     """(rows, seq_len) of one micro-batch: ``train.batch_size`` x ``data.seq_len``; with a token budget
     (``train.tokens_per_batch``) the rows of full-length rows that fit it."""
@@ -121,9 +114,7 @@ def step_flops(config) -> float:
 def run_processes(run_dir: str | None) -> int | None:
     """How many processes the run trained in: 1 for a single-format checkpoint (``model.safetensors``), the ranks of
     a sharded one (``__<rank>_0.distcp`` files, a torchrun job); ``None`` without a run or a checkpoint."""
-    if run_dir is None:
-        return None
-    ckpts = sorted((Path(run_dir) / "checkpoints").glob("step_*"))
+    ckpts = sorted((Path(run_dir) / "checkpoints").glob("step_*")) if run_dir is not None else []
     if not ckpts:
         return None
     shards = {p.name.split("_")[2] for p in ckpts[-1].glob("__*_*.distcp")}
@@ -178,9 +169,7 @@ def _wall(run_dir: str, records: list[dict]) -> float:
 
 def compare_with_run(d: dict) -> str | None:
     """Why the run's logged MFU differs from the profiled window's (``None`` without the run's MFU), as the product
-    of two measured ratios: the run's tokens/s over the window's (its wall time also holds data loading and
-    monitoring, given with their measured shares, and evaluations, checkpoints and the first step's warm-up, under
-    the load of its own time) and the window's peak over the one the run calibrated at its start."""
+    of two measured ratios (docs/robustness.md, "Why the run's MFU and doctor's differ")."""
     run = d["run"] or {}
     if "mfu" not in run:
         return None
@@ -287,8 +276,11 @@ def _communication(processes: int | None) -> str:
 
 
 def run(args) -> int:
+    from moetrain.commands.run_dir import read_run_config
+    from moetrain.config import Config, build_config
+
     check_at_least(args, 1, "steps")
-    config = _config(args.run_dir)
+    config = build_config() if args.run_dir is None else Config.from_dict(read_run_config(args.run_dir))
     d = diagnose(config, args.run_dir, args.steps)
     load = "unknown" if d["load"] is None else f"{d['load']:.1f}"
     busy = "" if d.get("busy") is None else f", {d['busy']:.1f} of them busy with other processes"
@@ -318,14 +310,10 @@ def run(args) -> int:
           f"{d['achieved_flops'] / 1e9:.2f} GFLOP/s; {mfu}")
     run_m = d["run"]
     if run_m:
-        line = f"the run's own log: median {run_m['tokens_per_s']:.0f} tokens/s"
-        if "mfu" in run_m:
-            line += f", MFU {100 * run_m['mfu']:.1f}%"
-        if "data_share" in run_m:
-            line += f", data loading {100 * run_m['data_share']:.1f}% of the time"
-        if "monitor_share" in run_m:
-            line += f", monitoring {100 * run_m['monitor_share']:.1f}%"
-        print(line)
+        shares = [f", {name} {100 * run_m[k]:.1f}%{tail}" for k, name, tail in (
+            ("mfu", "MFU", ""), ("data_share", "data loading", " of the time"), ("monitor_share", "monitoring", ""))
+            if k in run_m]
+        print(f"the run's own log: median {run_m['tokens_per_s']:.0f} tokens/s{''.join(shares)}")
         why = compare_with_run(d)
         if why:
             print(why)

@@ -75,16 +75,15 @@ def run(args) -> int:
     t = config.train
     # The validation batches training built: packed documents with data.packing=documents, else windows.
     batches, _ = validation_batches(data, data_cfg.seq_len, data_cfg.packing, t.batch_size, n_batches, t.seed)
-    dtype = t.dtype
-    loss = evaluate(model, batches, next(model.parameters()).device, dtype)
+    loss = evaluate(model, batches, next(model.parameters()).device, t.dtype)
     step = ckpt.step
     rows, width = model_inputs(batches[0])[0].shape  # [B, S]
-    shape = f"{len(batches)} batches of {rows} x {width} tokens"
     try:
         perplexity = math.exp(loss)
     except OverflowError:  # a diverged model: loss above ~709.8 nats
         perplexity = math.inf
-    print(f"val_loss {loss:.4f}  perplexity {perplexity:.2f}  ({shape}, {dtype}, checkpoint step {step})")
+    print(f"val_loss {loss:.4f}  perplexity {perplexity:.2f}  ({len(batches)} batches of {rows} x {width} tokens, "
+          f"{t.dtype}, checkpoint step {step})")
     same_set = args.data is None and n_batches == config.train.eval_batches and evaluated_alike(ckpt.config, config)
     logged = logged_val_loss(Path(args.run_dir), step) if same_set else None
     if logged is not None:

@@ -40,7 +40,6 @@ def run(args) -> int:
             raise MoetrainError(f"{path}: exists (an earlier placement); pass --overwrite to replace it or --out DIR "
                                 "to write elsewhere")
     served = load_served_model(args.model_dir)
-    model = served.model
     blocks, e = moe_blocks(served, args.model_dir)
     usage = calibration_usage(args, served)
     if usage.source == "uniform":
@@ -51,7 +50,7 @@ def run(args) -> int:
     # Each file whole or not at all (temp file + rename): `serve --placement` never reads half a file.
     write_file_atomic(ours, json.dumps(placement_dict(layers, blocks, args.ep, args.redundant, e, usage.source),
                                        indent=1).encode())
-    write_file_atomic(sgl, json.dumps(sglang_json(layers, blocks, model.config.n_layers, e)).encode())
+    write_file_atomic(sgl, json.dumps(sglang_json(layers, blocks, served.model.config.n_layers, e)).encode())
     print(f"expert usage: {usage.source}; {e} experts, {args.redundant} redundant, {args.ep} ranks "
           f"({(e + args.redundant) // args.ep} physical experts per rank)")
     print("predicted load per rank, max / mean (1.00 = balanced):")

@@ -91,8 +91,10 @@ def run(args) -> int:
         return 0
     r = result.recommended.best
     assert r is not None  # plan() recommends only a fitting candidate
+    ckpt = _ckpt(r.workload)
+    ckpt = "off, experts recomputed (model.execution.recompute_experts=true)" if ckpt == "exp" else ckpt
     print(f"recommended: {result.recommended.layout.label}, micro-batch {r.workload.micro_batch} x "
-          f"{r.grad_accum} accumulation steps, activation checkpointing {_ckpt_words(r.workload)}: "
+          f"{r.grad_accum} accumulation steps, activation checkpointing {ckpt}: "
           f"{r.memory / 1e9:.1f} GB/device, ~{r.step_s:.2f} s/step, {r.comm_share:.0%} communication")
     print(f"  why: {result.reason}")
     print(f"  {result.bta_reason}")
@@ -189,10 +191,6 @@ def _ckpt(work) -> str:
     """The table's ckpt column: ``on`` (every block), ``exp`` (only the experts: model.execution.recompute_experts) or
     ``off``."""
     return "on" if work.checkpoint else "exp" if work.recompute_experts else "off"
-
-
-def _ckpt_words(work) -> str:
-    return {"exp": "off, experts recomputed (model.execution.recompute_experts=true)"}.get(_ckpt(work), _ckpt(work))
 
 
 def _si(value: float, unit: str) -> str:

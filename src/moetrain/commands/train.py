@@ -148,8 +148,7 @@ def run(args) -> int:
         config = build_config(args.preset, file_data, overrides)
         print(f"config fields of preset {config.preset!r} (set one with FIELD=VALUE or in a --config file; "
               "each in full: docs/configuration.md)")
-        for line in field_lines(config):
-            print(line)
+        print(*field_lines(config), sep="\n")
         return 0
     init = None
     if args.init_from:
@@ -210,10 +209,7 @@ def run(args) -> int:
             print(f"resuming would change the config: {describe(changes)}")
         if resume:
             _check_steps_cover_checkpoint(config, Path(args.out))
-        for note in notes:
-            print(note)
-        for line in dry_run(config, world).lines:
-            print(line)
+        print(*notes, *dry_run(config, world).lines, sep="\n")
         what = f"the resumed run {args.out}'s config" if resume else "the config"
         print(f"dry run: {what} is valid for {world} rank(s); nothing was written")
         return 0
@@ -334,16 +330,13 @@ def _train(args, config, run_dir: Path, resume: bool, init, notes: list[str], ch
     again = resume_hint(run_dir, hooks.mesh.distributed)
     if result.preempted:
         say(f"stopped by {result.preempted} after step {result.steps} with a checkpoint; continue with: {again}")
-        return 0
-    if result.out_of_time:
+    elif result.out_of_time:
         say(f"stopped after step {result.steps} of {config.train.steps}: train.time_budget_s="
             f"{config.train.time_budget_s:g} s ran out; evaluated and checkpointed; continue with: {again}")
-        return 0
-    if result.steps < config.train.steps:
+    elif result.steps < config.train.steps:
         say(f"stopped after step {result.steps} of {config.train.steps} (--stop-at-step) with a checkpoint; "
             f"continue with: {again}")
-        return 0
-    # The default corpus is Python source; any other corpus gets a placeholder rather than a guess.
-    prompt = "'def '" if config.data.path is None else "'YOUR TEXT'"
-    say(f"done: {result.steps} steps; try: moetrain generate {shlex.quote(str(run_dir))} --prompt {prompt}")
+    else:  # the default corpus is Python source; any other corpus gets a placeholder rather than a guess
+        prompt = "'def '" if config.data.path is None else "'YOUR TEXT'"
+        say(f"done: {result.steps} steps; try: moetrain generate {shlex.quote(str(run_dir))} --prompt {prompt}")
     return 0

@@ -26,12 +26,13 @@ def build_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Repo
         MoetrainError: not a run directory, or matplotlib missing.
     """
     from moetrain.report.figures import write_figures
-    from moetrain.report.html import write_html
+    from moetrain.report.html import render_html
 
     log = load_run_log(run_dir)
     out = Path(out_dir) if out_dir is not None else Path(run_dir) / "report"
     figures = write_figures(log, out)
-    return Report(figures=figures, html=write_html(log, figures, out / "report.html"))
+    (out / "report.html").write_text(render_html(log, figures), encoding="utf-8")
+    return Report(figures=figures, html=out / "report.html")
 
 
 __all__ = ["Report", "RunLog", "build_report", "load_run_log"]

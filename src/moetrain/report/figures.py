@@ -81,9 +81,7 @@ def loss_lr_figure(log: RunLog, path: Path) -> Path:
     if not log.series("train_loss")[1] and not log.series("val_loss")[1]:
         _empty(ax, "no losses logged yet")
     _mark_alarms(ax, log.alerts)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats/token)")
-    ax.set_title("Loss and learning rate")
+    ax.set(xlabel="step", ylabel="loss (nats/token)", title="Loss and learning rate")
     h, lab = ax.get_legend_handles_labels()
     if h or handles:
         ax.legend(h + handles, lab + labels, loc="upper right", fontsize=8)
@@ -159,9 +157,7 @@ def drop_figure(log: RunLog, path: Path) -> Path:
     else:
         ax.set_ylim(bottom=0)
     _mark_alarms(ax, [a for a in log.alerts if a.get("kind") == "token_drop"])
-    ax.set_xlabel("step")
-    ax.set_ylabel("dropped assignments (%)")
-    ax.set_title("Dropped-token fraction")
+    ax.set(xlabel="step", ylabel="dropped assignments (%)", title="Dropped-token fraction")
     _legend(ax, fontsize=8)
     return _save(plt, fig, path)
 

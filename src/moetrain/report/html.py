@@ -55,9 +55,8 @@ def render_html(log: RunLog, figures: list[Path]) -> str:
         alerts = _table(["step", "kind", "layer", "experts", "message", "remedy"], alert_rows, numeric_from=99)
     else:
         alerts = "<p>No alarms.</p>"
-    config = "(config.json not found)"
-    if log.config is not None:
-        config = html.escape(json.dumps(log.config, indent=2), quote=False)
+    config = ("(config.json not found)" if log.config is None
+              else html.escape(json.dumps(log.config, indent=2), quote=False))
     images = "\n".join(_image(p) for p in figures)
     generated = time.strftime("%Y-%m-%d %H:%M:%S")
     return f"""<!DOCTYPE html>
@@ -88,9 +87,3 @@ entropy and z: mean router entropy (nats) and logsumexp of the router logits.</p
 </body>
 </html>
 """
-
-
-def write_html(log: RunLog, figures: list[Path], path: Path) -> Path:
-    """Write :func:`render_html` to ``path`` (UTF-8); returns ``path``."""
-    path.write_text(render_html(log, figures), encoding="utf-8")
-    return path

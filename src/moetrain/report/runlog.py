@@ -70,13 +70,16 @@ class RunLog:
             return None
         return moe if isinstance(moe, dict) else None
 
+    def _moe_int(self, key: str, default: int | None) -> int | None:
+        """``model.moe.KEY`` of the run's config as an int (``default`` when the config is unknown)."""
+        try:
+            return int((self._moe_config() or {})[key])
+        except (KeyError, TypeError, ValueError):
+            return default
+
     def num_experts(self) -> int | None:
         """The run's routed experts E (``None`` when the config is unknown)."""
-        moe = self._moe_config()
-        try:
-            return int(moe["num_experts"]) if moe is not None else None
-        except (KeyError, TypeError, ValueError):
-            return None
+        return self._moe_int("num_experts", None)
 
     def has_moe_layers(self) -> bool:
         """Whether some block is MoE under the run's ``model.moe_every`` / ``first_k_dense`` (``True`` when the
@@ -101,10 +104,7 @@ class RunLog:
 
     def top_k(self) -> int:
         """The run's top-k (1 when the config is unknown)."""
-        try:
-            return int((self._moe_config() or {})["top_k"])
-        except (KeyError, TypeError, ValueError):
-            return 1
+        return self._moe_int("top_k", 1) or 1
 
 
 def refuse_hugging_face_dir(root: Path, config: Any) -> None:

@@ -1,18 +1,12 @@
-"""CPU features, calibrated GEMM peaks, and where bf16 compute pays (the bf16 policy).
-
-bf16 autocast is fast only where the CPU multiplies bf16 natively (AVX512_BF16 or AMX: oneDNN / MKL bf16 GEMMs run
-at ~2x the fp32 rate); elsewhere (AVX2-only CPUs) PyTorch's bf16 GEMM takes a scalar path ~100x slower than fp32
-(docs/robustness.md), so there bf16 autocast computes in fp32 (:func:`bf16_compute`).
-
-The decision is read from the CPU, not timed (a timing on a shared machine flips from run to run, and the model's
-numerics must not): bf16 counts as fast where ``/proc/cpuinfo`` lists ``avx512_bf16`` or ``amx_bf16`` and no
-kernel-library ISA limit hides them (``ONEDNN_MAX_CPU_ISA`` below ``AVX512_CORE_BF16``,
-``ATEN_CPU_CAPABILITY=default|avx2``). ``MOETRAIN_BF16`` forces it: ``fp32`` (compute in fp32 under bf16
-autocast), ``bf16`` (always autocast), ``auto`` (default: from the CPU's features).
+"""CPU features, calibrated GEMM peaks, and where bf16 compute pays (the bf16 policy): bf16 counts as fast where
+``/proc/cpuinfo`` lists ``avx512_bf16`` or ``amx_bf16`` and no kernel-library ISA limit hides them; elsewhere bf16
+autocast computes in fp32 (:func:`bf16_compute`). ``MOETRAIN_BF16`` (``auto``, ``bf16``, ``fp32``) forces it. Why,
+with the measurements: docs/robustness.md, "bf16 policy".
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import time
@@ -38,28 +32,25 @@ def isa_limit() -> str | None:
     return None
 
 
+def _cpuinfo(key: str) -> str | None:
+    """The value of the first ``key`` line of ``/proc/cpuinfo`` (``None`` where there is none)."""
+    with contextlib.suppress(OSError):
+        for line in open("/proc/cpuinfo"):
+            if line.startswith(key):
+                return line.split(":", 1)[1].strip()
+    return None
+
+
 def cpu_model() -> str:
     """The CPU's model name (``/proc/cpuinfo``; ``platform.processor()`` elsewhere)."""
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
     import platform
 
-    return platform.processor() or "unknown CPU"
+    return _cpuinfo("model name") or platform.processor() or "unknown CPU"
 
 
 def cpu_flags() -> set[str]:
     """The CPU's feature flags from ``/proc/cpuinfo`` (empty where there is none)."""
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+    return set((_cpuinfo("flags") or "").split())
 
 
 def bf16_flags() -> list[str]:

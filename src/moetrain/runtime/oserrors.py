@@ -39,13 +39,11 @@ def os_error_line(e: OSError, what: str | None = None, path: str | os.PathLike |
         text = f"{os.fspath(where)}: {reason}" if where is not None else f"{type(e).__name__}: {reason}"
         if e.filename2 is not None:
             text = f"{os.fspath(where)} -> {os.fspath(e.filename2)}: {reason}"
-        return f"{text}; {hint}" if hint else text
-    text = f"cannot write {what}"
-    if where is not None:
-        text += f" ({os.fspath(where)})"
-    if e.filename is not None and path is not None and os.fspath(e.filename) != os.fspath(path):
-        text += f" at {os.fspath(e.filename)}"
-    text += f": {reason}"
+    else:
+        text = f"cannot write {what}" + (f" ({os.fspath(where)})" if where is not None else "")
+        if e.filename is not None and path is not None and os.fspath(e.filename) != os.fspath(path):
+            text += f" at {os.fspath(e.filename)}"
+        text += f": {reason}"
     return f"{text}; {hint}" if hint else text
 
 

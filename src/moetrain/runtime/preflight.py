@@ -5,6 +5,7 @@ this machine has free, so that a mistyped size ends in one line naming the field
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
@@ -33,12 +34,10 @@ def available_memory(device_type: str = "cpu") -> float:
 
         return float(torch.cuda.mem_get_info()[0])
     free = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    try:
+    with contextlib.suppress(OSError):
         for line in open("/proc/meminfo"):
             if line.startswith("MemAvailable:"):
                 free = float(line.split()[1]) * 1024
-    except OSError:
-        pass
     limit = process_limit()
     return free if limit is None else min(free, limit[1])
 

@@ -1,17 +1,6 @@
-"""The default number of intra-op threads: the cores this process may use, less those other processes keep busy.
-
-PyTorch's default is one thread per core of the machine. On a machine busy with other jobs that oversubscribes
-the cores: OpenMP threads spin-wait for each other at every parallel region, and one descheduled thread stalls
-them all (docs/robustness.md). So the default is
-
-    threads = max(1, min(current threads, usable cores - round(busy)))
-
-where the current threads are PyTorch's (an explicit lower ``OMP_NUM_THREADS`` / ``torch.set_num_threads`` is
-kept), the usable cores are ``os.sched_getaffinity(0)`` (a CPU quota such as ``docker --cpus`` is not seen), and
-``busy`` is how many of those cores *other* processes kept busy over the last 0.1 s (:func:`others_busy_cores`),
-or the 1-minute load average where Linux's counters cannot be read (it counts the past minute of everything, idle
-machines included). ``train.threads`` > 0 overrides the choice; since it depends on the machine at start, set it
-for bit-exact resumes.
+"""The default number of intra-op threads: the cores this process may use, less those other processes keep busy
+(``max(1, min(current threads, usable cores - round(busy)))``; the rule, its inputs and why: docs/robustness.md,
+"Threads"). ``train.threads`` > 0 overrides the choice.
 """
 
 from __future__ import annotations
