@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
 
@@ -97,6 +98,9 @@ def policy_from_args(args):
         raise _flag_error(e) from None
 
 
+MAX_THREADS = 1024
+
+
 def check_args(args) -> None:
     """The flags' own errors, before anything is loaded.
 
@@ -108,6 +112,8 @@ def check_args(args) -> None:
         value = getattr(args, name)
         if not 0 < value < float("inf"):
             raise MoetrainError(f"--{name.replace('_', '-')}: must be a positive number of seconds, got {value}")
+    if args.threads is not None and args.threads > MAX_THREADS:  # torch.set_num_threads crashes on huge counts
+        raise MoetrainError(f"--threads: at most {MAX_THREADS}, got {args.threads}")
     if not 0 <= args.port <= 65535:
         raise MoetrainError(f"--port: must be in [0, 65535] (0: any free port), got {args.port}")
     if args.expert_memory_budget is None:
@@ -312,11 +318,19 @@ def run(args) -> int:
         server.start()
     except RuntimeError as e:
         raise MoetrainError(f"--host {args.host} --port {args.port}: {e}") from None
+    # SIGTERM (docker stop, systemd, Kubernetes) shuts down as Ctrl+C does: uvicorn runs in a thread here, so its own
+    # handler is not installed
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     print(f"moetrain serve: running on {server.url} (Ctrl+C to stop)", file=sys.stderr, flush=True)
     try:
-        while server.thread.is_alive():
+        while server.thread.is_alive() and engine.alive():
             server.thread.join(timeout=0.5)
     except KeyboardInterrupt:
         server.stop()
+        engine.stop()
         raise
+    server.stop()
+    if not engine.alive():  # the engine died: stop serving 503s, so that a supervisor restarts the server
+        engine.stop()
+        raise MoetrainError(f"stopped: {getattr(engine, 'exit_message', None) or 'the engine stopped'}")
     return 0

@@ -176,8 +176,12 @@ class Engine:
         with self.cond:
             if not self.alive():
                 raise EngineStopped("the engine is not running")
-            if len(self.waiting) + len(reqs) > self.max_queue:
-                raise QueueFull(f"{len(self.waiting)} requests already waiting (--max-queue {self.max_queue})")
+            # requests beyond the slots wait (a cancelled one leaves at the next step, one just queued is admitted
+            # there): the count RemoteEngine keeps as well, so the two never disagree
+            in_flight = sum(not r.cancelled for r in itertools.chain(self.running, self.waiting))
+            waiting = max(0, in_flight - self.num_slots)
+            if waiting + len(reqs) > self.max_queue:
+                raise QueueFull(f"{waiting} requests already waiting (--max-queue {self.max_queue})")
             for req in reqs:
                 seed = req.seed if req.seed is not None else self._seeds.getrandbits(63)
                 req.generator = None if req.sampling.greedy else torch.Generator().manual_seed(seed)

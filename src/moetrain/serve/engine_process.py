@@ -13,22 +13,25 @@ same reason; the engine itself (:class:`~moetrain.serve.engine.Engine`) is the s
 engine from a picklable callable (the model is loaded there only), then serves two kinds of messages over one
 :func:`multiprocessing.Pipe` (pickled tuples):
 
-- front -> engine: ``("submit", [(id, RequestSpec), ...])``, ``("cancel", id)``, the questions ``("metrics",)`` and
-  ``("occupancy",)``, and ``("stop",)``;
+- front -> engine: ``("submit", [(id, RequestSpec), ...])``, ``("cancel", id)``, the question ``("metrics", n)``
+  and ``("stop",)``;
 - engine -> front: ``("ready", EngineInfo)`` or ``("failed", message)`` once, then ``("events", [(id, Event), ...])``
   once per engine step that has events (the engine's own per-step batching, :meth:`Engine._flush`), and
-  ``("reply", answer)`` for each question, in order.
+  ``("reply", n, answer)`` for question n (a late answer to an earlier question is dropped).
 
 ``GET /metrics`` is the front's counters (request outcomes, response cache: :data:`FRONT_METRICS`) followed by the
-engine's. If the child dies, every request in flight ends with an error event and :meth:`RemoteEngine.alive` is
-false (``/health`` answers 503); the child ends when the front's end of the pipe closes.
+engine's. If the child dies, every request in flight ends with an error event, :meth:`RemoteEngine.alive` is false
+(``/health`` answers 503) and :attr:`RemoteEngine.exit_message` says how it ended (``moetrain serve`` then stops
+with that error); the child ends when the front's end of the pipe closes.
 """
 
 from __future__ import annotations
 
 import multiprocessing
 import queue
+import signal
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -107,6 +110,15 @@ class _Sink:
         self.send(("events", out))
 
 
+def _exit_status(proc: multiprocessing.process.BaseProcess) -> str:
+    """How a child that closed its pipe ended: its exit code, or the signal that killed it."""
+    proc.join(timeout=5)
+    code = proc.exitcode
+    if code is not None and code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exit code {code}" if code is not None else "still running"
+
+
 def _ignore(_event: Event) -> None:  # the child's requests deliver through the sink, never through emit
     pass
 
@@ -118,7 +130,10 @@ def engine_main(build: Callable[[], Engine], conn) -> None:
 
     def send(msg: tuple) -> None:
         with lock:  # the engine thread (events) and this thread (metrics replies) both send
-            conn.send(msg)
+            try:
+                conn.send(msg)
+            except OSError:  # the front is gone (it exited or was killed): nobody to tell; this process ends next
+                pass
 
     try:
         engine = build()
@@ -161,9 +176,7 @@ def engine_main(build: Callable[[], Engine], conn) -> None:
                 if gone is not None:
                     engine.cancel(gone)
             elif msg[0] == "metrics":
-                send(("reply", engine.metrics.render()))
-            elif msg[0] == "occupancy":
-                send(("reply", engine.occupancy()))
+                send(("reply", msg[1], engine.metrics.render()))
             elif msg[0] == "stop":
                 break
     except KeyboardInterrupt:
@@ -191,7 +204,9 @@ class RemoteEngine:
         self._lock = threading.Lock()
         self._replies: queue.Queue = queue.Queue()
         self._call_lock = threading.Lock()
-        self._next = 0
+        self._next = self._next_call = 0
+        self.exit_message: str | None = None  # why the child ended, when it ended without being stopped
+        self.call_timeout_s = 10.0  # how long /metrics waits for the engine's figures
         self._stopped = False
         self._proc: multiprocessing.process.BaseProcess | None = None
         self._conn: Connection | None = None
@@ -212,7 +227,7 @@ class RemoteEngine:
         try:
             kind, payload = conn.recv()
         except EOFError:
-            raise MoetrainError(f"the engine process exited while starting (exit code {proc.exitcode})") from None
+            raise MoetrainError(f"the engine process exited while starting ({_exit_status(proc)})") from None
         if kind == "failed":
             proc.join(timeout=10)
             raise MoetrainError(payload)
@@ -244,21 +259,31 @@ class RemoteEngine:
         return self._proc is not None and self._proc.is_alive() and not self._stopped
 
     def occupancy(self) -> tuple[int, int]:
-        """(running, waiting) requests, asked of the engine ((0, 0) if it does not answer)."""
-        got = self._call("occupancy")
-        return got if got is not None else (0, 0)
+        """(running, waiting) requests as this front counts them (those it submitted and has not seen end): never a
+        round trip, so ``/health`` answers at once even when the engine is busy or stuck."""
+        with self._lock:
+            n = len(self._requests)
+        return min(n, self.num_slots), max(0, n - self.num_slots)
 
-    def _call(self, kind: str):
-        """Ask the child (one question at a time); ``None`` when it is gone or does not answer within 10 s."""
+    def _metrics_call(self) -> bytes:
+        """The engine's metrics text; empty when it is gone or does not answer within :attr:`call_timeout_s`. Each
+        question carries a number and its answer the same, so a late answer to an earlier question is never taken
+        for this one's."""
         with self._call_lock:
             if not self.alive():
-                return None
+                return b""
+            self._next_call += 1
             with self._lock:
-                self._send((kind,))
-            try:
-                return self._replies.get(timeout=10)
-            except queue.Empty:
-                return None
+                self._send(("metrics", self._next_call))
+            deadline = time.monotonic() + self.call_timeout_s
+            while (left := deadline - time.monotonic()) > 0:
+                try:
+                    number, answer = self._replies.get(timeout=left)
+                except queue.Empty:
+                    break
+                if number == self._next_call:
+                    return answer
+            return b""
 
     def submit(self, *reqs: GenRequest) -> None:
         """As :meth:`Engine.submit`. The queue bound is applied here from the requests in flight (those beyond the
@@ -299,7 +324,7 @@ class RemoteEngine:
             except (EOFError, OSError):
                 break
             if msg[0] == "reply":
-                self._replies.put(msg[1])
+                self._replies.put((msg[1], msg[2]))
                 continue
             items = msg[1]
             by_loop: dict = {}
@@ -318,6 +343,9 @@ class RemoteEngine:
                     loop.call_soon_threadsafe(_deliver, got)
                 except RuntimeError:  # the loop is closed: nobody listens
                     pass
+        if not self._stopped:
+            assert self._proc is not None
+            self.exit_message = f"the engine process exited ({_exit_status(self._proc)})"
         self._stopped = True
         with self._lock:
             left, self._requests, self._ids = list(self._requests.values()), {}, {}
@@ -330,4 +358,4 @@ class RemoteEngine:
 
     def _render(self) -> bytes:
         """The front's counters and the engine's (asked of the child; only the front's if it does not answer)."""
-        return ServeMetrics.render(self.metrics) + (self._call("metrics") or b"")
+        return ServeMetrics.render(self.metrics) + self._metrics_call()

@@ -49,8 +49,8 @@ class ServeMetrics:
                                    registry=r)
         self.load_top_k = Gauge("moetrain_load_top_k", "top-k chosen by the load policy for the last step",
                                 registry=r)
-        self.cache_hits = Counter("moetrain_cache_hits", "responses answered from the response cache", registry=r)
-        self.cache_misses = Counter("moetrain_cache_misses", "cacheable requests not in the cache", registry=r)
+        self.cache_hits = Counter("moetrain_cache_hits", "choices (completions) answered from the response cache", registry=r)
+        self.cache_misses = Counter("moetrain_cache_misses", "cacheable choices (completions) not in the cache", registry=r)
         self.expert_pageins = Counter("moetrain_expert_pageins", "cold experts paged in", registry=r)
         self.expert_resident_bytes = Gauge("moetrain_expert_resident_bytes", "bytes of paged experts resident",
                                            registry=r)
