@@ -178,6 +178,36 @@ def test_fused_moe_equals_unfused_layer_path(activation, dtype, mode, block_rows
 
 
 @pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_moe_one_block_as_grouped_gemms_equals_the_tile_loop_bit_for_bit(monkeypatch, activation, dtype):
+    """All rows in one block (a decode step): each projection is one CPU grouped_mm instead of the loop's per-expert
+    mm calls; the output and every gradient are the loop's to the bit (block_rows=3: the loop, several blocks)."""
+    import torch.nn.functional as F
+
+    ids, inputs = _moe_case(activation, dtype)
+    up = torch.randn(inputs[0].shape, generator=torch.Generator().manual_seed(4)).to(dtype)
+    grouped_calls = []
+    grouped_mm = F.grouped_mm
+    monkeypatch.setattr(F, "grouped_mm", lambda *a, **k: grouped_calls.append(1) or grouped_mm(*a, **k))
+
+    def run(block_rows):
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        y = fused_moe(leaves[0], ids, *leaves[1:], activation, mode="tiles", block_rows=block_rows)
+        (y.float() * up.float()).sum().backward()
+        with torch.no_grad():
+            y_eval = fused_moe(*[t.detach() for t in leaves[:1]], ids, *[t.detach() for t in leaves[1:]], activation,
+                               mode="tiles", block_rows=block_rows)
+        return [y.detach(), y_eval] + [t.grad for t in leaves]
+
+    loop = run(3)
+    assert not grouped_calls
+    one_block = run(10_000)
+    assert len(grouped_calls) == 4  # two projections, with and without grad
+    for name, a, b in zip(["y", "y_no_grad", "dx", "dw", "dw_in", "dw_out"], one_block, loop):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
 @pytest.mark.parametrize("recompute", [False, True])
 def test_fused_moe_gradcheck(activation, recompute):
     ids, inputs = _moe_case(activation, torch.float64, t=5, d=4, f=3, e=4)

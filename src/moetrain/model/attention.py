@@ -192,15 +192,18 @@ class RaggedBatch:
             if members[-1] - members[0] + 1 != len(members):  # not consecutive
                 rows = torch.cat([torch.arange(offsets[j], offsets[j + 1]) for j in members])
             slot_list = [chunks[j][0] for j in members]
-            slots: slice | torch.Tensor = torch.tensor(slot_list)
-            if slot_list == list(range(slot_list[0], slot_list[0] + len(slot_list))):
-                slots = slice(slot_list[0], slot_list[0] + len(slot_list))
+            slots: slice | torch.Tensor = slice(slot_list[0], slot_list[0] + len(slot_list))
+            if slot_list != list(range(slot_list[0], slot_list[0] + len(slot_list))):
+                slots = torch.tensor(slot_list)
             keys = max(starts) + s
             mask = None
             if any(starts):
                 first = torch.tensor(starts[:1] if starts.count(starts[0]) == len(starts) else starts)  # [b or 1]
-                last = first[:, None] + torch.arange(s)[None, :]  # [b or 1, s] position of each query
-                mask = (torch.arange(keys)[None, None, :] <= last[:, :, None])[:, None]  # [b or 1, 1, s, keys]
+                if s == 1:  # decoding sequences: query j sees key positions <= start_j
+                    mask = (torch.arange(keys) <= first[:, None])[:, None, None]  # [b or 1, 1, 1, keys]
+                else:
+                    last = first[:, None] + torch.arange(s)[None, :]  # [b or 1, s] position of each query
+                    mask = (torch.arange(keys)[None, None, :] <= last[:, :, None])[:, None]  # [b or 1, 1, s, keys]
             groups.append(AttentionGroup(rows, slots, len(members), s, keys, mask))
         return RaggedBatch(torch.tensor(pos, dtype=torch.int64), torch.tensor(slot_of, dtype=torch.int64),
                            torch.tensor(offsets, dtype=torch.int64), tuple(groups))
@@ -295,7 +298,9 @@ class Attention(nn.Module):
         q, k, v = self._qkv(x.reshape(-1, shape[-1]))  # [N, H, Hd], [N, Hkv, Hd] x 2
         n, hq, hd = q.shape
         cos, sin = batch.rope(hd, self.rope_theta, x.device)  # [N, 1, Hd]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # q and k rotated in one call (the same elementwise maths; one call's overhead less per layer and step)
+        qk = apply_rope(torch.cat((q, k), dim=1), cos, sin)  # [N, H + Hkv, Hd]
+        q, k = qk[:, :hq], qk[:, hq:]
         cache.write(self.layer_index, batch, k, v)
         if len(batch.groups) == 1:  # one SDPA call over all N tokens in order (a decoding step): no scatter
             out = self._attend_group(q, cache, batch.groups[0])

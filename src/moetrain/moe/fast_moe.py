@@ -22,13 +22,16 @@ weight 1 (exact). Unlike the unfused layer:
 Execution: ``tiles`` mode (CPU) runs one ``torch.mm`` per expert and projection (counts read on the host; in bf16 /
 fp16 each expert's rows padded to one of a few sizes, :func:`pad_groups`), blocks handed largest-first to
 single-threaded workers (moe/kernels/cpu/workers.py), scratch reused between calls (workspace.py), 2 MiB pages for
-large buffers (hugepages.py) and the elementwise work in native code where available (native.py). ``grouped`` mode
+large buffers (hugepages.py) and the elementwise work in native code where available (native.py); when all rows
+fit one block (a decode step) each projection is one CPU ``grouped_mm``, which runs those per-expert ``mm`` calls
+without Python between them (the same products, bit for bit: tests/test_perf_experts.py). ``grouped`` mode
 runs each projection as one ``torch.nn.functional.grouped_mm`` with device offsets (no host sync; CUDA bf16). Both
 are tested against the unfused layer (tests/test_perf_experts.py).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
@@ -206,6 +209,35 @@ def _run_blocks(fn: Callable[[int, int, list[tuple[int, int, int]], int], None],
     run_largest_first(lambda block: fn(*block, most), blocks, sizes)
 
 
+def _activate(h: torch.Tensor, w_rows: torch.Tensor, a: torch.Tensor, activation: str, native: bool) -> None:
+    """a [n, F] = activation(h [n, I]) * w_rows [n] (each row's gating weight), written in place."""
+    if native:  # one pass (moe/kernels/cpu/native.py)
+        cpu_kernels.swiglu_forward(h, w_rows, a, checked=False)  # the caller's own buffers
+    else:
+        act_forward(h, a, activation)
+        a.mul_(w_rows[:, None])
+
+
+_GROUPED_CPU = [hasattr(F, "grouped_mm")]  # cleared if this torch has no CPU grouped_mm
+
+
+def _grouped_cpu(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor) -> bool:
+    """Whether ``F.grouped_mm`` takes this layer's CPU operands: row strides of 16-byte multiples (D, I, F) and
+    aligned data, as it requires; probed once per process (torch 2.8 has it on CUDA only)."""
+    size = x.element_size()
+    if not _GROUPED_CPU[0] or x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16) or any(
+            (n * size) % 16 for n in (x.shape[1], w_in.shape[1], w_out.shape[2])) or any(
+            t.data_ptr() % 16 for t in (w_in, w_out)):
+        return False
+    if len(_GROUPED_CPU) == 1:
+        try:
+            F.grouped_mm(torch.zeros(1, 4), torch.zeros(1, 4, 4), offs=torch.ones(1, dtype=torch.int32))
+            _GROUPED_CPU.append(True)
+        except (RuntimeError, NotImplementedError):
+            _GROUPED_CPU[0] = False
+    return _GROUPED_CPU[0]
+
+
 def _forward_tiles(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, token_ids: torch.Tensor,
                    w_rows: torch.Tensor, counts: list[int], activation: str, block_rows: int, native: bool,
                    keep_h: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -215,6 +247,16 @@ def _forward_tiles(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, tok
     h = hugepages.advise(x.new_empty(n_rows, w_in.shape[1])) if keep_h else None
     y = scratch("fwd.y", (n_rows, hidden), x.dtype, x.device)  # [N, D] gated expert outputs, combined in the caller
 
+    w_in_t, w_out_t = w_in.transpose(1, 2), w_out.transpose(1, 2)  # [E, D, I], [E, F, D]: w[e].T of each expert
+    if n_rows <= block_rows and _grouped_cpu(x, w_in, w_out):
+        # One block (a decode step's few rows): each projection as one grouped GEMM, which runs the loop's
+        # per-expert ``mm`` calls inside (the same products, bit for bit) without Python between them.
+        offs = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32, device=x.device)
+        hg = F.grouped_mm(x.index_select(0, token_ids), w_in_t, offs=offs)  # [N, I]
+        a = scratch("fwd.a", (n_rows, ffn), x.dtype, x.device)  # [N, F]
+        _activate(hg, w_rows, a, activation, native)
+        return F.grouped_mm(a, w_out_t, offs=offs), (hg if keep_h else None)
+
     def run(s: int, n: int, experts: list[tuple[int, int, int]], most: int) -> None:
         # one block, with the worker's own scratch buffers (workspace.py: per thread)
         xs = scratch("fwd.xs", (most, hidden), x.dtype, x.device)  # [n, D] this block's input rows
@@ -223,14 +265,10 @@ def _forward_tiles(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, tok
         hb = h[s : s + n] if h is not None else scratch("fwd.h", (most, w_in.shape[1]), x.dtype, x.device)[:n]
         torch.index_select(x, 0, token_ids[s : s + n], out=xs[:n])
         for e, r, m in experts:
-            torch.mm(xs[r : r + m], w_in[e].T, out=hb[r : r + m])
-        if native:  # one pass (moe/kernels/cpu/native.py)
-            cpu_kernels.swiglu_forward(hb, w_rows[s : s + n], a[:n], checked=False)  # this function's buffers
-        else:
-            act_forward(hb, a[:n], activation)
-            a[:n].mul_(w_rows[s : s + n, None])
+            torch.mm(xs[r : r + m], w_in_t[e], out=hb[r : r + m])
+        _activate(hb, w_rows[s : s + n], a[:n], activation, native)
         for e, r, m in experts:
-            torch.mm(a[r : r + m], w_out[e].T, out=y[s + r : s + r + m])
+            torch.mm(a[r : r + m], w_out_t[e], out=y[s + r : s + r + m])
 
     _run_blocks(run, counts, block_rows)
     return y, h

@@ -20,6 +20,8 @@ arbitrary order).
 
 from __future__ import annotations
 
+import contextlib
+
 from dataclasses import dataclass
 
 import torch
@@ -143,7 +145,8 @@ def route(
     Returns:
         :class:`Routing`.
     """
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    if logits.dtype not in (torch.float32, torch.float64):
+        logits = logits.float()
     if score_func == "softmax":
         scores = probs = softmax_experts(logits)
     elif score_func == "sigmoid":
@@ -153,7 +156,7 @@ def route(
         raise ValueError(f"model.moe.router.score_func: unknown score function {score_func!r}; choose softmax or "
                          "sigmoid")
     # The bias and the group mask shape the choice only; nothing below differentiates through `selection`.
-    selection = scores.detach()
+    selection = scores.detach() if scores.requires_grad else scores
     if expert_bias is not None:
         selection = selection + expert_bias.to(selection.dtype)
     if topk_groups is not None and topk_groups < num_groups:
@@ -202,11 +205,14 @@ class TopKRouter(nn.Module):
         """x: [T, D] any float dtype -> :class:`Routing` (fp32; input jitter only in training mode)."""
         c, r = self.config, self.config.router
         dtype = torch.promote_types(x.dtype, torch.float32)
-        with torch.autocast(device_type=x.device.type, enabled=False):
-            h = x.to(dtype)
+        # fp32 under autocast too; without autocast and with fp32 operands (decode steps) the context and the
+        # no-op casts are skipped: each costs more than the router's GEMM on a few tokens
+        with torch.autocast(device_type=x.device.type, enabled=False) if torch.is_autocast_enabled(x.device.type) \
+                else contextlib.nullcontext():
+            h = x if x.dtype == dtype else x.to(dtype)
             if self.training and r.jitter_eps > 0:
                 h = h * torch.empty_like(h).uniform_(1.0 - r.jitter_eps, 1.0 + r.jitter_eps)
-            logits = F.linear(h, self.weight.to(dtype))  # [T, E]
+            logits = F.linear(h, self.weight if self.weight.dtype == dtype else self.weight.to(dtype))  # [T, E]
         return route(
             logits, c.top_k, score_func=r.score_func, norm_topk_prob=r.norm_topk_prob,
             routed_scaling_factor=r.routed_scaling_factor, num_groups=r.num_groups, topk_groups=r.topk_groups,

@@ -24,44 +24,18 @@ from moetrain.serve.moe import MoEStepStats, StepPolicies, StepRouting
 
 
 @dataclass(frozen=True)
-class SeqChunk:
-    """One sequence's part of a step: ``length`` new tokens at positions ``start ..`` of KV-cache ``slot``."""
-
-    slot: int
-    start: int
-    length: int
-
-
-@dataclass(frozen=True)
 class StepBatch:
-    """The flat batch of a step (sequences' tokens contiguous, in ``chunks`` order).
-
-    Attributes:
-        input_ids: [N] int64.
-        chunks: one :class:`SeqChunk` per sequence.
-        layout: where the tokens go in the KV cache (positions, slots, attention groups).
-    """
+    """The flat batch of a step: ``input_ids`` [N] int64, the sequences' new tokens contiguous, in the order given
+    to :meth:`build`; ``layout`` where they go in the KV cache (positions, slots, attention groups)."""
 
     input_ids: torch.Tensor
-    chunks: tuple[SeqChunk, ...]
     layout: RaggedBatch
-
-    @property
-    def slots(self) -> torch.Tensor:
-        """[N] int64 cache slot of each token."""
-        return self.layout.slots
-
-    @property
-    def positions(self) -> torch.Tensor:
-        """[N] int64 position of each token."""
-        return self.layout.positions
 
     @staticmethod
     def build(seqs: list[tuple[int, int, list[int]]]) -> StepBatch:
         """From (slot, start position, new token ids) per sequence."""
-        chunks = tuple(SeqChunk(slot, start, len(toks)) for slot, start, toks in seqs)
         ids = torch.tensor([t for _, _, toks in seqs for t in toks], dtype=torch.int64)
-        return StepBatch(ids, chunks, RaggedBatch.build([(c.slot, c.start, c.length) for c in chunks]))
+        return StepBatch(ids, RaggedBatch.build([(slot, start, len(toks)) for slot, start, toks in seqs]))
 
 
 class StepRunner:
@@ -100,6 +74,6 @@ class StepRunner:
         finally:
             for layer, provider in swapped:
                 layer.set_expert_provider(provider)
-        if not all_logits and len(batch.chunks) < x.shape[0]:  # else every token is its sequence's last
+        if not all_logits and batch.layout.cu_seqlens.numel() - 1 < x.shape[0]:  # else each token is a last one
             x = x[batch.layout.last_tokens()]  # [B, D] last token of each sequence
         return model.lm_head(model.norm(x)).float(), routing.stats
