@@ -22,9 +22,9 @@ weight 1 (exact). Unlike the unfused layer:
 Execution: ``tiles`` mode (CPU) runs one ``torch.mm`` per expert and projection (counts read on the host; in bf16 /
 fp16 each expert's rows padded to one of a few sizes, :func:`pad_groups`), blocks handed largest-first to
 single-threaded workers (moe/kernels/cpu/workers.py), scratch reused between calls (workspace.py), 2 MiB pages for
-large buffers (hugepages.py) and the elementwise work in native code where available (native.py); when all rows
-fit one block (a decode step) each projection is one CPU ``grouped_mm``, which runs those per-expert ``mm`` calls
-without Python between them (the same products, bit for bit: tests/test_perf_experts.py). ``grouped`` mode
+large buffers (hugepages.py) and the elementwise work in native code where available (native.py); a few rows in one
+block (a decode step: :data:`GROUPED_MAX_ROWS`) run each projection as one CPU ``grouped_mm``, with those ``mm`` calls
+inside and no Python between them (the same products, bit for bit: tests/test_perf_experts.py). ``grouped`` mode
 runs each projection as one ``torch.nn.functional.grouped_mm`` with device offsets (no host sync; CUDA bf16). Both
 are tested against the unfused layer (tests/test_perf_experts.py).
 """
@@ -219,6 +219,8 @@ def _activate(h: torch.Tensor, w_rows: torch.Tensor, a: torch.Tensor, activation
 
 
 _GROUPED_CPU = [hasattr(F, "grouped_mm")]  # cleared if this torch has no CPU grouped_mm
+GROUPED_MAX_ROWS = 256
+"""Rows up to which one block runs as CPU grouped GEMMs (decode steps); training batches keep the tile loop."""
 
 
 def _grouped_cpu(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor) -> bool:
@@ -248,8 +250,8 @@ def _forward_tiles(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, tok
     y = scratch("fwd.y", (n_rows, hidden), x.dtype, x.device)  # [N, D] gated expert outputs, combined in the caller
 
     w_in_t, w_out_t = w_in.transpose(1, 2), w_out.transpose(1, 2)  # [E, D, I], [E, F, D]: w[e].T of each expert
-    if n_rows <= block_rows and _grouped_cpu(x, w_in, w_out):
-        # One block (a decode step's few rows): each projection as one grouped GEMM, which runs the loop's
+    if n_rows <= min(block_rows, GROUPED_MAX_ROWS) and _grouped_cpu(x, w_in, w_out):
+        # A few rows in one block (a decode step): each projection as one grouped GEMM, which runs the loop's
         # per-expert ``mm`` calls inside (the same products, bit for bit) without Python between them.
         offs = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32, device=x.device)
         hg = F.grouped_mm(x.index_select(0, token_ids), w_in_t, offs=offs)  # [N, I]
