@@ -116,7 +116,7 @@ def main() -> int:
                              "command": " ".join(["python", "benchmarks/before_after.py", *sys.argv[1:]]),
                              "table": {"columns": ["figure", "base (median)", "head (median)",
                                                    "head / base per round", "median ratio"], "rows": rows}},
-                            ROOT / "results", slug=f"before-after-{args.kind}")
+                            ROOT / "results", slug=f"before-after-{args.kind}", numbered=True)
         print(f"recorded in {path}")
     return 0
 

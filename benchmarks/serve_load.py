@@ -372,12 +372,7 @@ def record(results_dir: Path, entry: dict) -> Path:
     """Write ``entry`` as a new record in ``results_dir`` (never overwriting one)."""
     from moetrain.results import write_record
 
-    for k in range(1, 1000):
-        try:
-            return write_record(as_record(entry), results_dir, slug="serve-load" + (f"-{k}" if k > 1 else ""))
-        except FileExistsError:
-            continue
-    raise FileExistsError(f"{results_dir}: no free serve-load record name today")
+    return write_record(as_record(entry), results_dir, slug="serve-load", numbered=True)
 
 
 def main() -> int:

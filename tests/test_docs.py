@@ -196,6 +196,9 @@ def test_write_record_fills_in_the_machine_and_never_overwrites(tmp_path):
     assert path.name == f"{written['date']}-bench.json" and written["cpu"] and written["commit"]
     with pytest.raises(FileExistsError):
         results.write_record(record, tmp_path, slug="bench")
+    again = [results.write_record(record, tmp_path, slug="bench", numbered=True) for _ in range(2)]  # a rerun
+    assert [p.name for p in again] == [f"{written['date']}-bench-2.json", f"{written['date']}-bench-3.json"]
+    assert path.read_text() == json.dumps(written, indent=2) + "\n"  # the first record untouched
 
 
 HISTORY_TAG = re.compile(r"\b(wave|issue) [0-9]|\b[0-9a-f]{7} ?\)", re.I)

@@ -165,7 +165,8 @@ def _git_commit(cwd: Path) -> str:
     return f"{head} + local changes" if dirty else head
 
 
-def write_record(record: Mapping[str, Any], directory: Path | str = "results", slug: str | None = None) -> Path:
+def write_record(record: Mapping[str, Any], directory: Path | str = "results", slug: str | None = None,
+                 numbered: bool = False) -> Path:
     """Write one measurement as ``directory/DATE-SLUG.json``, filling in what the caller left out: ``date``
     (today, UTC), ``cpu`` (``/proc/cpuinfo``'s model name) and ``commit`` (``git rev-parse --short HEAD`` of
     ``directory``'s checkout, ``+ local changes`` if the tree is dirty).
@@ -174,13 +175,15 @@ def write_record(record: Mapping[str, Any], directory: Path | str = "results", s
         record: the record's keys (``title``, ``command`` and ``figures`` or ``table`` at least).
         directory: the results folder.
         slug: the file name's part after the date (default: from the title).
+        numbered: when that name is taken, write ``<date>-<slug>-2.json``, ``-3`` ... (a benchmark run again the same
+            day) instead of raising.
 
     Returns:
         the path written.
 
     Raises:
         RecordError: the completed record is not valid (:func:`validate`).
-        FileExistsError: a record of that name exists (results are never overwritten).
+        FileExistsError: a record of that name exists and ``numbered`` is off (results are never overwritten).
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -192,11 +195,17 @@ def write_record(record: Mapping[str, Any], directory: Path | str = "results", s
         full["cpu"] = cpu_model()
     full.setdefault("commit", _git_commit(directory))
     slug = slug or re.sub(r"[^a-z0-9]+", "-", str(full.get("title", "record")).lower()).strip("-")[:60]
-    path = directory / f"{full['date']}-{slug}.json"
-    validate(full, path.name)
-    with open(path, "x") as f:  # "x": never overwrite a measurement
-        f.write(json.dumps(full, indent=2) + "\n")
-    return path
+    validate(full, f"{full['date']}-{slug}.json")
+    for k in range(1, 1000 if numbered else 2):
+        path = directory / f"{full['date']}-{slug}{f'-{k}' if k > 1 else ''}.json"
+        try:
+            with open(path, "x") as f:  # "x": never overwrite a measurement
+                f.write(json.dumps(full, indent=2) + "\n")
+            return path
+        except FileExistsError:
+            if not numbered:
+                raise
+    raise FileExistsError(f"{directory}: no free name for {full['date']}-{slug} records")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
