@@ -24,7 +24,7 @@ REQUIRED = ("title", "date", "cpu", "commit", "command")
 OPTIONAL = ("figures", "table", "section", "gpu", "torch", "notes", "source")
 DEFAULT_SECTION = "Other"
 # Sections in the order the page shows them; a section not listed comes after these, alphabetically.
-SECTION_ORDER = ("MoE against its dense twin", "Training speed", "MoE layer speed", "CPU kernels", "Data",
+SECTION_ORDER = ("MoE against its dense twin", "Training speed", "MoE layer speed", "CPU kernels", "Routing", "Data",
                  "BTA", "Checkpoints", "Serving", "Memory", "Scale-out",
                  "How the recipe was chosen")
 PAGE_HEADER = """# Measured results
