@@ -618,6 +618,20 @@ def test_serve_argument_errors_name_the_flag(env, capsys, argv, words):
     one_line_error(capsys, ["serve", env["run"], "--port", "0", *argv], *words)
 
 
+def test_serve_on_a_taken_port_says_so_before_loading(env, capsys, monkeypatch):
+    """A port in use (or an address not this machine's) is a one-line error before the model loads."""
+    import socket
+
+    from moetrain.commands import serve as serve_cmd
+
+    monkeypatch.setattr(serve_cmd, "build_engine", lambda *a: pytest.fail("the model was loaded"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        one_line_error(capsys, ["serve", env["run"], "--port", port], "--port", str(port), "in use")
+
+
 def test_generate_seed_out_of_range_is_one_line(env, capsys):
     one_line_error(capsys, ["generate", env["run"], "--prompt", "x", "--seed", str(2**70)], "--seed", str(2**70))
 

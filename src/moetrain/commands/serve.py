@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -190,6 +191,8 @@ def build_app(args, mesh=None):
     from moetrain.serve.cache import open_cache
 
     check_args(args)
+    if mesh is None or mesh.rank == 0:  # the rank that serves HTTP
+        check_address(args.host, args.port)
     cache = open_cache(args.cache)
     if mesh is not None:
         engine = build_engine(args, mesh)
@@ -294,6 +297,23 @@ def open_store(args, served):
           f"{len(store.pinned)} hot experts pinned, {len(store.pool)} in the LRU pool; usage from {usage.source}",
           file=sys.stderr)
     return store
+
+
+def check_address(host: str, port: int) -> None:
+    """Fail before the model loads when ``host:port`` cannot be bound (taken, or not this machine's): uvicorn would
+    say so only after. A port taken in between is still uvicorn's error.
+
+    Raises:
+        MoetrainError: naming ``--host`` / ``--port`` and the system's reason.
+    """
+    if port == 0:
+        return
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            raise MoetrainError(f"--host {host} --port {port}: {e.strerror or e}") from None
 
 
 def run(args) -> int:
