@@ -31,6 +31,7 @@ are tested against the unfused layer (tests/test_perf_experts.py).
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
@@ -218,26 +219,27 @@ def _activate(h: torch.Tensor, w_rows: torch.Tensor, a: torch.Tensor, activation
         a.mul_(w_rows[:, None])
 
 
-_GROUPED_CPU = [hasattr(F, "grouped_mm")]  # cleared if this torch has no CPU grouped_mm
 GROUPED_MAX_ROWS = 256
 """Rows up to which one block runs as CPU grouped GEMMs (decode steps); training batches keep the tile loop."""
 
 
-def _grouped_cpu(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor) -> bool:
-    """Whether ``F.grouped_mm`` takes this layer's CPU operands: row strides of 16-byte multiples (D, I, F) and
-    aligned data, as it requires; probed once per process (torch 2.8 has it on CUDA only)."""
-    size = x.element_size()
-    if not _GROUPED_CPU[0] or x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16) or any(
-            (n * size) % 16 for n in (x.shape[1], w_in.shape[1], w_out.shape[2])) or any(
-            t.data_ptr() % 16 for t in (w_in, w_out)):
+@functools.cache
+def _cpu_grouped_mm() -> bool:
+    """Whether this torch runs ``F.grouped_mm`` on the CPU (torch 2.8 has it on CUDA only); probed once."""
+    try:
+        F.grouped_mm(torch.zeros(1, 4), torch.zeros(1, 4, 4), offs=torch.ones(1, dtype=torch.int32))
+    except (AttributeError, RuntimeError, NotImplementedError):
         return False
-    if len(_GROUPED_CPU) == 1:
-        try:
-            F.grouped_mm(torch.zeros(1, 4), torch.zeros(1, 4, 4), offs=torch.ones(1, dtype=torch.int32))
-            _GROUPED_CPU.append(True)
-        except (RuntimeError, NotImplementedError):
-            _GROUPED_CPU[0] = False
-    return _GROUPED_CPU[0]
+    return True
+
+
+def _grouped_cpu(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor) -> bool:
+    """Whether ``F.grouped_mm`` takes this layer's CPU operands: fp32 / bf16, row strides of 16-byte multiples
+    (D, I, F) and aligned weights, as it requires."""
+    size = x.element_size()
+    return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+            and not any((n * size) % 16 for n in (x.shape[1], w_in.shape[1], w_out.shape[2]))
+            and not any(t.data_ptr() % 16 for t in (w_in, w_out)) and _cpu_grouped_mm())
 
 
 def _forward_tiles(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, token_ids: torch.Tensor,

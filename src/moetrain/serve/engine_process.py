@@ -95,9 +95,9 @@ class _Sink:
     """In the child: stands in for the requests' event loop (``GenRequest.loop``), so the engine's per-step
     :meth:`~moetrain.serve.engine.Engine._flush` sends the step's events to the front in one message."""
 
-    def __init__(self, engine: Engine, send: Callable[[tuple], None]):
-        self.engine, self.send = engine, send
-        self.ids: dict[GenRequest, str] = {}
+    def __init__(self, send: Callable[[tuple], None]):
+        self.send = send
+        self.ids: dict[GenRequest, str] = {}  # request -> the front's id, until its last event
 
     def call_soon_threadsafe(self, _fn, items) -> None:
         out = []
@@ -148,7 +148,7 @@ def engine_main(build: Callable[[], Engine], conn) -> None:
                               served.tokenizer.to_str(), engine.vocab_size, cfg.max_seq_len, engine.moe_shape,
                               engine.num_slots, engine.max_queue, engine.policy, engine.int8_router,
                               engine.int8_experts is not None, engine.threads)))
-    sink = _Sink(engine, send)
+    sink = _Sink(send)
     requests: dict[str, GenRequest] = {}
     engine.start()
     try:
@@ -168,6 +168,8 @@ def engine_main(build: Callable[[], Engine], conn) -> None:
                 try:
                     engine.submit(*reqs)
                 except (QueueFull, EngineStopped) as e:  # the front's count lagged: these requests end at once
+                    for req in reqs:
+                        sink.ids.pop(req, None)
                     send(("events", [(rid, Event("", (), "error", str(e))) for rid, _ in msg[1]]))
                 for rid in [r for r, q in requests.items() if q not in sink.ids]:
                     del requests[rid]  # finished ones
@@ -234,7 +236,6 @@ class RemoteEngine:
         info: EngineInfo = payload
         from tokenizers import Tokenizer
 
-        self.info = info
         self.served = ServedInfo(info.name, info.fingerprint, info.source, info.root, info.eos_id,
                                  Tokenizer.from_str(info.tokenizer_json))
         self.vocab_size, self.max_seq_len, self.moe_shape = info.vocab_size, info.max_seq_len, info.moe_shape
