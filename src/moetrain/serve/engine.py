@@ -122,7 +122,8 @@ class Engine:
         self.moe_blocks = [i for i, b in enumerate(self.model.blocks) if b.is_moe]
         self.vocab_size, self.threads = cfg.vocab_size, torch.get_num_threads()
         first = self.model.blocks[self.moe_blocks[0]].ffn.config if self.moe_blocks else None
-        self.moe_shape = (first.top_k, first.num_experts) if first is not None else None  # (K, E) a policy is checked by
+        # (K, E) of the MoE layers: what a routing policy is checked against and the load policy's k computed from
+        self.moe_shape = (first.top_k, first.num_experts) if first is not None else None
         routers = {i: Int8Router(self.model.blocks[i].ffn.router.weight) for i in self.moe_blocks} if int8_router \
             else {}
         self.expert_store = expert_store
@@ -386,9 +387,8 @@ class Engine:
             m.expert_pageins.inc(st.misses - self._pageins)
             self._pageins = st.misses
             m.expert_resident_bytes.set(self.expert_store.measure())
-        if self.policy.policy == "load" and self.moe_blocks:
-            c = self.model.blocks[self.moe_blocks[0]].ffn.config
-            self.last_load_k = self.policy.load_k(c.top_k, c.num_experts, depth)
+        if self.policy.policy == "load" and self.moe_shape is not None:
+            self.last_load_k = self.policy.load_k(*self.moe_shape, depth)
             m.load_top_k.set(self.last_load_k)
 
 

@@ -49,15 +49,18 @@ class ServeMetrics:
                                    registry=r)
         self.load_top_k = Gauge("moetrain_load_top_k", "top-k chosen by the load policy for the last step",
                                 registry=r)
-        self.cache_hits = Counter("moetrain_cache_hits", "choices (completions) answered from the response cache", registry=r)
-        self.cache_misses = Counter("moetrain_cache_misses", "cacheable choices (completions) not in the cache", registry=r)
+        self.cache_hits = Counter("moetrain_cache_hits", "choices (completions) answered from the response cache",
+                                  registry=r)
+        self.cache_misses = Counter("moetrain_cache_misses", "cacheable choices (completions) not in the cache",
+                                    registry=r)
         self.expert_pageins = Counter("moetrain_expert_pageins", "cold experts paged in", registry=r)
         self.expert_resident_bytes = Gauge("moetrain_expert_resident_bytes", "bytes of paged experts resident",
                                            registry=r)
 
         self.registry = CollectorRegistry()
         for name, metric in vars(self).items():
-            if isinstance(metric, MetricWrapperBase) and (scope == "all" or (name in FRONT_METRICS) == (scope == "front")):
+            exported = scope == "all" or (name in FRONT_METRICS) == (scope == "front")
+            if isinstance(metric, MetricWrapperBase) and exported:
                 self.registry.register(metric)
 
     def render(self) -> bytes:
